@@ -1,0 +1,122 @@
+/*
+ * internal.h - what core/ and kernels/ share and users of moe.h do not see:
+ * the context struct, status-checking macros, the strided view handed to
+ * kernels, and the CUDA entry points (implemented in core/cuda_*.c and
+ * kernels/*.cu when built with CUDA, by core/nocuda.c otherwise).
+ */
+#ifndef MOE_INTERNAL_H
+#define MOE_INTERNAL_H
+
+#include "moe.h"
+#include "half.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_MAX_CUDA_DEVICES 16
+
+/* Per-device CUDA state, owned by core/cuda_runtime.c (opaque here). */
+typedef struct moe_cuda_state moe_cuda_state;
+
+struct moe_ctx {
+  moe_status status;          /* of the last failed call, MOE_OK after clear */
+  char err[1024];             /* its message */
+  uint64_t rng_seed;
+  uint64_t rng_call;          /* advanced by one per random fill */
+  moe_memory_stats cpu_stats; /* host storages */
+  moe_cuda_state *cuda;       /* NULL until CUDA is first used */
+  int cuda_count;             /* visible GPUs; -1 until asked */
+};
+
+/* Propagate a failure: the callee already wrote the message. */
+#define MOE_CHECK(call)                 \
+  do {                                  \
+    moe_status moe_s_ = (call);         \
+    if (moe_s_ != MOE_OK) return moe_s_; \
+  } while (0)
+
+/* Propagate to a cleanup label; `st` must be a moe_status variable. */
+#define MOE_CHECK_GOTO(call, st, label) \
+  do {                                  \
+    (st) = (call);                      \
+    if ((st) != MOE_OK) goto label;     \
+  } while (0)
+
+/* Broken internal invariant: not a user's mistake. Aborts with file:line. */
+#define MOE_ASSERT(cond)                                                      \
+  do {                                                                        \
+    if (!(cond)) moe_internal_abort(__FILE__, __LINE__, #cond);               \
+  } while (0)
+void moe_internal_abort(const char *file, int line, const char *what);
+
+/*
+ * A strided view as kernels see it: a typed pointer to element 0 plus shape
+ * and element strides. Kernels of elementwise ops take views of identical
+ * shape; broadcasting is done before (stride 0 dims).
+ */
+typedef struct moe_kview {
+  void *data;
+  moe_dtype dtype;
+  int ndim;
+  int64_t shape[MOE_MAX_DIMS];
+  int64_t stride[MOE_MAX_DIMS];
+} moe_kview;
+
+moe_kview moe_kview_of(const moe_tensor *t);
+
+/* Host-side element access for the CPU reference (any dtype). */
+double moe_load_f64(const void *p, moe_dtype dt);
+int64_t moe_load_i64(const void *p, moe_dtype dt);
+void moe_store_f64(void *p, moe_dtype dt, double v);
+void moe_store_i64(void *p, moe_dtype dt, int64_t v);
+
+/* ----------------------------------------------------- CUDA runtime glue */
+/* In core/cuda_runtime.c (built with CUDA) or core/nocuda.c (without). */
+
+/* Allocates from the caching allocator of `device`; *block gets the size of
+ * the block actually reserved. */
+moe_status moe_cuda_alloc(moe_ctx *ctx, int device, size_t nbytes, void **ptr, size_t *block);
+void moe_cuda_release(moe_ctx *ctx, int device, void *ptr, size_t block);
+moe_status moe_cuda_stats(moe_ctx *ctx, int device, moe_memory_stats *out);
+moe_status moe_cuda_reset_peak(moe_ctx *ctx, int device);
+moe_status moe_cuda_empty_cache(moe_ctx *ctx, int device);
+/* The context's stream for `device` (a cudaStream_t), created on first use;
+ * also makes `device` current. */
+moe_status moe_cuda_stream(moe_ctx *ctx, int device, void **stream);
+/* Copies nbytes between host and device or device and device, ordered on
+ * the context's stream; returns after the copy has finished when the
+ * destination is the host. */
+moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *src,
+                           moe_device sd, size_t nbytes);
+void moe_cuda_state_free(moe_ctx *ctx);
+
+/* ------------------------------------------------------- CUDA kernels */
+/* In kernels/*.cu. All views live on `device`; launches go on the context's
+ * stream; errors are reported through moe_error. */
+
+/* dst = src, converting dtype; same shape (src may have stride-0 dims). */
+moe_status moe_cuda_copy(moe_ctx *ctx, int device, const moe_kview *dst, const moe_kview *src);
+moe_status moe_cuda_fill(moe_ctx *ctx, int device, const moe_kview *dst, double value);
+/* element i (row-major) = start + i * step, computed in double */
+moe_status moe_cuda_arange(moe_ctx *ctx, int device, const moe_kview *dst, double start,
+                           double step);
+typedef enum moe_random_kind {
+  MOE_RANDOM_UNIFORM = 0, /* a = low, b = high */
+  MOE_RANDOM_NORMAL,      /* a = mean, b = std */
+  MOE_RANDOM_INT          /* a = low, b = high, integers in [a, b) */
+} moe_random_kind;
+moe_status moe_cuda_random(moe_ctx *ctx, int device, const moe_kview *dst, moe_random_kind kind,
+                           uint64_t seed, uint64_t call, double a, double b);
+/* out = a op b; a, b already broadcast to out's shape. */
+moe_status moe_cuda_binary(moe_ctx *ctx, int device, moe_op op, const moe_kview *out,
+                           const moe_kview *a, const moe_kview *b);
+moe_status moe_cuda_binary_scalar(moe_ctx *ctx, int device, moe_op op, const moe_kview *out,
+                                  const moe_kview *a, double s, bool reverse);
+moe_status moe_cuda_unary(moe_ctx *ctx, int device, moe_op op, const moe_kview *out,
+                          const moe_kview *a);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_INTERNAL_H */
