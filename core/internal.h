@@ -2,7 +2,7 @@
  * internal.h - what core/ and kernels/ share and users of moe.h do not see:
  * the context struct, status-checking macros, the strided view handed to
  * kernels, and the CUDA entry points (implemented in core/cuda_*.c and
- * kernels/*.cu when built with CUDA, by core/nocuda.c otherwise).
+ * kernels/ (.cu files) when built with CUDA, by core/nocuda.c otherwise).
  */
 #ifndef MOE_INTERNAL_H
 #define MOE_INTERNAL_H
@@ -84,6 +84,9 @@ moe_status moe_cuda_empty_cache(moe_ctx *ctx, int device);
 /* The context's stream for `device` (a cudaStream_t), created on first use;
  * also makes `device` current. */
 moe_status moe_cuda_stream(moe_ctx *ctx, int device, void **stream);
+/* The context's cuBLAS handle for `device` (a cublasHandle_t), created on
+ * first use and bound to the context's stream. */
+moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle);
 /* Copies nbytes between host and device or device and device, ordered on
  * the context's stream; returns after the copy has finished when the
  * destination is the host. */
@@ -92,7 +95,7 @@ moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *s
 void moe_cuda_state_free(moe_ctx *ctx);
 
 /* ------------------------------------------------------- CUDA kernels */
-/* In kernels/*.cu. All views live on `device`; launches go on the context's
+/* In kernels/ (.cu files). All views live on `device`; launches go on the context's
  * stream; errors are reported through moe_error. */
 
 /* dst = src, converting dtype; same shape (src may have stride-0 dims). */

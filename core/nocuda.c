@@ -31,6 +31,7 @@ moe_status moe_cuda_stats(moe_ctx *ctx, int device, moe_memory_stats *out) { ret
 moe_status moe_cuda_reset_peak(moe_ctx *ctx, int device) { return NO_CUDA(ctx); }
 moe_status moe_cuda_empty_cache(moe_ctx *ctx, int device) { return NO_CUDA(ctx); }
 moe_status moe_cuda_stream(moe_ctx *ctx, int device, void **stream) { return NO_CUDA(ctx); }
+moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle) { return NO_CUDA(ctx); }
 moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *src,
                            moe_device sd, size_t nbytes) {
   return NO_CUDA(ctx);

@@ -1,0 +1,601 @@
+/*
+ * host.c - the moe-lua executable: Lua 5.4's stand-alone interpreter (lua.c)
+ * with the `moe` module compiled in, the repository's lua/ folder on
+ * package.path, and subcommands written in Lua.
+ *
+ *   moe-lua [options] [script [args]]     as lua5.4: -e -l -i -v -E -W -- -
+ *   moe-lua script.lua key=value ...      experiment overrides (moe.config)
+ *   moe-lua <command> [args]              lua/moe/cli/<command>.lua: help, version, ...
+ *
+ * Behaviour kept from lua.c (STYLE.md point 14):
+ *   - main only creates the state and runs pmain under lua_pcall, so that
+ *     even a memory error while handling arguments is reported, not fatal;
+ *     every chunk runs under a message handler that appends a traceback; an
+ *     error prints "moe-lua: message" and the traceback to stderr and the
+ *     exit status is 1.
+ *   - The global `arg` table: arg[0] is the script, arg[1..] its arguments,
+ *     negative indices the interpreter and its options (arg[0] is the
+ *     interpreter when there is no script).
+ *   - Ctrl-C while Lua runs sets a hook that raises "interrupted!" at the next
+ *     Lua instruction, call or return: a safe point, never inside C code (a
+ *     second Ctrl-C before that kills the process, as in lua.c).
+ *   - lua_close before returning, which runs every finalizer: tensors free
+ *     their storage before the moe context, and the context before CUDA goes.
+ * Added: `moe` in package.preload, MOE_LUA_DIR and <executable's dir>/../lua
+ * first on package.path, --version/--help, subcommands (a first argument that
+ * is not a file but names a module moe.cli.<name> runs its main(...)), and
+ * package.loaded["moe.host"] = {usage = <the text below>} for `moe-lua help`.
+ */
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "lauxlib.h"
+#include "lua.h"
+#include "lualib.h"
+
+#include "lmoe.h"
+
+#define PROGNAME "moe-lua"
+#define INIT_VAR "LUA_INIT"
+#define INIT_VAR_VERSION INIT_VAR LUA_VERSUFFIX
+
+static const char *progname = PROGNAME; /* NULL in the REPL: no prefix */
+static lua_State *globalL = NULL;       /* the state the SIGINT hook goes to */
+static char *repl_line = NULL;          /* getline's buffer, freed in main */
+static size_t repl_cap = 0;
+
+static const char usage_text[] =
+    "usage: " PROGNAME " [options] [script [args]]\n"
+    "       " PROGNAME " <command> [args]       (" PROGNAME " help lists the commands)\n"
+    "Available options are:\n"
+    "  -e stat   execute string 'stat'\n"
+    "  -i        enter interactive mode after executing 'script'\n"
+    "  -l mod    require library 'mod' into global 'mod'\n"
+    "  -l g=mod  require library 'mod' into global 'g'\n"
+    "  -v        show version information (also --version)\n"
+    "  -E        ignore environment variables\n"
+    "  -W        turn warnings on\n"
+    "  -h        show this help (also --help)\n"
+    "  --        stop handling options\n"
+    "  -         stop handling options and execute stdin\n"
+    "Experiment overrides follow the script: " PROGNAME " script.lua key=value ...\n"
+    "(" PROGNAME " script.lua --help lists a script's keys).\n";
+
+/* ------------------------------------------------------------ messages */
+
+static void l_message(const char *pname, const char *msg) {
+  if (pname) fprintf(stderr, "%s: ", pname);
+  fprintf(stderr, "%s\n", msg);
+  fflush(stderr);
+}
+
+/* Prints the error message at the top of the stack, if status is an error. */
+static int report(lua_State *L, int status) {
+  if (status != LUA_OK) {
+    const char *msg = lua_tostring(L, -1);
+    if (msg == NULL) msg = "(error object is not a string)";
+    l_message(progname, msg);
+    lua_pop(L, 1);
+  }
+  return status;
+}
+
+static void print_usage(const char *badoption) {
+  if (badoption[1] == 'e' || badoption[1] == 'l')
+    fprintf(stderr, "%s: '%s' needs argument\n", PROGNAME, badoption);
+  else
+    fprintf(stderr, "%s: unrecognized option '%s'\n", PROGNAME, badoption);
+  fputs(usage_text, stderr);
+  fflush(stderr);
+}
+
+/* The message handler of every call: the message plus a traceback. */
+static int msghandler(lua_State *L) {
+  const char *msg = lua_tostring(L, 1);
+  if (msg == NULL) {
+    if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
+    msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+  }
+  luaL_traceback(L, L, msg, 1);
+  return 1;
+}
+
+/* ------------------------------------------------------------- Ctrl-C */
+
+static void set_signal(int sig, void (*handler)(int)) {
+  struct sigaction sa;
+  sa.sa_handler = handler;
+  sa.sa_flags = 0;
+  sigemptyset(&sa.sa_mask);
+  sigaction(sig, &sa, NULL);
+}
+
+/* The hook: runs at the next safe point of the interpreter. */
+static void lstop(lua_State *L, lua_Debug *ar) {
+  (void)ar;
+  lua_sethook(L, NULL, 0, 0);
+  luaL_error(L, "interrupted!");
+}
+
+/* The signal handler only sets the hook (lua_sethook is signal-safe); the
+ * default action comes back, so a second Ctrl-C kills a stuck process. */
+static void laction(int sig) {
+  set_signal(sig, SIG_DFL);
+  lua_sethook(globalL, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT, 1);
+}
+
+/* Calls the function below its narg arguments, with the traceback handler
+ * and Ctrl-C armed. */
+static int docall(lua_State *L, int narg, int nres) {
+  int base = lua_gettop(L) - narg;
+  lua_pushcfunction(L, msghandler);
+  lua_insert(L, base);
+  globalL = L;
+  set_signal(SIGINT, laction);
+  int status = lua_pcall(L, narg, nres, base);
+  set_signal(SIGINT, SIG_DFL);
+  lua_remove(L, base);
+  return status;
+}
+
+/* ------------------------------------------------------- running chunks */
+
+static int dochunk(lua_State *L, int status) {
+  if (status == LUA_OK) status = docall(L, 0, 0);
+  return report(L, status);
+}
+
+static int dofile(lua_State *L, const char *name) {
+  return dochunk(L, luaL_loadfile(L, name));
+}
+
+static int dostring(lua_State *L, const char *s, const char *name) {
+  return dochunk(L, luaL_loadbuffer(L, s, strlen(s), name));
+}
+
+/* -l mod or -l g=mod: g = require(mod). */
+static int dolibrary(lua_State *L, const char *spec) {
+  const char *eq = strchr(spec, '=');
+  const char *modname = eq ? eq + 1 : spec;
+  lua_getglobal(L, "require");
+  lua_pushstring(L, modname);
+  int status = docall(L, 1, 1);
+  if (status == LUA_OK) {
+    lua_pushlstring(L, spec, eq ? (size_t)(eq - spec) : strlen(spec));
+    lua_insert(L, -2);
+    lua_setglobal(L, lua_tostring(L, -2));
+    lua_pop(L, 1);
+  }
+  return report(L, status);
+}
+
+/* Pushes arg[1..#arg]; returns how many. */
+static int pushargs(lua_State *L) {
+  if (lua_getglobal(L, "arg") != LUA_TTABLE) luaL_error(L, "'arg' is not a table");
+  int n = (int)luaL_len(L, -1);
+  luaL_checkstack(L, n + 3, "too many arguments to script");
+  for (int i = 1; i <= n; i++) lua_rawgeti(L, -i, i);
+  lua_remove(L, -n - 1);
+  return n;
+}
+
+static int handle_script(lua_State *L, char **argv) {
+  const char *fname = argv[0];
+  if (strcmp(fname, "-") == 0 && strcmp(argv[-1], "--") != 0) fname = NULL; /* stdin */
+  int status = luaL_loadfile(L, fname);
+  if (status == LUA_OK) {
+    int n = pushargs(L);
+    status = docall(L, n, LUA_MULTRET);
+  }
+  return report(L, status);
+}
+
+/* ---------------------------------------------------------- subcommands */
+
+static int file_exists(const char *name) {
+  struct stat st;
+  return stat(name, &st) == 0;
+}
+
+/* Is `name` a command, a module moe.cli.<name> on package.path? */
+static int is_command(lua_State *L, const char *name) {
+  if (!((name[0] >= 'a' && name[0] <= 'z') || (name[0] >= 'A' && name[0] <= 'Z'))) return 0;
+  for (const char *p = name; *p; p++)
+    if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') || *p == '_' ||
+          *p == '-'))
+      return 0;
+  int top = lua_gettop(L);
+  int found = 0;
+  if (lua_getglobal(L, "package") == LUA_TTABLE && lua_getfield(L, -1, "searchpath") == LUA_TFUNCTION) {
+    lua_pushfstring(L, "moe.cli.%s", name);
+    lua_getfield(L, -3, "path");
+    if (lua_pcall(L, 2, 1, 0) == LUA_OK) found = lua_isstring(L, -1);
+  }
+  lua_settop(L, top);
+  return found;
+}
+
+/* require("moe.cli.<name>").main(arg[1], ...); its result is the exit
+ * status: an integer as is, false -> 1, anything else -> 0. */
+static int run_command(lua_State *L, const char *name, int *exit_code) {
+  lua_getglobal(L, "require");
+  lua_pushfstring(L, "moe.cli.%s", name);
+  int status = docall(L, 1, 1);
+  if (status != LUA_OK) return report(L, status);
+  if (lua_getfield(L, -1, "main") != LUA_TFUNCTION) {
+    lua_pop(L, 2);
+    lua_pushfstring(L, "command '%s' (module moe.cli.%s) has no function 'main'", name, name);
+    return report(L, LUA_ERRRUN);
+  }
+  lua_remove(L, -2);
+  int n = pushargs(L);
+  status = docall(L, n, 1);
+  if (status == LUA_OK) {
+    if (lua_isinteger(L, -1)) *exit_code = (int)lua_tointeger(L, -1);
+    else if (lua_isboolean(L, -1) && !lua_toboolean(L, -1)) *exit_code = EXIT_FAILURE;
+    lua_pop(L, 1);
+  }
+  return report(L, status);
+}
+
+/* ----------------------------------------------------------- the REPL */
+
+static const char *get_prompt(lua_State *L, int firstline) {
+  if (lua_getglobal(L, firstline ? "_PROMPT" : "_PROMPT2") == LUA_TNIL) {
+    lua_pop(L, 1);
+    return firstline ? "> " : ">> ";
+  }
+  const char *p = luaL_tolstring(L, -1, NULL);
+  lua_remove(L, -2);
+  return p; /* kept on the stack by the caller until printed */
+}
+
+/* Reads a line and pushes it; "=expr" on a first line becomes "return expr".
+ * Returns 0 at the end of input. */
+static int pushline(lua_State *L, int firstline) {
+  int top = lua_gettop(L);
+  fputs(get_prompt(L, firstline), stdout);
+  fflush(stdout);
+  lua_settop(L, top);
+  ssize_t len = getline(&repl_line, &repl_cap, stdin);
+  if (len < 0) return 0;
+  if (len > 0 && repl_line[len - 1] == '\n') repl_line[--len] = '\0';
+  if (firstline && repl_line[0] == '=')
+    lua_pushfstring(L, "return %s", repl_line + 1);
+  else
+    lua_pushlstring(L, repl_line, (size_t)len);
+  return 1;
+}
+
+/* A syntax error at <eof> means the statement goes on on the next line. */
+static int incomplete(lua_State *L, int status) {
+  static const char mark[] = "<eof>";
+  size_t lmsg;
+  if (status != LUA_ERRSYNTAX) return 0;
+  const char *msg = lua_tolstring(L, -1, &lmsg);
+  return lmsg >= sizeof mark - 1 && strcmp(msg + lmsg - (sizeof mark - 1), mark) == 0;
+}
+
+/* With the line at the top: compiles "return <line>" if that works (so an
+ * expression prints its value), else the line itself, reading continuation
+ * lines while the chunk is incomplete. Leaves the chunk or an error message
+ * in place of the line. */
+static int compile_line(lua_State *L) {
+  const char *line = lua_tostring(L, -1);
+  const char *ret = lua_pushfstring(L, "return %s;", line);
+  if (luaL_loadbuffer(L, ret, strlen(ret), "=stdin") == LUA_OK) {
+    lua_remove(L, -2); /* "return ...;" */
+    lua_remove(L, -2); /* the line */
+    return LUA_OK;
+  }
+  lua_pop(L, 2);
+  for (;;) {
+    size_t len;
+    const char *code = lua_tolstring(L, -1, &len);
+    int status = luaL_loadbuffer(L, code, len, "=stdin"); /* code, chunk or message */
+    if (incomplete(L, status) && pushline(L, 0)) {
+      lua_remove(L, -2); /* the message */
+      lua_pushliteral(L, "\n");
+      lua_insert(L, -2);
+      lua_concat(L, 3); /* code .. "\n" .. next line */
+      continue;
+    }
+    lua_remove(L, -2); /* the code */
+    return status;
+  }
+}
+
+static void print_results(lua_State *L, int base) {
+  int n = lua_gettop(L) - base;
+  if (n <= 0) return;
+  luaL_checkstack(L, LUA_MINSTACK, "too many results to print");
+  lua_getglobal(L, "print");
+  lua_insert(L, base + 1);
+  if (lua_pcall(L, n, 0, 0) != LUA_OK)
+    l_message(progname, lua_pushfstring(L, "error calling 'print' (%s)", lua_tostring(L, -1)));
+}
+
+static void doREPL(lua_State *L) {
+  const char *oldprogname = progname;
+  int base = lua_gettop(L);
+  progname = NULL;
+  while (pushline(L, 1)) {
+    int status = compile_line(L);
+    if (status == LUA_OK) status = docall(L, 0, LUA_MULTRET);
+    if (status == LUA_OK) print_results(L, base);
+    else report(L, status);
+    lua_settop(L, base);
+  }
+  fputs("\n", stdout);
+  fflush(stdout);
+  progname = oldprogname;
+}
+
+/* --------------------------------------------------------- the options */
+
+#define has_error 1 /* bad option */
+#define has_i 2     /* -i */
+#define has_v 4     /* -v, --version */
+#define has_e 8     /* -e */
+#define has_E 16    /* -E */
+#define has_h 32    /* -h, --help */
+
+/* Scans the options. *first gets the index of the script (0: none), or of
+ * the bad option when the result is has_error. */
+static int collectargs(char **argv, int *first) {
+  int args = 0;
+  *first = 0;
+  if (argv[0] == NULL) return 0;
+  for (int i = 1; argv[i] != NULL; i++) {
+    *first = i;
+    if (argv[i][0] != '-') return args; /* the script */
+    switch (argv[i][1]) {
+      case '-':
+        if (argv[i][2] == '\0') { /* "--" */
+          *first = argv[i + 1] ? i + 1 : 0;
+          return args;
+        }
+        if (strcmp(argv[i], "--version") == 0) args |= has_v;
+        else if (strcmp(argv[i], "--help") == 0) args |= has_h;
+        else return has_error;
+        break;
+      case '\0': return args; /* "-": the script is stdin */
+      case 'E':
+        if (argv[i][2] != '\0') return has_error;
+        args |= has_E;
+        break;
+      case 'W':
+        if (argv[i][2] != '\0') return has_error;
+        break;
+      case 'h':
+        if (argv[i][2] != '\0') return has_error;
+        args |= has_h;
+        break;
+      case 'i':
+        args |= has_i; /* -i implies -v */
+        /* FALLTHROUGH */
+      case 'v':
+        if (argv[i][2] != '\0') return has_error;
+        args |= has_v;
+        break;
+      case 'e':
+        args |= has_e;
+        /* FALLTHROUGH */
+      case 'l': /* both need an argument */
+        if (argv[i][2] == '\0') {
+          i++;
+          if (argv[i] == NULL || argv[i][0] == '-') return has_error;
+        }
+        break;
+      default: return has_error;
+    }
+  }
+  *first = 0;
+  return args;
+}
+
+/* Runs -e, -l and -W in order; argv[1..n-1] are options. */
+static int runargs(lua_State *L, char **argv, int n) {
+  for (int i = 1; i < n; i++) {
+    char option = argv[i][1];
+    switch (option) {
+      case 'e':
+      case 'l': {
+        const char *extra = argv[i] + 2;
+        if (*extra == '\0') extra = argv[++i];
+        int status = option == 'e' ? dostring(L, extra, "=(command line)") : dolibrary(L, extra);
+        if (status != LUA_OK) return 0;
+        break;
+      }
+      case 'W': lua_warning(L, "@on", 0); break;
+      default: break;
+    }
+  }
+  return 1;
+}
+
+static int handle_luainit(lua_State *L) {
+  const char *name = "=" INIT_VAR_VERSION;
+  const char *init = getenv(name + 1);
+  if (init == NULL) {
+    name = "=" INIT_VAR;
+    init = getenv(name + 1);
+  }
+  if (init == NULL) return LUA_OK;
+  if (init[0] == '@') return dofile(L, init + 1);
+  return dostring(L, init, name);
+}
+
+static void createargtable(lua_State *L, char **argv, int argc, int script) {
+  lua_createtable(L, argc - (script + 1) > 0 ? argc - (script + 1) : 0, script + 1);
+  for (int i = 0; i < argc; i++) {
+    lua_pushstring(L, argv[i]);
+    lua_rawseti(L, -2, i - script);
+  }
+  lua_setglobal(L, "arg");
+}
+
+/* ------------------------------------------------------ moe-specific setup */
+
+/* Puts MOE_LUA_DIR, then <directory of the executable>/../lua (when it is
+ * another folder), before the rest of package.path. */
+static void setup_path(lua_State *L) {
+  char exe[PATH_MAX], dir[PATH_MAX + 8], real_dir[PATH_MAX], real_src[PATH_MAX];
+  const char *exe_lua = NULL;
+  ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n > 0) {
+    exe[n] = '\0';
+    char *slash = strrchr(exe, '/');
+    if (slash) *slash = '\0';
+    snprintf(dir, sizeof dir, "%s/../lua", exe);
+    if (realpath(dir, real_dir) != NULL) exe_lua = real_dir;
+  }
+#ifdef MOE_LUA_DIR
+  if (exe_lua && realpath(MOE_LUA_DIR, real_src) != NULL && strcmp(real_src, exe_lua) == 0)
+    exe_lua = NULL; /* the same folder */
+  const char *src_lua = MOE_LUA_DIR;
+#else
+  (void)real_src;
+  const char *src_lua = NULL;
+#endif
+  lua_getglobal(L, "package");
+  lua_getfield(L, -1, "path");
+  if (exe_lua) {
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", exe_lua, exe_lua);
+    lua_insert(L, -2);
+    lua_concat(L, 2);
+  }
+  if (src_lua) {
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", src_lua, src_lua);
+    lua_insert(L, -2);
+    lua_concat(L, 2);
+  }
+  lua_setfield(L, -2, "path");
+  lua_pop(L, 1);
+}
+
+/* package.preload.moe and package.loaded["moe.host"]. */
+static void setup_moe(lua_State *L) {
+  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_PRELOAD_TABLE);
+  lua_pushcfunction(L, luaopen_moe);
+  lua_setfield(L, -2, "moe");
+  lua_pop(L, 1);
+  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+  lua_createtable(L, 0, 2);
+  lua_pushstring(L, usage_text);
+  lua_setfield(L, -2, "usage");
+  lua_pushliteral(L, PROGNAME);
+  lua_setfield(L, -2, "progname");
+  lua_setfield(L, -2, "moe.host");
+  lua_pop(L, 1);
+}
+
+/* -v, --version: moe.version_report(). */
+static int print_version(lua_State *L) {
+  lua_getglobal(L, "require");
+  lua_pushliteral(L, "moe");
+  int status = docall(L, 1, 1);
+  if (status == LUA_OK) {
+    lua_getfield(L, -1, "version_report");
+    lua_remove(L, -2);
+    status = docall(L, 0, 1);
+  }
+  if (status == LUA_OK) {
+    fputs(lua_tostring(L, -1), stdout);
+    fflush(stdout);
+    lua_pop(L, 1);
+  } else {
+    printf("%s (version information unavailable)\n%s\n", PROGNAME, LUA_COPYRIGHT);
+    fflush(stdout);
+  }
+  return report(L, status);
+}
+
+/* ------------------------------------------------------------- pmain */
+
+/* Everything but the creation of the state, under lua_pcall. Returns the
+ * exit status as an integer. */
+static int pmain(lua_State *L) {
+  int argc = (int)lua_tointeger(L, 1);
+  char **argv = (char **)lua_touserdata(L, 2);
+  int script;
+  int exit_code = EXIT_SUCCESS;
+  int args = collectargs(argv, &script);
+  int optlim = (script > 0) ? script : argc;
+  lua_settop(L, 0);
+  luaL_checkversion(L);
+  if (args == has_error) {
+    print_usage(argv[script]);
+    lua_pushinteger(L, EXIT_FAILURE);
+    return 1;
+  }
+  if (args & has_h) {
+    fputs(usage_text, stdout);
+    lua_pushinteger(L, EXIT_SUCCESS);
+    return 1;
+  }
+  if (args & has_E) {
+    lua_pushboolean(L, 1);
+    lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
+  }
+  luaL_openlibs(L);
+  setup_moe(L);
+  setup_path(L);
+  createargtable(L, argv, argc, script);
+  lua_gc(L, LUA_GCRESTART);
+  lua_gc(L, LUA_GCGEN, 0, 0);
+  if ((args & has_v) && print_version(L) != LUA_OK) goto fail;
+  if (!(args & has_E) && handle_luainit(L) != LUA_OK) goto fail;
+  if (!runargs(L, argv, optlim)) goto fail;
+  if (script > 0) {
+    const char *name = argv[script];
+    int is_stdin = strcmp(name, "-") == 0 && strcmp(argv[script - 1], "--") != 0;
+    if (is_stdin || file_exists(name)) {
+      if (handle_script(L, argv + script) != LUA_OK) goto fail;
+    } else if (is_command(L, name)) {
+      if (run_command(L, name, &exit_code) != LUA_OK) goto fail;
+    } else {
+      lua_pushfstring(L, "cannot open %s (no such file or command; try '%s help')", name, PROGNAME);
+      report(L, LUA_ERRFILE);
+      goto fail;
+    }
+  }
+  if (args & has_i) {
+    doREPL(L);
+  } else if (script < 1 && !(args & (has_e | has_v))) {
+    if (isatty(0)) {
+      if (print_version(L) != LUA_OK) goto fail;
+      doREPL(L);
+    } else if (dofile(L, NULL) != LUA_OK) {
+      goto fail;
+    }
+  }
+  lua_pushinteger(L, exit_code);
+  return 1;
+fail:
+  lua_pushinteger(L, EXIT_FAILURE);
+  return 1;
+}
+
+int main(int argc, char **argv) {
+  lua_State *L = luaL_newstate();
+  if (L == NULL) {
+    l_message(PROGNAME, "cannot create state: not enough memory");
+    return EXIT_FAILURE;
+  }
+  lua_gc(L, LUA_GCSTOP); /* no collections while handling the arguments */
+  lua_pushcfunction(L, pmain);
+  lua_pushinteger(L, argc);
+  lua_pushlightuserdata(L, argv);
+  int status = lua_pcall(L, 2, 1, 0);
+  int result = status == LUA_OK ? (int)lua_tointeger(L, -1) : EXIT_FAILURE;
+  report(L, status);
+  lua_close(L); /* runs every finalizer: tensors, then the moe context */
+  free(repl_line);
+  return result;
+}

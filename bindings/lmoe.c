@@ -1,0 +1,1663 @@
+/*
+ * lmoe.c - the `moe` Lua module: tensors as userdata over the C core (moe.h).
+ *
+ *   local moe = require "moe"
+ *   local x = moe.randn({2, 3}, {dtype = "f32", device = "cpu"})
+ *   local y = (x * 2 + 1):transpose(0, 1)
+ *   print(y, y.shape[1], y:size(-1))
+ *
+ * Conventions (the same as moe.h):
+ *   - Dims and indices are 0-based; a negative dim counts from the end.
+ *     Tables we return (t.shape, t:stride(), t:totable()) are ordinary Lua
+ *     sequences starting at 1: t.shape[1] is the size of dim 0.
+ *   - Errors: "bad argument #N to 'f' (problem)" when one argument is at fault,
+ *     "f: problem" otherwise (operands that do not fit together, a failed
+ *     CUDA call, no memory). Arguments are numbered as in a plain call, with
+ *     self as #1: t:view(4, 7) reports its shape as argument #2.
+ *
+ * Every binding has one shape (STYLE.md point 3): check all Lua arguments,
+ * push the owning userdata (empty, metatable attached), call the core, and on
+ * failure release what the userdata owns, then raise as the last statement.
+ * No Lua error is raised while C code holds malloc'd memory: scratch space is
+ * a userdata (collected if an error unwinds past it), and the one malloc'd
+ * result of the core (the text of moe_tensor_format) is parked in a
+ * "moe.Scratch" box whose __gc frees it.
+ *
+ * Ownership and the lifetime of the context
+ *   One moe_ctx per Lua state, created by the first luaopen_moe and kept in
+ *   the registry (key "moe.state") inside a sentinel userdata. Each tensor
+ *   userdata owns one reference to its moe_tensor and one reference to the
+ *   lm_state holding the ctx; the sentinel owns one more. The ctx is freed
+ *   when the last of these references goes, so the order in which lua_close
+ *   runs finalizers does not matter (it is the reverse order of marking, which
+ *   would already put the sentinel last, but a finalizer that creates tensors
+ *   could defeat that). Tensors are freed by t:free(), by a to-be-closed
+ *   variable (local t <close> = ...) or by __gc, all through lm_release, which
+ *   is idempotent; any other use of a freed tensor raises "attempt to use a
+ *   freed tensor". Lua's collector sees a small handle, not the storage
+ *   behind it: an allocation that fails for lack of memory is retried once
+ *   after a full collection (STYLE.md point 6).
+ */
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lauxlib.h"
+#include "lua.h"
+#include "lualib.h"
+
+#include "lmoe.h"
+#include "moe.h"
+
+#define LM_TENSOR "moe.Tensor"    /* metatable of tensor userdata */
+#define LM_SENTINEL "moe.State"   /* metatable of the sentinel owning the ctx */
+#define LM_SCRATCH "moe.Scratch"  /* metatable of a box owning a malloc'd block */
+#define LM_STATE_KEY "moe.state"  /* registry key of the sentinel */
+#define LM_METHODS_KEY "moe.methods" /* registry key of the method table */
+
+/* ------------------------------------------------------------ the state */
+
+typedef struct lm_state {
+  moe_ctx *ctx;
+  int64_t refs;            /* the sentinel + one per live tensor userdata */
+  moe_print_options print; /* for __tostring; moe.set_printoptions */
+} lm_state;
+
+typedef struct lm_sentinel {
+  lm_state *S; /* NULL once the sentinel's finalizer has run */
+} lm_sentinel;
+
+typedef struct lm_tensor {
+  moe_tensor *t; /* one reference; NULL before adoption and after free */
+  lm_state *S;   /* one reference while t is not NULL */
+} lm_tensor;
+
+static void lm_state_unref(lm_state *S) {
+  if (--S->refs == 0) {
+    if (S->ctx) moe_ctx_free(S->ctx);
+    free(S);
+  }
+}
+
+static int lm_sentinel_gc(lua_State *L) {
+  lm_sentinel *b = (lm_sentinel *)luaL_checkudata(L, 1, LM_SENTINEL);
+  lm_state *S = b->S;
+  b->S = NULL;
+  if (S) lm_state_unref(S);
+  return 0;
+}
+
+/* Every function of the module has the sentinel as upvalue 1. */
+static lm_state *lm_S(lua_State *L) {
+  lm_sentinel *b = (lm_sentinel *)lua_touserdata(L, lua_upvalueindex(1));
+  if (b == NULL || b->S == NULL) luaL_error(L, "moe: the module's context is closed");
+  return b->S;
+}
+
+/* A box for one malloc'd block, freed by __gc unless taken back before. */
+static int lm_scratch_gc(lua_State *L) {
+  void **box = (void **)luaL_checkudata(L, 1, LM_SCRATCH);
+  free(*box);
+  *box = NULL;
+  return 0;
+}
+
+static void **lm_push_scratch(lua_State *L) {
+  void **box = (void **)lua_newuserdatauv(L, sizeof(void *), 0);
+  *box = NULL;
+  luaL_setmetatable(L, LM_SCRATCH);
+  return box;
+}
+
+/* ------------------------------------------------------------ errors */
+
+/* "bad argument #arg to 'fname' (...)"; never returns. */
+static int lm_argerror(lua_State *L, int arg, const char *fname, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  const char *msg = lua_pushvfstring(L, fmt, ap);
+  va_end(ap);
+  return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
+}
+
+/* The core failed: its message, attributed to argument `arg` when > 0.
+ * The core names its function first ("view: ..."); when that is our name
+ * too it is not repeated. Called with nothing left to free; never returns. */
+static int lm_corefail(lua_State *L, lm_state *S, const char *fname, int arg) {
+  const char *msg = moe_ctx_error(S->ctx);
+  size_t n = strlen(fname);
+  if (msg == NULL || msg[0] == '\0') msg = "unknown error";
+  if (strncmp(msg, fname, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ') msg += n + 2;
+  if (arg > 0) return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
+  return luaL_error(L, "%s: %s", fname, msg);
+}
+
+/* A call that allocates: on MOE_ERR_OUT_OF_MEMORY, collect garbage (freeing
+ * unreachable tensors) and try once more. */
+#define LM_CALL(L, st, call)                    \
+  do {                                          \
+    (st) = (call);                              \
+    if ((st) == MOE_ERR_OUT_OF_MEMORY) {        \
+      lua_gc((L), LUA_GCCOLLECT);               \
+      (st) = (call);                            \
+    }                                           \
+  } while (0)
+
+/* What a value is, for messages: "tensor", "freed tensor", a number's
+ * value, or the type name. Pushes nothing that outlives the error. */
+static const char *lm_describe(lua_State *L, int idx) {
+  switch (lua_type(L, idx)) {
+    case LUA_TNUMBER:
+      if (lua_isinteger(L, idx)) return lua_pushfstring(L, "%I", (LUAI_UACINT)lua_tointeger(L, idx));
+      return lua_pushfstring(L, "%f", (LUAI_UACNUMBER)lua_tonumber(L, idx));
+    case LUA_TUSERDATA: {
+      lm_tensor *u = (lm_tensor *)luaL_testudata(L, idx, LM_TENSOR);
+      if (u) return u->t ? "tensor" : "freed tensor";
+      return luaL_typename(L, idx);
+    }
+    case LUA_TNONE: return "no value";
+    default: return luaL_typename(L, idx);
+  }
+}
+
+static const char *lm_typename(lua_State *L, int idx) {
+  if (lua_type(L, idx) == LUA_TUSERDATA && luaL_testudata(L, idx, LM_TENSOR)) return "tensor";
+  return luaL_typename(L, idx);
+}
+
+/* --------------------------------------------------- argument readers */
+
+/* An integer (a float with an exact integer value is accepted, a string
+ * is not). `what` names the value in the message. */
+static int64_t lm_checkint(lua_State *L, int arg, const char *fname, const char *what) {
+  int isint = 0;
+  lua_Integer v = 0;
+  if (lua_type(L, arg) == LUA_TNUMBER) v = lua_tointegerx(L, arg, &isint);
+  if (!isint) lm_argerror(L, arg, fname, "%s must be an integer, got %s", what, lm_describe(L, arg));
+  return (int64_t)v;
+}
+
+static int64_t lm_optint(lua_State *L, int arg, const char *fname, const char *what, int64_t def) {
+  return lua_isnoneornil(L, arg) ? def : lm_checkint(L, arg, fname, what);
+}
+
+static double lm_checknum(lua_State *L, int arg, const char *fname, const char *what) {
+  if (lua_type(L, arg) != LUA_TNUMBER)
+    lm_argerror(L, arg, fname, "%s must be a number, got %s", what, lm_typename(L, arg));
+  return (double)lua_tonumber(L, arg);
+}
+
+static double lm_optnum(lua_State *L, int arg, const char *fname, const char *what, double def) {
+  return lua_isnoneornil(L, arg) ? def : lm_checknum(L, arg, fname, what);
+}
+
+/* A fill value: a number, or a boolean (1 or 0). */
+static double lm_checkvalue(lua_State *L, int arg, const char *fname) {
+  if (lua_type(L, arg) == LUA_TBOOLEAN) return lua_toboolean(L, arg) ? 1.0 : 0.0;
+  if (lua_type(L, arg) != LUA_TNUMBER)
+    lm_argerror(L, arg, fname, "value must be a number or a boolean, got %s", lm_typename(L, arg));
+  return (double)lua_tonumber(L, arg);
+}
+
+/* No argument past `last`. */
+static void lm_checkend(lua_State *L, int last, const char *fname) {
+  int top = lua_gettop(L);
+  while (top > last && lua_isnil(L, top)) top--;
+  if (top > last)
+    lm_argerror(L, last + 1, fname, "unexpected extra argument (%s)", lm_describe(L, last + 1));
+}
+
+/* A dim of a tensor of ndim dims (ndim + 1 positions when `insert`),
+ * normalised to 0..ndim-1. */
+static int lm_checkdim(lua_State *L, lm_state *S, int arg, const char *fname, int ndim, bool insert) {
+  int64_t d = lm_checkint(L, arg, fname, "dim");
+  int out = 0;
+  if (moe_dim_normalize(S->ctx, d, ndim, insert, &out) != MOE_OK) lm_corefail(L, S, fname, arg);
+  return out;
+}
+
+/* One size of a shape at stack index idx (argument `arg` in messages). */
+static int64_t lm_size_at(lua_State *L, int idx, int arg, const char *fname, int dim, bool infer) {
+  int isint = 0;
+  lua_Integer v = 0;
+  if (lua_type(L, idx) == LUA_TNUMBER) v = lua_tointegerx(L, idx, &isint);
+  if (!isint || v < -1 || (v == -1 && !infer))
+    lm_argerror(L, arg, fname, "size of dim %d must be a non-negative integer%s, got %s", dim,
+                infer ? " (or -1)" : "", lm_describe(L, idx));
+  return (int64_t)v;
+}
+
+/* A shape given as one table ({2, 3}) at `arg`, or as numbers from `arg` on
+ * (2, 3). -1 is accepted where `infer` (view/reshape infer it, expand keeps
+ * the size). Returns the index of the first argument after the shape. */
+static int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndim,
+                         int64_t *shape) {
+  if (lua_type(L, arg) == LUA_TTABLE) {
+    lua_Unsigned n = lua_rawlen(L, arg);
+    if (n > MOE_MAX_DIMS)
+      lm_argerror(L, arg, fname, "a shape has at most %d dims, got %d", MOE_MAX_DIMS, (int)(n > 999 ? 999 : n));
+    for (int i = 0; i < (int)n; i++) {
+      lua_rawgeti(L, arg, i + 1);
+      shape[i] = lm_size_at(L, -1, arg, fname, i, infer);
+      lua_pop(L, 1);
+    }
+    *ndim = (int)n;
+    return arg + 1;
+  }
+  if (lua_type(L, arg) != LUA_TNUMBER)
+    lm_argerror(L, arg, fname, "shape expected (a table of sizes, or sizes as numbers), got %s",
+                lm_typename(L, arg));
+  int n = 0;
+  while (lua_type(L, arg + n) == LUA_TNUMBER) {
+    if (n == MOE_MAX_DIMS) lm_argerror(L, arg + n, fname, "a shape has at most %d dims", MOE_MAX_DIMS);
+    shape[n] = lm_size_at(L, arg + n, arg + n, fname, n, infer);
+    n++;
+  }
+  *ndim = n;
+  return arg + n;
+}
+
+/* A list of dims (permute), as one table or as numbers from `arg` on. */
+static int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndim, int *n,
+                        int64_t *dims) {
+  if (lua_type(L, arg) == LUA_TTABLE) {
+    lua_Unsigned len = lua_rawlen(L, arg);
+    if (len > MOE_MAX_DIMS)
+      lm_argerror(L, arg, fname, "at most %d dims expected, got %d", MOE_MAX_DIMS, (int)(len > 999 ? 999 : len));
+    for (int i = 0; i < (int)len; i++) {
+      lua_rawgeti(L, arg, i + 1);
+      int isint = 0;
+      lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &isint) : 0;
+      if (!isint) lm_argerror(L, arg, fname, "dims[%d] must be an integer, got %s", i + 1, lm_describe(L, -1));
+      int d = 0;
+      if (moe_dim_normalize(S->ctx, v, tndim, false, &d) != MOE_OK) lm_corefail(L, S, fname, arg);
+      dims[i] = d;
+      lua_pop(L, 1);
+    }
+    *n = (int)len;
+    return arg + 1;
+  }
+  if (lua_type(L, arg) != LUA_TNUMBER)
+    lm_argerror(L, arg, fname, "dims expected (a table, or dims as numbers), got %s", lm_typename(L, arg));
+  int k = 0;
+  while (lua_type(L, arg + k) == LUA_TNUMBER) {
+    if (k == MOE_MAX_DIMS) lm_argerror(L, arg + k, fname, "at most %d dims expected", MOE_MAX_DIMS);
+    dims[k] = lm_checkdim(L, S, arg + k, fname, tndim, false);
+    k++;
+  }
+  *n = k;
+  return arg + k;
+}
+
+/* "f32, f64, ..." for messages. */
+static const char *lm_dtype_list(char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int i = 0; i < MOE_DTYPE_COUNT && used < len; i++)
+    used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? ", " : "", moe_dtype_name((moe_dtype)i));
+  return buf;
+}
+
+static moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fname) {
+  moe_dtype dt = MOE_F32;
+  char list[128];
+  if (lua_type(L, idx) != LUA_TSTRING)
+    lm_argerror(L, arg, fname, "dtype must be a string, got %s", lm_typename(L, idx));
+  if (!moe_dtype_parse(lua_tostring(L, idx), &dt))
+    lm_argerror(L, arg, fname, "unknown dtype '%s' (valid: %s)", lua_tostring(L, idx),
+                lm_dtype_list(list, sizeof list));
+  return dt;
+}
+
+static moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg, const char *fname) {
+  moe_device d = MOE_CPU;
+  if (lua_type(L, idx) != LUA_TSTRING)
+    lm_argerror(L, arg, fname, "device must be a string ('cpu', 'cuda', 'cuda:N'), got %s",
+                lm_typename(L, idx));
+  if (moe_device_parse(S->ctx, lua_tostring(L, idx), &d) != MOE_OK)
+    lm_argerror(L, arg, fname, "device '%s': %s", lua_tostring(L, idx), moe_ctx_error(S->ctx));
+  return d;
+}
+
+/* The options table of constructors and of t:to(). */
+enum { LM_OPT_DTYPE = 1, LM_OPT_DEVICE = 2, LM_OPT_GRAD = 4 };
+
+typedef struct lm_opts {
+  moe_dtype dtype;
+  moe_device device;
+  bool has_dtype, has_device;
+} lm_opts;
+
+static const char *lm_opt_names(unsigned allowed) {
+  switch (allowed) {
+    case LM_OPT_DTYPE | LM_OPT_DEVICE: return "dtype, device";
+    case LM_OPT_DEVICE | LM_OPT_GRAD: return "device, requires_grad";
+    default: return "dtype, device, requires_grad";
+  }
+}
+
+static void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed,
+                         lm_opts *o) {
+  o->dtype = MOE_F32;
+  o->device = MOE_CPU;
+  o->has_dtype = o->has_device = false;
+  if (lua_isnoneornil(L, arg)) return;
+  if (lua_type(L, arg) != LUA_TTABLE)
+    lm_argerror(L, arg, fname, "options table expected ({%s}), got %s", lm_opt_names(allowed),
+                lm_typename(L, arg));
+  arg = lua_absindex(L, arg);
+  lua_pushnil(L);
+  while (lua_next(L, arg)) {
+    const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
+    int top = lua_gettop(L);
+    if (k == NULL)
+      lm_argerror(L, arg, fname, "options are given by name ({%s}), got a %s key",
+                  lm_opt_names(allowed), luaL_typename(L, -2));
+    if ((allowed & LM_OPT_DTYPE) && strcmp(k, "dtype") == 0) {
+      o->dtype = lm_checkdtype_at(L, top, arg, fname);
+      o->has_dtype = true;
+    } else if ((allowed & LM_OPT_DEVICE) && strcmp(k, "device") == 0) {
+      o->device = lm_checkdevice_at(L, S, top, arg, fname);
+      o->has_device = true;
+    } else if ((allowed & LM_OPT_GRAD) && strcmp(k, "requires_grad") == 0) {
+      if (lua_type(L, top) != LUA_TBOOLEAN)
+        lm_argerror(L, arg, fname, "requires_grad must be a boolean, got %s", lm_typename(L, top));
+      if (lua_toboolean(L, top))
+        lm_argerror(L, arg, fname, "requires_grad = true is not supported yet (autograd comes later)");
+    } else {
+      lm_argerror(L, arg, fname, "unknown option '%s' (valid options: %s)", k, lm_opt_names(allowed));
+    }
+    lua_settop(L, top - 1);
+  }
+}
+
+/* ------------------------------------------------------ tensor userdata */
+
+static lm_tensor *lm_push_empty(lua_State *L) {
+  lm_tensor *u = (lm_tensor *)lua_newuserdatauv(L, sizeof *u, 0);
+  u->t = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_TENSOR);
+  return u;
+}
+
+static void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t) {
+  u->t = t;
+  u->S = S;
+  S->refs++;
+}
+
+/* The one free function: t:free(), __close and __gc. Idempotent. */
+static void lm_release(lm_tensor *u) {
+  if (u->t) {
+    moe_tensor_release(u->t);
+    u->t = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+}
+
+static lm_tensor *lm_testtensor(lua_State *L, int arg) {
+  return (lm_tensor *)luaL_testudata(L, arg, LM_TENSOR);
+}
+
+static moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
+  lm_tensor *u = lm_testtensor(L, arg);
+  if (u == NULL) lm_argerror(L, arg, fname, "tensor expected, got %s", lm_typename(L, arg));
+  if (u->t == NULL) lm_argerror(L, arg, fname, "attempt to use a freed tensor");
+  return u->t;
+}
+
+/* The common tail of a binding whose result is the tensor userdata `r` at
+ * the top of the stack: adopt `out`, or raise the core's error (r owns
+ * nothing yet, so nothing is left to free). */
+static int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out,
+                     const char *fname, int arg) {
+  if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
+  lm_adopt(r, S, out);
+  return 1;
+}
+
+static void lm_push_device(lua_State *L, moe_device d) {
+  char buf[32];
+  lua_pushstring(L, moe_device_str(d, buf, sizeof buf));
+}
+
+/* ---------------------------------------------------------- constructors */
+
+enum { LM_EMPTY, LM_ZEROS, LM_ONES, LM_RAND, LM_RANDN };
+
+static int lm_construct(lua_State *L, int kind, const char *fname) {
+  lm_state *S = lm_S(L);
+  int ndim = 0;
+  int64_t shape[MOE_MAX_DIMS];
+  lm_opts o;
+  if (lua_isnone(L, 1))
+    lm_argerror(L, 1, fname, "shape expected (a table of sizes, or sizes as numbers), got no value");
+  int optarg = lm_checkshape(L, 1, fname, false, &ndim, shape);
+  lm_checkopts(L, S, optarg, fname, LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, optarg, fname);
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  if (kind == LM_ZEROS || kind == LM_ONES)
+    LM_CALL(L, st, moe_tensor_full(S->ctx, ndim, shape, kind == LM_ONES ? 1.0 : 0.0, o.dtype, o.device, &out));
+  else
+    LM_CALL(L, st, moe_tensor_empty(S->ctx, ndim, shape, o.dtype, o.device, &out));
+  if (st != MOE_OK) return lm_corefail(L, S, fname, 0);
+  lm_adopt(r, S, out);
+  if (kind == LM_RAND) st = moe_uniform_(S->ctx, out, 0.0, 1.0);
+  if (kind == LM_RANDN) st = moe_normal_(S->ctx, out, 0.0, 1.0);
+  if (st != MOE_OK) {
+    lm_release(r);
+    return lm_corefail(L, S, fname, 0);
+  }
+  return 1;
+}
+
+static int lm_empty(lua_State *L) { return lm_construct(L, LM_EMPTY, "empty"); }
+static int lm_zeros(lua_State *L) { return lm_construct(L, LM_ZEROS, "zeros"); }
+static int lm_ones(lua_State *L) { return lm_construct(L, LM_ONES, "ones"); }
+static int lm_rand(lua_State *L) { return lm_construct(L, LM_RAND, "rand"); }
+static int lm_randn(lua_State *L) { return lm_construct(L, LM_RANDN, "randn"); }
+
+/* moe.full(shape, value [, opts]): dtype from the value unless given
+ * (boolean -> bool, integer -> i64, float -> f32). */
+static int lm_full(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int ndim = 0;
+  int64_t shape[MOE_MAX_DIMS];
+  lm_opts o;
+  if (lua_type(L, 1) != LUA_TTABLE)
+    lm_argerror(L, 1, "full", "shape table expected, got %s", lm_typename(L, 1));
+  lm_checkshape(L, 1, "full", false, &ndim, shape);
+  double v = lm_checkvalue(L, 2, "full");
+  lm_checkopts(L, S, 3, "full", LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, 3, "full");
+  if (!o.has_dtype)
+    o.dtype = lua_type(L, 2) == LUA_TBOOLEAN ? MOE_BOOL : lua_isinteger(L, 2) ? MOE_I64 : MOE_F32;
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_tensor_full(S->ctx, ndim, shape, v, o.dtype, o.device, &out));
+  return lm_result(L, S, r, st, out, "full", 0);
+}
+
+/* moe.randint(low, high, shape [, opts]) or moe.randint(high, shape [, opts]):
+ * integers in [low, high), i64 unless dtype says otherwise. */
+static int lm_randint(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int ndim = 0;
+  int64_t shape[MOE_MAX_DIMS];
+  lm_opts o;
+  int64_t low = 0, high;
+  int sarg;
+  if (lua_type(L, 2) == LUA_TTABLE) { /* randint(high, shape) */
+    high = lm_checkint(L, 1, "randint", "high");
+    sarg = 2;
+  } else {
+    low = lm_checkint(L, 1, "randint", "low");
+    high = lm_checkint(L, 2, "randint", "high");
+    sarg = 3;
+  }
+  if (lua_type(L, sarg) != LUA_TTABLE)
+    lm_argerror(L, sarg, "randint", "shape table expected, got %s", lm_typename(L, sarg));
+  lm_checkshape(L, sarg, "randint", false, &ndim, shape);
+  lm_checkopts(L, S, sarg + 1, "randint", LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, sarg + 1, "randint");
+  if (!o.has_dtype) o.dtype = MOE_I64;
+  if (high <= low)
+    lm_argerror(L, sarg - 1, "randint", "empty range: high (%I) must be greater than low (%I)",
+                (LUAI_UACINT)high, (LUAI_UACINT)low);
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_tensor_empty(S->ctx, ndim, shape, o.dtype, o.device, &out));
+  if (st != MOE_OK) return lm_corefail(L, S, "randint", 0);
+  lm_adopt(r, S, out);
+  if (moe_randint_(S->ctx, out, low, high) != MOE_OK) {
+    lm_release(r);
+    return lm_corefail(L, S, "randint", 0);
+  }
+  return 1;
+}
+
+/* moe.arange(end), arange(start, end [, step]) [, opts]: i64 when every
+ * bound is an integer, f32 otherwise (unless dtype is given). */
+static int lm_arange(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_opts o;
+  int nnum = 0;
+  bool all_int = true;
+  while (nnum < 3 && lua_type(L, nnum + 1) == LUA_TNUMBER) {
+    all_int = all_int && lua_isinteger(L, nnum + 1);
+    nnum++;
+  }
+  if (nnum == 0) lm_argerror(L, 1, "arange", "end must be a number, got %s", lm_typename(L, 1));
+  double a = lua_tonumber(L, 1), b = 0, step = 1;
+  if (nnum == 1) {
+    b = a;
+    a = 0;
+  } else {
+    b = lua_tonumber(L, 2);
+    if (nnum == 3) step = lua_tonumber(L, 3);
+  }
+  if (!lua_isnoneornil(L, nnum + 1) && lua_type(L, nnum + 1) != LUA_TTABLE)
+    lm_argerror(L, nnum + 1, "arange", "%s expected, got %s",
+                nnum == 3 ? "options table" : "number or options table", lm_typename(L, nnum + 1));
+  lm_checkopts(L, S, nnum + 1, "arange", LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, nnum + 1, "arange");
+  if (!o.has_dtype) o.dtype = all_int ? MOE_I64 : MOE_F32;
+  if (!isfinite(a) || !isfinite(b) || !isfinite(step))
+    lm_argerror(L, 1, "arange", "start, end and step must be finite, got %f, %f, %f", (LUAI_UACNUMBER)a,
+                (LUAI_UACNUMBER)b, (LUAI_UACNUMBER)step);
+  if (step == 0) lm_argerror(L, 3, "arange", "step must not be zero");
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_arange(S->ctx, a, b, step, o.dtype, o.device, &out));
+  return lm_result(L, S, r, st, out, "arange", 0);
+}
+
+/* moe.linspace(start, end, steps [, opts]) */
+static int lm_linspace(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_opts o;
+  double a = lm_checknum(L, 1, "linspace", "start");
+  double b = lm_checknum(L, 2, "linspace", "end");
+  int64_t steps = lm_checkint(L, 3, "linspace", "steps");
+  if (!isfinite(a) || !isfinite(b))
+    lm_argerror(L, isfinite(a) ? 2 : 1, "linspace", "start and end must be finite, got %f and %f",
+                (LUAI_UACNUMBER)a, (LUAI_UACNUMBER)b);
+  if (steps < 0) lm_argerror(L, 3, "linspace", "steps must be non-negative, got %I", (LUAI_UACINT)steps);
+  lm_checkopts(L, S, 4, "linspace", LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, 4, "linspace");
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_linspace(S->ctx, a, b, steps, o.dtype, o.device, &out));
+  return lm_result(L, S, r, st, out, "linspace", 0);
+}
+
+/* ------------------------------------------------ moe.tensor(data, opts) */
+
+enum { LM_SEEN_INT = 1, LM_SEEN_FLOAT = 2, LM_SEEN_BOOL = 4 };
+
+typedef struct lm_nested {
+  int ndim;
+  int64_t shape[MOE_MAX_DIMS];
+  double *values; /* scratch userdata, numel values */
+  int64_t pos;
+  unsigned seen;
+  char path[MOE_MAX_DIMS * 24 + 8]; /* "[2][3]": where we are, for messages */
+} lm_nested;
+
+/* Reads the table at the top of the stack, at depth `dim`, into n->values. */
+static void lm_nested_fill(lua_State *L, lm_nested *n, int dim) {
+  int tbl = lua_gettop(L);
+  size_t plen = strlen(n->path);
+  lua_Unsigned len = lua_rawlen(L, tbl);
+  if ((int64_t)len != n->shape[dim])
+    lm_argerror(L, 1, "tensor", "ragged nested table: data%s has %I elements, expected %I",
+                n->path, (LUAI_UACINT)len, (LUAI_UACINT)n->shape[dim]);
+  luaL_checkstack(L, 4, "nested table too deep");
+  for (lua_Integer i = 1; i <= (lua_Integer)len; i++) {
+    snprintf(n->path + plen, sizeof n->path - plen, "[%lld]", (long long)i);
+    int ty = lua_rawgeti(L, tbl, i);
+    if (dim + 1 < n->ndim) {
+      if (ty != LUA_TTABLE)
+        lm_argerror(L, 1, "tensor", "ragged nested table: data%s is a %s, expected a table of %I elements",
+                    n->path, lm_typename(L, -1), (LUAI_UACINT)n->shape[dim + 1]);
+      lm_nested_fill(L, n, dim + 1);
+    } else {
+      unsigned kind;
+      double v;
+      if (ty == LUA_TNUMBER) {
+        kind = lua_isinteger(L, -1) ? LM_SEEN_INT : LM_SEEN_FLOAT;
+        v = (double)lua_tonumber(L, -1);
+      } else if (ty == LUA_TBOOLEAN) {
+        kind = LM_SEEN_BOOL;
+        v = lua_toboolean(L, -1) ? 1.0 : 0.0;
+      } else if (ty == LUA_TTABLE) {
+        lm_argerror(L, 1, "tensor", "ragged nested table: data%s is a table, expected a number", n->path);
+        return;
+      } else {
+        lm_argerror(L, 1, "tensor", "data%s must be a number or a boolean, got %s", n->path,
+                    lm_typename(L, -1));
+        return;
+      }
+      if ((kind == LM_SEEN_BOOL && (n->seen & (LM_SEEN_INT | LM_SEEN_FLOAT))) ||
+          (kind != LM_SEEN_BOOL && (n->seen & LM_SEEN_BOOL)))
+        lm_argerror(L, 1, "tensor", "data%s mixes booleans and numbers", n->path);
+      n->seen |= kind;
+      n->values[n->pos++] = v;
+    }
+    lua_settop(L, tbl);
+  }
+  n->path[plen] = '\0';
+}
+
+static int lm_tensor_new(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_nested n;
+  lm_opts o;
+  n.ndim = 0;
+  n.pos = 0;
+  n.seen = 0;
+  n.path[0] = '\0';
+  int ty = lua_type(L, 1);
+  if (ty != LUA_TTABLE && ty != LUA_TNUMBER && ty != LUA_TBOOLEAN)
+    lm_argerror(L, 1, "tensor", "data must be a number, a boolean or a nested table, got %s",
+                lm_typename(L, 1));
+  lm_checkopts(L, S, 2, "tensor", LM_OPT_DTYPE | LM_OPT_DEVICE | LM_OPT_GRAD, &o);
+  lm_checkend(L, 2, "tensor");
+
+  /* The shape, from the first element of each level. */
+  int64_t numel = 1;
+  lua_pushvalue(L, 1);
+  while (lua_type(L, -1) == LUA_TTABLE) {
+    if (n.ndim == MOE_MAX_DIMS)
+      lm_argerror(L, 1, "tensor", "nested table deeper than %d levels", MOE_MAX_DIMS);
+    int64_t len = (int64_t)lua_rawlen(L, -1);
+    n.shape[n.ndim++] = len;
+    if (len > 0 && numel > INT64_MAX / 16 / len) lm_argerror(L, 1, "tensor", "too many elements");
+    numel *= len;
+    if (len == 0) break;
+    lua_rawgeti(L, -1, 1);
+    lua_remove(L, -2);
+  }
+  lua_pop(L, 1);
+  if ((uint64_t)numel > SIZE_MAX / sizeof(double)) lm_argerror(L, 1, "tensor", "too many elements");
+  n.values = (double *)lua_newuserdatauv(L, (size_t)numel * sizeof(double) + 1, 0); /* scratch */
+  if (ty == LUA_TTABLE) {
+    lua_pushvalue(L, 1);
+    lm_nested_fill(L, &n, 0);
+    lua_pop(L, 1);
+  } else {
+    n.seen = ty == LUA_TBOOLEAN ? LM_SEEN_BOOL : lua_isinteger(L, 1) ? LM_SEEN_INT : LM_SEEN_FLOAT;
+    n.values[0] = ty == LUA_TBOOLEAN ? (lua_toboolean(L, 1) ? 1.0 : 0.0) : (double)lua_tonumber(L, 1);
+  }
+  if (!o.has_dtype)
+    o.dtype = (n.seen & LM_SEEN_FLOAT) ? MOE_F32
+              : (n.seen & LM_SEEN_INT) ? MOE_I64
+              : (n.seen & LM_SEEN_BOOL) ? MOE_BOOL
+                                        : MOE_F32; /* no elements */
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_tensor_from_f64(S->ctx, n.values, n.ndim, n.shape, o.dtype, o.device, &out));
+  return lm_result(L, S, r, st, out, "tensor", 0);
+}
+
+/* ------------------------------------------------------ fields, reading */
+
+static void lm_push_ints(lua_State *L, int n, const int64_t *v) {
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    lua_pushinteger(L, (lua_Integer)v[i]);
+    lua_rawseti(L, -2, i + 1);
+  }
+}
+
+/* __index: methods first, then the fields shape, dtype, device, ndim. */
+static int lm_index(lua_State *L) {
+  lua_pushvalue(L, 2);
+  if (lua_rawget(L, lua_upvalueindex(2)) != LUA_TNIL) return 1;
+  const char *k = lua_type(L, 2) == LUA_TSTRING ? lua_tostring(L, 2) : NULL;
+  if (k == NULL) return 1; /* nil */
+  if (strcmp(k, "shape") == 0) {
+    moe_tensor *t = lm_checktensor(L, 1, "shape");
+    lm_push_ints(L, t->ndim, t->shape);
+  } else if (strcmp(k, "dtype") == 0) {
+    lua_pushstring(L, moe_dtype_name(lm_checktensor(L, 1, "dtype")->dtype));
+  } else if (strcmp(k, "device") == 0) {
+    lm_push_device(L, moe_tensor_device(lm_checktensor(L, 1, "device")));
+  } else if (strcmp(k, "ndim") == 0) {
+    lua_pushinteger(L, lm_checktensor(L, 1, "ndim")->ndim);
+  } else {
+    lua_pushnil(L);
+  }
+  return 1;
+}
+
+static int lm_t_numel(lua_State *L) {
+  lua_pushinteger(L, (lua_Integer)moe_tensor_numel(lm_checktensor(L, 1, "numel")));
+  return 1;
+}
+
+static int lm_t_dim(lua_State *L) {
+  lua_pushinteger(L, lm_checktensor(L, 1, "dim")->ndim);
+  return 1;
+}
+
+/* t:size() -> shape table; t:size(dim) -> integer. Same for t:stride(). */
+static int lm_size_or_stride(lua_State *L, bool stride, const char *fname) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, fname);
+  const int64_t *v = stride ? t->stride : t->shape;
+  if (lua_isnoneornil(L, 2)) {
+    lm_push_ints(L, t->ndim, v);
+    return 1;
+  }
+  int d = lm_checkdim(L, S, 2, fname, t->ndim, false);
+  lm_checkend(L, 2, fname);
+  lua_pushinteger(L, (lua_Integer)v[d]);
+  return 1;
+}
+
+static int lm_t_size(lua_State *L) { return lm_size_or_stride(L, false, "size"); }
+static int lm_t_stride(lua_State *L) { return lm_size_or_stride(L, true, "stride"); }
+
+static int lm_t_is_contiguous(lua_State *L) {
+  lua_pushboolean(L, moe_tensor_is_contiguous(lm_checktensor(L, 1, "is_contiguous")));
+  return 1;
+}
+
+static int lm_t_storage_offset(lua_State *L) {
+  lua_pushinteger(L, (lua_Integer)lm_checktensor(L, 1, "storage_offset")->offset);
+  return 1;
+}
+
+typedef enum { LM_KIND_FLOAT, LM_KIND_INT, LM_KIND_BOOL } lm_kind;
+
+static lm_kind lm_kind_of(moe_dtype dt) {
+  if (dt == MOE_BOOL) return LM_KIND_BOOL;
+  return moe_dtype_is_float(dt) ? LM_KIND_FLOAT : LM_KIND_INT;
+}
+
+/* Copies every element of t to the host, in row-major order, into a
+ * scratch userdata left on the stack: int64 for integer and bool dtypes,
+ * double for floats. */
+static void *lm_read_all(lua_State *L, lm_state *S, moe_tensor *t, const char *fname) {
+  int64_t n = moe_tensor_numel(t);
+  if ((uint64_t)n > SIZE_MAX / 8) luaL_error(L, "%s: tensor too large", fname);
+  void *buf = lua_newuserdatauv(L, (size_t)n * 8 + 1, 0);
+  moe_status st = lm_kind_of(t->dtype) == LM_KIND_FLOAT ? moe_tensor_to_f64(S->ctx, t, (double *)buf)
+                                                         : moe_tensor_to_i64(S->ctx, t, (int64_t *)buf);
+  if (st != MOE_OK) lm_corefail(L, S, fname, 0);
+  return buf;
+}
+
+static void lm_push_elem(lua_State *L, lm_kind kind, const void *buf, int64_t i) {
+  switch (kind) {
+    case LM_KIND_FLOAT: lua_pushnumber(L, (lua_Number)((const double *)buf)[i]); break;
+    case LM_KIND_INT: lua_pushinteger(L, (lua_Integer)((const int64_t *)buf)[i]); break;
+    case LM_KIND_BOOL: lua_pushboolean(L, ((const int64_t *)buf)[i] != 0); break;
+  }
+}
+
+static void lm_build_table(lua_State *L, const moe_tensor *t, int dim, lm_kind kind, const void *buf,
+                           int64_t *pos) {
+  if (dim == t->ndim) {
+    lm_push_elem(L, kind, buf, (*pos)++);
+    return;
+  }
+  luaL_checkstack(L, 3, "tensor too deep");
+  int64_t n = t->shape[dim];
+  lua_createtable(L, n > INT_MAX ? INT_MAX : (int)n, 0);
+  for (int64_t i = 0; i < n; i++) {
+    lm_build_table(L, t, dim + 1, kind, buf, pos);
+    lua_rawseti(L, -2, (lua_Integer)(i + 1));
+  }
+}
+
+/* t:totable(): nested Lua sequences (a number for a 0-dim tensor). */
+static int lm_t_totable(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "totable");
+  lm_checkend(L, 1, "totable");
+  void *buf = lm_read_all(L, S, t, "totable");
+  int64_t pos = 0;
+  lm_build_table(L, t, 0, lm_kind_of(t->dtype), buf, &pos);
+  return 1;
+}
+
+/* t:item(): the value of a one-element tensor (integer, float or boolean). */
+static int lm_t_item(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "item");
+  lm_checkend(L, 1, "item");
+  int64_t n = moe_tensor_numel(t);
+  if (n != 1) {
+    char shp[160];
+    lm_argerror(L, 1, "item", "a tensor with %I elements (shape %s) cannot be converted to a number; "
+                "item() needs exactly one", (LUAI_UACINT)n, moe_shape_str(t->ndim, t->shape, shp, sizeof shp));
+  }
+  void *buf = lm_read_all(L, S, t, "item");
+  lm_push_elem(L, lm_kind_of(t->dtype), buf, 0);
+  return 1;
+}
+
+/* ------------------------------------------------------------------ views */
+
+enum { LM_VIEW, LM_RESHAPE, LM_EXPAND };
+
+static int lm_shape_op(lua_State *L, int which, const char *fname) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, fname);
+  int ndim = 0;
+  int64_t shape[MOE_MAX_DIMS];
+  if (lua_isnone(L, 2))
+    lm_argerror(L, 2, fname, "shape expected (a table of sizes, or sizes as numbers), got no value");
+  int next = lm_checkshape(L, 2, fname, true, &ndim, shape);
+  lm_checkend(L, next - 1, fname);
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  if (which == LM_VIEW) st = moe_view(S->ctx, t, ndim, shape, &out);
+  else if (which == LM_EXPAND) st = moe_expand(S->ctx, t, ndim, shape, &out);
+  else LM_CALL(L, st, moe_reshape(S->ctx, t, ndim, shape, &out));
+  return lm_result(L, S, r, st, out, fname, 2);
+}
+
+static int lm_t_view(lua_State *L) { return lm_shape_op(L, LM_VIEW, "view"); }
+static int lm_t_reshape(lua_State *L) { return lm_shape_op(L, LM_RESHAPE, "reshape"); }
+static int lm_t_expand(lua_State *L) { return lm_shape_op(L, LM_EXPAND, "expand"); }
+
+static int lm_t_transpose(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "transpose");
+  int d0 = lm_checkdim(L, S, 2, "transpose", t->ndim, false);
+  int d1 = lm_checkdim(L, S, 3, "transpose", t->ndim, false);
+  lm_checkend(L, 3, "transpose");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_transpose(S->ctx, t, d0, d1, &out);
+  return lm_result(L, S, r, st, out, "transpose", 0);
+}
+
+static int lm_t_permute(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "permute");
+  int n = 0;
+  int64_t dims[MOE_MAX_DIMS];
+  if (lua_isnone(L, 2)) lm_argerror(L, 2, "permute", "dims expected, got no value");
+  int next = lm_checkdims(L, S, 2, "permute", t->ndim, &n, dims);
+  lm_checkend(L, next - 1, "permute");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_permute(S->ctx, t, n, dims, &out);
+  return lm_result(L, S, r, st, out, "permute", 2);
+}
+
+static int lm_t_narrow(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "narrow");
+  int d = lm_checkdim(L, S, 2, "narrow", t->ndim, false);
+  int64_t start = lm_checkint(L, 3, "narrow", "start");
+  int64_t len = lm_checkint(L, 4, "narrow", "length");
+  lm_checkend(L, 4, "narrow");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_narrow(S->ctx, t, d, start, len, &out);
+  return lm_result(L, S, r, st, out, "narrow", 0);
+}
+
+/* t:slice(dim [, start [, stop [, step]]]): Python's start:stop:step; nil
+ * start/stop mean the ends. */
+static int lm_t_slice(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "slice");
+  int d = lm_checkdim(L, S, 2, "slice", t->ndim, false);
+  int64_t start = lm_optint(L, 3, "slice", "start", 0);
+  int64_t stop = lm_optint(L, 4, "slice", "stop", INT64_MAX);
+  int64_t step = lm_optint(L, 5, "slice", "step", 1);
+  lm_checkend(L, 5, "slice");
+  if (step < 1) lm_argerror(L, 5, "slice", "step must be positive, got %I", (LUAI_UACINT)step);
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_slice(S->ctx, t, d, start, stop, step, &out);
+  return lm_result(L, S, r, st, out, "slice", 0);
+}
+
+static int lm_t_select(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "select");
+  int d = lm_checkdim(L, S, 2, "select", t->ndim, false);
+  int64_t i = lm_checkint(L, 3, "select", "index");
+  lm_checkend(L, 3, "select");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_select(S->ctx, t, d, i, &out);
+  return lm_result(L, S, r, st, out, "select", 3);
+}
+
+/* t:squeeze() removes every size-1 dim; t:squeeze(dim) that one. */
+static int lm_t_squeeze(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "squeeze");
+  bool all = lua_isnoneornil(L, 2);
+  int d = all ? 0 : lm_checkdim(L, S, 2, "squeeze", t->ndim, false);
+  lm_checkend(L, 2, "squeeze");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_squeeze(S->ctx, t, d, all, &out);
+  return lm_result(L, S, r, st, out, "squeeze", all ? 0 : 2);
+}
+
+static int lm_t_unsqueeze(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "unsqueeze");
+  int d = lm_checkdim(L, S, 2, "unsqueeze", t->ndim, true);
+  lm_checkend(L, 2, "unsqueeze");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = moe_unsqueeze(S->ctx, t, d, &out);
+  return lm_result(L, S, r, st, out, "unsqueeze", 2);
+}
+
+static int lm_t_contiguous(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "contiguous");
+  lm_checkend(L, 1, "contiguous");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_contiguous(S->ctx, t, &out));
+  return lm_result(L, S, r, st, out, "contiguous", 0);
+}
+
+static int lm_t_clone(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "clone");
+  lm_checkend(L, 1, "clone");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_clone(S->ctx, t, &out));
+  return lm_result(L, S, r, st, out, "clone", 0);
+}
+
+/* ------------------------------------------------- conversions and fills */
+
+static int lm_to_common(lua_State *L, lm_state *S, moe_tensor *t, moe_dtype dt, moe_device d,
+                        const char *fname) {
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_to(S->ctx, t, dt, d, &out));
+  return lm_result(L, S, r, st, out, fname, 0);
+}
+
+/* One string argument of t:to(): a dtype name or a device. */
+static void lm_to_string(lua_State *L, lm_state *S, int arg, moe_dtype *dt, moe_device *d) {
+  const char *s = lua_tostring(L, arg);
+  if (moe_dtype_parse(s, dt)) return;
+  if (strncmp(s, "cpu", 3) == 0 || strncmp(s, "cuda", 4) == 0 || strncmp(s, "gpu", 3) == 0) {
+    *d = lm_checkdevice_at(L, S, arg, arg, "to");
+    return;
+  }
+  char list[128];
+  lm_argerror(L, arg, "to", "unknown dtype or device '%s' (dtypes: %s; devices: cpu, cuda, cuda:N)", s,
+              lm_dtype_list(list, sizeof list));
+}
+
+/* t:to(dtype | device | {dtype=, device=} | other_tensor), or
+ * t:to(device, dtype) with two strings. Returns t's storage (a new handle)
+ * when nothing changes. */
+static int lm_t_to(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "to");
+  moe_dtype dt = t->dtype;
+  moe_device d = moe_tensor_device(t);
+  int last = 2;
+  switch (lua_type(L, 2)) {
+    case LUA_TSTRING:
+      lm_to_string(L, S, 2, &dt, &d);
+      if (lua_type(L, 3) == LUA_TSTRING) {
+        lm_to_string(L, S, 3, &dt, &d);
+        last = 3;
+      }
+      break;
+    case LUA_TTABLE: {
+      lm_opts o;
+      lm_checkopts(L, S, 2, "to", LM_OPT_DTYPE | LM_OPT_DEVICE, &o);
+      if (o.has_dtype) dt = o.dtype;
+      if (o.has_device) d = o.device;
+      break;
+    }
+    default: {
+      lm_tensor *other = lm_testtensor(L, 2);
+      if (other == NULL)
+        lm_argerror(L, 2, "to", "dtype, device, options table or tensor expected, got %s",
+                    lm_typename(L, 2));
+      moe_tensor *o = lm_checktensor(L, 2, "to");
+      dt = o->dtype;
+      d = moe_tensor_device(o);
+    }
+  }
+  lm_checkend(L, last, "to");
+  return lm_to_common(L, S, t, dt, d, "to");
+}
+
+static int lm_t_cpu(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "cpu");
+  lm_checkend(L, 1, "cpu");
+  return lm_to_common(L, S, t, t->dtype, MOE_CPU, "cpu");
+}
+
+/* t:cuda([index]) */
+static int lm_t_cuda(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "cuda");
+  int64_t i = lm_optint(L, 2, "cuda", "device index", 0);
+  lm_checkend(L, 2, "cuda");
+  if (i < 0 || i > INT_MAX) lm_argerror(L, 2, "cuda", "device index must be non-negative, got %I", (LUAI_UACINT)i);
+  moe_device d = {MOE_DEVICE_CUDA, (int)i};
+  if (moe_device_check(S->ctx, d) != MOE_OK) lm_corefail(L, S, "cuda", 0);
+  return lm_to_common(L, S, t, t->dtype, d, "cuda");
+}
+
+static int lm_to_dtype(lua_State *L, moe_dtype dt, const char *fname) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, fname);
+  lm_checkend(L, 1, fname);
+  return lm_to_common(L, S, t, dt, moe_tensor_device(t), fname);
+}
+
+static int lm_t_float(lua_State *L) { return lm_to_dtype(L, MOE_F32, "float"); }
+static int lm_t_double(lua_State *L) { return lm_to_dtype(L, MOE_F64, "double"); }
+static int lm_t_half(lua_State *L) { return lm_to_dtype(L, MOE_F16, "half"); }
+static int lm_t_bfloat16(lua_State *L) { return lm_to_dtype(L, MOE_BF16, "bfloat16"); }
+static int lm_t_long(lua_State *L) { return lm_to_dtype(L, MOE_I64, "long"); }
+static int lm_t_int(lua_State *L) { return lm_to_dtype(L, MOE_I32, "int"); }
+static int lm_t_bool(lua_State *L) { return lm_to_dtype(L, MOE_BOOL, "bool"); }
+
+/* In-place ops return self. */
+static int lm_inplace_done(lua_State *L, lm_state *S, moe_status st, const char *fname, int arg) {
+  if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
+  lua_settop(L, 1);
+  return 1;
+}
+
+static int lm_t_copy_(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *dst = lm_checktensor(L, 1, "copy_");
+  moe_tensor *src = lm_checktensor(L, 2, "copy_");
+  lm_checkend(L, 2, "copy_");
+  return lm_inplace_done(L, S, moe_copy_(S->ctx, dst, src), "copy_", 0);
+}
+
+static int lm_t_fill_(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "fill_");
+  double v = lm_checkvalue(L, 2, "fill_");
+  lm_checkend(L, 2, "fill_");
+  return lm_inplace_done(L, S, moe_fill_(S->ctx, t, v), "fill_", 0);
+}
+
+static int lm_t_uniform_(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "uniform_");
+  double a = lm_optnum(L, 2, "uniform_", "low", 0.0);
+  double b = lm_optnum(L, 3, "uniform_", "high", 1.0);
+  lm_checkend(L, 3, "uniform_");
+  return lm_inplace_done(L, S, moe_uniform_(S->ctx, t, a, b), "uniform_", 0);
+}
+
+static int lm_t_normal_(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, "normal_");
+  double m = lm_optnum(L, 2, "normal_", "mean", 0.0);
+  double s = lm_optnum(L, 3, "normal_", "std", 1.0);
+  lm_checkend(L, 3, "normal_");
+  if (s < 0) lm_argerror(L, 3, "normal_", "std must be non-negative, got %f", (LUAI_UACNUMBER)s);
+  return lm_inplace_done(L, S, moe_normal_(S->ctx, t, m, s), "normal_", 0);
+}
+
+/* ------------------------------------------------------------ arithmetic */
+
+/* a op b for tensor/tensor, tensor/number and number/tensor: the methods
+ * t:add(x) ... and the metamethods __add ... share this. */
+static int lm_arith(lua_State *L, moe_op op, const char *fname) {
+  lm_state *S = lm_S(L);
+  lm_tensor *ua = lm_testtensor(L, 1), *ub = lm_testtensor(L, 2);
+  moe_tensor *a = NULL, *b = NULL;
+  double s = 0;
+  if (ua) a = lm_checktensor(L, 1, fname);
+  else if (lua_type(L, 1) == LUA_TNUMBER) s = (double)lua_tonumber(L, 1);
+  else lm_argerror(L, 1, fname, "tensor or number expected, got %s", lm_typename(L, 1));
+  if (ub) b = lm_checktensor(L, 2, fname);
+  else if (lua_type(L, 2) == LUA_TNUMBER && a) s = (double)lua_tonumber(L, 2);
+  else lm_argerror(L, 2, fname, "%s expected, got %s", a ? "tensor or number" : "tensor", lm_typename(L, 2));
+  lm_checkend(L, 2, fname);
+
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  if (a && b) LM_CALL(L, st, moe_binary(S->ctx, op, a, b, &out));
+  else if (a) LM_CALL(L, st, moe_binary_scalar(S->ctx, op, a, s, false, &out));
+  else LM_CALL(L, st, moe_binary_scalar(S->ctx, op, b, s, true, &out));
+  return lm_result(L, S, r, st, out, fname, 0);
+}
+
+static int lm_add(lua_State *L) { return lm_arith(L, MOE_OP_ADD, "add"); }
+static int lm_sub(lua_State *L) { return lm_arith(L, MOE_OP_SUB, "sub"); }
+static int lm_mul(lua_State *L) { return lm_arith(L, MOE_OP_MUL, "mul"); }
+static int lm_div(lua_State *L) { return lm_arith(L, MOE_OP_DIV, "div"); }
+
+static int lm_neg(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *a = lm_checktensor(L, 1, "neg");
+  lm_checkend(L, 1, "neg");
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_unary(S->ctx, MOE_OP_NEG, a, &out));
+  return lm_result(L, S, r, st, out, "neg", 0);
+}
+
+/* __unm receives the operand twice; t:neg() once. */
+static int lm_unm(lua_State *L) {
+  lua_settop(L, 1);
+  return lm_neg(L);
+}
+
+/* #t: the size of dim 0. */
+static int lm_len(lua_State *L) {
+  moe_tensor *t = lm_checktensor(L, 1, "__len");
+  if (t->ndim == 0)
+    lm_argerror(L, 1, "__len", "a 0-dim tensor has no length (use t:item() or t:numel())");
+  lua_pushinteger(L, (lua_Integer)t->shape[0]);
+  return 1;
+}
+
+/* --------------------------------------------------------------- lifecycle */
+
+static int lm_t_free(lua_State *L) {
+  lm_tensor *u = lm_testtensor(L, 1);
+  if (u == NULL) lm_argerror(L, 1, "free", "tensor expected, got %s", lm_typename(L, 1));
+  lm_release(u);
+  return 0;
+}
+
+static int lm_gc(lua_State *L) {
+  lm_tensor *u = lm_testtensor(L, 1);
+  if (u) lm_release(u);
+  return 0;
+}
+
+/* __tostring; a freed tensor prints as "tensor(freed)" (as io prints a
+ * closed file) rather than raising, so that printing never fails. */
+static int lm_tostring(lua_State *L) {
+  lm_tensor *u = lm_testtensor(L, 1);
+  if (u == NULL) lm_argerror(L, 1, "tostring", "tensor expected, got %s", lm_typename(L, 1));
+  if (u->t == NULL) {
+    lua_pushliteral(L, "tensor(freed)");
+    return 1;
+  }
+  lm_state *S = u->S; /* the tensor's own reference: valid even while lua_close runs */
+  void **box = lm_push_scratch(L);
+  if (moe_tensor_format(S->ctx, u->t, &S->print, (char **)box) != MOE_OK)
+    return lm_corefail(L, S, "tostring", 0);
+  lua_pushstring(L, (const char *)*box);
+  free(*box);
+  *box = NULL;
+  return 1;
+}
+
+/* moe.set_printoptions{precision=, threshold=, edgeitems=, linewidth=} */
+static int lm_set_printoptions(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_print_options p = S->print;
+  if (lua_type(L, 1) != LUA_TTABLE)
+    lm_argerror(L, 1, "set_printoptions", "options table expected, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, "set_printoptions");
+  lua_pushnil(L);
+  while (lua_next(L, 1)) {
+    int isint = 0;
+    const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : "?";
+    lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &isint) : 0;
+    if (strcmp(k, "precision") != 0 && strcmp(k, "threshold") != 0 && strcmp(k, "edgeitems") != 0 &&
+        strcmp(k, "linewidth") != 0)
+      lm_argerror(L, 1, "set_printoptions",
+                  "unknown option '%s' (valid options: precision, threshold, edgeitems, linewidth)", k);
+    if (!isint || v < 0 || v > INT_MAX)
+      lm_argerror(L, 1, "set_printoptions", "%s must be a non-negative integer, got %s", k,
+                  lm_describe(L, lua_gettop(L)));
+    if (strcmp(k, "precision") == 0) p.precision = (int)v;
+    else if (strcmp(k, "threshold") == 0) p.threshold = v;
+    else if (strcmp(k, "edgeitems") == 0) p.edgeitems = (int)v;
+    else p.linewidth = (int)v;
+    lua_pop(L, 1);
+  }
+  S->print = p;
+  return 0;
+}
+
+static int lm_get_printoptions(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, S->print.precision);
+  lua_setfield(L, -2, "precision");
+  lua_pushinteger(L, (lua_Integer)S->print.threshold);
+  lua_setfield(L, -2, "threshold");
+  lua_pushinteger(L, S->print.edgeitems);
+  lua_setfield(L, -2, "edgeitems");
+  lua_pushinteger(L, S->print.linewidth);
+  lua_setfield(L, -2, "linewidth");
+  return 1;
+}
+
+static int lm_is_tensor(lua_State *L) {
+  lua_pushboolean(L, lm_testtensor(L, 1) != NULL);
+  return 1;
+}
+
+/* ------------------------------------------------------------------ random */
+
+static int lm_manual_seed(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int64_t seed = lm_checkint(L, 1, "manual_seed", "seed");
+  lm_checkend(L, 1, "manual_seed");
+  moe_rng_seed(S->ctx, (uint64_t)seed);
+  return 0;
+}
+
+/* {seed = , call = }: the whole state of the counter-based generator. */
+static int lm_get_rng_state(lua_State *L) {
+  lm_state *S = lm_S(L);
+  uint64_t seed = 0, call = 0;
+  moe_rng_get_state(S->ctx, &seed, &call);
+  lua_createtable(L, 0, 2);
+  lua_pushinteger(L, (lua_Integer)seed);
+  lua_setfield(L, -2, "seed");
+  lua_pushinteger(L, (lua_Integer)call);
+  lua_setfield(L, -2, "call");
+  return 1;
+}
+
+static int lm_set_rng_state(lua_State *L) {
+  lm_state *S = lm_S(L);
+  if (lua_type(L, 1) != LUA_TTABLE)
+    lm_argerror(L, 1, "set_rng_state", "state table ({seed=, call=}) expected, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, "set_rng_state");
+  lua_getfield(L, 1, "seed"); /* 2 */
+  lua_getfield(L, 1, "call"); /* 3 */
+  int isint1 = 0, isint2 = 0;
+  lua_Integer seed = lua_type(L, 2) == LUA_TNUMBER ? lua_tointegerx(L, 2, &isint1) : 0;
+  lua_Integer call = lua_type(L, 3) == LUA_TNUMBER ? lua_tointegerx(L, 3, &isint2) : 0;
+  if (!isint1 || !isint2)
+    lm_argerror(L, 1, "set_rng_state", "state.seed and state.call must be integers, got %s and %s",
+                lm_describe(L, 2), lm_describe(L, 3));
+  moe_rng_set_state(S->ctx, (uint64_t)seed, (uint64_t)call);
+  return 0;
+}
+
+/* ------------------------------------------------------------------ memory */
+
+/* An optional device argument; the default is cuda:0 when a GPU is
+ * visible, the CPU otherwise. */
+static moe_device lm_optdevice(lua_State *L, lm_state *S, int arg, const char *fname) {
+  if (lua_isnoneornil(L, arg)) {
+    moe_device d = MOE_CPU;
+    if (moe_cuda_device_count(S->ctx) > 0) d.type = MOE_DEVICE_CUDA;
+    return d;
+  }
+  return lm_checkdevice_at(L, S, arg, arg, fname);
+}
+
+static void lm_setint(lua_State *L, const char *k, int64_t v) {
+  lua_pushinteger(L, (lua_Integer)v);
+  lua_setfield(L, -2, k);
+}
+
+static int lm_memory_stats(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = lm_optdevice(L, S, 1, "memory_stats");
+  lm_checkend(L, 1, "memory_stats");
+  moe_memory_stats m;
+  if (moe_memory_stats_get(S->ctx, d, &m) != MOE_OK) return lm_corefail(L, S, "memory_stats", 1);
+  lua_createtable(L, 0, 10);
+  lm_setint(L, "allocated", m.allocated);
+  lm_setint(L, "peak_allocated", m.peak_allocated);
+  lm_setint(L, "reserved", m.reserved);
+  lm_setint(L, "peak_reserved", m.peak_reserved);
+  lm_setint(L, "alloc_count", m.alloc_count);
+  lm_setint(L, "free_count", m.free_count);
+  lm_setint(L, "live_storages", m.live_storages);
+  lm_setint(L, "system_allocs", m.system_allocs);
+  lm_setint(L, "system_frees", m.system_frees);
+  lm_push_device(L, d);
+  lua_setfield(L, -2, "device");
+  return 1;
+}
+
+static int lm_reset_peak_memory_stats(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = lm_optdevice(L, S, 1, "reset_peak_memory_stats");
+  lm_checkend(L, 1, "reset_peak_memory_stats");
+  if (moe_memory_reset_peak(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "reset_peak_memory_stats", 1);
+  return 0;
+}
+
+static int lm_empty_cache(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = lm_optdevice(L, S, 1, "empty_cache");
+  lm_checkend(L, 1, "empty_cache");
+  if (moe_memory_empty_cache(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "empty_cache", 1);
+  return 0;
+}
+
+/* -------------------------------------------------------------------- CUDA */
+
+static int lm_cuda_is_available(lua_State *L) {
+  lua_pushboolean(L, moe_cuda_device_count(lm_S(L)->ctx) > 0);
+  return 1;
+}
+
+static int lm_cuda_device_count(lua_State *L) {
+  lua_pushinteger(L, moe_cuda_device_count(lm_S(L)->ctx));
+  return 1;
+}
+
+/* A CUDA device given as an index (0) or a string ("cuda:1"); default 0. */
+static moe_device lm_cuda_device_arg(lua_State *L, lm_state *S, int arg, const char *fname) {
+  moe_device d = {MOE_DEVICE_CUDA, 0};
+  if (lua_type(L, arg) == LUA_TSTRING) {
+    d = lm_checkdevice_at(L, S, arg, arg, fname);
+    if (d.type != MOE_DEVICE_CUDA) lm_argerror(L, arg, fname, "a CUDA device expected, got '%s'", lua_tostring(L, arg));
+    return d;
+  }
+  int64_t i = lm_optint(L, arg, fname, "device index", 0);
+  if (i < 0 || i > INT_MAX) lm_argerror(L, arg, fname, "device index must be non-negative, got %I", (LUAI_UACINT)i);
+  d.index = (int)i;
+  if (moe_device_check(S->ctx, d) != MOE_OK) lm_corefail(L, S, fname, arg);
+  return d;
+}
+
+static int lm_cuda_synchronize(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = lm_cuda_device_arg(L, S, 1, "synchronize");
+  lm_checkend(L, 1, "synchronize");
+  if (moe_cuda_synchronize(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "synchronize", 0);
+  return 0;
+}
+
+static int lm_cuda_get_device_name(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = lm_cuda_device_arg(L, S, 1, "get_device_name");
+  lm_checkend(L, 1, "get_device_name");
+  char name[256];
+  int cc = 0;
+  size_t mem = 0;
+  if (moe_cuda_device_info(S->ctx, d.index, name, sizeof name, &cc, &mem) != MOE_OK)
+    return lm_corefail(L, S, "get_device_name", 1);
+  lua_pushstring(L, name);
+  return 1;
+}
+
+/* "13.0" from 13000; "2.28.3" from 22803; "13.1.0" from 130100. */
+static const char *lm_fmt_cuda(char *buf, size_t len, int v) {
+  snprintf(buf, len, "%d.%d", v / 1000, (v % 1000) / 10);
+  return buf;
+}
+
+static const char *lm_fmt_mmp(char *buf, size_t len, int v, int major_div) {
+  snprintf(buf, len, "%d.%d.%d", v / major_div, (v % major_div) / 100, v % 100);
+  return buf;
+}
+
+/* moe.build_info(): what this build and machine have, as a table. */
+static int lm_build_info(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int rt = 0, drv = 0, cublas = 0, nccl = 0;
+  moe_cuda_versions(&rt, &drv, &cublas, &nccl);
+  lua_createtable(L, 0, 10);
+  lua_pushliteral(L, MOE_VERSION);
+  lua_setfield(L, -2, "version");
+  lua_pushliteral(L, LUA_RELEASE);
+  lua_setfield(L, -2, "lua");
+  lua_pushboolean(L, moe_cuda_built());
+  lua_setfield(L, -2, "cuda");
+  lm_setint(L, "cuda_runtime", rt);
+  lm_setint(L, "cuda_driver", drv);
+  lm_setint(L, "cublas", cublas);
+  lm_setint(L, "nccl", nccl);
+  int n = moe_cuda_device_count(S->ctx);
+  lua_createtable(L, n > 0 ? n : 0, 0);
+  for (int i = 0; i < n; i++) {
+    char name[256], cc_s[16];
+    int cc = 0;
+    size_t mem = 0;
+    if (moe_cuda_device_info(S->ctx, i, name, sizeof name, &cc, &mem) != MOE_OK) continue;
+    lua_createtable(L, 0, 4);
+    lua_pushstring(L, name);
+    lua_setfield(L, -2, "name");
+    snprintf(cc_s, sizeof cc_s, "%d.%d", cc / 10, cc % 10);
+    lua_pushstring(L, cc_s);
+    lua_setfield(L, -2, "cc");
+    lm_setint(L, "memory", (int64_t)mem);
+    lm_setint(L, "index", i);
+    lua_rawseti(L, -2, (lua_Integer)lua_rawlen(L, -2) + 1);
+  }
+  lua_setfield(L, -2, "gpus");
+  return 1;
+}
+
+/* moe.version_report(): the text of `moe-lua --version`, one fact a line. */
+static int lm_version_report(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int rt = 0, drv = 0, cublas = 0, nccl = 0;
+  char a[32], b[32], c[32], d[32];
+  luaL_Buffer B;
+  moe_cuda_versions(&rt, &drv, &cublas, &nccl);
+  int n = moe_cuda_device_count(S->ctx);
+  luaL_buffinit(L, &B);
+  lua_pushfstring(L, "moe-lua %s\n%s\n", MOE_VERSION, LUA_COPYRIGHT);
+  luaL_addvalue(&B);
+  if (moe_cuda_built())
+    lua_pushfstring(L, "CUDA: built in; runtime %s, driver %s, cuBLAS %s, NCCL %s\n",
+                    rt ? lm_fmt_cuda(a, sizeof a, rt) : "unknown", drv ? lm_fmt_cuda(b, sizeof b, drv) : "none",
+                    cublas ? lm_fmt_mmp(c, sizeof c, cublas, 10000) : "unknown",
+                    nccl ? lm_fmt_mmp(d, sizeof d, nccl, 10000) : "unknown");
+  else
+    lua_pushliteral(L, "CUDA: not built in (CPU only)\n");
+  luaL_addvalue(&B);
+  if (n <= 0) luaL_addstring(&B, "no CUDA GPU visible\n");
+  for (int i = 0; i < n; i++) {
+    char name[256];
+    int cc = 0;
+    size_t mem = 0;
+    if (moe_cuda_device_info(S->ctx, i, name, sizeof name, &cc, &mem) != MOE_OK)
+      lua_pushfstring(L, "GPU %d: %s\n", i, moe_ctx_error(S->ctx));
+    else {
+      snprintf(a, sizeof a, "%.1f GiB", (double)mem / (1024.0 * 1024.0 * 1024.0));
+      lua_pushfstring(L, "GPU %d: %s, compute capability %d.%d, %s\n", i, name, cc / 10, cc % 10, a);
+    }
+    luaL_addvalue(&B);
+  }
+  luaL_pushresult(&B);
+  return 1;
+}
+
+/* ------------------------------------------------------------------ opening */
+
+static const luaL_Reg lm_tensor_methods[] = {
+    {"numel", lm_t_numel},         {"size", lm_t_size},
+    {"stride", lm_t_stride},       {"dim", lm_t_dim},
+    {"is_contiguous", lm_t_is_contiguous}, {"storage_offset", lm_t_storage_offset},
+    {"totable", lm_t_totable},     {"item", lm_t_item},
+    {"view", lm_t_view},           {"reshape", lm_t_reshape},
+    {"transpose", lm_t_transpose}, {"permute", lm_t_permute},
+    {"narrow", lm_t_narrow},       {"slice", lm_t_slice},
+    {"select", lm_t_select},       {"expand", lm_t_expand},
+    {"squeeze", lm_t_squeeze},     {"unsqueeze", lm_t_unsqueeze},
+    {"contiguous", lm_t_contiguous}, {"clone", lm_t_clone},
+    {"to", lm_t_to},               {"cpu", lm_t_cpu},
+    {"cuda", lm_t_cuda},           {"float", lm_t_float},
+    {"double", lm_t_double},       {"half", lm_t_half},
+    {"bfloat16", lm_t_bfloat16},   {"long", lm_t_long},
+    {"int", lm_t_int},             {"bool", lm_t_bool},
+    {"copy_", lm_t_copy_},         {"fill_", lm_t_fill_},
+    {"uniform_", lm_t_uniform_},   {"normal_", lm_t_normal_},
+    {"add", lm_add},               {"sub", lm_sub},
+    {"mul", lm_mul},               {"div", lm_div},
+    {"neg", lm_neg},               {"free", lm_t_free},
+    {NULL, NULL}};
+
+static const luaL_Reg lm_tensor_meta[] = {
+    {"__gc", lm_gc},   {"__close", lm_gc}, {"__tostring", lm_tostring}, {"__len", lm_len},
+    {"__add", lm_add}, {"__sub", lm_sub},  {"__mul", lm_mul},           {"__div", lm_div},
+    {"__unm", lm_unm}, {NULL, NULL}};
+
+static const luaL_Reg lm_functions[] = {
+    {"empty", lm_empty},
+    {"zeros", lm_zeros},
+    {"ones", lm_ones},
+    {"full", lm_full},
+    {"rand", lm_rand},
+    {"randn", lm_randn},
+    {"randint", lm_randint},
+    {"arange", lm_arange},
+    {"linspace", lm_linspace},
+    {"tensor", lm_tensor_new},
+    {"is_tensor", lm_is_tensor},
+    {"manual_seed", lm_manual_seed},
+    {"get_rng_state", lm_get_rng_state},
+    {"set_rng_state", lm_set_rng_state},
+    {"memory_stats", lm_memory_stats},
+    {"reset_peak_memory_stats", lm_reset_peak_memory_stats},
+    {"empty_cache", lm_empty_cache},
+    {"set_printoptions", lm_set_printoptions},
+    {"get_printoptions", lm_get_printoptions},
+    {"build_info", lm_build_info},
+    {"version_report", lm_version_report},
+    {NULL, NULL}};
+
+static const luaL_Reg lm_cuda_functions[] = {
+    {"is_available", lm_cuda_is_available},
+    {"device_count", lm_cuda_device_count},
+    {"synchronize", lm_cuda_synchronize},
+    {"get_device_name", lm_cuda_get_device_name},
+    {NULL, NULL}};
+
+/* Pushes the sentinel of this Lua state, creating it (and the context) on
+ * the first call. */
+static void lm_push_sentinel(lua_State *L) {
+  if (lua_getfield(L, LUA_REGISTRYINDEX, LM_STATE_KEY) == LUA_TUSERDATA) return;
+  lua_pop(L, 1);
+  if (luaL_newmetatable(L, LM_SCRATCH)) {
+    lua_pushcfunction(L, lm_scratch_gc);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  lm_sentinel *b = (lm_sentinel *)lua_newuserdatauv(L, sizeof *b, 0);
+  b->S = NULL;
+  if (luaL_newmetatable(L, LM_SENTINEL)) {
+    lua_pushcfunction(L, lm_sentinel_gc);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_setmetatable(L, -2);
+  lm_state *S = (lm_state *)malloc(sizeof *S);
+  if (S == NULL) luaL_error(L, "moe: not enough memory");
+  S->ctx = NULL;
+  S->refs = 1;
+  S->print = moe_print_options_default();
+  b->S = S; /* from here the sentinel's __gc frees S */
+  moe_status st = moe_ctx_init(&S->ctx);
+  if (st != MOE_OK) luaL_error(L, "moe: cannot create the context (%s)", moe_status_name(st));
+  lua_pushvalue(L, -1);
+  lua_setfield(L, LUA_REGISTRYINDEX, LM_STATE_KEY);
+}
+
+/* The tensor metatable, created once per Lua state; pushes the method table. */
+static void lm_push_methods(lua_State *L, int sentinel) {
+  if (lua_getfield(L, LUA_REGISTRYINDEX, LM_METHODS_KEY) == LUA_TTABLE) return;
+  lua_pop(L, 1);
+  luaL_newmetatable(L, LM_TENSOR);
+  lua_pushvalue(L, sentinel);
+  luaL_setfuncs(L, lm_tensor_meta, 1);
+  luaL_newlibtable(L, lm_tensor_methods);
+  lua_pushvalue(L, sentinel);
+  luaL_setfuncs(L, lm_tensor_methods, 1);
+  lua_pushvalue(L, sentinel);
+  lua_pushvalue(L, -2);
+  lua_pushcclosure(L, lm_index, 2);
+  lua_setfield(L, -3, "__index");
+  lua_remove(L, -2); /* the metatable */
+  lua_pushvalue(L, -1);
+  lua_setfield(L, LUA_REGISTRYINDEX, LM_METHODS_KEY);
+}
+
+#ifdef MOE_LUA_DIR
+/* Appends the repository's lua/ folder to package.path, so that moe.lib,
+ * moe.config, ... load from stock lua5.4 too (moe-lua puts it first). */
+static void lm_add_lua_dir(lua_State *L) {
+  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+  if (lua_getfield(L, -1, LUA_LOADLIBNAME) == LUA_TTABLE) {
+    lua_getfield(L, -1, "path");
+    const char *path = lua_tostring(L, -1);
+    if (path && strstr(path, MOE_LUA_DIR "/?.lua") == NULL) {
+      size_t n = strlen(path);
+      lua_pushfstring(L, "%s%s" MOE_LUA_DIR "/?.lua;" MOE_LUA_DIR "/?/init.lua", path,
+                      (n == 0 || path[n - 1] == ';') ? "" : ";");
+      lua_setfield(L, -3, "path");
+    }
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 2);
+}
+#endif
+
+LUAMOD_API int luaopen_moe(lua_State *L) {
+  luaL_checkversion(L);
+  lm_push_sentinel(L);
+  int sentinel = lua_gettop(L);
+  lm_push_methods(L, sentinel);
+  int methods = lua_gettop(L);
+
+  luaL_newlibtable(L, lm_functions);
+  lua_pushvalue(L, sentinel);
+  luaL_setfuncs(L, lm_functions, 1);
+  luaL_newlibtable(L, lm_cuda_functions);
+  lua_pushvalue(L, sentinel);
+  luaL_setfuncs(L, lm_cuda_functions, 1);
+  lua_setfield(L, -2, "cuda");
+  lua_pushvalue(L, methods);
+  lua_setfield(L, -2, "Tensor");
+  lua_pushliteral(L, MOE_VERSION);
+  lua_setfield(L, -2, "version");
+  lua_createtable(L, MOE_DTYPE_COUNT, 0);
+  for (int i = 0; i < MOE_DTYPE_COUNT; i++) {
+    lua_pushstring(L, moe_dtype_name((moe_dtype)i));
+    lua_rawseti(L, -2, i + 1);
+  }
+  lua_setfield(L, -2, "dtypes");
+
+#ifdef MOE_LUA_DIR
+  lm_add_lua_dir(L);
+#endif
+  /* package.loaded.moe = the module, so that moe.lib can require it. */
+  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
+  lua_pushvalue(L, -2);
+  lua_setfield(L, -2, "moe");
+  lua_pop(L, 1);
+
+  /* The parts written in Lua (moe.config, ...). */
+  lua_getglobal(L, "require");
+  lua_pushliteral(L, "moe.lib");
+  if (lua_pcall(L, 1, 0, 0) != LUA_OK) {
+    const char *msg = lua_tostring(L, -1);
+#ifdef MOE_LUA_DIR
+    return luaL_error(L, "moe: cannot load moe.lib, the Lua part of the module (expected in %s): %s",
+                      MOE_LUA_DIR, msg ? msg : "(no message)");
+#else
+    return luaL_error(L, "moe: cannot load moe.lib, the Lua part of the module: %s", msg ? msg : "(no message)");
+#endif
+  }
+  return 1;
+}

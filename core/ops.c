@@ -1,0 +1,253 @@
+/*
+ * ops.c - the op table (names, checked by a static assert) and the
+ * elementwise ops: binary with broadcasting and dtype promotion, binary with
+ * a scalar, unary. Each validates, allocates its output on the input's
+ * device, then calls the CUDA entry point of internal.h or the CPU loop here.
+ *
+ * Math by result dtype: f32/bf16/f16 in float, f64 in double, integers and
+ * bool in int64 with wrap-around (done in uint64, so overflow is defined).
+ * The CPU loop treats a scalar as a one-element operand of stride 0, stored
+ * in the math type, so one loop serves all three op kinds.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "cpu_loop.h"
+#include "internal.h"
+
+#define SHAPE_BUF 200
+
+static const char *const moe_op_names[] = {"add", "sub", "mul", "div", "neg"};
+_Static_assert(sizeof(moe_op_names) / sizeof(moe_op_names[0]) == MOE_OP_COUNT,
+               "moe_op_names must name every moe_op");
+
+const char *moe_op_name(moe_op op) {
+  if ((int)op < 0 || op >= MOE_OP_COUNT) return "op?";
+  return moe_op_names[op];
+}
+
+static bool op_is_binary(moe_op op) {
+  return op == MOE_OP_ADD || op == MOE_OP_SUB || op == MOE_OP_MUL || op == MOE_OP_DIV;
+}
+
+/* ------------------------------------------------------------ CPU loops */
+
+static float apply_f32(moe_op op, float x, float y) {
+  switch (op) {
+    case MOE_OP_ADD: return x + y;
+    case MOE_OP_SUB: return x - y;
+    case MOE_OP_MUL: return x * y;
+    case MOE_OP_DIV: return x / y;
+    default: return -x;
+  }
+}
+
+static double apply_f64(moe_op op, double x, double y) {
+  switch (op) {
+    case MOE_OP_ADD: return x + y;
+    case MOE_OP_SUB: return x - y;
+    case MOE_OP_MUL: return x * y;
+    case MOE_OP_DIV: return x / y;
+    default: return -x;
+  }
+}
+
+static int64_t apply_i64(moe_op op, int64_t x, int64_t y) {
+  uint64_t ux = (uint64_t)x, uy = (uint64_t)y;
+  switch (op) {
+    case MOE_OP_ADD: return (int64_t)(ux + uy);
+    case MOE_OP_SUB: return (int64_t)(ux - uy);
+    case MOE_OP_MUL: return (int64_t)(ux * uy);
+    case MOE_OP_DIV: /* integer DIV gives f32 and never comes here; defined anyway */
+      return y == 0 ? 0 : (y == -1 ? (int64_t)(0 - ux) : x / y);
+    default: return (int64_t)(0 - ux);
+  }
+}
+
+/* n elements of o = a op b, all f32; strides in elements. */
+static void row_f32(moe_op op, int64_t n, float *o, int64_t so, const float *a, int64_t sa,
+                    const float *b, int64_t sb) {
+  if (so == 1 && sa == 1 && sb == 1) { /* vectorisable */
+    switch (op) {
+      case MOE_OP_ADD: for (int64_t j = 0; j < n; j++) o[j] = a[j] + b[j]; return;
+      case MOE_OP_SUB: for (int64_t j = 0; j < n; j++) o[j] = a[j] - b[j]; return;
+      case MOE_OP_MUL: for (int64_t j = 0; j < n; j++) o[j] = a[j] * b[j]; return;
+      case MOE_OP_DIV: for (int64_t j = 0; j < n; j++) o[j] = a[j] / b[j]; return;
+      default: for (int64_t j = 0; j < n; j++) o[j] = -a[j]; return;
+    }
+  }
+  for (int64_t j = 0; j < n; j++) o[j * so] = apply_f32(op, a[j * sa], b[j * sb]);
+}
+
+static void row_f64(moe_op op, int64_t n, double *o, int64_t so, const double *a, int64_t sa,
+                    const double *b, int64_t sb) {
+  if (so == 1 && sa == 1 && sb == 1) {
+    switch (op) {
+      case MOE_OP_ADD: for (int64_t j = 0; j < n; j++) o[j] = a[j] + b[j]; return;
+      case MOE_OP_SUB: for (int64_t j = 0; j < n; j++) o[j] = a[j] - b[j]; return;
+      case MOE_OP_MUL: for (int64_t j = 0; j < n; j++) o[j] = a[j] * b[j]; return;
+      case MOE_OP_DIV: for (int64_t j = 0; j < n; j++) o[j] = a[j] / b[j]; return;
+      default: for (int64_t j = 0; j < n; j++) o[j] = -a[j]; return;
+    }
+  }
+  for (int64_t j = 0; j < n; j++) o[j * so] = apply_f64(op, a[j * sa], b[j * sb]);
+}
+
+/* out = a op b (b is ignored by NEG); all views have out's shape. */
+static void cpu_elementwise(moe_op op, const moe_kview *out, const moe_kview *a,
+                            const moe_kview *b) {
+  moe_loop l;
+  moe_loop_init(&l, 3, (const moe_kview *[]){out, a, b});
+  moe_dtype dt = out->dtype;
+  bool same = a->dtype == dt && b->dtype == dt;
+  int64_t eo = (int64_t)moe_dtype_size(dt), ea = (int64_t)moe_dtype_size(a->dtype),
+          eb = (int64_t)moe_dtype_size(b->dtype);
+#pragma omp parallel for if (l.numel >= MOE_LOOP_PAR_MIN) schedule(static)
+  for (int64_t k = 0; k < l.tasks; k++) {
+    int64_t off[MOE_LOOP_MAX_OPS], first;
+    int64_t n = moe_loop_task(&l, k, off, &first);
+    char *po = (char *)out->data + off[0] * eo;
+    const char *pa = (const char *)a->data + off[1] * ea, *pb = (const char *)b->data + off[2] * eb;
+    int64_t so = l.inner_stride[0], sa = l.inner_stride[1], sb = l.inner_stride[2];
+    if (same && dt == MOE_F32) {
+      row_f32(op, n, (float *)po, so, (const float *)pa, sa, (const float *)pb, sb);
+    } else if (same && dt == MOE_F64) {
+      row_f64(op, n, (double *)po, so, (const double *)pa, sa, (const double *)pb, sb);
+    } else if (dt == MOE_F64) {
+      for (int64_t j = 0; j < n; j++, po += so * eo, pa += sa * ea, pb += sb * eb)
+        moe_store_f64(po, dt, apply_f64(op, moe_load_f64(pa, a->dtype), moe_load_f64(pb, b->dtype)));
+    } else if (moe_dtype_is_float(dt)) {
+      for (int64_t j = 0; j < n; j++, po += so * eo, pa += sa * ea, pb += sb * eb) {
+        float x = (float)moe_load_f64(pa, a->dtype), y = (float)moe_load_f64(pb, b->dtype);
+        moe_store_f64(po, dt, apply_f32(op, x, y));
+      }
+    } else {
+      for (int64_t j = 0; j < n; j++, po += so * eo, pa += sa * ea, pb += sb * eb)
+        moe_store_i64(po, dt, apply_i64(op, moe_load_i64(pa, a->dtype), moe_load_i64(pb, b->dtype)));
+    }
+  }
+}
+
+/* ------------------------------------------------------------- dispatch */
+
+static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, const moe_tensor *b,
+                          bool has_b, moe_tensor **out) {
+  if (!a) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: first operand is NULL", fn);
+  if (has_b && !b) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: second operand is NULL", fn);
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  if (has_b && !moe_device_equal(a->storage->device, b->storage->device)) {
+    char da[32], db[32];
+    return moe_error(ctx, MOE_ERR_DEVICE, "%s: tensors on different devices: %s and %s", fn,
+                     moe_device_str(a->storage->device, da, sizeof(da)),
+                     moe_device_str(b->storage->device, db, sizeof(db)));
+  }
+  return moe_device_check(ctx, a->storage->device);
+}
+
+/* Allocates out (shape, dt, a's device) and runs out = a op b, where a and b
+ * broadcast to shape. Without b: the scalar s, which `scalar` describes for
+ * the CPU loop; without either: the unary op on a. */
+static moe_status elementwise_run(moe_ctx *ctx, moe_op op, int ndim, const int64_t *shape,
+                                  moe_dtype dt, const moe_tensor *a, const moe_tensor *b,
+                                  const moe_kview *scalar, double s, bool reverse,
+                                  moe_tensor **out) {
+  moe_device d = a->storage->device;
+  moe_tensor *r;
+  MOE_CHECK(moe_tensor_empty(ctx, ndim, shape, dt, d, &r));
+  moe_status st = MOE_OK;
+  if (moe_tensor_numel(r) > 0) {
+    moe_kview vo = moe_kview_of(r), va = moe_kview_broadcast(a, ndim, shape);
+    moe_kview vb = b ? moe_kview_broadcast(b, ndim, shape) : scalar ? *scalar : va;
+    if (d.type == MOE_DEVICE_CUDA) {
+      if (!op_is_binary(op))
+        st = moe_cuda_unary(ctx, d.index, op, &vo, &va);
+      else if (b)
+        st = moe_cuda_binary(ctx, d.index, op, &vo, &va, &vb);
+      else
+        st = moe_cuda_binary_scalar(ctx, d.index, op, &vo, &va, s, reverse);
+    } else if (reverse) {
+      cpu_elementwise(op, &vo, &vb, &va);
+    } else {
+      cpu_elementwise(op, &vo, &va, &vb);
+    }
+  }
+  if (st != MOE_OK) {
+    moe_tensor_release(r);
+    return st;
+  }
+  *out = r;
+  return MOE_OK;
+}
+
+moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_tensor *b,
+                      moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!op_is_binary(op))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "binary: %s (op %d) is not a binary op",
+                     moe_op_name(op), (int)op);
+  const char *fn = moe_op_name(op);
+  MOE_CHECK(op_args(ctx, fn, a, b, true, out));
+  char sa[SHAPE_BUF], sb[SHAPE_BUF];
+  int ndim = a->ndim > b->ndim ? a->ndim : b->ndim;
+  int64_t shape[MOE_MAX_DIMS];
+  for (int i = 0; i < ndim; i++) {
+    int da = i - (ndim - a->ndim), db = i - (ndim - b->ndim);
+    int64_t x = da >= 0 ? a->shape[da] : 1, y = db >= 0 ? b->shape[db] : 1;
+    if (x != y && x != 1 && y != 1)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: shapes %s and %s cannot be broadcast", fn,
+                       moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
+                       moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)));
+    shape[i] = x == 1 ? y : x;
+  }
+  if (op == MOE_OP_SUB && a->dtype == MOE_BOOL && b->dtype == MOE_BOOL)
+    return moe_error(ctx, MOE_ERR_DTYPE,
+                     "sub: subtracting two bool tensors is not supported (convert one with to)");
+  moe_dtype dt = moe_dtype_promote(a->dtype, b->dtype);
+  if (op == MOE_OP_DIV && !moe_dtype_is_float(dt)) dt = MOE_F32;
+  return elementwise_run(ctx, op, ndim, shape, dt, a, b, NULL, 0, false, out);
+}
+
+moe_status moe_binary_scalar(moe_ctx *ctx, moe_op op, const moe_tensor *a, double s,
+                             bool reverse, moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!op_is_binary(op))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "binary_scalar: %s (op %d) is not a binary op",
+                     moe_op_name(op), (int)op);
+  MOE_CHECK(op_args(ctx, moe_op_name(op), a, NULL, false, out));
+  /* a scalar never widens a float tensor; an integer one goes to f32 for a
+   * non-integer scalar or DIV; bool with an integer scalar goes to i64 */
+  moe_dtype dt = a->dtype;
+  bool integral = isfinite(s) && s == trunc(s);
+  if (!moe_dtype_is_float(dt) && (op == MOE_OP_DIV || !integral))
+    dt = MOE_F32;
+  else if (dt == MOE_BOOL)
+    dt = MOE_I64;
+  /* the scalar as a stride-0 operand in the math type of dt */
+  union { float f; double d; int64_t i; } sv;
+  moe_kview vs;
+  memset(&vs, 0, sizeof(vs));
+  vs.data = &sv;
+  vs.ndim = a->ndim;
+  memcpy(vs.shape, a->shape, sizeof(vs.shape));
+  if (dt == MOE_F64) {
+    vs.dtype = MOE_F64, sv.d = s;
+  } else if (moe_dtype_is_float(dt)) {
+    vs.dtype = MOE_F32, sv.f = (float)s;
+  } else {
+    vs.dtype = MOE_I64;
+    sv.i = s >= 9223372036854775807.0 ? INT64_MAX : s <= -9223372036854775808.0 ? INT64_MIN : (int64_t)s;
+  }
+  return elementwise_run(ctx, op, a->ndim, a->shape, dt, a, NULL, &vs, s, reverse, out);
+}
+
+moe_status moe_unary(moe_ctx *ctx, moe_op op, const moe_tensor *a, moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (op != MOE_OP_NEG)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "unary: %s (op %d) is not a unary op",
+                     moe_op_name(op), (int)op);
+  MOE_CHECK(op_args(ctx, "neg", a, NULL, false, out));
+  if (a->dtype == MOE_BOOL)
+    return moe_error(ctx, MOE_ERR_DTYPE,
+                     "neg: negating a bool tensor is not supported (convert it with to first)");
+  return elementwise_run(ctx, op, a->ndim, a->shape, a->dtype, a, NULL, NULL, 0, false, out);
+}

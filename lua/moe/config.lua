@@ -1,0 +1,257 @@
+--[[
+moe/config.lua - an experiment's configuration: defaults written in the
+script, overrides given as key=value on the command line. This is the one
+documented way to override a config; it is exposed as moe.config.
+
+  -- experiments/train.lua
+  local moe = require "moe"
+  local cfg = moe.config{
+    steps = 100,                      -- integer
+    lr = 3e-4,                        -- number
+    device = "auto",                  -- string
+    resume = false,                   -- boolean
+    model = {                         -- a section: keys are model.experts, ...
+      experts = 8,
+      top_k = 2,
+      hidden = { 512, 1024 },         -- a list of integers
+    },
+  }
+  print(cfg.steps, cfg.model.experts)
+
+  $ moe-lua experiments/train.lua steps=500 lr=1e-3 model.experts=16 model.hidden=256,256
+  $ moe-lua experiments/train.lua --help      # every key with its default and type
+
+moe.config(defaults [, argv]) -> cfg, rest
+  defaults  a table. Its leaves are numbers, strings, booleans or lists
+            (sequences of those); a nested table with string keys is a
+            section, and its keys are addressed with dots (model.experts).
+  argv      the arguments to read; by default the script's command-line
+            arguments arg[1], arg[2], ... (the global `arg` set by moe-lua).
+  cfg       a deep copy of defaults with every override applied.
+  rest      the arguments that are not overrides, in order (positional
+            arguments and flags, left for the script).
+
+Rules
+  - `key=value`, where key is a name or a dotted name, is an override; any
+    other argument is left alone. The last override of a key wins.
+  - The key must exist in defaults, else an error lists the valid keys.
+  - The value is parsed against the type of the default:
+      integer  1000, 1e3, 0x10 (must be a whole number)
+      number   3e-4, 0.5, 2
+      boolean  true or false
+      string   taken as is (key= gives the empty string)
+      list     a,b,c or [a,b,c] (each element parsed against the type of the
+               default's first element; [] is the empty list)
+    A value that does not parse raises an error naming the key, the expected
+    type and the value.
+  - --help (or -h) prints every key with its default and type, one per line,
+    and exits with status 0 (closing the Lua state, so finalizers run).
+]]
+
+local M = {}
+
+local function is_list(t)
+  local n = #t
+  local count = 0
+  for _ in pairs(t) do count = count + 1 end
+  return count == n
+end
+
+-- The kind of a default value: "integer", "number", "boolean", "string",
+-- "list", "section" or another Lua type name (not settable).
+local function kind_of(v)
+  local ty = type(v)
+  if ty == "number" then return math.type(v) == "integer" and "integer" or "number" end
+  if ty == "table" then return is_list(v) and "list" or "section" end
+  return ty
+end
+
+local function deep_copy(v, seen)
+  if type(v) ~= "table" then return v end
+  seen = seen or {}
+  if seen[v] then return seen[v] end
+  local c = {}
+  seen[v] = c
+  for k, x in pairs(v) do c[deep_copy(k, seen)] = deep_copy(x, seen) end
+  return setmetatable(c, getmetatable(v))
+end
+
+-- Every settable key, dotted, sorted; with its default.
+local function collect_keys(t, prefix, out)
+  for k, v in pairs(t) do
+    if type(k) == "string" then
+      local key = prefix .. k
+      if kind_of(v) == "section" then
+        collect_keys(v, key .. ".", out)
+      else
+        out[#out + 1] = { key = key, value = v }
+      end
+    end
+  end
+  return out
+end
+
+local function sorted_keys(defaults)
+  local keys = collect_keys(defaults, "", {})
+  table.sort(keys, function(a, b) return a.key < b.key end)
+  return keys
+end
+
+local function key_list(defaults, prefix)
+  local names = {}
+  for _, e in ipairs(sorted_keys(defaults)) do names[#names + 1] = (prefix or "") .. e.key end
+  return table.concat(names, ", ")
+end
+
+local article = { integer = "an integer", number = "a number", boolean = "a boolean", string = "a string" }
+
+-- Parses one scalar against a kind; returns the value or nil.
+local function parse_scalar(kind, s)
+  if kind == "string" then return s end
+  if kind == "boolean" then
+    if s == "true" then return true elseif s == "false" then return false end
+    return nil
+  end
+  local n = tonumber(s)
+  if n == nil then return nil end
+  if kind == "integer" then return math.tointeger(n) end
+  if kind == "number" then return n + 0.0 end
+  return nil
+end
+
+-- The kind of a list's elements: from its first element, or guessed from
+-- the text when the default list is empty.
+local function element_kind(default, text)
+  if #default > 0 then return kind_of(default[1]) end
+  if math.tointeger(tonumber(text)) then return "integer" end
+  if tonumber(text) then return "number" end
+  if text == "true" or text == "false" then return "boolean" end
+  return "string"
+end
+
+local function trim(s) return (s:gsub("^%s+", ""):gsub("%s+$", "")) end
+
+-- Parses `text` for the key whose default is `default`; returns the value,
+-- or nil and an error message.
+local function parse_value(key, default, text)
+  local kind = kind_of(default)
+  if kind == "list" then
+    local body = trim(text)
+    body = body:match("^%[(.*)%]$") or body
+    local list = {}
+    if trim(body) == "" then return list end
+    local ekind
+    for item in (body .. ","):gmatch("([^,]*),") do
+      item = trim(item)
+      ekind = ekind or element_kind(default, item)
+      local v = parse_scalar(ekind, item)
+      if v == nil then
+        return nil, ("%s expects a list of %s values (a,b,c or [a,b,c]), got '%s' (bad element '%s')"):format(
+          key, ekind, text, item)
+      end
+      list[#list + 1] = v
+    end
+    return list
+  end
+  if article[kind] == nil then
+    return nil, ("%s has a default of type %s, which cannot be set from the command line"):format(key, kind)
+  end
+  local v = parse_scalar(kind, text)
+  if v == nil then
+    return nil, ("%s expects %s, got '%s'"):format(key, article[kind], text)
+  end
+  return v
+end
+
+-- Finds the table holding `key` (dotted) in cfg; returns it and the last
+-- name, or nil and an error message.
+local function locate(cfg, defaults, key)
+  local t, d = cfg, defaults
+  local parts = {}
+  for part in key:gmatch("[^.]+") do parts[#parts + 1] = part end
+  for i = 1, #parts - 1 do
+    local p = parts[i]
+    if type(d[p]) ~= "table" or kind_of(d[p]) ~= "section" then
+      return nil, ("unknown key '%s' (valid keys: %s)"):format(key, key_list(defaults))
+    end
+    t, d = t[p], d[p]
+  end
+  local last = parts[#parts]
+  if d[last] == nil then
+    return nil, ("unknown key '%s' (valid keys: %s)"):format(key, key_list(defaults))
+  end
+  if kind_of(d[last]) == "section" then
+    return nil, ("'%s' is a section, not a value; set one of its keys: %s"):format(
+      key, key_list(d[last], key .. "."))
+  end
+  return t, last, d[last]
+end
+
+local function show(v)
+  if type(v) == "table" then
+    local items = {}
+    for i, x in ipairs(v) do items[i] = tostring(x) end
+    return #items == 0 and "[]" or table.concat(items, ",")
+  end
+  return tostring(v)
+end
+
+local function type_label(v)
+  local kind = kind_of(v)
+  if kind == "list" then return #v > 0 and ("list of " .. kind_of(v[1])) or "list" end
+  return kind
+end
+
+local function print_help(defaults)
+  local script = (type(arg) == "table" and arg[0]) or "script.lua"
+  local lines, width = {}, 0
+  for _, e in ipairs(sorted_keys(defaults)) do
+    local left = e.key .. "=" .. show(e.value)
+    width = math.max(width, #left)
+    lines[#lines + 1] = { left, type_label(e.value) }
+  end
+  io.write(("usage: moe-lua %s [key=value ...]\n"):format(script))
+  io.write("keys (key=default  type):\n")
+  for _, l in ipairs(lines) do io.write(("  %-" .. width .. "s  (%s)\n"):format(l[1], l[2])) end
+  io.flush()
+end
+
+--- moe.config(defaults [, argv]) -> cfg, rest (see the header of this file).
+function M.config(defaults, argv)
+  if type(defaults) ~= "table" then
+    error(("bad argument #1 to 'config' (table of defaults expected, got %s)"):format(type(defaults)), 2)
+  end
+  if argv == nil then
+    argv = {}
+    if type(arg) == "table" then
+      for i = 1, #arg do argv[i] = arg[i] end
+    end
+  elseif type(argv) ~= "table" then
+    error(("bad argument #2 to 'config' (table of arguments expected, got %s)"):format(type(argv)), 2)
+  end
+
+  for _, a in ipairs(argv) do
+    if a == "--help" or a == "-h" then
+      print_help(defaults)
+      os.exit(0, true)
+    end
+  end
+
+  local cfg = deep_copy(defaults)
+  local rest = {}
+  for _, a in ipairs(argv) do
+    local key, text = tostring(a):match("^([%a_][%w_%-%.]*)=(.*)$")
+    if key == nil then
+      rest[#rest + 1] = a
+    else
+      local t, name, default = locate(cfg, defaults, key)
+      if t == nil then error("moe.config: " .. name, 2) end
+      local v, err = parse_value(key, default, text)
+      if v == nil then error("moe.config: " .. err, 2) end
+      t[name] = v
+    end
+  end
+  return cfg, rest
+end
+
+return M.config

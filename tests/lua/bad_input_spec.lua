@@ -1,0 +1,331 @@
+--[[
+tests/lua/bad_input_spec.lua - 200+ different bad calls of the moe API under
+pcall, in one process: wrong types, bad shapes, dims and sizes, unknown
+dtypes, devices and options, ragged tables, use after free, views that need a
+copy, broadcast mismatches, item() of many elements, ...
+
+Each case names the function it calls and a piece of the message that states
+the problem; the message must contain both ('fname' or "fname:" for the
+function). Afterwards, with the fixtures freed and two full collections, the
+CPU memory statistics must be back where they started (live storages and
+allocated bytes). This spec also runs in the ASan + UBSan build, where a
+leak or an invalid access fails the process.
+]]
+local moe = require "moe"
+
+local gpu = moe.cuda.is_available()
+
+-- Shapes, dims and options that are wrong for every constructor.
+local ctor_bad = {
+  { function(f) return f({ 1.5 }) end, "size of dim 0 must be a non-negative integer, got 1.5" },
+  { function(f) return f({ -1 }) end, "size of dim 0 must be a non-negative integer, got -1" },
+  { function(f) return f({ 2, -3 }) end, "size of dim 1 must be a non-negative integer, got -3" },
+  { function(f) return f({ "2" }) end, "size of dim 0 must be a non-negative integer, got string" },
+  { function(f) return f({ 2, {} }) end, "size of dim 1 must be a non-negative integer, got table" },
+  { function(f) return f({ math.huge }) end, "size of dim 0 must be a non-negative integer, got inf" },
+  { function(f) return f({ 0 / 0 }) end, "size of dim 0 must be a non-negative integer, got " },
+  { function(f) return f({ 1, 1, 1, 1, 1, 1, 1, 1, 1 }) end, "a shape has at most 8 dims, got 9" },
+  { function(f) return f(1, 1, 1, 1, 1, 1, 1, 1, 1) end, "a shape has at most 8 dims" },
+  { function(f) return f("2x3") end, "shape expected (a table of sizes, or sizes as numbers), got string" },
+  { function(f) return f() end, "shape expected (a table of sizes, or sizes as numbers), got no value" },
+  { function(f) return f(true) end, "shape expected (a table of sizes, or sizes as numbers), got boolean" },
+  { function(f) return f(2, 1.5) end, "bad argument #2" },
+  { function(f) return f({ 2 }, { dtype = "f33" }) end, "unknown dtype 'f33' (valid: f32, f64, bf16, f16, i8, u8, i32, i64, bool)" },
+  { function(f) return f({ 2 }, { dtype = 32 }) end, "dtype must be a string, got number" },
+  { function(f) return f({ 2 }, { dtyp = "f32" }) end, "unknown option 'dtyp' (valid options: dtype, device, requires_grad)" },
+  { function(f) return f({ 2 }, { device = "tpu" }) end, "device 'tpu'" },
+  { function(f) return f({ 2 }, { device = "cuda:99" }) end, "device 'cuda:99'" },
+  { function(f) return f({ 2 }, { device = 0 }) end, "device must be a string ('cpu', 'cuda', 'cuda:N'), got number" },
+  { function(f) return f({ 2 }, { requires_grad = true }) end, "requires_grad = true is not supported yet" },
+  { function(f) return f({ 2 }, { requires_grad = "yes" }) end, "requires_grad must be a boolean, got string" },
+  { function(f) return f({ 2 }, { "f32" }) end, "options are given by name" },
+  { function(f) return f({ 2 }, "f32") end, "options table expected" },
+  { function(f) return f({ 2 }, {}, 5) end, "unexpected extra argument (5)" },
+  { function(f) return f({ 2 ^ 40, 2 ^ 40 }) end, "more than 2^63 elements" },
+}
+
+local cases = {}
+local function case(fname, problem, fn) cases[#cases + 1] = { fname = fname, problem = problem, fn = fn } end
+
+for _, name in ipairs({ "empty", "zeros", "ones", "rand", "randn" }) do
+  for _, c in ipairs(ctor_bad) do
+    case(name, c[2], function() return c[1](moe[name]) end)
+  end
+end
+
+-- Fixtures, made before the memory snapshot and freed before the check.
+local fx = {}
+local function fixtures()
+  fx.t = moe.arange(30):view(5, 6)       -- (5, 6) i64
+  fx.f = moe.randn(2, 3)                  -- (2, 3) f32
+  fx.tr = fx.f:transpose(0, 1)            -- (3, 2), not contiguous
+  fx.ex = moe.ones(1, 3):expand(4, 3)     -- overlapping elements
+  fx.s = moe.tensor(5)                    -- 0-dim
+  fx.b = moe.tensor({ true, false })
+  fx.freed = moe.zeros(3)
+  fx.freed:free()
+end
+
+local cuda_missing = "device 'cuda'"
+
+-- full, randint, arange, linspace
+case("full", "shape table expected, got number", function() return moe.full(2, 1) end)
+case("full", "value must be a number or a boolean, got string", function() return moe.full({ 2 }, "x") end)
+case("full", "value must be a number or a boolean, got no value", function() return moe.full({ 2 }) end)
+case("full", "value must be a number or a boolean, got table", function() return moe.full({ 2 }, {}) end)
+case("full", "unknown option 'size'", function() return moe.full({ 2 }, 1, { size = 3 }) end)
+case("full", "size of dim 0 must be a non-negative integer, got 0.5", function() return moe.full({ 0.5 }, 1) end)
+case("randint", "low must be an integer, got 0.5", function() return moe.randint(0.5, 3, { 2 }) end)
+case("randint", "high must be an integer, got string", function() return moe.randint(0, "3", { 2 }) end)
+case("randint", "empty range: high (3) must be greater than low (3)", function() return moe.randint(3, 3, { 2 }) end)
+case("randint", "empty range: high (0) must be greater than low (0)", function() return moe.randint(0, { 2 }) end)
+case("randint", "shape table expected, got number", function() return moe.randint(0, 3, 2) end)
+case("randint", "shape table expected, got no value", function() return moe.randint(0, 3) end)
+case("randint", "unknown option 'dtpye'", function() return moe.randint(0, 3, { 2 }, { dtpye = "i32" }) end)
+case("randint", "size of dim 0 must be a non-negative integer, got -2", function() return moe.randint(0, 3, { -2 }) end)
+case("arange", "end must be a number, got no value", function() return moe.arange() end)
+case("arange", "end must be a number, got string", function() return moe.arange("10") end)
+case("arange", "step must not be zero", function() return moe.arange(0, 10, 0) end)
+case("arange", "must be finite", function() return moe.arange(math.huge) end)
+case("arange", "must be finite", function() return moe.arange(0, 1, 0 / 0) end)
+case("arange", "step -1", function() return moe.arange(0, 10, -1) end)
+case("arange", "number or options table expected, got string", function() return moe.arange(1, "x") end)
+case("arange", "options table expected, got number", function() return moe.arange(1, 2, 3, 4) end)
+case("arange", "unknown dtype 'int128'", function() return moe.arange(3, { dtype = "int128" }) end)
+case("arange", "unexpected extra argument", function() return moe.arange(3, {}, 1) end)
+case("linspace", "start must be a number, got no value", function() return moe.linspace() end)
+case("linspace", "end must be a number, got string", function() return moe.linspace(0, "1", 5) end)
+case("linspace", "steps must be an integer, got 2.5", function() return moe.linspace(0, 1, 2.5) end)
+case("linspace", "steps must be non-negative, got -1", function() return moe.linspace(0, 1, -1) end)
+case("linspace", "must be finite", function() return moe.linspace(0, 0 / 0, 3) end)
+case("linspace", "bool", function() return moe.linspace(0, 1, 3, { dtype = "bool" }) end)
+
+-- moe.tensor
+case("tensor", "ragged nested table: data[2] has 1 elements, expected 2", function() return moe.tensor({ { 1, 2 }, { 3 } }) end)
+case("tensor", "ragged nested table: data[2] is a number, expected a table of 2 elements", function() return moe.tensor({ { 1, 2 }, 3 }) end)
+case("tensor", "ragged nested table: data[2] is a table, expected a number", function() return moe.tensor({ 1, { 2 } }) end)
+case("tensor", "ragged nested table: data[1][2] has 0 elements, expected 1", function() return moe.tensor({ { { 1 }, {} } }) end)
+case("tensor", "data[2][2] mixes booleans and numbers", function() return moe.tensor({ { 1, 2 }, { 3, true } }) end)
+case("tensor", "data[3] mixes booleans and numbers", function() return moe.tensor({ true, false, 1 }) end)
+case("tensor", "data[2] must be a number or a boolean, got string", function() return moe.tensor({ 1, "2" }) end)
+case("tensor", "data[1] must be a number or a boolean, got tensor", function() return moe.tensor({ fx.f }) end)
+case("tensor", "data[1][1] must be a number or a boolean, got function", function() return moe.tensor({ { print } }) end)
+case("tensor", "nested table deeper than 8 levels", function() return moe.tensor({ { { { { { { { { 1 } } } } } } } } }) end)
+case("tensor", "data must be a number, a boolean or a nested table, got string", function() return moe.tensor("1") end)
+case("tensor", "data must be a number, a boolean or a nested table, got no value", function() return moe.tensor() end)
+case("tensor", "unknown option 'shape'", function() return moe.tensor({ 1 }, { shape = { 1 } }) end)
+case("tensor", "unknown dtype 'float128'", function() return moe.tensor({ 1 }, { dtype = "float128" }) end)
+case("tensor", "unexpected extra argument", function() return moe.tensor({ 1 }, nil, "x") end)
+
+-- Every method, on something that is not a tensor and on a freed tensor.
+local method_args = {
+  numel = {}, size = {}, stride = {}, dim = {}, is_contiguous = {}, storage_offset = {}, totable = {},
+  item = {}, view = { 3 }, reshape = { 3 }, transpose = { 0, 0 }, permute = { 0 }, narrow = { 0, 0, 1 },
+  slice = { 0, 0, 1 }, select = { 0, 0 }, expand = { 3 }, squeeze = {}, unsqueeze = { 0 }, contiguous = {},
+  clone = {}, to = { "f32" }, cpu = {}, cuda = {}, float = {}, double = {}, half = {}, bfloat16 = {},
+  long = {}, int = {}, bool = {}, fill_ = { 1 }, uniform_ = {}, normal_ = {}, add = { 1 }, sub = { 1 },
+  mul = { 1 }, div = { 1 }, neg = {},
+}
+local method_names = {}
+for name in pairs(method_args) do method_names[#method_names + 1] = name end
+table.sort(method_names)
+for _, name in ipairs(method_names) do
+  local args = method_args[name]
+  case(name, "bad argument #1 to '" .. name .. "' (tensor", function()
+    return moe.Tensor[name]({}, table.unpack(args))
+  end)
+  case(name, "bad argument #1 to '" .. name .. "' (attempt to use a freed tensor)", function()
+    return moe.Tensor[name](fx.freed, table.unpack(args))
+  end)
+end
+case("copy_", "bad argument #2 to 'copy_' (attempt to use a freed tensor)", function() return fx.f:copy_(fx.freed) end)
+case("free", "bad argument #1 to 'free' (tensor expected, got number)", function() return moe.Tensor.free(3) end)
+case("shape", "attempt to use a freed tensor", function() return fx.freed.shape end)
+case("dtype", "attempt to use a freed tensor", function() return fx.freed.dtype end)
+case("device", "attempt to use a freed tensor", function() return fx.freed.device end)
+case("ndim", "attempt to use a freed tensor", function() return fx.freed.ndim end)
+case("__len", "attempt to use a freed tensor", function() return #fx.freed end)
+case("add", "bad argument #2 to 'add' (attempt to use a freed tensor)", function() return fx.f + fx.freed end)
+
+-- Views: shapes, dims and indices that do not fit.
+case("view", "shape [4, 7] is invalid for a tensor of 30 elements", function() return fx.t:view(4, 7) end)
+case("view", "bad argument #2 to 'view'", function() return fx.t:view(7, -1) end)
+case("view", "without a copy", function() return fx.tr:view(6) end)
+case("view", "more than one -1", function() return fx.t:view(-1, -1) end)
+case("view", "size of dim 0 must be a non-negative integer (or -1), got -2", function() return fx.t:view(-2, 15) end)
+case("view", "size of dim 1 must be a non-negative integer (or -1), got 2.5", function() return fx.t:view(12, 2.5) end)
+case("view", "shape expected (a table of sizes, or sizes as numbers), got no value", function() return fx.t:view() end)
+case("view", "shape expected (a table of sizes, or sizes as numbers), got string", function() return fx.t:view("30") end)
+case("view", "unexpected extra argument", function() return fx.t:view(30, "x") end)
+case("reshape", "shape [7, -1] is invalid for a tensor of 30 elements", function() return fx.t:reshape(7, -1) end)
+case("reshape", "a shape has at most 8 dims, got 9", function() return fx.t:reshape({ 1, 1, 1, 1, 1, 1, 1, 1, 30 }) end)
+case("expand", "cannot be expanded", function() return fx.t:expand(3, 5, 7) end)
+case("expand", "bad argument #2 to 'expand'", function() return fx.t:expand(6) end)
+case("expand", "size of dim 0 must be a non-negative integer (or -1), got -5", function() return fx.t:expand(-5, 6) end)
+case("transpose", "dim 5 is out of range for a tensor of 2 dims", function() return fx.t:transpose(0, 5) end)
+case("transpose", "dim -3 is out of range for a tensor of 2 dims", function() return fx.t:transpose(-3, 0) end)
+case("transpose", "dim must be an integer, got 0.5", function() return fx.t:transpose(0.5, 1) end)
+case("transpose", "dim must be an integer, got no value", function() return fx.t:transpose(0) end)
+case("transpose", "dim must be an integer, got string", function() return fx.t:transpose("0", 1) end)
+case("transpose", "dim 0 given for a tensor with no dims", function() return fx.s:transpose(0, 0) end)
+case("permute", "appears twice", function() return fx.t:permute(0, 0) end)
+case("permute", "1 dims given for a tensor of 2 dims", function() return fx.t:permute(0) end)
+case("permute", "dim 2 is out of range for a tensor of 2 dims", function() return fx.t:permute(0, 2) end)
+case("permute", "dims[2] must be an integer, got string", function() return fx.t:permute({ 0, "x" }) end)
+case("permute", "dims expected, got no value", function() return fx.t:permute() end)
+case("narrow", "exceeds size 5 of dim 0", function() return fx.t:narrow(0, 4, 3) end)
+case("narrow", "narrow:", function() return fx.t:narrow(0, 0, -1) end)
+case("narrow", "narrow:", function() return fx.t:narrow(0, -9, 1) end)
+case("narrow", "dim 2 is out of range", function() return fx.t:narrow(2, 0, 1) end)
+case("narrow", "start must be an integer, got 1.5", function() return fx.t:narrow(0, 1.5, 1) end)
+case("narrow", "length must be an integer, got no value", function() return fx.t:narrow(0, 1) end)
+case("slice", "step must be positive, got 0", function() return fx.t:slice(0, 0, 5, 0) end)
+case("slice", "step must be positive, got -1", function() return fx.t:slice(0, 0, 5, -1) end)
+case("slice", "dim must be an integer, got string", function() return fx.t:slice("0") end)
+case("slice", "stop must be an integer, got 2.5", function() return fx.t:slice(0, 0, 2.5) end)
+case("slice", "dim 3 is out of range", function() return fx.t:slice(3, 0, 1) end)
+case("select", "index 6 is out of range for size 6 of dim 1", function() return fx.t:select(1, 6) end)
+case("select", "out of range", function() return fx.t:select(0, -6) end)
+case("select", "dim 2 is out of range", function() return fx.t:select(2, 0) end)
+case("select", "index must be an integer, got 0.5", function() return fx.t:select(0, 0.5) end)
+case("squeeze", "dim 2 is out of range", function() return fx.t:squeeze(2) end)
+case("squeeze", "dim must be an integer, got string", function() return fx.t:squeeze("all") end)
+case("unsqueeze", "dim 3 is out of range for a tensor of 2 dims", function() return fx.t:unsqueeze(3) end)
+case("unsqueeze", "dim -4 is out of range", function() return fx.t:unsqueeze(-4) end)
+case("unsqueeze", "dim must be an integer, got no value", function() return fx.t:unsqueeze() end)
+case("unsqueeze", "ndim 9 exceeds the maximum of 8", function()
+  return moe.zeros(1, 1, 1, 1, 1, 1, 1, 1):unsqueeze(0)
+end)
+case("size", "dim 2 is out of range", function() return fx.t:size(2) end)
+case("size", "dim must be an integer, got string", function() return fx.t:size("0") end)
+case("stride", "dim -3 is out of range", function() return fx.t:stride(-3) end)
+case("item", "a tensor with 30 elements (shape [5, 6]) cannot be converted to a number", function() return fx.t:item() end)
+case("item", "a tensor with 0 elements", function() return moe.zeros(0):item() end)
+case("item", "unexpected extra argument", function() return fx.s:item(1) end)
+case("totable", "unexpected extra argument", function() return fx.t:totable(1) end)
+case("__len", "a 0-dim tensor has no length", function() return #fx.s end)
+
+-- Arithmetic.
+case("add", "shapes [5, 6] and [4] cannot be broadcast", function() return fx.t + moe.ones(4) end)
+case("sub", "shapes [2, 3] and [3, 2] cannot be broadcast", function() return fx.f - fx.tr end)
+case("mul", "cannot be broadcast", function() return fx.f * moe.ones(2) end)
+case("div", "cannot be broadcast", function() return moe.ones(4, 3) / moe.ones(2, 1, 4) end)
+case("add", "bad argument #2 to 'add' (tensor or number expected, got string)", function() return fx.f + "x" end)
+case("add", "bad argument #1 to 'add' (tensor or number expected, got string)", function() return "x" + fx.f end)
+case("add", "bad argument #2 to 'add' (tensor or number expected, got table)", function() return fx.f + {} end)
+case("sub", "bad argument #2 to 'sub' (tensor or number expected, got boolean)", function() return fx.f - true end)
+case("mul", "bad argument #1 to 'mul' (tensor or number expected, got table)", function() return {} * fx.f end)
+case("div", "bad argument #2 to 'div' (tensor or number expected, got nil)", function() return fx.f / nil end)
+case("add", "bad argument #2 to 'add' (tensor or number expected, got no value)", function() return fx.f:add() end)
+case("mul", "unexpected extra argument", function() return fx.f:mul(2, 3) end)
+case("sub", "bad argument #2 to 'sub' (tensor expected, got number)", function() return moe.Tensor.sub(1, 2) end)
+case("neg", "unexpected extra argument", function() return fx.f:neg(1) end)
+case("add", "cannot be broadcast", function() return fx.b + moe.ones(3) end)
+
+-- Conversions, copies, fills.
+case("to", "unknown dtype or device 'f33'", function() return fx.f:to("f33") end)
+case("to", "unknown dtype or device 'tpu'", function() return fx.f:to("tpu") end)
+case("to", "device 'cuda:77'", function() return fx.f:to("cuda:77") end)
+case("to", "dtype, device, options table or tensor expected, got number", function() return fx.f:to(5) end)
+case("to", "dtype, device, options table or tensor expected, got no value", function() return fx.f:to() end)
+case("to", "unknown option 'requires_grad' (valid options: dtype, device)", function() return fx.f:to({ requires_grad = false }) end)
+case("to", "unknown dtype 'x'", function() return fx.f:to({ dtype = "x" }) end)
+case("to", "bad argument #2 to 'to' (attempt to use a freed tensor)", function() return fx.f:to(fx.freed) end)
+case("to", "unexpected extra argument", function() return fx.f:to("f32", 1) end)
+case("cuda", "device index must be non-negative, got -1", function() return fx.f:cuda(-1) end)
+case("cuda", "device index must be an integer, got string", function() return fx.f:cuda("0") end)
+case("cuda", "cuda:", function() return fx.f:cuda(77) end)
+case("float", "unexpected extra argument", function() return fx.f:float("f64") end)
+case("copy_", "source shape [3] cannot be broadcast to destination shape [5, 6]", function() return fx.t:copy_(moe.ones(3)) end)
+case("copy_", "bad argument #2 to 'copy_' (tensor expected, got number)", function() return fx.t:copy_(1) end)
+case("copy_", "overlap", function() return fx.ex:copy_(moe.zeros(4, 3)) end)
+case("fill_", "value must be a number or a boolean, got string", function() return fx.f:fill_("1") end)
+case("fill_", "value must be a number or a boolean, got no value", function() return fx.f:fill_() end)
+case("fill_", "overlap", function() return fx.ex:fill_(1) end)
+case("uniform_", "low must be a number, got string", function() return fx.f:uniform_("0", 1) end)
+case("uniform_", "float", function() return fx.t:uniform_() end)
+case("normal_", "std must be non-negative, got -1", function() return fx.f:normal_(0, -1) end)
+case("normal_", "needs a float tensor, got i64", function() return fx.t:normal_() end)
+case("normal_", "mean must be a number, got table", function() return fx.f:normal_({}) end)
+
+-- Module functions.
+case("manual_seed", "seed must be an integer, got 1.5", function() return moe.manual_seed(1.5) end)
+case("manual_seed", "seed must be an integer, got string", function() return moe.manual_seed("1") end)
+case("manual_seed", "seed must be an integer, got no value", function() return moe.manual_seed() end)
+case("set_rng_state", "state table ({seed=, call=}) expected, got number", function() return moe.set_rng_state(1) end)
+case("set_rng_state", "state.seed and state.call must be integers, got string and nil", function() return moe.set_rng_state({ seed = "x" }) end)
+case("memory_stats", "device must be a string ('cpu', 'cuda', 'cuda:N'), got number", function() return moe.memory_stats(0) end)
+case("memory_stats", "device 'tpu'", function() return moe.memory_stats("tpu") end)
+case("memory_stats", "device 'cuda:42'", function() return moe.memory_stats("cuda:42") end)
+case("reset_peak_memory_stats", "device 'npu'", function() return moe.reset_peak_memory_stats("npu") end)
+case("empty_cache", "device must be a string", function() return moe.empty_cache({}) end)
+case("set_printoptions", "options table expected, got number", function() return moe.set_printoptions(3) end)
+case("set_printoptions", "unknown option 'digits'", function() return moe.set_printoptions({ digits = 3 }) end)
+case("set_printoptions", "precision must be a non-negative integer, got -1", function() return moe.set_printoptions({ precision = -1 }) end)
+case("set_printoptions", "linewidth must be a non-negative integer, got string", function() return moe.set_printoptions({ linewidth = "wide" }) end)
+case("get_device_name", "device index must be non-negative, got -1", function() return moe.cuda.get_device_name(-1) end)
+case("get_device_name", "cuda:", function() return moe.cuda.get_device_name(64) end)
+case("synchronize", "a CUDA device expected, got 'cpu'", function() return moe.cuda.synchronize("cpu") end)
+case("synchronize", "device index must be an integer, got table", function() return moe.cuda.synchronize({}) end)
+case("config", "table of defaults expected, got nil", function() return moe.config() end)
+case("config", "unknown key 'x'", function() return moe.config({ y = 1 }, { "x=1" }) end)
+case("config", "y expects an integer, got 'one'", function() return moe.config({ y = 1 }, { "y=one" }) end)
+
+-- Without a GPU, asking for one is a clear error.
+if not gpu then
+  case("zeros", cuda_missing, function() return moe.zeros({ 2 }, { device = "cuda" }) end)
+  case("randn", cuda_missing, function() return moe.randn({ 2 }, { device = "cuda" }) end)
+  case("tensor", cuda_missing, function() return moe.tensor({ 1 }, { device = "cuda" }) end)
+  case("arange", "device 'gpu'", function() return moe.arange(3, { device = "gpu" }) end)
+  case("to", cuda_missing, function() return fx.f:to("cuda") end)
+  case("cuda", "cuda:0", function() return fx.f:cuda() end)
+  case("memory_stats", cuda_missing, function() return moe.memory_stats("cuda") end)
+  case("synchronize", "cuda:0", function() return moe.cuda.synchronize() end)
+  case("get_device_name", "cuda:0", function() return moe.cuda.get_device_name() end)
+else
+  case("add", "device", function() return fx.f + moe.ones(3, { device = "cuda" }) end)
+  case("copy_", "cannot be broadcast", function() return moe.zeros(2, { device = "cuda" }):copy_(moe.ones(3)) end)
+  case("view", "is invalid for a tensor of", function() return moe.zeros(6, { device = "cuda" }):view(4, 2) end)
+  case("normal_", "needs a float tensor", function() return moe.zeros(2, { device = "cuda", dtype = "i32" }):normal_() end)
+  case("to", "device 'cuda:64'", function() return fx.f:to("cuda:64") end)
+end
+
+describe("bad input", function()
+  it("has more than 200 different cases", function()
+    assert.is_true(#cases >= 200, "only " .. #cases .. " cases")
+  end)
+
+  it("every bad call raises an error naming the function and the problem; nothing leaks", function()
+    collectgarbage()
+    collectgarbage()
+    local before = moe.memory_stats("cpu")
+    local before_gpu = gpu and moe.memory_stats("cuda:0")
+    fixtures()
+
+    local failures = {}
+    for i, c in ipairs(cases) do
+      local ok, err = pcall(c.fn)
+      err = tostring(err)
+      local names = err:find("'" .. c.fname .. "'", 1, true) or err:find(c.fname .. ":", 1, true)
+      if ok then
+        failures[#failures + 1] = ("case %d (%s, %q): no error"):format(i, c.fname, c.problem)
+      elseif not names or not err:find(c.problem, 1, true) then
+        failures[#failures + 1] = ("case %d (%s, %q): got %q"):format(i, c.fname, c.problem, err)
+      end
+    end
+
+    for _, v in pairs(fx) do v:free() end
+    collectgarbage()
+    collectgarbage()
+    local after = moe.memory_stats("cpu")
+    assert.are.same({}, failures)
+    print(("\n%d bad calls checked"):format(#cases))
+    assert.are.equal(before.live_storages, after.live_storages)
+    assert.are.equal(before.allocated, after.allocated)
+    if gpu then
+      local after_gpu = moe.memory_stats("cuda:0")
+      assert.are.equal(before_gpu.live_storages, after_gpu.live_storages)
+      assert.are.equal(before_gpu.allocated, after_gpu.allocated)
+    end
+  end)
+end)

@@ -1,0 +1,177 @@
+--[[
+tests/lua/config_spec.lua - moe.config: key=value overrides merged into a
+script's defaults (types, dotted keys, lists, errors), and, through the built
+moe-lua run as a subprocess ($MOE_BUILD_DIR/moe-lua), overrides read from the
+command line and `script.lua --help`.
+]]
+local moe = require "moe"
+
+local build = os.getenv("MOE_BUILD_DIR") or "build"
+local exe = build .. "/moe-lua"
+
+local function sh_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- Runs a Lua script with moe-lua and the given arguments: output (stdout
+-- and stderr together) and exit status.
+local function run_script(source, args)
+  local path = os.tmpname()
+  local f = assert(io.open(path, "w"))
+  f:write(source)
+  f:close()
+  local cmd = sh_quote(exe) .. " " .. sh_quote(path)
+  for _, a in ipairs(args or {}) do cmd = cmd .. " " .. sh_quote(a) end
+  local p = assert(io.popen(cmd .. " 2>&1; echo \"__rc=$?\""))
+  local out = p:read("a")
+  p:close()
+  os.remove(path)
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  return out:gsub("__rc=%d+%s*$", ""), rc, path
+end
+
+local defaults = {
+  steps = 100,
+  lr = 3e-4,
+  device = "auto",
+  resume = false,
+  name = "run",
+  model = { experts = 8, top_k = 2, hidden = { 512, 1024 }, router = { jitter = 0.0 } },
+  tags = {},
+  scales = { 0.5, 1.5 },
+}
+
+local function err_of(f, ...)
+  local ok, err = pcall(f, ...)
+  assert.is_false(ok)
+  return err
+end
+
+describe("moe.config", function()
+  it("returns a deep copy of the defaults without overrides", function()
+    local cfg, rest = moe.config(defaults, {})
+    assert.are.same(defaults, cfg)
+    assert.are_not.equal(defaults, cfg)
+    assert.are_not.equal(defaults.model, cfg.model)
+    assert.are.same({}, rest)
+  end)
+
+  it("parses values against the default's type", function()
+    local cfg = moe.config(defaults, { "steps=500", "lr=1e-3", "device=cuda", "resume=true", "name=" })
+    assert.are.equal(500, cfg.steps)
+    assert.are.equal("integer", math.type(cfg.steps))
+    assert.are.equal(1e-3, cfg.lr)
+    assert.are.equal("cuda", cfg.device)
+    assert.is_true(cfg.resume)
+    assert.are.equal("", cfg.name)
+    assert.are.equal(100, defaults.steps) -- the defaults are untouched
+    cfg = moe.config(defaults, { "steps=1e3", "lr=2", "resume=false" })
+    assert.are.equal(1000, cfg.steps)
+    assert.are.equal("integer", math.type(cfg.steps))
+    assert.are.equal("float", math.type(cfg.lr))
+    assert.is_false(cfg.resume)
+  end)
+
+  it("sets nested keys with dots", function()
+    local cfg = moe.config(defaults, { "model.experts=16", "model.router.jitter=0.01" })
+    assert.are.equal(16, cfg.model.experts)
+    assert.are.equal(2, cfg.model.top_k)
+    assert.are.equal(0.01, cfg.model.router.jitter)
+  end)
+
+  it("parses lists as a,b,c or [a,b,c]", function()
+    local cfg = moe.config(defaults, { "model.hidden=256,128,64", "scales=[1, 2.5]", "tags=a,b" })
+    assert.are.same({ 256, 128, 64 }, cfg.model.hidden)
+    assert.are.equal("integer", math.type(cfg.model.hidden[1]))
+    assert.are.same({ 1.0, 2.5 }, cfg.scales)
+    assert.are.equal("float", math.type(cfg.scales[1]))
+    assert.are.same({ "a", "b" }, cfg.tags)
+    assert.are.same({}, moe.config(defaults, { "model.hidden=[]" }).model.hidden)
+    assert.are.same({ 3 }, moe.config(defaults, { "tags=3" }).tags)
+  end)
+
+  it("leaves arguments that are not key=value alone; the last override wins", function()
+    local cfg, rest = moe.config(defaults, { "data.txt", "steps=1", "--verbose", "steps=2", "-" })
+    assert.are.equal(2, cfg.steps)
+    assert.are.same({ "data.txt", "--verbose", "-" }, rest)
+  end)
+
+  it("reads the script's arguments from the global arg by default", function()
+    local saved = _G.arg -- busted runs specs in their own environment
+    _G.arg = { [0] = "script.lua", "steps=7", "x" }
+    local ok, cfg, rest = pcall(moe.config, defaults)
+    _G.arg = saved
+    assert.is_true(ok)
+    assert.are.equal(7, cfg.steps)
+    assert.are.same({ "x" }, rest)
+  end)
+
+  it("rejects an unknown key, listing the valid keys", function()
+    local err = err_of(moe.config, defaults, { "stpes=1" })
+    assert.truthy(err:find("unknown key 'stpes'", 1, true))
+    assert.truthy(err:find("valid keys: device, lr, model.experts, model.hidden, model.router.jitter, "
+      .. "model.top_k, name, resume, scales, steps, tags", 1, true))
+    assert.truthy(err_of(moe.config, defaults, { "model.expert=1" }):find("unknown key 'model.expert'", 1, true))
+    assert.truthy(err_of(moe.config, defaults, { "steps.x=1" }):find("unknown key 'steps.x'", 1, true))
+    local sec = err_of(moe.config, defaults, { "model=3" })
+    assert.truthy(sec:find("'model' is a section", 1, true))
+    assert.truthy(sec:find("model.experts", 1, true))
+  end)
+
+  it("rejects a value of the wrong type, naming key, type and value", function()
+    local cases = {
+      { "steps=abc", "steps expects an integer, got 'abc'" },
+      { "steps=2.5", "steps expects an integer, got '2.5'" },
+      { "lr=fast", "lr expects a number, got 'fast'" },
+      { "resume=yes", "resume expects a boolean, got 'yes'" },
+      { "model.hidden=1,x", "model.hidden expects a list of integer values" },
+      { "scales=[a]", "scales expects a list of number values" },
+    }
+    for _, c in ipairs(cases) do
+      local err = err_of(moe.config, defaults, { c[1] })
+      assert.truthy(err:find(c[2], 1, true), err)
+      assert.truthy(err:find("moe.config: ", 1, true))
+    end
+  end)
+
+  it("checks its own arguments", function()
+    assert.truthy(err_of(moe.config, nil):find("bad argument #1 to 'config'", 1, true))
+    assert.truthy(err_of(moe.config, {}, "x=1"):find("bad argument #2 to 'config'", 1, true))
+  end)
+end)
+
+describe("moe.config in a script run by moe-lua", function()
+  local script = [[
+local moe = require "moe"
+local cfg, rest = moe.config{ steps = 100, lr = 0.001, model = { experts = 8, hidden = {4, 8} }, tag = "x" }
+print("steps", cfg.steps, "lr", cfg.lr, "experts", cfg.model.experts, "hidden", table.concat(cfg.model.hidden, ","))
+print("rest", table.concat(rest, " "))
+]]
+
+  it("takes overrides from the command line", function()
+    local out, rc = run_script(script, { "steps=5", "model.experts=16", "pos", "model.hidden=[1,2,3]" })
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:find("steps\t5\tlr\t0.001\texperts\t16\thidden\t1,2,3", 1, true), out)
+    assert.truthy(out:find("rest\tpos", 1, true), out)
+  end)
+
+  it("--help lists every key with its default and type, and exits 0", function()
+    for _, flag in ipairs({ "--help", "-h" }) do
+      local out, rc = run_script(script, { flag })
+      assert.are.equal(0, rc, out)
+      assert.truthy(out:find("usage: moe-lua ", 1, true), out)
+      assert.truthy(out:match("\n%s+lr=0%.001%s+%(number%)\n"), out)
+      assert.truthy(out:match("\n%s+model%.experts=8%s+%(integer%)\n"), out)
+      assert.truthy(out:match("\n%s+model%.hidden=4,8%s+%(list of integer%)\n"), out)
+      assert.truthy(out:match("\n%s+steps=100%s+%(integer%)\n"), out)
+      assert.truthy(out:match("\n%s+tag=x%s+%(string%)\n"), out)
+      assert.falsy(out:find("steps\t", 1, true)) -- the script stopped
+    end
+  end)
+
+  it("an unknown key stops the script with the list of keys and status 1", function()
+    local out, rc = run_script(script, { "stpes=5" })
+    assert.are.equal(1, rc)
+    assert.truthy(out:find("moe.config: unknown key 'stpes' (valid keys: lr, model.experts, model.hidden, steps, tag)",
+      1, true), out)
+    assert.truthy(out:find(":2: moe.config", 1, true), out) -- points at the script's line
+  end)
+end)

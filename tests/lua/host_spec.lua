@@ -1,0 +1,236 @@
+--[[
+tests/lua/host_spec.lua - the moe-lua executable, run as a subprocess
+($MOE_BUILD_DIR/moe-lua): options as in lua5.4 (-e, -l, -i, -v, -E, --, -),
+the arg table, errors with a traceback and status 1, subcommands, stdin
+scripts, finalizers at exit, and Ctrl-C stopping a running script.
+]]
+local moe = require "moe"
+
+local build = os.getenv("MOE_BUILD_DIR") or "build"
+local exe = build .. "/moe-lua"
+
+local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
+
+-- Runs a shell command line; returns its output (stdout and stderr
+-- together) and exit status.
+local function sh(cmd)
+  local p = assert(io.popen(cmd .. " 2>&1; echo \"__rc=$?\""))
+  local out = p:read("a")
+  p:close()
+  local rc = tonumber(out:match("__rc=(%d+)%s*$"))
+  return (out:gsub("__rc=%d+%s*$", "")), rc
+end
+
+-- moe-lua with arguments (each quoted), optionally fed `input` on stdin.
+local function host(args, input, env)
+  local cmd = (env or "") .. " " .. q(exe)
+  for _, a in ipairs(args) do cmd = cmd .. " " .. q(a) end
+  if input then cmd = "printf '%s' " .. q(input) .. " | " .. cmd else cmd = cmd .. " </dev/null" end
+  return sh(cmd)
+end
+
+local tmpfiles = {}
+local function script(source)
+  local path = os.tmpname()
+  local f = assert(io.open(path, "w"))
+  f:write(source)
+  f:close()
+  tmpfiles[#tmpfiles + 1] = path
+  return path
+end
+
+local function has(out, text) return out:find(text, 1, true) ~= nil end
+
+describe("moe-lua", function()
+  teardown(function()
+    for _, p in ipairs(tmpfiles) do os.remove(p) end
+  end)
+
+  it("exists", function()
+    local f = io.open(exe, "rb")
+    assert.is_truthy(f, "no " .. exe .. " (set MOE_BUILD_DIR to the build folder)")
+    f:close()
+  end)
+
+  it("runs -e statements in order", function()
+    local out, rc = host({ "-e", "x = 20", "-e", "print(x + 22)" })
+    assert.are.equal(0, rc)
+    assert.are.equal("42\n", out)
+  end)
+
+  it("has moe compiled in and lua/ first on package.path", function()
+    local out, rc = host({ "-e", "package.cpath = '' local moe = require 'moe' print(moe.version, type(package.preload.moe))" })
+    assert.are.equal(0, rc, out)
+    assert.are.equal(moe.version .. "\tfunction\n", out)
+    out = host({ "-e", "print(package.searchpath('moe.config', package.path))" })
+    assert.truthy(out:match("/lua/moe/config%.lua\n$"), out)
+    out = host({ "-e", "print(require('moe').randn{2, 3})" })
+    assert.truthy(has(out, "shape=[2, 3], dtype=f32, device=cpu"), out)
+  end)
+
+  it("-l loads a module into a global, also as g=mod", function()
+    local out, rc = host({ "-l", "moe", "-l", "cfg=moe.config", "-e", "print(type(moe.zeros), type(cfg))" })
+    assert.are.equal(0, rc, out)
+    assert.are.equal("function\tfunction\n", out)
+  end)
+
+  it("-v and --version print versions, CUDA and the GPUs", function()
+    for _, flag in ipairs({ "-v", "--version" }) do
+      local out, rc = host({ flag })
+      assert.are.equal(0, rc, out)
+      assert.truthy(has(out, "moe-lua " .. moe.version .. "\n"), out)
+      assert.truthy(has(out, "Lua 5.4"), out)
+      assert.truthy(has(out, "CUDA: "), out)
+      if moe.build_info().cuda then
+        assert.truthy(out:match("CUDA: built in; runtime [%d.]+, driver [%w.]+, cuBLAS [%w.]+, NCCL [%w.]+"), out)
+      else
+        assert.truthy(has(out, "CUDA: not built in"), out)
+      end
+      if moe.cuda.is_available() then
+        assert.truthy(out:match("GPU 0: .+, compute capability %d+%.%d, [%d.]+ GiB"), out)
+      else
+        assert.truthy(has(out, "no CUDA GPU visible"), out)
+      end
+    end
+    local v = host({ "-v" })
+    assert.are.equal(v, (host({ "version" })))
+  end)
+
+  it("builds the arg table as lua does", function()
+    local s = script("for i = -3, 3 do print(i, arg[i]) end print('varargs', ...)")
+    local out, rc = host({ "-e", "x=1", s, "a", "b c" })
+    assert.are.equal(0, rc, out)
+    assert.are.equal(table.concat({
+      "-3\t" .. exe, "-2\t-e", "-1\tx=1", "0\t" .. s, "1\ta", "2\tb c", "3\tnil", "varargs\ta\tb c", "" }, "\n"), out)
+    out = host({ "-e", "print(arg[0], arg[1], arg[2], arg[-1])" })
+    assert.are.equal(exe .. "\t-e\tprint(arg[0], arg[1], arg[2], arg[-1])\tnil\n", out)
+  end)
+
+  it("reports a script error with a traceback and status 1", function()
+    local s = script("local function f() error('boom') end\nf()\n")
+    local out, rc = host({ s })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "moe-lua: " .. s .. ":1: boom"), out)
+    assert.truthy(has(out, "stack traceback:"), out)
+    assert.truthy(has(out, s .. ":2: in main chunk"), out)
+    out, rc = host({ "-e", "error('in -e')" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "moe-lua: (command line):1: in -e"), out)
+    out, rc = host({ script("error(setmetatable({}, {__tostring = function() return 'custom' end}))") })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "moe-lua: custom"), out)
+    out, rc = host({ script("local x = = 1") })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "unexpected symbol"), out)
+  end)
+
+  it("reports a bad moe call with the function and the problem", function()
+    local out, rc = host({ "-e", "local moe = require 'moe' moe.arange(30):view(4, 7)" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "bad argument #2 to 'view' (shape [4, 7] is invalid for a tensor of 30 elements)"), out)
+  end)
+
+  it("returns os.exit's status and runs finalizers at exit", function()
+    local _, rc = host({ "-e", "os.exit(3)" })
+    assert.are.equal(3, rc)
+    local out
+    out, rc = host({ script([[
+      local moe = require 'moe'
+      keep = moe.zeros(1000)
+      setmetatable({}, { __gc = function() print('finalized') end })
+    ]]) })
+    assert.are.equal(0, rc, out)
+    assert.are.equal("finalized\n", out)
+  end)
+
+  it("runs subcommands and rejects unknown names", function()
+    local out, rc = host({ "help" })
+    assert.are.equal(0, rc, out)
+    assert.truthy(has(out, "usage: moe-lua [options] [script [args]]"), out)
+    assert.truthy(has(out, "Commands:"), out)
+    assert.truthy(out:match("\n%s+version%s+%S"), out)
+    out, rc = host({ "help", "version" })
+    assert.are.equal(0, rc, out)
+    assert.truthy(has(out, "moe-lua version: "), out)
+    out, rc = host({ "help", "nosuch" })
+    assert.are.equal(1, rc, out)
+    out, rc = host({ "nosuchcommand", "x" })
+    assert.are.equal(1, rc)
+    assert.are.equal("moe-lua: cannot open nosuchcommand (no such file or command; try 'moe-lua help')\n", out)
+    out, rc = host({ "no/such/file.lua" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "cannot open no/such/file.lua"), out)
+  end)
+
+  it("prints the usage on a bad option, and on --help", function()
+    local out, rc = host({ "-x" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "moe-lua: unrecognized option '-x'"), out)
+    assert.truthy(has(out, "usage: moe-lua"), out)
+    out, rc = host({ "-e" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "'-e' needs argument"), out)
+    out, rc = host({ "--bogus" })
+    assert.are.equal(1, rc)
+    assert.truthy(has(out, "unrecognized option '--bogus'"), out)
+    for _, flag in ipairs({ "-h", "--help" }) do
+      out, rc = host({ flag })
+      assert.are.equal(0, rc)
+      assert.truthy(has(out, "usage: moe-lua"), out)
+      assert.truthy(has(out, "-e stat"), out)
+    end
+  end)
+
+  it("runs a script from stdin", function()
+    local out, rc = host({ "-", "a", "b" }, "print(arg[0], ...)\n")
+    assert.are.equal(0, rc, out)
+    assert.are.equal("-\ta\tb\n", out)
+    out, rc = host({}, "print('piped ' .. require('moe').version)\n")
+    assert.are.equal(0, rc, out)
+    assert.are.equal("piped " .. moe.version .. "\n", out)
+    out, rc = host({ "--", script("print('after --', ...)"), "-x" })
+    assert.are.equal(0, rc, out)
+    assert.are.equal("after --\t-x\n", out)
+  end)
+
+  it("-i reads statements after the script, printing expressions", function()
+    local out, rc = host({ "-i" }, "x = 6\n=x * 7\nx + 1\nfor i = 1, 2 do\nprint('loop', i)\nend\nerror('oops')\nprint('still here')\n")
+    assert.are.equal(0, rc, out)
+    assert.truthy(has(out, "42\n"), out)
+    assert.truthy(has(out, "7\n"), out)
+    assert.truthy(has(out, "loop\t1\n"), out)
+    assert.truthy(has(out, "loop\t2\n"), out)
+    assert.truthy(has(out, "stdin:1: oops"), out)
+    assert.truthy(has(out, "still here"), out)
+  end)
+
+  it("-E ignores LUA_INIT, which otherwise runs first", function()
+    local out = host({ "-e", "print('main')" }, nil, "LUA_INIT='print(\"init\")'")
+    assert.are.equal("init\nmain\n", out)
+    out = host({ "-E", "-e", "print('main')" }, nil, "LUA_INIT='print(\"init\")'")
+    assert.are.equal("main\n", out)
+  end)
+
+  it("stops a running script at a safe point on SIGINT", function()
+    local _, has_timeout = sh("command -v timeout")
+    if has_timeout ~= 0 then
+      pending("no timeout(1) on this machine")
+      return
+    end
+    local s = script([[
+      local moe = require 'moe'
+      io.write('started\n') io.flush()
+      local t = moe.zeros(16)
+      while true do t = t + 1 end
+    ]])
+    -- --foreground: the signal goes to moe-lua once (not again to the group,
+    -- which would be a second Ctrl-C and kill it, as it kills lua5.4).
+    local out, rc = sh("timeout --foreground -s INT 2 " .. q(exe) .. " " .. q(s))
+    assert.are_not.equal(0, rc)
+    assert.truthy(has(out, "started"), out)
+    assert.truthy(has(out, "interrupted!"), out)
+    assert.truthy(has(out, "stack traceback:"), out)
+    assert.falsy(has(out, "AddressSanitizer"), out)
+    assert.falsy(has(out, "LeakSanitizer"), out)
+  end)
+end)
