@@ -52,30 +52,8 @@
 #include "lualib.h"
 
 #include "lmoe.h"
+#include "lmoe_internal.h"
 #include "moe.h"
-
-#define LM_TENSOR "moe.Tensor"    /* metatable of tensor userdata */
-#define LM_SENTINEL "moe.State"   /* metatable of the sentinel owning the ctx */
-#define LM_SCRATCH "moe.Scratch"  /* metatable of a box owning a malloc'd block */
-#define LM_STATE_KEY "moe.state"  /* registry key of the sentinel */
-#define LM_METHODS_KEY "moe.methods" /* registry key of the method table */
-
-/* ------------------------------------------------------------ the state */
-
-typedef struct lm_state {
-  moe_ctx *ctx;
-  int64_t refs;            /* the sentinel + one per live tensor userdata */
-  moe_print_options print; /* for __tostring; moe.set_printoptions */
-} lm_state;
-
-typedef struct lm_sentinel {
-  lm_state *S; /* NULL once the sentinel's finalizer has run */
-} lm_sentinel;
-
-typedef struct lm_tensor {
-  moe_tensor *t; /* one reference; NULL before adoption and after free */
-  lm_state *S;   /* one reference while t is not NULL */
-} lm_tensor;
 
 static void lm_state_unref(lm_state *S) {
   if (--S->refs == 0) {
@@ -93,7 +71,7 @@ static int lm_sentinel_gc(lua_State *L) {
 }
 
 /* Every function of the module has the sentinel as upvalue 1. */
-static lm_state *lm_S(lua_State *L) {
+lm_state *lm_S(lua_State *L) {
   lm_sentinel *b = (lm_sentinel *)lua_touserdata(L, lua_upvalueindex(1));
   if (b == NULL || b->S == NULL) luaL_error(L, "moe: the module's context is closed");
   return b->S;
@@ -107,7 +85,7 @@ static int lm_scratch_gc(lua_State *L) {
   return 0;
 }
 
-static void **lm_push_scratch(lua_State *L) {
+void **lm_push_scratch(lua_State *L) {
   void **box = (void **)lua_newuserdatauv(L, sizeof(void *), 0);
   *box = NULL;
   luaL_setmetatable(L, LM_SCRATCH);
@@ -117,7 +95,7 @@ static void **lm_push_scratch(lua_State *L) {
 /* ------------------------------------------------------------ errors */
 
 /* "bad argument #arg to 'fname' (...)"; never returns. */
-static int lm_argerror(lua_State *L, int arg, const char *fname, const char *fmt, ...) {
+int lm_argerror(lua_State *L, int arg, const char *fname, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
   const char *msg = lua_pushvfstring(L, fmt, ap);
@@ -128,7 +106,7 @@ static int lm_argerror(lua_State *L, int arg, const char *fname, const char *fmt
 /* The core failed: its message, attributed to argument `arg` when > 0.
  * The core names its function first ("view: ..."); when that is our name
  * too it is not repeated. Called with nothing left to free; never returns. */
-static int lm_corefail(lua_State *L, lm_state *S, const char *fname, int arg) {
+int lm_corefail(lua_State *L, lm_state *S, const char *fname, int arg) {
   const char *msg = moe_ctx_error(S->ctx);
   size_t n = strlen(fname);
   if (msg == NULL || msg[0] == '\0') msg = "unknown error";
@@ -137,20 +115,10 @@ static int lm_corefail(lua_State *L, lm_state *S, const char *fname, int arg) {
   return luaL_error(L, "%s: %s", fname, msg);
 }
 
-/* A call that allocates: on MOE_ERR_OUT_OF_MEMORY, collect garbage (freeing
- * unreachable tensors) and try once more. */
-#define LM_CALL(L, st, call)                    \
-  do {                                          \
-    (st) = (call);                              \
-    if ((st) == MOE_ERR_OUT_OF_MEMORY) {        \
-      lua_gc((L), LUA_GCCOLLECT);               \
-      (st) = (call);                            \
-    }                                           \
-  } while (0)
 
 /* What a value is, for messages: "tensor", "freed tensor", a number's
  * value, or the type name. Pushes nothing that outlives the error. */
-static const char *lm_describe(lua_State *L, int idx) {
+const char *lm_describe(lua_State *L, int idx) {
   switch (lua_type(L, idx)) {
     case LUA_TNUMBER:
       if (lua_isinteger(L, idx)) return lua_pushfstring(L, "%I", (LUAI_UACINT)lua_tointeger(L, idx));
@@ -165,7 +133,7 @@ static const char *lm_describe(lua_State *L, int idx) {
   }
 }
 
-static const char *lm_typename(lua_State *L, int idx) {
+const char *lm_typename(lua_State *L, int idx) {
   if (lua_type(L, idx) == LUA_TUSERDATA && luaL_testudata(L, idx, LM_TENSOR)) return "tensor";
   return luaL_typename(L, idx);
 }
@@ -174,7 +142,7 @@ static const char *lm_typename(lua_State *L, int idx) {
 
 /* An integer (a float with an exact integer value is accepted, a string
  * is not). `what` names the value in the message. */
-static int64_t lm_checkint(lua_State *L, int arg, const char *fname, const char *what) {
+int64_t lm_checkint(lua_State *L, int arg, const char *fname, const char *what) {
   int isint = 0;
   lua_Integer v = 0;
   if (lua_type(L, arg) == LUA_TNUMBER) v = lua_tointegerx(L, arg, &isint);
@@ -182,22 +150,22 @@ static int64_t lm_checkint(lua_State *L, int arg, const char *fname, const char 
   return (int64_t)v;
 }
 
-static int64_t lm_optint(lua_State *L, int arg, const char *fname, const char *what, int64_t def) {
+int64_t lm_optint(lua_State *L, int arg, const char *fname, const char *what, int64_t def) {
   return lua_isnoneornil(L, arg) ? def : lm_checkint(L, arg, fname, what);
 }
 
-static double lm_checknum(lua_State *L, int arg, const char *fname, const char *what) {
+double lm_checknum(lua_State *L, int arg, const char *fname, const char *what) {
   if (lua_type(L, arg) != LUA_TNUMBER)
     lm_argerror(L, arg, fname, "%s must be a number, got %s", what, lm_typename(L, arg));
   return (double)lua_tonumber(L, arg);
 }
 
-static double lm_optnum(lua_State *L, int arg, const char *fname, const char *what, double def) {
+double lm_optnum(lua_State *L, int arg, const char *fname, const char *what, double def) {
   return lua_isnoneornil(L, arg) ? def : lm_checknum(L, arg, fname, what);
 }
 
 /* A fill value: a number, or a boolean (1 or 0). */
-static double lm_checkvalue(lua_State *L, int arg, const char *fname) {
+double lm_checkvalue(lua_State *L, int arg, const char *fname) {
   if (lua_type(L, arg) == LUA_TBOOLEAN) return lua_toboolean(L, arg) ? 1.0 : 0.0;
   if (lua_type(L, arg) != LUA_TNUMBER)
     lm_argerror(L, arg, fname, "value must be a number or a boolean, got %s", lm_typename(L, arg));
@@ -205,7 +173,7 @@ static double lm_checkvalue(lua_State *L, int arg, const char *fname) {
 }
 
 /* No argument past `last`. */
-static void lm_checkend(lua_State *L, int last, const char *fname) {
+void lm_checkend(lua_State *L, int last, const char *fname) {
   int top = lua_gettop(L);
   while (top > last && lua_isnil(L, top)) top--;
   if (top > last)
@@ -214,7 +182,7 @@ static void lm_checkend(lua_State *L, int last, const char *fname) {
 
 /* A dim of a tensor of ndim dims (ndim + 1 positions when `insert`),
  * normalised to 0..ndim-1. */
-static int lm_checkdim(lua_State *L, lm_state *S, int arg, const char *fname, int ndim, bool insert) {
+int lm_checkdim(lua_State *L, lm_state *S, int arg, const char *fname, int ndim, bool insert) {
   int64_t d = lm_checkint(L, arg, fname, "dim");
   int out = 0;
   if (moe_dim_normalize(S->ctx, d, ndim, insert, &out) != MOE_OK) lm_corefail(L, S, fname, arg);
@@ -235,7 +203,7 @@ static int64_t lm_size_at(lua_State *L, int idx, int arg, const char *fname, int
 /* A shape given as one table ({2, 3}) at `arg`, or as numbers from `arg` on
  * (2, 3). -1 is accepted where `infer` (view/reshape infer it, expand keeps
  * the size). Returns the index of the first argument after the shape. */
-static int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndim,
+int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndim,
                          int64_t *shape) {
   if (lua_type(L, arg) == LUA_TTABLE) {
     lua_Unsigned n = lua_rawlen(L, arg);
@@ -263,7 +231,7 @@ static int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, i
 }
 
 /* A list of dims (permute), as one table or as numbers from `arg` on. */
-static int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndim, int *n,
+int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndim, int *n,
                         int64_t *dims) {
   if (lua_type(L, arg) == LUA_TTABLE) {
     lua_Unsigned len = lua_rawlen(L, arg);
@@ -303,7 +271,7 @@ static const char *lm_dtype_list(char *buf, size_t len) {
   return buf;
 }
 
-static moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fname) {
+moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fname) {
   moe_dtype dt = MOE_F32;
   char list[128];
   if (lua_type(L, idx) != LUA_TSTRING)
@@ -314,7 +282,7 @@ static moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fn
   return dt;
 }
 
-static moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg, const char *fname) {
+moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg, const char *fname) {
   moe_device d = MOE_CPU;
   if (lua_type(L, idx) != LUA_TSTRING)
     lm_argerror(L, arg, fname, "device must be a string ('cpu', 'cuda', 'cuda:N'), got %s",
@@ -325,13 +293,6 @@ static moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg,
 }
 
 /* The options table of constructors and of t:to(). */
-enum { LM_OPT_DTYPE = 1, LM_OPT_DEVICE = 2, LM_OPT_GRAD = 4 };
-
-typedef struct lm_opts {
-  moe_dtype dtype;
-  moe_device device;
-  bool has_dtype, has_device;
-} lm_opts;
 
 static const char *lm_opt_names(unsigned allowed) {
   switch (allowed) {
@@ -341,7 +302,7 @@ static const char *lm_opt_names(unsigned allowed) {
   }
 }
 
-static void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed,
+void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed,
                          lm_opts *o) {
   o->dtype = MOE_F32;
   o->device = MOE_CPU;
@@ -378,7 +339,7 @@ static void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, 
 
 /* ------------------------------------------------------ tensor userdata */
 
-static lm_tensor *lm_push_empty(lua_State *L) {
+lm_tensor *lm_push_empty(lua_State *L) {
   lm_tensor *u = (lm_tensor *)lua_newuserdatauv(L, sizeof *u, 0);
   u->t = NULL;
   u->S = NULL;
@@ -386,14 +347,14 @@ static lm_tensor *lm_push_empty(lua_State *L) {
   return u;
 }
 
-static void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t) {
+void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t) {
   u->t = t;
   u->S = S;
   S->refs++;
 }
 
 /* The one free function: t:free(), __close and __gc. Idempotent. */
-static void lm_release(lm_tensor *u) {
+void lm_release(lm_tensor *u) {
   if (u->t) {
     moe_tensor_release(u->t);
     u->t = NULL;
@@ -402,11 +363,11 @@ static void lm_release(lm_tensor *u) {
   }
 }
 
-static lm_tensor *lm_testtensor(lua_State *L, int arg) {
+lm_tensor *lm_testtensor(lua_State *L, int arg) {
   return (lm_tensor *)luaL_testudata(L, arg, LM_TENSOR);
 }
 
-static moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
+moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
   lm_tensor *u = lm_testtensor(L, arg);
   if (u == NULL) lm_argerror(L, arg, fname, "tensor expected, got %s", lm_typename(L, arg));
   if (u->t == NULL) lm_argerror(L, arg, fname, "attempt to use a freed tensor");
@@ -416,14 +377,14 @@ static moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
 /* The common tail of a binding whose result is the tensor userdata `r` at
  * the top of the stack: adopt `out`, or raise the core's error (r owns
  * nothing yet, so nothing is left to free). */
-static int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out,
+int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out,
                      const char *fname, int arg) {
   if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
   lm_adopt(r, S, out);
   return 1;
 }
 
-static void lm_push_device(lua_State *L, moe_device d) {
+void lm_push_device(lua_State *L, moe_device d) {
   char buf[32];
   lua_pushstring(L, moe_device_str(d, buf, sizeof buf));
 }
@@ -702,7 +663,7 @@ static int lm_tensor_new(lua_State *L) {
 
 /* ------------------------------------------------------ fields, reading */
 
-static void lm_push_ints(lua_State *L, int n, const int64_t *v) {
+void lm_push_ints(lua_State *L, int n, const int64_t *v) {
   lua_createtable(L, n, 0);
   for (int i = 0; i < n; i++) {
     lua_pushinteger(L, (lua_Integer)v[i]);
@@ -1613,6 +1574,23 @@ static void lm_add_lua_dir(lua_State *L) {
 }
 #endif
 
+void lm_register(lua_State *L, int mod, int methods, int sentinel, const luaL_Reg *functions,
+                 const luaL_Reg *tensor_methods) {
+  mod = lua_absindex(L, mod);
+  methods = lua_absindex(L, methods);
+  sentinel = lua_absindex(L, sentinel);
+  for (const luaL_Reg *r = functions; r && r->name; r++) {
+    lua_pushvalue(L, sentinel);
+    lua_pushcclosure(L, r->func, 1);
+    lua_setfield(L, mod, r->name);
+  }
+  for (const luaL_Reg *r = tensor_methods; r && r->name; r++) {
+    lua_pushvalue(L, sentinel);
+    lua_pushcclosure(L, r->func, 1);
+    lua_setfield(L, methods, r->name);
+  }
+}
+
 LUAMOD_API int luaopen_moe(lua_State *L) {
   luaL_checkversion(L);
   lm_push_sentinel(L);
@@ -1637,6 +1615,15 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
     lua_rawseti(L, -2, i + 1);
   }
   lua_setfield(L, -2, "dtypes");
+
+  /* The families of ops, one binding file each. */
+  int mod = lua_gettop(L);
+  lm_open_autograd(L, mod, methods, sentinel);
+  lm_open_pointwise(L, mod, methods, sentinel);
+  lm_open_reduce(L, mod, methods, sentinel);
+  lm_open_index(L, mod, methods, sentinel);
+  lm_open_matmul(L, mod, methods, sentinel);
+  lm_open_attention(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

@@ -35,6 +35,7 @@ moe_status moe_ctx_init(moe_ctx **out) {
   ctx->rng_call = 0;
   ctx->cuda = NULL;
   ctx->cuda_count = -1;
+  ctx->grad_enabled = true;
   *out = ctx;
   return MOE_OK;
 }

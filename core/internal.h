@@ -27,6 +27,10 @@ struct moe_ctx {
   moe_memory_stats cpu_stats; /* host storages */
   moe_cuda_state *cuda;       /* NULL until CUDA is first used */
   int cuda_count;             /* visible GPUs; -1 until asked */
+  /* autograd (core/autograd.c) */
+  bool grad_enabled;          /* true unless inside no_grad */
+  int n_hooks;                /* saved-tensor hooks stack depth */
+  struct moe_saved_hooks *hooks[16]; /* (n_hooks) each holds one reference */
 };
 
 /* Propagate a failure: the callee already wrote the message. */

@@ -280,11 +280,85 @@ moe_status moe_randint_(moe_ctx *ctx, moe_tensor *t, int64_t low, int64_t high);
  * static assert in core/ops.c. Later issues (autograd, MoE kernels) append.
  */
 typedef enum moe_op {
+  /* elementwise arithmetic (core/ops.c) */
   MOE_OP_ADD = 0,
   MOE_OP_SUB,
   MOE_OP_MUL,
   MOE_OP_DIV,
   MOE_OP_NEG,
+  /* views and copies, for autograd (core/tensor.c, core/copy.c) */
+  MOE_OP_VIEW,
+  MOE_OP_TRANSPOSE,
+  MOE_OP_PERMUTE,
+  MOE_OP_NARROW,
+  MOE_OP_SLICE,
+  MOE_OP_SELECT,
+  MOE_OP_EXPAND,
+  MOE_OP_SQUEEZE,
+  MOE_OP_UNSQUEEZE,
+  MOE_OP_COPY,       /* to / clone / contiguous / casts */
+  MOE_OP_CUSTOM,     /* a function defined outside the core (Lua) */
+  /* pointwise math and activations (moe_pointwise.h) */
+  MOE_OP_POW,
+  MOE_OP_EXP,
+  MOE_OP_LOG,
+  MOE_OP_SQRT,
+  MOE_OP_RSQRT,
+  MOE_OP_ABS,
+  MOE_OP_CLAMP,
+  MOE_OP_WHERE,
+  MOE_OP_EQ,
+  MOE_OP_NE,
+  MOE_OP_LT,
+  MOE_OP_LE,
+  MOE_OP_GT,
+  MOE_OP_GE,
+  MOE_OP_MAXIMUM,
+  MOE_OP_MINIMUM,
+  MOE_OP_RELU,
+  MOE_OP_GELU,
+  MOE_OP_GELU_TANH,
+  MOE_OP_SILU,
+  MOE_OP_SIGMOID,
+  MOE_OP_TANH,
+  MOE_OP_SWIGLU,
+  MOE_OP_DROPOUT,
+  /* reductions and normalisation (moe_reduce.h) */
+  MOE_OP_SUM,
+  MOE_OP_MEAN,
+  MOE_OP_MAX,
+  MOE_OP_MIN,
+  MOE_OP_ARGMAX,
+  MOE_OP_ARGMIN,
+  MOE_OP_NORM,
+  MOE_OP_LOGSUMEXP,
+  MOE_OP_VAR,
+  MOE_OP_SOFTMAX,
+  MOE_OP_LOG_SOFTMAX,
+  MOE_OP_CUMSUM,
+  MOE_OP_LAYER_NORM,
+  MOE_OP_RMS_NORM,
+  MOE_OP_CROSS_ENTROPY,
+  /* indexing, sorting, joining (moe_index.h) */
+  MOE_OP_GATHER,
+  MOE_OP_SCATTER,
+  MOE_OP_SCATTER_ADD,
+  MOE_OP_INDEX_SELECT,
+  MOE_OP_INDEX_ADD,
+  MOE_OP_EMBEDDING,
+  MOE_OP_ONE_HOT,
+  MOE_OP_TOPK,
+  MOE_OP_SORT,
+  MOE_OP_CAT,
+  MOE_OP_STACK,
+  MOE_OP_ROPE,
+  MOE_OP_MULTINOMIAL,
+  /* matrix products (moe_matmul.h) */
+  MOE_OP_MATMUL,
+  MOE_OP_BMM,
+  MOE_OP_LINEAR,
+  /* attention (moe_attention.h) */
+  MOE_OP_ATTENTION,
   MOE_OP_COUNT
 } moe_op;
 
@@ -320,7 +394,24 @@ moe_print_options moe_print_options_default(void);
 moe_status moe_tensor_format(moe_ctx *ctx, const moe_tensor *t, const moe_print_options *opt,
                              char **out);
 
+/* ------------------------------------------------------------ reductions */
+/* Sum over dims (ndims == 0: over all dims, giving a scalar). Floats sum in
+ * f32 (f64 for f64) and keep their dtype; integers and bool sum to i64.
+ * Differentiable. Declared here because autograd's moe_sum_to_shape uses it;
+ * the other reductions are in moe_reduce.h. */
+moe_status moe_sum(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims, bool keepdim,
+                   moe_tensor **out);
+
 #ifdef __cplusplus
 }
 #endif
+
+/* The rest of the API, one header per family of ops. */
+#include "moe_autograd.h"
+#include "moe_pointwise.h"
+#include "moe_reduce.h"
+#include "moe_index.h"
+#include "moe_matmul.h"
+#include "moe_attention.h"
+
 #endif /* MOE_H */

@@ -17,7 +17,19 @@
 
 #define SHAPE_BUF 200
 
-static const char *const moe_op_names[] = {"add", "sub", "mul", "div", "neg"};
+static const char *const moe_op_names[] = {
+    "add", "sub", "mul", "div", "neg",
+    "view", "transpose", "permute", "narrow", "slice", "select", "expand", "squeeze",
+    "unsqueeze", "copy", "custom",
+    "pow", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "where", "eq", "ne", "lt", "le", "gt",
+    "ge", "maximum", "minimum", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "swiglu",
+    "dropout",
+    "sum", "mean", "max", "min", "argmax", "argmin", "norm", "logsumexp", "var", "softmax",
+    "log_softmax", "cumsum", "layer_norm", "rms_norm", "cross_entropy",
+    "gather", "scatter", "scatter_add", "index_select", "index_add", "embedding", "one_hot",
+    "topk", "sort", "cat", "stack", "rope", "multinomial",
+    "matmul", "bmm", "linear",
+    "attention"};
 _Static_assert(sizeof(moe_op_names) / sizeof(moe_op_names[0]) == MOE_OP_COUNT,
                "moe_op_names must name every moe_op");
 
