@@ -46,6 +46,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "lauxlib.h"
 #include "lua.h"
@@ -1447,6 +1448,15 @@ static int lm_version_report(lua_State *L) {
 
 /* ------------------------------------------------------------------ opening */
 
+/* moe.clock(): seconds from a monotonic clock, for timing (with
+ * moe.cuda.synchronize() around GPU work). */
+static int lm_clock(lua_State *L) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
+  return 1;
+}
+
 static const luaL_Reg lm_tensor_methods[] = {
     {"numel", lm_t_numel},         {"size", lm_t_size},
     {"stride", lm_t_stride},       {"dim", lm_t_dim},
@@ -1497,6 +1507,7 @@ static const luaL_Reg lm_functions[] = {
     {"get_printoptions", lm_get_printoptions},
     {"build_info", lm_build_info},
     {"version_report", lm_version_report},
+    {"clock", lm_clock},
     {NULL, NULL}};
 
 static const luaL_Reg lm_cuda_functions[] = {
