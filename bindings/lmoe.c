@@ -56,7 +56,7 @@
 #include "lmoe_internal.h"
 #include "moe.h"
 
-static void lm_state_unref(lm_state *S) {
+void lm_state_unref(lm_state *S) {
   if (--S->refs == 0) {
     if (S->ctx) moe_ctx_free(S->ctx);
     free(S);
@@ -1635,6 +1635,7 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_index(L, mod, methods, sentinel);
   lm_open_matmul(L, mod, methods, sentinel);
   lm_open_attention(L, mod, methods, sentinel);
+  lm_open_event(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

@@ -114,5 +114,10 @@ void lm_open_reduce(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_index(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_matmul(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
+
+/* Drops one reference to the state (tensor and event userdata hold one);
+ * the context is freed with the last. */
+void lm_state_unref(lm_state *S);
 
 #endif /* LMOE_INTERNAL_H */

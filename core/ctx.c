@@ -42,6 +42,7 @@ moe_status moe_ctx_init(moe_ctx **out) {
 
 void moe_ctx_free(moe_ctx *ctx) {
   if (!ctx) return;
+  while (ctx->events) moe_event_free(ctx, ctx->events);
   moe_cuda_state_free(ctx);
   free(ctx);
 }

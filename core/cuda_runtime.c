@@ -232,6 +232,38 @@ moe_status moe_cuda_synchronize(moe_ctx *ctx, moe_device d) {
   return MOE_OK;
 }
 
+/* ---------------------------------------------------------------- events */
+
+moe_status moe_cuda_event_create(moe_ctx *ctx, int device, void **ev) {
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream)); /* validates, sets the device */
+  cudaEvent_t e = NULL;
+  MOE_CUDA_CHECK(ctx, cudaEventCreate(&e));
+  *ev = (void *)e;
+  return MOE_OK;
+}
+
+moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev) {
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  MOE_CUDA_CHECK(ctx, cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream));
+  return MOE_OK;
+}
+
+moe_status moe_cuda_event_synchronize(moe_ctx *ctx, void *ev) {
+  MOE_CUDA_CHECK(ctx, cudaEventSynchronize((cudaEvent_t)ev));
+  return MOE_OK;
+}
+
+moe_status moe_cuda_event_elapsed(moe_ctx *ctx, void *start, void *end, float *ms) {
+  MOE_CUDA_CHECK(ctx, cudaEventElapsedTime(ms, (cudaEvent_t)start, (cudaEvent_t)end));
+  return MOE_OK;
+}
+
+void moe_cuda_event_destroy(void *ev) {
+  if (ev && cudaEventDestroy((cudaEvent_t)ev) != cudaSuccess) (void)cudaGetLastError();
+}
+
 /* ------------------------------------------------------- allocator lists */
 
 static void moe_free_list_insert(moe_cuda_device *dev, moe_cuda_block *b) {

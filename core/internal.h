@@ -27,6 +27,7 @@ struct moe_ctx {
   moe_memory_stats cpu_stats; /* host storages */
   moe_cuda_state *cuda;       /* NULL until CUDA is first used */
   int cuda_count;             /* visible GPUs; -1 until asked */
+  struct moe_event *events;   /* live events, a list owned by the context */
   /* autograd (core/autograd.c) */
   bool grad_enabled;          /* true unless inside no_grad */
   int n_hooks;                /* saved-tensor hooks stack depth */
@@ -97,6 +98,12 @@ moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle);
 moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *src,
                            moe_device sd, size_t nbytes);
 void moe_cuda_state_free(moe_ctx *ctx);
+/* CUDA events (cudaEvent_t behind void *), for core/event.c. */
+moe_status moe_cuda_event_create(moe_ctx *ctx, int device, void **ev);
+moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev);
+moe_status moe_cuda_event_synchronize(moe_ctx *ctx, void *ev);
+moe_status moe_cuda_event_elapsed(moe_ctx *ctx, void *start, void *end, float *ms);
+void moe_cuda_event_destroy(void *ev);
 
 /* ------------------------------------------------------- CUDA kernels */
 /* In kernels/ (.cu files). All views live on `device`; launches go on the context's

@@ -134,6 +134,24 @@ void moe_cuda_versions(int *runtime, int *driver, int *cublas, int *nccl);
 /* Waits for all work queued on the context's stream of that device. */
 moe_status moe_cuda_synchronize(moe_ctx *ctx, moe_device d);
 
+/* ------------------------------------------------------------------ events */
+/*
+ * A point in a device's work queue, for timing and ordering (core/event.c).
+ * On CUDA it is a cudaEvent recorded on the context's stream of the device;
+ * on the CPU, where ops run synchronously, the host's monotonic clock at the
+ * time of recording. Events belong to the context: moe_event_free returns
+ * one early; moe_ctx_free destroys those left.
+ */
+typedef struct moe_event moe_event;
+
+moe_status moe_event_new(moe_ctx *ctx, moe_device d, moe_event **out);
+moe_status moe_event_record(moe_ctx *ctx, moe_event *e);
+/* Waits until the work queued before the record has finished. */
+moe_status moe_event_synchronize(moe_ctx *ctx, moe_event *e);
+/* Milliseconds from start to end; both recorded, on the same device. */
+moe_status moe_event_elapsed(moe_ctx *ctx, moe_event *start, moe_event *end, double *ms);
+void moe_event_free(moe_ctx *ctx, moe_event *e);
+
 /* ------------------------------------------------------------------ memory */
 
 typedef struct moe_memory_stats {

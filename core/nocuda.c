@@ -37,6 +37,13 @@ moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *s
   return NO_CUDA(ctx);
 }
 void moe_cuda_state_free(moe_ctx *ctx) {}
+moe_status moe_cuda_event_create(moe_ctx *ctx, int device, void **ev) { return NO_CUDA(ctx); }
+moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev) { return NO_CUDA(ctx); }
+moe_status moe_cuda_event_synchronize(moe_ctx *ctx, void *ev) { return NO_CUDA(ctx); }
+moe_status moe_cuda_event_elapsed(moe_ctx *ctx, void *start, void *end, float *ms) {
+  return NO_CUDA(ctx);
+}
+void moe_cuda_event_destroy(void *ev) {}
 
 moe_status moe_cuda_copy(moe_ctx *ctx, int device, const moe_kview *dst, const moe_kview *src) {
   return NO_CUDA(ctx);
