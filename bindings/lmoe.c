@@ -308,6 +308,7 @@ void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigne
   o->dtype = MOE_F32;
   o->device = MOE_CPU;
   o->has_dtype = o->has_device = false;
+  o->requires_grad = false;
   if (lua_isnoneornil(L, arg)) return;
   if (lua_type(L, arg) != LUA_TTABLE)
     lm_argerror(L, arg, fname, "options table expected ({%s}), got %s", lm_opt_names(allowed),
@@ -329,8 +330,7 @@ void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigne
     } else if ((allowed & LM_OPT_GRAD) && strcmp(k, "requires_grad") == 0) {
       if (lua_type(L, top) != LUA_TBOOLEAN)
         lm_argerror(L, arg, fname, "requires_grad must be a boolean, got %s", lm_typename(L, top));
-      if (lua_toboolean(L, top))
-        lm_argerror(L, arg, fname, "requires_grad = true is not supported yet (autograd comes later)");
+      o->requires_grad = lua_toboolean(L, top);
     } else {
       lm_argerror(L, arg, fname, "unknown option '%s' (valid options: %s)", k, lm_opt_names(allowed));
     }
@@ -392,6 +392,25 @@ void lm_push_device(lua_State *L, moe_device d) {
 
 /* ---------------------------------------------------------- constructors */
 
+/* Sets requires_grad on the adopted result r (at the top of the stack) when
+ * the options asked for it; on failure frees r and raises the core's error. */
+static int lm_apply_grad_opt(lua_State *L, lm_state *S, lm_tensor *r, const lm_opts *o,
+                             const char *fname) {
+  if (!o->requires_grad) return 1;
+  if (moe_set_requires_grad(S->ctx, r->t, true) != MOE_OK) {
+    lm_release(r);
+    return lm_corefail(L, S, fname, 0);
+  }
+  return 1;
+}
+
+/* lm_result, then the requires_grad option. */
+static int lm_result_opts(lua_State *L, lm_state *S, lm_tensor *r, moe_status st,
+                          moe_tensor *out, const char *fname, const lm_opts *o) {
+  lm_result(L, S, r, st, out, fname, 0);
+  return lm_apply_grad_opt(L, S, r, o, fname);
+}
+
 enum { LM_EMPTY, LM_ZEROS, LM_ONES, LM_RAND, LM_RANDN };
 
 static int lm_construct(lua_State *L, int kind, const char *fname) {
@@ -420,7 +439,7 @@ static int lm_construct(lua_State *L, int kind, const char *fname) {
     lm_release(r);
     return lm_corefail(L, S, fname, 0);
   }
-  return 1;
+  return lm_apply_grad_opt(L, S, r, &o, fname);
 }
 
 static int lm_empty(lua_State *L) { return lm_construct(L, LM_EMPTY, "empty"); }
@@ -449,7 +468,7 @@ static int lm_full(lua_State *L) {
   moe_tensor *out = NULL;
   moe_status st;
   LM_CALL(L, st, moe_tensor_full(S->ctx, ndim, shape, v, o.dtype, o.device, &out));
-  return lm_result(L, S, r, st, out, "full", 0);
+  return lm_result_opts(L, S, r, st, out, "full", &o);
 }
 
 /* moe.randint(low, high, shape [, opts]) or moe.randint(high, shape [, opts]):
@@ -489,7 +508,7 @@ static int lm_randint(lua_State *L) {
     lm_release(r);
     return lm_corefail(L, S, "randint", 0);
   }
-  return 1;
+  return lm_apply_grad_opt(L, S, r, &o, "randint");
 }
 
 /* moe.arange(end), arange(start, end [, step]) [, opts]: i64 when every
@@ -527,7 +546,7 @@ static int lm_arange(lua_State *L) {
   moe_tensor *out = NULL;
   moe_status st;
   LM_CALL(L, st, moe_arange(S->ctx, a, b, step, o.dtype, o.device, &out));
-  return lm_result(L, S, r, st, out, "arange", 0);
+  return lm_result_opts(L, S, r, st, out, "arange", &o);
 }
 
 /* moe.linspace(start, end, steps [, opts]) */
@@ -548,7 +567,7 @@ static int lm_linspace(lua_State *L) {
   moe_tensor *out = NULL;
   moe_status st;
   LM_CALL(L, st, moe_linspace(S->ctx, a, b, steps, o.dtype, o.device, &out));
-  return lm_result(L, S, r, st, out, "linspace", 0);
+  return lm_result_opts(L, S, r, st, out, "linspace", &o);
 }
 
 /* ------------------------------------------------ moe.tensor(data, opts) */
@@ -659,7 +678,7 @@ static int lm_tensor_new(lua_State *L) {
   moe_tensor *out = NULL;
   moe_status st;
   LM_CALL(L, st, moe_tensor_from_f64(S->ctx, n.values, n.ndim, n.shape, o.dtype, o.device, &out));
-  return lm_result(L, S, r, st, out, "tensor", 0);
+  return lm_result_opts(L, S, r, st, out, "tensor", &o);
 }
 
 /* ------------------------------------------------------ fields, reading */
@@ -672,7 +691,20 @@ void lm_push_ints(lua_State *L, int n, const int64_t *v) {
   }
 }
 
-/* __index: methods first, then the fields shape, dtype, device, ndim. */
+/* Pushes a new handle on t (retained), or nil for NULL. */
+static void lm_push_handle(lua_State *L, lm_state *S, moe_tensor *t) {
+  if (!t) {
+    lua_pushnil(L);
+    return;
+  }
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor_retain(t);
+  lm_adopt(r, S, t);
+}
+
+/* __index: methods first, then the fields shape, dtype, device, ndim and the
+ * autograd fields requires_grad, grad (a new handle on the gradient, or nil),
+ * is_leaf, grad_fn (the name of the node that made the tensor, or nil). */
 static int lm_index(lua_State *L) {
   lua_pushvalue(L, 2);
   if (lua_rawget(L, lua_upvalueindex(2)) != LUA_TNIL) return 1;
@@ -687,10 +719,50 @@ static int lm_index(lua_State *L) {
     lm_push_device(L, moe_tensor_device(lm_checktensor(L, 1, "device")));
   } else if (strcmp(k, "ndim") == 0) {
     lua_pushinteger(L, lm_checktensor(L, 1, "ndim")->ndim);
+  } else if (strcmp(k, "requires_grad") == 0) {
+    lua_pushboolean(L, moe_requires_grad(lm_checktensor(L, 1, "requires_grad")));
+  } else if (strcmp(k, "grad") == 0) {
+    moe_tensor *t = lm_checktensor(L, 1, "grad");
+    lm_push_handle(L, lm_S(L), moe_tensor_grad(t));
+  } else if (strcmp(k, "is_leaf") == 0) {
+    lua_pushboolean(L, moe_tensor_is_leaf(lm_checktensor(L, 1, "is_leaf")));
+  } else if (strcmp(k, "grad_fn") == 0) {
+    moe_node *n = moe_tensor_grad_fn(lm_checktensor(L, 1, "grad_fn"));
+    if (n)
+      lua_pushstring(L, moe_node_name(n));
+    else
+      lua_pushnil(L);
   } else {
     lua_pushnil(L);
   }
   return 1;
+}
+
+/* __newindex: t.grad = tensor or nil, t.requires_grad = boolean. */
+static int lm_newindex(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const char *k = lua_type(L, 2) == LUA_TSTRING ? lua_tostring(L, 2) : NULL;
+  if (k && strcmp(k, "grad") == 0) {
+    moe_tensor *t = lm_checktensor(L, 1, "grad");
+    moe_tensor *g = NULL;
+    if (!lua_isnil(L, 3)) {
+      if (!lm_testtensor(L, 3))
+        lm_argerror(L, 3, "grad", "tensor or nil expected, got %s", lm_typename(L, 3));
+      g = lm_checktensor(L, 3, "grad");
+    }
+    if (moe_tensor_set_grad(S->ctx, t, g) != MOE_OK) return lm_corefail(L, S, "grad", 3);
+    return 0;
+  }
+  if (k && strcmp(k, "requires_grad") == 0) {
+    moe_tensor *t = lm_checktensor(L, 1, "requires_grad");
+    if (lua_type(L, 3) != LUA_TBOOLEAN)
+      lm_argerror(L, 3, "requires_grad", "boolean expected, got %s", lm_typename(L, 3));
+    if (moe_set_requires_grad(S->ctx, t, lua_toboolean(L, 3)) != MOE_OK)
+      return lm_corefail(L, S, "requires_grad", 0);
+    return 0;
+  }
+  return luaL_error(L, "cannot set field '%s' of a tensor (settable fields: grad, requires_grad)",
+                    k ? k : lm_typename(L, 2));
 }
 
 static int lm_t_numel(lua_State *L) {
@@ -1483,7 +1555,7 @@ static const luaL_Reg lm_tensor_methods[] = {
 static const luaL_Reg lm_tensor_meta[] = {
     {"__gc", lm_gc},   {"__close", lm_gc}, {"__tostring", lm_tostring}, {"__len", lm_len},
     {"__add", lm_add}, {"__sub", lm_sub},  {"__mul", lm_mul},           {"__div", lm_div},
-    {"__unm", lm_unm}, {NULL, NULL}};
+    {"__unm", lm_unm}, {"__newindex", lm_newindex}, {NULL, NULL}};
 
 static const luaL_Reg lm_functions[] = {
     {"empty", lm_empty},
@@ -1636,6 +1708,7 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_matmul(L, mod, methods, sentinel);
   lm_open_attention(L, mod, methods, sentinel);
   lm_open_event(L, mod, methods, sentinel);
+  lm_open_io(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

@@ -72,6 +72,7 @@ typedef struct lm_opts {
   moe_dtype dtype;
   moe_device device;
   bool has_dtype, has_device;
+  bool requires_grad; /* requires_grad = true was given */
 } lm_opts;
 
 lm_state *lm_S(lua_State *L);
@@ -115,6 +116,7 @@ void lm_open_index(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_matmul(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
 
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */

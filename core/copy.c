@@ -8,6 +8,11 @@
  * Random fills follow philox.h: element i in row-major logical order gets
  * the value of (seed, call, i); the context's call counter advances by one
  * after every successful fill, empty tensors included.
+ *
+ * Autograd: to and clone (so contiguous and reshape's copy) record a COPY
+ * node whose backward converts the gradient back to the input's dtype and
+ * device; the in-place writers refuse, while grad mode is on, a tensor that
+ * requires grad.
  */
 #include <math.h>
 #include <string.h>
@@ -33,6 +38,45 @@ static moe_status check_writable(moe_ctx *ctx, const char *fn, const moe_tensor 
                        "%lld and stride 0, as after expand); clone it first",
                        fn, d, (long long)t->shape[d]);
   return MOE_OK;
+}
+
+/* Refuses an in-place write that autograd cannot see: into a leaf that
+ * requires grad, or into a tensor that is part of a recorded graph, while
+ * grad mode is on (as PyTorch refuses the first; it tracks the second with
+ * version counters, which moe-lua does not have). */
+static moe_status check_inplace(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
+  if (!moe_grad_enabled(ctx) || !moe_requires_grad(t)) return MOE_OK;
+  if (moe_tensor_is_leaf(t))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: a leaf tensor that requires grad is being used in an in-place operation "
+                     "(update it under no_grad, or write into a detached tensor)",
+                     fn);
+  return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                   "%s: in-place write into a tensor recorded in an autograd graph (output of %s) "
+                   "is not supported; write into a clone, or under no_grad",
+                   fn, moe_node_name(moe_tensor_grad_fn(t)));
+}
+
+/* Backward of to/clone/contiguous: the gradient goes back to the input's
+ * dtype and device. */
+static moe_status copy_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                moe_tensor **gin) {
+  if (!moe_node_needs_grad(n, 0) || !gout[0]) return MOE_OK;
+  return moe_to(ctx, gout[0], n->in_dtype[0], n->in_device[0], &gin[0]);
+}
+
+/* Records r = copy of t when t needs grad; releases r on failure. */
+static moe_status copy_record(moe_ctx *ctx, const moe_tensor *t, moe_tensor *r) {
+  if (!moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) return MOE_OK;
+  moe_node *n;
+  moe_status st = moe_node_new(ctx, MOE_OP_COPY, copy_backward, 1,
+                               (moe_tensor *[]){(moe_tensor *)t}, &n);
+  if (st == MOE_OK) {
+    st = moe_node_set_output(ctx, n, 0, r);
+    moe_node_release(n);
+  }
+  if (st != MOE_OK) moe_tensor_release(r);
+  return st;
 }
 
 static bool same_shape(const moe_tensor *a, const moe_tensor *b) {
@@ -180,6 +224,7 @@ moe_status moe_copy_(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
   MOE_CHECK(check_tensor(ctx, "copy_", dst, "destination"));
   MOE_CHECK(check_tensor(ctx, "copy_", src, "source"));
   MOE_CHECK(check_writable(ctx, "copy_", dst));
+  MOE_CHECK(check_inplace(ctx, "copy_", dst));
   bool fits = src->ndim <= dst->ndim;
   for (int d = 0; fits && d < src->ndim; d++) {
     int64_t have = src->shape[src->ndim - 1 - d], want = dst->shape[dst->ndim - 1 - d];
@@ -229,6 +274,7 @@ moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_t
     moe_tensor_release(r);
     return st;
   }
+  MOE_CHECK(copy_record(ctx, t, r));
   *out = r;
   return MOE_OK;
 }
@@ -244,6 +290,7 @@ moe_status moe_clone(moe_ctx *ctx, const moe_tensor *t, moe_tensor **out) {
     moe_tensor_release(r);
     return st;
   }
+  MOE_CHECK(copy_record(ctx, t, r));
   *out = r;
   return MOE_OK;
 }
@@ -254,6 +301,7 @@ moe_status moe_fill_(moe_ctx *ctx, moe_tensor *t, double value) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "fill_", t, "tensor"));
   MOE_CHECK(check_writable(ctx, "fill_", t));
+  MOE_CHECK(check_inplace(ctx, "fill_", t));
   moe_device d = t->storage->device;
   MOE_CHECK(moe_device_check(ctx, d));
   if (moe_tensor_numel(t) == 0) return MOE_OK;
@@ -358,6 +406,7 @@ static moe_status random_fill(moe_ctx *ctx, moe_tensor *t, moe_random_kind kind,
 static moe_status random_args(moe_ctx *ctx, const char *fn, moe_tensor *t, bool floats_only) {
   MOE_CHECK(check_tensor(ctx, fn, t, "tensor"));
   MOE_CHECK(check_writable(ctx, fn, t));
+  MOE_CHECK(check_inplace(ctx, fn, t));
   MOE_CHECK(moe_device_check(ctx, t->storage->device));
   if (floats_only && !moe_dtype_is_float(t->dtype))
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: needs a float tensor, got %s (use randint_ for integers)",

@@ -1,8 +1,33 @@
 /*
- * moe_attention.h - causal scaled-dot-product attention (core/attention.c CPU reference, kernels/attention.cu fused kernels).
+ * moe_attention.h - scaled-dot-product attention, causal or not
+ * (core/attention.c: validation, the CPU reference and autograd;
+ * kernels/attention.cu: the fused FlashAttention-2 kernels for CUDA).
  * Included by moe.h. Conventions of moe.h hold: ctx first, outputs last,
  * 0-based dims, a new reference per returned tensor, differentiable ops
  * record autograd nodes (moe_autograd.h).
+ *
+ * Shapes: q, k, v are (B, H, T, D): batch, heads, sequence, head dim; all
+ * three have the same shape, dtype and device. Any strides are accepted (a
+ * transposed (B, T, H, D) buffer viewed as (B, H, T, D) is fine). The CUDA
+ * kernels read rows with a contiguous last dim, 16-byte aligned: other
+ * layouts are first copied to a contiguous buffer (a copy, not an error).
+ *
+ *   out[b,h,i,:] = sum_j softmax_j(scale * q[b,h,i,:] . k[b,h,j,:] + mask) v[b,h,j,:]
+ *
+ * with mask = -inf where j > i when causal (top-left aligned, as PyTorch's
+ * is_causal), 0 otherwise. scale = 1/sqrt(D) when 0 or NaN is passed; any
+ * other finite value is used as given; an infinite scale is an error.
+ *
+ * dtypes and devices:
+ *   CPU: f32, f64 and bf16. The reference computes in double and rounds the
+ *        result to the dtype once (more accurate than "bf16 computed in f32").
+ *   CUDA: bf16 with head dim 64 or 128, fused kernels with fp32 accumulation
+ *        that never materialise the (T, T) scores. Other dtypes or head dims
+ *        on CUDA: MOE_ERR_NOT_SUPPORTED naming the op, dtype and head dim
+ *        (there is no slower non-fused path; cast to bf16 or use the CPU).
+ *
+ * Saved for backward: q, k, v, out (detached) and the per-row logsumexp of
+ * the scaled, masked scores, lse (B, H, T): f64 for f64 inputs, f32 else.
  */
 #ifndef MOE_ATTENTION_H
 #define MOE_ATTENTION_H
@@ -10,6 +35,25 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* out (B, H, T, D) contiguous, dtype and device of q. Differentiable in q,
+ * k and v. */
+moe_status moe_attention(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v, bool causal,
+                         double scale, moe_tensor **out);
+
+/* The two halves without autograd (for tests, benchmarks and Lua-defined
+ * functions). forward: out (B, H, T, D) and lse (B, H, T) as documented
+ * above. backward: dout (B, H, T, D) of q's dtype, any strides; out and lse
+ * as the forward returned them; writes the new tensors dq, dk, dv of q's
+ * shape, dtype and device (activation gradients: fresh, never accumulated).
+ * On CUDA the backward is deterministic: dQ is computed by its own pass over
+ * the key blocks, without atomics. */
+moe_status moe_attention_forward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,
+                                 bool causal, double scale, moe_tensor **out, moe_tensor **lse);
+moe_status moe_attention_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,
+                                  moe_tensor *out, moe_tensor *lse, moe_tensor *dout, bool causal,
+                                  double scale, moe_tensor **dq, moe_tensor **dk,
+                                  moe_tensor **dv);
 
 #ifdef __cplusplus
 }

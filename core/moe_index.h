@@ -3,6 +3,31 @@
  * Included by moe.h. Conventions of moe.h hold: ctx first, outputs last,
  * 0-based dims, a new reference per returned tensor, differentiable ops
  * record autograd nodes (moe_autograd.h).
+ *
+ * Index tensors hold 0-based indices as i64 (i32 is accepted too); results
+ * that are indices (topk, sort, argsort, multinomial) are i64. All inputs of
+ * one call live on one device.
+ *
+ * Out-of-range indices: on the CPU every op checks them and fails with
+ * MOE_ERR_INVALID_ARG naming the value, its position and the valid range.
+ * On CUDA they are NOT checked (a check costs a host synchronisation); the
+ * kernels stay inside memory: a read through a bad index (gather,
+ * index_select, embedding) gives 0, a write through one (scatter,
+ * scatter_add, index_add, embedding's backward) is dropped, and one_hot gives
+ * an all-zero row.
+ *
+ * Determinism: nothing here uses floating-point atomics. On CUDA the ops that
+ * accumulate (scatter_add, index_add, the backward of gather, index_select
+ * and embedding) sort the targets with a stable radix sort and let one
+ * thread own each target, adding in the order of the index tensor, as the
+ * CPU does; scatter with repeated targets keeps the last one in row-major
+ * order, on both devices.
+ *
+ * dtypes: data movement (gather, scatter, index_select, embedding, cat,
+ * stack, split) takes every dtype; accumulation (scatter_add, index_add) takes
+ * every dtype but bool and adds floats in f32 (f64 for f64) and integers in
+ * i64; rope and multinomial take f32, f64, bf16 and f16 (f64 on CUDA too),
+ * with f32 math for the 16-bit dtypes.
  */
 #ifndef MOE_INDEX_H
 #define MOE_INDEX_H
@@ -10,6 +35,139 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* ----------------------------------------------------- gather / scatter */
+
+/* out[i][j][k] = x[index[i][j][k]][j][k] (dim 0; likewise for other dims).
+ * index has x's number of dims and index.shape[d] <= x.shape[d] for d != dim;
+ * out has index's shape and x's dtype. Differentiable in x. */
+moe_status moe_gather(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
+                      moe_tensor **out);
+/* Out of place: out = copy of x, then out[index[i][j][k]][j][k] = src[i][j][k]
+ * (dim 0). index, x and src have one number of dims; index.shape[d] <=
+ * src.shape[d] for all d and <= x.shape[d] for d != dim; src has x's dtype.
+ * With repeated targets the last in row-major order of index wins.
+ * Differentiable in x and src (src's gradient is gout gathered at index, as
+ * PyTorch does, so a repeated target passes its gradient to every writer). */
+moe_status moe_scatter(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
+                       moe_tensor *src, moe_tensor **out);
+/* As moe_scatter, adding: out[index[i][j][k]][j][k] += src[i][j][k]. */
+moe_status moe_scatter_add(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
+                           moe_tensor *src, moe_tensor **out);
+
+/* --------------------------------------------- index_select / index_add */
+
+/* index is 1-D (n); out has x's shape with dim of size n:
+ * out.select(dim, i) = x.select(dim, index[i]). Differentiable in x. */
+moe_status moe_index_select(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
+                            moe_tensor **out);
+/* index is 1-D (n); src has x's shape with dim of size n; out = copy of x,
+ * then out.select(dim, index[i]) += src.select(dim, i). Differentiable in x
+ * and src. */
+moe_status moe_index_add(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
+                         moe_tensor *src, moe_tensor **out);
+/* weight (V, D), ids of any shape S (i64 or i32): out (S..., D) with
+ * out[s] = weight[ids[s]]. Differentiable in weight; the backward sums rows
+ * deterministically (a stable sort of ids on CUDA, no atomics). */
+moe_status moe_embedding(moe_ctx *ctx, moe_tensor *weight, moe_tensor *ids, moe_tensor **out);
+/* ids of any shape S (integers): out (S..., num_classes) i64 with a 1 at
+ * ids[s]. num_classes -1 means max(ids) + 1 (on CUDA this reads ids back to
+ * the host: a synchronisation). */
+moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_tensor **out);
+
+/* ------------------------------------------------------ sort and topk */
+/*
+ * Order: values ascending (descending / largest: the reverse); equal values
+ * keep their order of position (stable), so ties come lowest index first in
+ * both directions; NaN is larger than every number. On CUDA the sort is CUB's
+ * segmented radix sort (stable), which orders -0.0 before +0.0 where the CPU
+ * treats them as equal. Every dtype but bool; on CUDA at most 2^31 - 1
+ * elements per call.
+ */
+
+/* values: x sorted along dim (x's dtype); indices (i64): where each value
+ * was. Differentiable in x (through values). */
+moe_status moe_sort(moe_ctx *ctx, moe_tensor *x, int64_t dim, bool descending,
+                    moe_tensor **values, moe_tensor **indices);
+moe_status moe_argsort(moe_ctx *ctx, moe_tensor *x, int64_t dim, bool descending,
+                       moe_tensor **indices);
+/* The k largest (smallest unless largest) values along dim, in order, and
+ * their indices (i64); 0 <= k <= x.shape[dim]. Differentiable in x through
+ * values. On CUDA, k <= 32 along a contiguous last dim uses one warp per row
+ * (the MoE router: k <= 8 of E <= 256); other cases sort. */
+moe_status moe_topk(moe_ctx *ctx, moe_tensor *x, int64_t k, int64_t dim, bool largest,
+                    moe_tensor **values, moe_tensor **indices);
+
+/* ------------------------------------------------------------- joining */
+
+/* Concatenates n >= 1 tensors of one dtype and device along dim; their
+ * shapes agree except in dim. Differentiable in every input. */
+moe_status moe_cat(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, moe_tensor **out);
+/* Stacks n >= 1 tensors of one shape, dtype and device along a new dim
+ * (0 <= dim <= ndim; negative counts from ndim + 1). Differentiable. */
+moe_status moe_stack(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, moe_tensor **out);
+/* Views of x along dim (narrow, so gradients flow through narrow's node):
+ *   moe_split: pieces of split_size (the last may be smaller);
+ *   moe_split_sizes: n pieces of the given sizes, which sum to x.shape[dim];
+ *   moe_chunk: chunks pieces of ceil(size / chunks) (fewer when the size
+ *   does not need them all, as PyTorch).
+ * outs has room for max_out tensors; *n_out gets the count. A dim of size 0
+ * gives one empty piece. On failure no output is left. */
+moe_status moe_split(moe_ctx *ctx, moe_tensor *x, int64_t split_size, int64_t dim, int max_out,
+                     moe_tensor **outs, int *n_out);
+moe_status moe_split_sizes(moe_ctx *ctx, moe_tensor *x, int n, const int64_t *sizes,
+                           int64_t dim, moe_tensor **outs);
+moe_status moe_chunk(moe_ctx *ctx, moe_tensor *x, int64_t chunks, int64_t dim, int max_out,
+                     moe_tensor **outs, int *n_out);
+/* How many pieces moe_split / moe_chunk give (for sizing outs). */
+moe_status moe_split_count(moe_ctx *ctx, const moe_tensor *x, int64_t split_size, int64_t dim,
+                           int *count);
+moe_status moe_chunk_count(moe_ctx *ctx, const moe_tensor *x, int64_t chunks, int64_t dim,
+                           int *count);
+
+/* ------------------------------------------------- rotary embedding */
+/*
+ * Rotary position embedding with the rotate-half convention of GPT-NeoX and
+ * Llama: with h = D / 2, x1 = x[..., :h], x2 = x[..., h:],
+ *   out[..., j]     = x1[j] * cos[t, j]     - x2[j] * sin[t, j]
+ *   out[..., j + h] = x2[j] * cos[t, j + h] + x1[j] * sin[t, j + h]
+ * x is (B, T, H, D) (MOE_ROPE_BTHD) or (B, H, T, D) (MOE_ROPE_BHTD), D even,
+ * any strides. cos and sin are (T, D / 2) (as moe_rope_cache makes: entry j
+ * serves both j and j + h) or (T, D) (Hugging Face's duplicated halves); for
+ * generation past position p, pass the narrowed rows [p, p + T) of a longer
+ * cache. Differentiable in x; the backward applies the transposed rotation
+ * (the inverse rotation for tables of angles). cos and sin are constants: an
+ * error if they require grad. Computed in f32 (f64 for f64); x, cos and sin
+ * share one dtype.
+ */
+typedef enum moe_rope_layout { MOE_ROPE_BTHD = 0, MOE_ROPE_BHTD = 1 } moe_rope_layout;
+
+moe_status moe_rope(moe_ctx *ctx, moe_tensor *x, moe_tensor *cos, moe_tensor *sin,
+                    moe_rope_layout layout, moe_tensor **out);
+/* cos, sin (T, D / 2) of angle t * base^(-2j / D), computed in double and
+ * stored as dt (a float dtype) on device d. D even and > 0, T >= 0, base > 0. */
+moe_status moe_rope_cache(moe_ctx *ctx, int64_t T, int64_t D, double base, moe_dtype dt,
+                          moe_device d, moe_tensor **cos, moe_tensor **sin);
+
+/* -------------------------------------------------------- multinomial */
+/*
+ * probs (N, C) or (C) of non-negative weights (need not sum to 1); out
+ * (N, num_samples) or (num_samples) i64 category indices. With replacement
+ * each draw is independent; without, a category is drawn at most once
+ * (num_samples <= the count of non-zero weights of each row).
+ *
+ * Draw s of row r uses u = moe_philox_uniform53(seed, call, r * num_samples
+ * + s) with the context's generator (one call per multinomial, as the random
+ * fills). A row is cut into 256 chunks of ceil(C / 256) weights, summed in
+ * double in a fixed order; the draw picks the first category whose running
+ * sum exceeds u * total. CPU and CUDA follow the same order, so one seed gives
+ * the same samples on both. Without replacement, drawn categories get weight
+ * 0 and the sums are redone. On CUDA, rows with a negative, NaN or infinite
+ * weight or a zero total are not checked (a synchronisation): their samples
+ * are unspecified indices in [0, C); on the CPU they are an error.
+ */
+moe_status moe_multinomial(moe_ctx *ctx, moe_tensor *probs, int64_t num_samples,
+                           bool replacement, moe_tensor **out);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,10 @@
  * bool in int64 with wrap-around (done in uint64, so overflow is defined).
  * The CPU loop treats a scalar as a one-element operand of stride 0, stored
  * in the math type, so one loop serves all three op kinds.
+ *
+ * Autograd: each op records its node when an input requires grad; the
+ * backward reduces broadcast gradients with moe_sum_to_shape and gives each
+ * input a gradient of its own dtype.
  */
 #include <math.h>
 #include <string.h>
@@ -140,6 +144,168 @@ static void cpu_elementwise(moe_op op, const moe_kview *out, const moe_kview *a,
   }
 }
 
+/* ------------------------------------------------------------- backward */
+/*
+ * Saved slots: binary MUL saves (b if a needs grad, a if b needs grad); DIV
+ * saves (b, a if b needs grad); scalar DIV with the scalar first saves a.
+ * dargs[0] is the scalar, iargs[0] whether it came first (reverse).
+ */
+
+/* The gradient g of the output, reduced to input i's shape and converted to
+ * its dtype (g consumed). */
+static moe_status grad_to_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor *g,
+                                moe_tensor **out) {
+  moe_tensor *r;
+  moe_status st = moe_sum_to_shape(ctx, g, n->in_ndim[i], n->in_shape[i], &r);
+  moe_tensor_release(g);
+  if (st != MOE_OK) return st;
+  if (r->dtype == n->in_dtype[i]) {
+    *out = r;
+    return MOE_OK;
+  }
+  st = moe_to(ctx, r, n->in_dtype[i], n->in_device[i], out);
+  moe_tensor_release(r);
+  return st;
+}
+
+/* g op x with x saved in slot k. */
+static moe_status grad_with_saved(moe_ctx *ctx, moe_node *n, moe_op op, moe_tensor *g, int k,
+                                  moe_tensor **out) {
+  moe_tensor *x;
+  MOE_CHECK(moe_node_saved(ctx, n, k, &x));
+  moe_status st = moe_binary(ctx, op, g, x, out);
+  moe_tensor_release(x);
+  return st;
+}
+
+static moe_status binary_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                  moe_tensor **gin) {
+  moe_tensor *g = gout[0], *t = NULL, *u = NULL;
+  moe_status st = MOE_OK;
+  for (int i = 0; i < 2 && st == MOE_OK; i++) {
+    if (!moe_node_needs_grad(n, i)) continue;
+    t = NULL;
+    switch (n->op) {
+      case MOE_OP_ADD:
+        moe_tensor_retain(g);
+        t = g;
+        break;
+      case MOE_OP_SUB:
+        if (i == 0) {
+          moe_tensor_retain(g);
+          t = g;
+        } else {
+          st = moe_unary(ctx, MOE_OP_NEG, g, &t);
+        }
+        break;
+      case MOE_OP_MUL: /* d(a*b)/da = b (slot 0), d/db = a (slot 1) */
+        st = grad_with_saved(ctx, n, MOE_OP_MUL, g, i, &t);
+        break;
+      default: /* DIV: d/da = 1/b, d/db = -a/b^2 */
+        if (i == 0) {
+          st = grad_with_saved(ctx, n, MOE_OP_DIV, g, 0, &t);
+        } else {
+          st = grad_with_saved(ctx, n, MOE_OP_MUL, g, 1, &u);   /* g*a */
+          if (st == MOE_OK) st = grad_with_saved(ctx, n, MOE_OP_DIV, u, 0, &t); /* g*a/b */
+          moe_tensor_release(u);
+          u = t;
+          t = NULL;
+          if (st == MOE_OK) st = grad_with_saved(ctx, n, MOE_OP_DIV, u, 0, &t); /* g*a/b^2 */
+          moe_tensor_release(u);
+          u = t;
+          t = NULL;
+          if (st == MOE_OK) st = moe_unary(ctx, MOE_OP_NEG, u, &t);
+          moe_tensor_release(u);
+          u = NULL;
+        }
+        break;
+    }
+    if (st == MOE_OK) st = grad_to_input(ctx, n, i, t, &gin[i]);
+    else moe_tensor_release(t);
+  }
+  return st;
+}
+
+static moe_status scalar_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                  moe_tensor **gin) {
+  if (!moe_node_needs_grad(n, 0)) return MOE_OK;
+  moe_tensor *g = gout[0], *t = NULL, *u = NULL;
+  double s = n->dargs[0];
+  bool reverse = n->iargs[0] != 0;
+  moe_status st = MOE_OK;
+  switch (n->op) {
+    case MOE_OP_ADD:
+      moe_tensor_retain(g);
+      t = g;
+      break;
+    case MOE_OP_SUB: /* a - s, or s - a */
+      if (reverse) {
+        st = moe_unary(ctx, MOE_OP_NEG, g, &t);
+      } else {
+        moe_tensor_retain(g);
+        t = g;
+      }
+      break;
+    case MOE_OP_MUL:
+      st = moe_binary_scalar(ctx, MOE_OP_MUL, g, s, false, &t);
+      break;
+    case MOE_OP_NEG:
+      st = moe_unary(ctx, MOE_OP_NEG, g, &t);
+      break;
+    default: /* DIV: a / s, or s / a whose gradient is -s g / a^2 */
+      if (!reverse) {
+        st = moe_binary_scalar(ctx, MOE_OP_DIV, g, s, false, &t);
+        break;
+      }
+      st = moe_binary_scalar(ctx, MOE_OP_MUL, g, -s, false, &u);
+      if (st == MOE_OK) st = grad_with_saved(ctx, n, MOE_OP_DIV, u, 0, &t);
+      moe_tensor_release(u);
+      u = t;
+      t = NULL;
+      if (st == MOE_OK) st = grad_with_saved(ctx, n, MOE_OP_DIV, u, 0, &t);
+      moe_tensor_release(u);
+      break;
+  }
+  if (st != MOE_OK) {
+    moe_tensor_release(t);
+    return st;
+  }
+  return grad_to_input(ctx, n, 0, t, &gin[0]);
+}
+
+/* Records the node of out = a op b (b NULL: the scalar s or the unary op);
+ * releases out on failure. */
+static moe_status elementwise_record(moe_ctx *ctx, moe_op op, const moe_tensor *a,
+                                     const moe_tensor *b, double s, bool reverse,
+                                     moe_tensor *out) {
+  moe_tensor *in[2] = {(moe_tensor *)a, (moe_tensor *)b};
+  int nin = b ? 2 : 1;
+  if (!moe_grad_wanted(ctx, nin, (const moe_tensor *const *)in) ||
+      !moe_dtype_is_float(out->dtype))
+    return MOE_OK;
+  moe_node *n;
+  moe_status st = moe_node_new(ctx, op, b ? binary_backward : scalar_backward, nin, in, &n);
+  if (st != MOE_OK) {
+    moe_tensor_release(out);
+    return st;
+  }
+  n->dargs[0] = s;
+  n->iargs[0] = reverse;
+  if (b && op == MOE_OP_MUL) {
+    st = moe_node_save(ctx, n, n->needs_grad[0] ? in[1] : NULL);
+    if (st == MOE_OK) st = moe_node_save(ctx, n, n->needs_grad[1] ? in[0] : NULL);
+  } else if (b && op == MOE_OP_DIV) {
+    st = moe_node_save(ctx, n, in[1]);
+    if (st == MOE_OK) st = moe_node_save(ctx, n, n->needs_grad[1] ? in[0] : NULL);
+  } else if (!b && op == MOE_OP_DIV && reverse) {
+    st = moe_node_save(ctx, n, in[0]);
+  }
+  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
+  moe_node_release(n);
+  if (st != MOE_OK) moe_tensor_release(out);
+  return st;
+}
+
 /* ------------------------------------------------------------- dispatch */
 
 static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, const moe_tensor *b,
@@ -216,7 +382,11 @@ moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_te
                      "sub: subtracting two bool tensors is not supported (convert one with to)");
   moe_dtype dt = moe_dtype_promote(a->dtype, b->dtype);
   if (op == MOE_OP_DIV && !moe_dtype_is_float(dt)) dt = MOE_F32;
-  return elementwise_run(ctx, op, ndim, shape, dt, a, b, NULL, 0, false, out);
+  moe_tensor *r;
+  MOE_CHECK(elementwise_run(ctx, op, ndim, shape, dt, a, b, NULL, 0, false, &r));
+  MOE_CHECK(elementwise_record(ctx, op, a, b, 0, false, r));
+  *out = r;
+  return MOE_OK;
 }
 
 moe_status moe_binary_scalar(moe_ctx *ctx, moe_op op, const moe_tensor *a, double s,
@@ -249,7 +419,11 @@ moe_status moe_binary_scalar(moe_ctx *ctx, moe_op op, const moe_tensor *a, doubl
     vs.dtype = MOE_I64;
     sv.i = s >= 9223372036854775807.0 ? INT64_MAX : s <= -9223372036854775808.0 ? INT64_MIN : (int64_t)s;
   }
-  return elementwise_run(ctx, op, a->ndim, a->shape, dt, a, NULL, &vs, s, reverse, out);
+  moe_tensor *r;
+  MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, dt, a, NULL, &vs, s, reverse, &r));
+  MOE_CHECK(elementwise_record(ctx, op, a, NULL, s, reverse, r));
+  *out = r;
+  return MOE_OK;
 }
 
 moe_status moe_unary(moe_ctx *ctx, moe_op op, const moe_tensor *a, moe_tensor **out) {
@@ -261,5 +435,9 @@ moe_status moe_unary(moe_ctx *ctx, moe_op op, const moe_tensor *a, moe_tensor **
   if (a->dtype == MOE_BOOL)
     return moe_error(ctx, MOE_ERR_DTYPE,
                      "neg: negating a bool tensor is not supported (convert it with to first)");
-  return elementwise_run(ctx, op, a->ndim, a->shape, a->dtype, a, NULL, NULL, 0, false, out);
+  moe_tensor *r;
+  MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, a->dtype, a, NULL, NULL, 0, false, &r));
+  MOE_CHECK(elementwise_record(ctx, op, a, NULL, 0, false, r));
+  *out = r;
+  return MOE_OK;
 }

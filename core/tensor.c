@@ -197,6 +197,7 @@ void moe_tensor_release(moe_tensor *t) {
   if (!t) return;
   MOE_ASSERT(t->refcount > 0);
   if (--t->refcount > 0) return;
+  moe_autograd_meta_free(t);
   moe_storage_release(t->storage);
   free(t);
 }
@@ -345,10 +346,87 @@ static moe_status view_args(moe_ctx *ctx, const char *fn, const moe_tensor *t, m
   return check_arg(ctx, fn, out, "out");
 }
 
+/* ---------------------------------------------------- views' backward */
+/* What a view op records for autograd: its op and the plain arguments its
+ * backward needs (in node->iargs). */
+typedef struct view_grad {
+  moe_op op;
+  int nargs;
+  int64_t args[MOE_MAX_DIMS];
+} view_grad;
+
+/* A zero tensor of input 0's shape, dtype and device, with g copied into the
+ * part the view selected (narrow, slice, select). */
+static moe_status view_scatter_back(moe_ctx *ctx, moe_node *n, moe_tensor *g, moe_tensor **out) {
+  moe_tensor *z, *v = NULL;
+  MOE_CHECK(moe_tensor_full(ctx, n->in_ndim[0], n->in_shape[0], 0.0, n->in_dtype[0],
+                            n->in_device[0], &z));
+  const int64_t *a = n->iargs;
+  moe_status st;
+  if (n->op == MOE_OP_NARROW)
+    st = moe_narrow(ctx, z, a[0], a[1], a[2], &v);
+  else if (n->op == MOE_OP_SLICE)
+    st = moe_slice(ctx, z, a[0], a[1], a[2], a[3], &v);
+  else
+    st = moe_select(ctx, z, a[0], a[1], &v);
+  if (st == MOE_OK) st = moe_copy_(ctx, v, g);
+  moe_tensor_release(v);
+  if (st != MOE_OK) {
+    moe_tensor_release(z);
+    return st;
+  }
+  *out = z;
+  return MOE_OK;
+}
+
+/* The gradient of a view's input from the gradient of the view. */
+static moe_status view_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                moe_tensor **gin) {
+  moe_tensor *g = gout[0];
+  if (!moe_node_needs_grad(n, 0) || !g) return MOE_OK;
+  const int64_t *a = n->iargs;
+  switch (n->op) {
+    case MOE_OP_VIEW:
+    case MOE_OP_SQUEEZE:
+    case MOE_OP_UNSQUEEZE:
+      return moe_reshape(ctx, g, n->in_ndim[0], n->in_shape[0], &gin[0]);
+    case MOE_OP_TRANSPOSE:
+      return moe_transpose(ctx, g, a[0], a[1], &gin[0]);
+    case MOE_OP_PERMUTE: /* iargs hold the inverse permutation */
+      return moe_permute(ctx, g, n->in_ndim[0], a, &gin[0]);
+    case MOE_OP_EXPAND:
+      return moe_sum_to_shape(ctx, g, n->in_ndim[0], n->in_shape[0], &gin[0]);
+    case MOE_OP_NARROW:
+    case MOE_OP_SLICE:
+    case MOE_OP_SELECT:
+      return view_scatter_back(ctx, n, g, &gin[0]);
+    default:
+      return moe_error(ctx, MOE_ERR_INTERNAL, "view backward: unexpected op %s",
+                       moe_op_name(n->op));
+  }
+}
+
+/* A view of t; records vg's node when t needs grad (vg NULL: never). */
 static moe_status view_new(moe_ctx *ctx, const char *fn, moe_tensor *t, int ndim,
                            const int64_t *shape, const int64_t *stride, int64_t offset,
-                           moe_tensor **out) {
-  return tensor_wrap(ctx, fn, t->storage, t->dtype, ndim, shape, stride, offset, out);
+                           const view_grad *vg, moe_tensor **out) {
+  moe_tensor *r;
+  MOE_CHECK(tensor_wrap(ctx, fn, t->storage, t->dtype, ndim, shape, stride, offset, &r));
+  if (vg && moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
+    moe_node *n;
+    moe_status st = moe_node_new(ctx, vg->op, view_backward, 1, (moe_tensor *[]){t}, &n);
+    if (st == MOE_OK) {
+      for (int i = 0; i < vg->nargs; i++) n->iargs[i] = vg->args[i];
+      st = moe_node_set_output(ctx, n, 0, r);
+      moe_node_release(n);
+    }
+    if (st != MOE_OK) {
+      moe_tensor_release(r);
+      return st;
+    }
+  }
+  *out = r;
+  return MOE_OK;
 }
 
 /* Resolves one -1 in shape against numel into res. */
@@ -430,7 +508,8 @@ moe_status moe_view(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shape,
                      moe_shape_str(t->ndim, t->shape, b, sizeof(b)),
                      moe_shape_str(t->ndim, t->stride, c, sizeof(c)));
   }
-  return view_new(ctx, "view", t, ndim, res, stride, t->offset, out);
+  return view_new(ctx, "view", t, ndim, res, stride, t->offset, &(view_grad){MOE_OP_VIEW, 0, {0}},
+                  out);
 }
 
 moe_status moe_reshape(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shape,
@@ -439,11 +518,13 @@ moe_status moe_reshape(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *sha
   int64_t res[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
   MOE_CHECK(infer_shape(ctx, "reshape", moe_tensor_numel(t), ndim, shape, res));
   if (view_strides(t, ndim, res, stride))
-    return view_new(ctx, "reshape", t, ndim, res, stride, t->offset, out);
+    return view_new(ctx, "reshape", t, ndim, res, stride, t->offset,
+                    &(view_grad){MOE_OP_VIEW, 0, {0}}, out);
   moe_tensor *c;
   MOE_CHECK(moe_clone(ctx, t, &c));
   contiguous_strides(ndim, res, stride);
-  moe_status st = view_new(ctx, "reshape", c, ndim, res, stride, c->offset, out);
+  moe_status st = view_new(ctx, "reshape", c, ndim, res, stride, c->offset,
+                           &(view_grad){MOE_OP_VIEW, 0, {0}}, out);
   moe_tensor_release(c);
   return st;
 }
@@ -459,7 +540,8 @@ moe_status moe_transpose(moe_ctx *ctx, moe_tensor *t, int64_t dim0, int64_t dim1
   memcpy(stride, t->stride, sizeof(stride));
   shape[d0] = t->shape[d1], stride[d0] = t->stride[d1];
   shape[d1] = t->shape[d0], stride[d1] = t->stride[d0];
-  return view_new(ctx, "transpose", t, t->ndim, shape, stride, t->offset, out);
+  return view_new(ctx, "transpose", t, t->ndim, shape, stride, t->offset,
+                  &(view_grad){MOE_OP_TRANSPOSE, 2, {d0, d1}}, out);
 }
 
 moe_status moe_permute(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *dims,
@@ -471,6 +553,7 @@ moe_status moe_permute(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *dim
   if (ndim > 0 && !dims) return moe_error(ctx, MOE_ERR_INVALID_ARG, "permute: dims is NULL");
   int64_t shape[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
   bool seen[MOE_MAX_DIMS] = {false};
+  view_grad inv = {MOE_OP_PERMUTE, ndim, {0}}; /* args: the inverse permutation */
   for (int i = 0; i < ndim; i++) {
     int d = 0;
     MOE_CHECK(dim_normalize(ctx, "permute", dims[i], ndim, false, &d));
@@ -478,10 +561,11 @@ moe_status moe_permute(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *dim
       return moe_error(ctx, MOE_ERR_INVALID_ARG, "permute: dim %d appears twice in the permutation",
                        d);
     seen[d] = true;
+    inv.args[d] = i;
     shape[i] = t->shape[d];
     stride[i] = t->stride[d];
   }
-  return view_new(ctx, "permute", t, ndim, shape, stride, t->offset, out);
+  return view_new(ctx, "permute", t, ndim, shape, stride, t->offset, &inv, out);
 }
 
 moe_status moe_narrow(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, int64_t length,
@@ -505,7 +589,7 @@ moe_status moe_narrow(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, i
   memcpy(shape, t->shape, sizeof(shape));
   shape[d] = length;
   return view_new(ctx, "narrow", t, t->ndim, shape, t->stride, t->offset + start * t->stride[d],
-                  out);
+                  &(view_grad){MOE_OP_NARROW, 3, {d, start, length}}, out);
 }
 
 moe_status moe_slice(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, int64_t stop,
@@ -526,7 +610,8 @@ moe_status moe_slice(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, in
   memcpy(stride, t->stride, sizeof(stride));
   shape[d] = len;
   stride[d] = t->stride[d] * step;
-  return view_new(ctx, "slice", t, t->ndim, shape, stride, t->offset + start * t->stride[d], out);
+  return view_new(ctx, "slice", t, t->ndim, shape, stride, t->offset + start * t->stride[d],
+                  &(view_grad){MOE_OP_SLICE, 4, {d, start, start + len * step, step}}, out);
 }
 
 moe_status moe_select(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t index, moe_tensor **out) {
@@ -546,7 +631,7 @@ moe_status moe_select(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t index, m
     stride[j++] = t->stride[i];
   }
   return view_new(ctx, "select", t, t->ndim - 1, shape, stride, t->offset + index * t->stride[d],
-                  out);
+                  &(view_grad){MOE_OP_SELECT, 2, {d, index}}, out);
 }
 
 moe_status moe_expand(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shape,
@@ -591,7 +676,8 @@ moe_status moe_expand(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shap
                        moe_shape_str(ndim, shape, a, sizeof(a)), i - lead, (long long)have);
     }
   }
-  return view_new(ctx, "expand", t, ndim, res, stride, t->offset, out);
+  return view_new(ctx, "expand", t, ndim, res, stride, t->offset,
+                  &(view_grad){MOE_OP_EXPAND, 0, {0}}, out);
 }
 
 moe_status moe_squeeze(moe_ctx *ctx, moe_tensor *t, int64_t dim, bool all, moe_tensor **out) {
@@ -606,7 +692,8 @@ moe_status moe_squeeze(moe_ctx *ctx, moe_tensor *t, int64_t dim, bool all, moe_t
     shape[n] = t->shape[i];
     stride[n++] = t->stride[i];
   }
-  return view_new(ctx, "squeeze", t, n, shape, stride, t->offset, out);
+  return view_new(ctx, "squeeze", t, n, shape, stride, t->offset,
+                  &(view_grad){MOE_OP_SQUEEZE, 0, {0}}, out);
 }
 
 moe_status moe_unsqueeze(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **out) {
@@ -626,7 +713,8 @@ moe_status moe_unsqueeze(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **
       stride[i] = t->stride[j++];
     }
   }
-  return view_new(ctx, "unsqueeze", t, t->ndim + 1, shape, stride, t->offset, out);
+  return view_new(ctx, "unsqueeze", t, t->ndim + 1, shape, stride, t->offset,
+                  &(view_grad){MOE_OP_UNSQUEEZE, 0, {0}}, out);
 }
 
 moe_status moe_contiguous(moe_ctx *ctx, moe_tensor *t, moe_tensor **out) {

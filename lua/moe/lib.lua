@@ -9,5 +9,7 @@ own module (moe/config.lua, ...) and is attached here.
 local moe = require "moe"
 
 moe.config = require "moe.config"
+moe.autograd = require "moe.autograd"
+moe.gradcheck = require "moe.gradcheck"
 
 return true

@@ -36,7 +36,7 @@ local ctor_bad = {
   { function(f) return f({ 2 }, { device = "tpu" }) end, "device 'tpu'" },
   { function(f) return f({ 2 }, { device = "cuda:99" }) end, "device 'cuda:99'" },
   { function(f) return f({ 2 }, { device = 0 }) end, "device must be a string ('cpu', 'cuda', 'cuda:N'), got number" },
-  { function(f) return f({ 2 }, { requires_grad = true }) end, "requires_grad = true is not supported yet" },
+  { function(f) return f({ 2 }, { dtype = "i32", requires_grad = true }) end, "i32" },
   { function(f) return f({ 2 }, { requires_grad = "yes" }) end, "requires_grad must be a boolean, got string" },
   { function(f) return f({ 2 }, { "f32" }) end, "options are given by name" },
   { function(f) return f({ 2 }, "f32") end, "options table expected" },

@@ -1,0 +1,169 @@
+--[[
+bench/matmul.lua - times moe's matrix products on CUDA (cuBLASLt) at the
+shapes of issue 3's target: bf16 GEMMs 4096^3 and 8192^3, a linear layer
+(16384 x 4096) @ (14336 x 4096)^T with and without its bias, the two GEMMs
+of that layer's backward (dX = dY @ W, dW = dY^T @ X, as moe_linear's
+backward runs them) and one f32 GEMM (full f32, no TF32). The same cases
+run with torch in bench/matmul_torch.py; bench/matmul_report.py joins both.
+
+  moe-lua bench/matmul.lua [--json FILE] [--repeats N]
+
+Before timing, each layout (NN, NT via linear, TN) is checked against the
+CPU on a small bf16 problem: the CPU multiplies the same bf16 values in f32.
+Timing: warm-up, then `repeats` samples of `iters` calls between two
+moe.cuda.synchronize(), timed with moe.clock(); the median per call. Inputs
+are random normal (never zeros). FLOPs: 2 M N K.
+]]
+local moe = require "moe"
+
+local args = { json = nil, repeats = 20 }
+do
+  local i = 1
+  while i <= #arg do
+    local a = arg[i]
+    if a == "--json" then args.json = arg[i + 1]; i = i + 2
+    elseif a == "--repeats" then args.repeats = tonumber(arg[i + 1]); i = i + 2
+    else error("unknown argument " .. a) end
+  end
+end
+
+assert(moe.cuda.is_available(), "bench/matmul.lua needs a CUDA GPU")
+assert(not moe.matmul_tf32(), "TF32 must be off by default")
+
+local function randn(shape, dtype)
+  return moe.randn(shape, { dtype = dtype or "bf16", device = "cuda" })
+end
+
+local function median(t)
+  table.sort(t)
+  local n = #t
+  if n % 2 == 1 then return t[(n + 1) // 2] end
+  return (t[n // 2] + t[n // 2 + 1]) / 2
+end
+
+-- Median seconds per call of f (which frees what it makes).
+local function time(f, iters, repeats)
+  for _ = 1, 5 do f() end
+  moe.cuda.synchronize()
+  local samples = {}
+  for r = 1, repeats do
+    moe.cuda.synchronize()
+    local t0 = moe.clock()
+    for _ = 1, iters do f() end
+    moe.cuda.synchronize()
+    samples[r] = (moe.clock() - t0) / iters
+  end
+  return median(samples)
+end
+
+-- ------------------------------------------------------------ validation
+
+-- Largest |gpu - cpu| over the largest |cpu|, cpu from the same bf16 values in f32.
+local function rel_err(gpu, cpu)
+  local g, c = gpu:float():cpu():reshape({ -1 }):totable(), cpu:float():reshape({ -1 }):totable()
+  assert(#g == #c, "validation: sizes differ")
+  local worst, big = 0, 0
+  for i = 1, #c do
+    worst = math.max(worst, math.abs(g[i] - c[i]))
+    big = math.max(big, math.abs(c[i]))
+  end
+  return worst / big
+end
+
+local validation = {}
+do
+  local M, N, K = 384, 200, 320
+  local a, b, w, bias = randn({ M, K }), randn({ K, N }), randn({ N, K }), randn({ N })
+  local at = randn({ K, M })
+  local function f32cpu(t) return t:cpu():float() end
+  local checks = {
+    { "NN matmul", moe.matmul(a, b), moe.matmul(f32cpu(a), f32cpu(b)) },
+    { "linear + bias (x W^T)", moe.linear(a, w, bias), moe.linear(f32cpu(a), f32cpu(w), f32cpu(bias)) },
+    { "TN matmul (dW layout)", moe.matmul(at:transpose(0, 1), b),
+      moe.matmul(f32cpu(at):transpose(0, 1), f32cpu(b)) },
+  }
+  -- bf16 output rounding is 2^-9 relative; f32 accumulation order adds far less
+  for _, c in ipairs(checks) do
+    local e = rel_err(c[2], c[3])
+    validation[#validation + 1] = { name = c[1], rel_err = e, ok = e < 2 ^ -7 }
+    print(string.format("validate %-24s max |gpu - cpu| / max |cpu| = %.2e  %s", c[1], e,
+      e < 2 ^ -7 and "ok" or "FAILED"))
+    assert(e < 2 ^ -7, "validation failed: " .. c[1])
+  end
+end
+
+-- ------------------------------------------------------------ timing
+
+local cases = {}
+local function case(name, M, N, K, dtype, setup)
+  cases[#cases + 1] = { name = name, M = M, N = N, K = K, dtype = dtype, setup = setup }
+end
+
+case("matmul 4096^3", 4096, 4096, 4096, "bf16", function()
+  local a, b = randn({ 4096, 4096 }), randn({ 4096, 4096 })
+  return function() moe.matmul(a, b):free() end, { a, b }
+end)
+case("matmul 8192^3", 8192, 8192, 8192, "bf16", function()
+  local a, b = randn({ 8192, 8192 }), randn({ 8192, 8192 })
+  return function() moe.matmul(a, b):free() end, { a, b }
+end)
+case("linear x W^T", 16384, 14336, 4096, "bf16", function()
+  local x, w = randn({ 16384, 4096 }), randn({ 14336, 4096 })
+  return function() moe.linear(x, w):free() end, { x, w }
+end)
+case("linear x W^T + b", 16384, 14336, 4096, "bf16", function()
+  local x, w, b = randn({ 16384, 4096 }), randn({ 14336, 4096 }), randn({ 14336 })
+  return function() moe.linear(x, w, b):free() end, { x, w, b }
+end)
+case("linear bwd dX = dY W", 16384, 4096, 14336, "bf16", function()
+  local dy, w = randn({ 16384, 14336 }), randn({ 14336, 4096 })
+  return function() moe.matmul(dy, w):free() end, { dy, w }
+end)
+case("linear bwd dW = dY^T X", 14336, 4096, 16384, "bf16", function()
+  local dy, x = randn({ 16384, 14336 }), randn({ 16384, 4096 })
+  local dyt = dy:transpose(0, 1)
+  return function() moe.matmul(dyt, x):free() end, { dy, x }
+end)
+case("matmul 4096^3 f32", 4096, 4096, 4096, "f32", function()
+  local a, b = randn({ 4096, 4096 }, "f32"), randn({ 4096, 4096 }, "f32")
+  return function() moe.matmul(a, b):free() end, { a, b }
+end)
+
+local info = moe.build_info()
+local results = {}
+print(string.format("%-26s %-6s %10s %10s", "case", "dtype", "ms", "TFLOP/s"))
+for _, c in ipairs(cases) do
+  local f, keep = c.setup()
+  local flops = 2 * c.M * c.N * c.K
+  local iters = math.max(3, math.floor(2e13 / flops)) -- about 10-30 ms of work per sample
+  local t = time(f, iters, args.repeats)
+  local r = { name = c.name, M = c.M, N = c.N, K = c.K, dtype = c.dtype, ms = t * 1e3,
+              tflops = flops / t / 1e12 }
+  results[#results + 1] = r
+  print(string.format("%-26s %-6s %10.4f %10.1f", c.name, c.dtype, r.ms, r.tflops))
+  for _, x in ipairs(keep) do x:free() end
+  collectgarbage()
+end
+
+if args.json then
+  local gpu = info.gpus[1] or {}
+  local parts = {}
+  for _, r in ipairs(results) do
+    parts[#parts + 1] = string.format(
+      '{"name": "%s", "M": %d, "N": %d, "K": %d, "dtype": "%s", "ms": %.5f, "tflops": %.2f}',
+      r.name, r.M, r.N, r.K, r.dtype, r.ms, r.tflops)
+  end
+  local vparts = {}
+  for _, v in ipairs(validation) do
+    vparts[#vparts + 1] = string.format('{"name": "%s", "rel_err": %.3e, "ok": %s}', v.name,
+      v.rel_err, tostring(v.ok))
+  end
+  local f = assert(io.open(args.json, "w"))
+  f:write(string.format(
+    '{"tool": "moe-lua %s", "device": "%s", "cuda_runtime": %d, "cuda_driver": %d, "cublas": %d,\n' ..
+    ' "date": "%s", "repeats": %d, "tf32": false,\n "validation": [%s],\n "results": [%s]}\n',
+    info.version, gpu.name or "?", info.cuda_runtime, info.cuda_driver, info.cublas,
+    os.date("!%Y-%m-%dT%H:%M:%SZ"), args.repeats, table.concat(vparts, ", "),
+    table.concat(parts, ",\n  ")))
+  f:close()
+end

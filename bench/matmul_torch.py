@@ -1,0 +1,108 @@
+"""bench/matmul_torch.py - the cases of bench/matmul.lua timed with PyTorch on
+the same GPU, in the same run: torch.matmul and torch.nn.functional.linear,
+bf16 (and one f32 GEMM with TF32 off, torch's default for matmul).
+
+  python3 bench/matmul_torch.py [--json FILE] [--repeats N]
+
+Timing: warm-up, then `repeats` samples of `iters` calls between two CUDA
+events (the same iters as the Lua side), the median per call. Inputs are
+random normal. FLOPs: 2 M N K.
+"""
+import argparse
+import datetime
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+
+def time_cuda(f, iters, repeats):
+    for _ in range(5):
+        f()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            f()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / iters)
+    return statistics.median(samples)
+
+
+def blas_library():
+    try:
+        return str(torch.backends.cuda.preferred_blas_library())
+    except Exception:  # older torch: no such query
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    assert torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = "cuda"
+    bf = torch.bfloat16
+
+    def randn(*shape, dtype=bf):
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    def mm(M, N, K, dtype=bf):
+        a, b = randn(M, K, dtype=dtype), randn(K, N, dtype=dtype)
+        return lambda: torch.matmul(a, b)
+
+    def linear(bias):
+        x, w = randn(16384, 4096), randn(14336, 4096)
+        b = randn(14336) if bias else None
+        return lambda: F.linear(x, w, b)
+
+    def dw():
+        dy, x = randn(16384, 14336), randn(16384, 4096)
+        return lambda: torch.matmul(dy.t(), x)
+
+    cases = [
+        ("matmul 4096^3", 4096, 4096, 4096, "bf16", lambda: mm(4096, 4096, 4096)),
+        ("matmul 8192^3", 8192, 8192, 8192, "bf16", lambda: mm(8192, 8192, 8192)),
+        ("linear x W^T", 16384, 14336, 4096, "bf16", lambda: linear(False)),
+        ("linear x W^T + b", 16384, 14336, 4096, "bf16", lambda: linear(True)),
+        ("linear bwd dX = dY W", 16384, 4096, 14336, "bf16", lambda: mm(16384, 4096, 14336)),
+        ("linear bwd dW = dY^T X", 14336, 4096, 16384, "bf16", dw),
+        ("matmul 4096^3 f32", 4096, 4096, 4096, "f32",
+         lambda: mm(4096, 4096, 4096, dtype=torch.float32)),
+    ]
+    results = []
+    print(f"{'case':26s} {'dtype':6s} {'ms':>10s} {'TFLOP/s':>10s}")
+    for name, M, N, K, dtype, setup in cases:
+        f = setup()
+        flops = 2 * M * N * K
+        iters = max(3, int(2e13 // flops))
+        t = time_cuda(f, iters, args.repeats)
+        r = {"name": name, "M": M, "N": N, "K": K, "dtype": dtype, "ms": t * 1e3,
+             "tflops": flops / t / 1e12}
+        results.append(r)
+        print(f"{name:26s} {dtype:6s} {r['ms']:10.4f} {r['tflops']:10.1f}")
+        del f
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({
+                "tool": f"torch {torch.__version__}",
+                "device": torch.cuda.get_device_name(0),
+                "cuda": torch.version.cuda,
+                "blas_library": blas_library(),
+                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "repeats": args.repeats,
+                "tf32": False,
+                "results": results,
+            }, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+/*
+ * lio.c - moe.save and moe.load: safetensors files (core/moe_io.h) from Lua.
+ *
+ *   moe.save("ckpt.safetensors", {["layer.0.w"] = w, bias = b}, {step = "100"})
+ *   local tensors, metadata = moe.load("ckpt.safetensors", {device = "cuda"})
+ *
+ * save takes a table name -> tensor (names are non-empty strings, tensors
+ * are not freed or changed) and an optional table of string -> string
+ * metadata; the file is written atomically. load returns a table name ->
+ * new tensor and the metadata table (empty when the file has none).
+ *
+ * Scratch arrays for save live in a userdata (collected if an error unwinds
+ * past it). load parks the loaded file in a "moe.SafetensorsBox" userdata
+ * whose __gc frees it, so a Lua error while the result tables are built
+ * (out of memory) leaks nothing; the box holds a reference to the state so
+ * the context outlives the tensors it still owns.
+ */
+#include <string.h>
+
+#include "lmoe_internal.h"
+#include "moe_io.h"
+
+#define LM_ST_BOX "moe.SafetensorsBox"
+
+typedef struct lm_st_box {
+  moe_safetensors *f; /* NULL when empty */
+  lm_state *S;        /* one reference while f is not NULL */
+} lm_st_box;
+
+static int lm_st_box_gc(lua_State *L) {
+  lm_st_box *b = (lm_st_box *)luaL_checkudata(L, 1, LM_ST_BOX);
+  if (b->f) {
+    moe_safetensors_free(b->f);
+    b->f = NULL;
+    lm_state_unref(b->S);
+    b->S = NULL;
+  }
+  return 0;
+}
+
+/* Counts the entries of the table at arg, checking keys and values; names
+ * and tensors are then filled by a second traversal. */
+static int lm_save_collect(lua_State *L, int arg, const char **names, moe_tensor **tensors) {
+  int n = 0;
+  lua_pushnil(L);
+  while (lua_next(L, arg)) {
+    if (lua_type(L, -2) != LUA_TSTRING)
+    {
+      const char *tn = luaL_typename(L, -2); /* before lm_describe pushes */
+      lm_argerror(L, arg, "save", "tensor names must be strings, got a %s key (%s)", tn,
+                  lm_describe(L, -2));
+    }
+    size_t len = 0;
+    const char *name = lua_tolstring(L, -2, &len);
+    if (len == 0) lm_argerror(L, arg, "save", "tensor names must be non-empty strings");
+    if (strlen(name) != len) lm_argerror(L, arg, "save", "tensor name '%s...' contains a NUL byte", name);
+    lm_tensor *u = lm_testtensor(L, -1);
+    if (u == NULL)
+      lm_argerror(L, arg, "save", "tensors['%s'] must be a tensor, got %s", name, lm_typename(L, -1));
+    if (u->t == NULL) lm_argerror(L, arg, "save", "tensors['%s'] is a freed tensor", name);
+    if (names) {
+      names[n] = name;  /* kept alive by the table, which is on the stack */
+      tensors[n] = u->t;
+    }
+    n++;
+    lua_pop(L, 1);
+  }
+  return n;
+}
+
+static int lm_meta_collect(lua_State *L, int arg, const char **keys, const char **values) {
+  int n = 0;
+  lua_pushnil(L);
+  while (lua_next(L, arg)) {
+    if (lua_type(L, -2) != LUA_TSTRING)
+    {
+      const char *tn = luaL_typename(L, -2);
+      lm_argerror(L, arg, "save", "metadata keys must be strings, got a %s key (%s)", tn,
+                  lm_describe(L, -2));
+    }
+    if (lua_type(L, -1) != LUA_TSTRING)
+      lm_argerror(L, arg, "save", "metadata['%s'] must be a string, got %s", lua_tostring(L, -2),
+                  lm_typename(L, -1));
+    size_t kl = 0, vl = 0;
+    const char *k = lua_tolstring(L, -2, &kl), *v = lua_tolstring(L, -1, &vl);
+    if (strlen(k) != kl || strlen(v) != vl)
+      lm_argerror(L, arg, "save", "metadata['%s'] contains a NUL byte", k);
+    if (keys) {
+      keys[n] = lua_tostring(L, -2);
+      values[n] = lua_tostring(L, -1);
+    }
+    n++;
+    lua_pop(L, 1);
+  }
+  return n;
+}
+
+/* moe.save(path, tensors [, metadata]) */
+static int lm_save(lua_State *L) {
+  lm_state *S = lm_S(L);
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "save", "path must be a string, got %s", lm_typename(L, 1));
+  if (lua_type(L, 2) != LUA_TTABLE)
+    lm_argerror(L, 2, "save", "table of tensors expected ({name = tensor, ...}), got %s",
+                lm_typename(L, 2));
+  if (!lua_isnoneornil(L, 3) && lua_type(L, 3) != LUA_TTABLE)
+    lm_argerror(L, 3, "save", "metadata table expected ({key = \"value\", ...}), got %s",
+                lm_typename(L, 3));
+  lm_checkend(L, 3, "save");
+  lua_settop(L, 3);
+  size_t plen = 0;
+  const char *path = lua_tolstring(L, 1, &plen);
+  if (strlen(path) != plen) lm_argerror(L, 1, "save", "path contains a NUL byte");
+  int n = lm_save_collect(L, 2, NULL, NULL);
+  int nm = lua_isnil(L, 3) ? 0 : lm_meta_collect(L, 3, NULL, NULL);
+  /* scratch: n names, n tensors, nm keys, nm values */
+  void **scratch = (void **)lua_newuserdatauv(L, sizeof(void *) * (size_t)(2 * n + 2 * nm + 1), 0);
+  const char **names = (const char **)scratch;
+  moe_tensor **tensors = (moe_tensor **)(scratch + n);
+  const char **keys = (const char **)(scratch + 2 * n);
+  const char **values = (const char **)(scratch + 2 * n + nm);
+  lm_save_collect(L, 2, names, tensors);
+  if (nm > 0) lm_meta_collect(L, 3, keys, values);
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_save(S->ctx, path, n, names, tensors, nm, keys, values));
+  if (st != MOE_OK) return lm_corefail(L, S, "save", 0);
+  return 0;
+}
+
+/* moe.load(path [, {device = "cuda"}]) -> tensors, metadata */
+static int lm_load(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_device d = MOE_CPU;
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "load", "path must be a string, got %s", lm_typename(L, 1));
+  if (!lua_isnoneornil(L, 2)) {
+    if (lua_type(L, 2) != LUA_TTABLE)
+      lm_argerror(L, 2, "load", "options table expected ({device = ...}), got %s", lm_typename(L, 2));
+    lua_pushnil(L);
+    while (lua_next(L, 2)) {
+      if (lua_type(L, -2) != LUA_TSTRING)
+        lm_argerror(L, 2, "load", "options are given by name ({device = ...}), got a %s key",
+                    luaL_typename(L, -2));
+      const char *k = lua_tostring(L, -2);
+      if (strcmp(k, "device") != 0)
+        lm_argerror(L, 2, "load", "unknown option '%s' (valid options: device)", k);
+      d = lm_checkdevice_at(L, S, lua_gettop(L), 2, "load");
+      lua_pop(L, 1);
+    }
+  }
+  lm_checkend(L, 2, "load");
+  size_t plen = 0;
+  const char *path = lua_tolstring(L, 1, &plen);
+  if (strlen(path) != plen) lm_argerror(L, 1, "load", "path contains a NUL byte");
+
+  lm_st_box *box = (lm_st_box *)lua_newuserdatauv(L, sizeof *box, 0);
+  box->f = NULL;
+  box->S = NULL;
+  luaL_setmetatable(L, LM_ST_BOX);
+  moe_safetensors *f = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_load(S->ctx, path, d, &f));
+  if (st != MOE_OK) return lm_corefail(L, S, "load", 0);
+  box->f = f;
+  box->S = S;
+  S->refs++;
+
+  int64_t n = moe_safetensors_count(f), nm = moe_safetensors_metadata_count(f);
+  lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
+  int ti = lua_gettop(L);
+  for (int64_t i = 0; i < n; i++) {
+    lm_tensor *u = lm_push_empty(L);
+    moe_tensor *t = moe_safetensors_tensor(f, i);
+    moe_tensor_retain(t);
+    lm_adopt(u, S, t);
+    lua_setfield(L, ti, moe_safetensors_name(f, i));
+  }
+  lua_createtable(L, 0, nm > INT32_MAX ? 0 : (int)nm);
+  for (int64_t i = 0; i < nm; i++) {
+    lua_pushstring(L, moe_safetensors_metadata_value(f, i));
+    lua_setfield(L, -2, moe_safetensors_metadata_key(f, i));
+  }
+  /* the tables own their tensors now: drop the file's references */
+  moe_safetensors_free(box->f);
+  box->f = NULL;
+  lm_state_unref(box->S);
+  box->S = NULL;
+  return 2;
+}
+
+static const luaL_Reg lm_io_functions[] = {{"save", lm_save}, {"load", lm_load}, {NULL, NULL}};
+
+void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
+  if (luaL_newmetatable(L, LM_ST_BOX)) {
+    lua_pushcfunction(L, lm_st_box_gc);
+    lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  lm_register(L, mod, methods, sentinel, lm_io_functions, NULL);
+}

@@ -1,0 +1,522 @@
+/*
+ * test_index_cuda.c - the index family on cuda:0 against the CPU reference:
+ * the same calls on both devices at awkward sizes (1, odd, large,
+ * non-contiguous), forward and backward, then a few timings. Needs a GPU;
+ * skips (exit 77) without one.
+ *
+ * Tolerances, per op and dtype (written beside each check too):
+ *   gather, index_select, embedding, scatter, one_hot, sort, argsort, topk,
+ *   cat, stack, multinomial: exact. They move elements, compare them or
+ *   draw by the same double sums (moe_index.h), so values and indices match
+ *   bit for bit (stable order on ties on both devices).
+ *   scatter_add, index_add and the backward of gather/index_select/embedding:
+ *   f32 within 1e-6 relative, bf16 within 2^-8 relative. Both devices add in
+ *   f32 in the order of the index tensor and round once, so the results are
+ *   expected bit-exact; the tolerance only absorbs a compiler's choice on
+ *   the CPU side (f32 adds are not reassociated under -ffp-contract=off).
+ *   rope: f32 within 1e-6 relative, bf16 within 2^-8: the same f32
+ *   products and one rounding on both (the _rn intrinsics); exact expected.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "harness.h"
+
+#define GPU ((moe_device){MOE_DEVICE_CUDA, 0})
+#define SH(...) ((const int64_t[]){__VA_ARGS__})
+
+static moe_tensor *rnd(moe_ctx *ctx, moe_dtype dt, moe_device d, int ndim, const int64_t *shape) {
+  moe_tensor *t = NULL, *c = NULL;
+  if (moe_tensor_empty(ctx, ndim, shape, MOE_F32, MOE_CPU, &t) != MOE_OK ||
+      moe_normal_(ctx, t, 0, 1) != MOE_OK || moe_to(ctx, t, dt, d, &c) != MOE_OK) {
+    fprintf(stderr, "rnd: %s\n", moe_ctx_error(ctx));
+    exit(1);
+  }
+  moe_tensor_release(t);
+  return c;
+}
+
+static moe_tensor *rint_(moe_ctx *ctx, moe_dtype dt, int64_t hi, int ndim, const int64_t *shape) {
+  moe_tensor *t = NULL;
+  if (moe_tensor_empty(ctx, ndim, shape, dt, MOE_CPU, &t) != MOE_OK ||
+      moe_randint_(ctx, t, 0, hi) != MOE_OK) {
+    fprintf(stderr, "rint: %s\n", moe_ctx_error(ctx));
+    exit(1);
+  }
+  return t;
+}
+
+static moe_tensor *gpu(moe_ctx *ctx, moe_tensor *t) {
+  moe_tensor *g = NULL;
+  if (moe_to(ctx, t, t->dtype, GPU, &g) != MOE_OK) {
+    fprintf(stderr, "to gpu: %s\n", moe_ctx_error(ctx));
+    exit(1);
+  }
+  return g;
+}
+
+/* a (any device) equals b (any device) within rel * max(1, |b|). */
+static int same(moe_tensor *a, moe_tensor *b, double rel, const char *what, int line) {
+  int64_t n = moe_tensor_numel(b);
+  if (moe_tensor_numel(a) != n || a->ndim != b->ndim) {
+    fprintf(stderr, "line %d %s: sizes differ\n", line, what);
+    return 0;
+  }
+  for (int d = 0; d < a->ndim; d++)
+    if (a->shape[d] != b->shape[d]) {
+      fprintf(stderr, "line %d %s: shapes differ\n", line, what);
+      return 0;
+    }
+  double *x = malloc(sizeof(double) * (size_t)(n ? n : 1)), *y = malloc(sizeof(double) * (size_t)(n ? n : 1));
+  int ok = moe_tensor_to_f64(harness_ctx, a, x) == MOE_OK && moe_tensor_to_f64(harness_ctx, b, y) == MOE_OK;
+  int64_t bad = 0;
+  for (int64_t i = 0; ok && i < n; i++) {
+    bool eq = x[i] == y[i] || (isnan(x[i]) && isnan(y[i])) || fabs(x[i] - y[i]) <= rel * fmax(1, fabs(y[i]));
+    if (!eq && bad++ < 3)
+      fprintf(stderr, "line %d %s: element %lld is %.9g, cpu %.9g\n", line, what, (long long)i, x[i], y[i]);
+  }
+  free(x);
+  free(y);
+  return ok && bad == 0;
+}
+#define SAME(a, b, rel, what) EXPECT(same((a), (b), (rel), (what), __LINE__))
+
+static void rel3(moe_tensor *a, moe_tensor *b, moe_tensor *c) {
+  moe_tensor_release(a);
+  moe_tensor_release(b);
+  moe_tensor_release(c);
+}
+
+/* ----------------------------------------------------- gather family */
+
+static void test_gather_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16, MOE_I64};
+  for (int k = 0; k < 3; k++) {
+    moe_tensor *x = rnd(ctx, dts[k], MOE_CPU, 2, SH(37, 129)), *xg = gpu(ctx, x);
+    moe_tensor *i0 = rint_(ctx, MOE_I64, 37, 2, SH(50, 129)), *i0g = gpu(ctx, i0);
+    moe_tensor *i1 = rint_(ctx, MOE_I32, 129, 2, SH(37, 1)), *i1g = gpu(ctx, i1);
+    moe_tensor *a = NULL, *b = NULL;
+    EXPECT_OK(moe_gather(ctx, xg, 0, i0g, &a));
+    EXPECT_OK(moe_gather(ctx, x, 0, i0, &b));
+    SAME(a, b, 0, "gather dim 0"); /* exact: element moves */
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    EXPECT_OK(moe_gather(ctx, xg, 1, i1g, &a));
+    EXPECT_OK(moe_gather(ctx, x, 1, i1, &b));
+    SAME(a, b, 0, "gather dim 1 i32");
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    /* non-contiguous x: its transpose (129, 37) */
+    moe_tensor *xt = NULL, *xtg = NULL, *it = rint_(ctx, MOE_I64, 129, 2, SH(3, 37)), *itg = gpu(ctx, it);
+    EXPECT_OK(moe_transpose(ctx, x, 0, 1, &xt));
+    EXPECT_OK(moe_transpose(ctx, xg, 0, 1, &xtg));
+    EXPECT_OK(moe_gather(ctx, xtg, 0, itg, &a));
+    EXPECT_OK(moe_gather(ctx, xt, 0, it, &b));
+    SAME(a, b, 0, "gather transposed");
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    /* index_select along both dims */
+    moe_tensor *s = rint_(ctx, MOE_I64, 129, 1, SH(1001)), *sg = gpu(ctx, s);
+    EXPECT_OK(moe_index_select(ctx, xg, 1, sg, &a));
+    EXPECT_OK(moe_index_select(ctx, x, 1, s, &b));
+    SAME(a, b, 0, "index_select");
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    moe_tensor *ts[] = {x, xg, i0, i0g, i1, i1g, xt, xtg, it, itg, s, sg};
+    for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+  }
+  /* embedding, large: 4096 ids of a (5000, 256) table; size 1 */
+  moe_tensor *w = rnd(ctx, MOE_BF16, MOE_CPU, 2, SH(5000, 256)), *wg = gpu(ctx, w);
+  moe_tensor *ids = rint_(ctx, MOE_I64, 5000, 2, SH(4, 1024)), *idsg = gpu(ctx, ids);
+  moe_tensor *a = NULL, *b = NULL;
+  EXPECT_OK(moe_embedding(ctx, wg, idsg, &a));
+  EXPECT_OK(moe_embedding(ctx, w, ids, &b));
+  SAME(a, b, 0, "embedding");
+  moe_tensor_release(a);
+  moe_tensor_release(b);
+  moe_tensor *w1 = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(1, 1)), *w1g = gpu(ctx, w1);
+  moe_tensor *id1 = rint_(ctx, MOE_I32, 1, 1, SH(1)), *id1g = gpu(ctx, id1);
+  EXPECT_OK(moe_embedding(ctx, w1g, id1g, &a));
+  EXPECT_OK(moe_embedding(ctx, w1, id1, &b));
+  SAME(a, b, 0, "embedding 1x1");
+  moe_tensor_release(a);
+  moe_tensor_release(b);
+  /* a CPU index with a CUDA tensor */
+  EXPECT_ERR_MSG(moe_embedding(ctx, wg, ids, &a), MOE_ERR_DEVICE, "ids is on cpu");
+  /* one_hot */
+  moe_tensor *oh = rint_(ctx, MOE_I64, 7, 2, SH(33, 3)), *ohg = gpu(ctx, oh);
+  EXPECT_OK(moe_one_hot(ctx, ohg, 7, &a));
+  EXPECT_OK(moe_one_hot(ctx, oh, 7, &b));
+  SAME(a, b, 0, "one_hot");
+  moe_tensor_release(a);
+  moe_tensor_release(b);
+  EXPECT_OK(moe_one_hot(ctx, ohg, -1, &a)); /* infers 7 (max 6 is drawn w.h.p. among 99) */
+  EXPECT_OK(moe_one_hot(ctx, oh, -1, &b));
+  SAME(a, b, 0, "one_hot inferred");
+  moe_tensor_release(a);
+  moe_tensor_release(b);
+  moe_tensor *ts[] = {w, wg, ids, idsg, w1, w1g, id1, id1g, oh, ohg};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* ----------------------------------------------------- scatter family */
+
+static void test_scatter_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  const double tol[] = {1e-6, 1.0 / 256}; /* f32 / bf16: see the header; exact expected */
+  for (int k = 0; k < 2; k++) {
+    moe_tensor *x = rnd(ctx, dts[k], MOE_CPU, 2, SH(31, 65)), *xg = gpu(ctx, x);
+    moe_tensor *src = rnd(ctx, dts[k], MOE_CPU, 2, SH(300, 65)), *srcg = gpu(ctx, src);
+    moe_tensor *idx = rint_(ctx, MOE_I64, 31, 2, SH(257, 65)), *idxg = gpu(ctx, idx); /* many repeats */
+    moe_tensor *a = NULL, *b = NULL;
+    EXPECT_OK(moe_scatter_add(ctx, xg, 0, idxg, srcg, &a));
+    EXPECT_OK(moe_scatter_add(ctx, x, 0, idx, src, &b));
+    SAME(a, b, tol[k], "scatter_add");
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    EXPECT_OK(moe_scatter(ctx, xg, 0, idxg, srcg, &a));
+    EXPECT_OK(moe_scatter(ctx, x, 0, idx, src, &b));
+    SAME(a, b, 0, "scatter (last write wins on both)"); /* exact */
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    /* index_add along dim 1 with a non-contiguous src */
+    moe_tensor *ia = rint_(ctx, MOE_I32, 65, 1, SH(1000)), *iag = gpu(ctx, ia);
+    moe_tensor *sb = rnd(ctx, dts[k], MOE_CPU, 2, SH(1000, 31)), *sbg = gpu(ctx, sb);
+    moe_tensor *st = NULL, *stg = NULL;
+    EXPECT_OK(moe_transpose(ctx, sb, 0, 1, &st));
+    EXPECT_OK(moe_transpose(ctx, sbg, 0, 1, &stg));
+    EXPECT_OK(moe_index_add(ctx, xg, 1, iag, stg, &a));
+    EXPECT_OK(moe_index_add(ctx, x, 1, ia, st, &b));
+    SAME(a, b, tol[k], "index_add");
+    moe_tensor_release(a);
+    moe_tensor_release(b);
+    moe_tensor *ts[] = {x, xg, src, srcg, idx, idxg, ia, iag, sb, sbg, st, stg};
+    for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+  }
+  /* integer histogram, large: 1M ids into 256 bins */
+  moe_tensor *cnt = NULL, *cntg = NULL, *ones = NULL, *onesg = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(256), 0, MOE_I64, MOE_CPU, &cnt));
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(1 << 20), 1, MOE_I64, MOE_CPU, &ones));
+  cntg = gpu(ctx, cnt);
+  onesg = gpu(ctx, ones);
+  moe_tensor *ids = rint_(ctx, MOE_I64, 256, 1, SH(1 << 20)), *idsg = gpu(ctx, ids), *a = NULL, *b = NULL;
+  EXPECT_OK(moe_scatter_add(ctx, cntg, 0, idsg, onesg, &a));
+  EXPECT_OK(moe_scatter_add(ctx, cnt, 0, ids, ones, &b));
+  SAME(a, b, 0, "histogram"); /* exact: integers */
+  rel3(a, b, NULL);
+  moe_tensor *ts[] = {cnt, cntg, ones, onesg, ids, idsg};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* ------------------------------------------------------- sort, topk */
+
+static void sort_pair(moe_ctx *ctx, moe_tensor *x, int64_t dim, bool desc, int64_t k,
+                      const char *what) {
+  moe_tensor *xg = gpu(ctx, x), *va = NULL, *ia = NULL, *vb = NULL, *ib = NULL;
+  if (k < 0) {
+    EXPECT_OK(moe_sort(ctx, xg, dim, desc, &va, &ia));
+    EXPECT_OK(moe_sort(ctx, x, dim, desc, &vb, &ib));
+  } else {
+    EXPECT_OK(moe_topk(ctx, xg, k, dim, desc, &va, &ia));
+    EXPECT_OK(moe_topk(ctx, x, k, dim, desc, &vb, &ib));
+  }
+  SAME(va, vb, 0, what); /* exact: comparisons only */
+  SAME(ia, ib, 0, what); /* exact: stable ties on both */
+  rel3(xg, va, ia);
+  rel3(vb, ib, NULL);
+}
+
+static void test_sort_cuda(moe_ctx *ctx) {
+  moe_tensor *x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(3, 1000));
+  sort_pair(ctx, x, 1, false, -1, "sort rows");
+  sort_pair(ctx, x, 0, true, -1, "sort dim 0 desc");
+  moe_tensor_release(x);
+  x = rnd(ctx, MOE_F32, MOE_CPU, 1, SH(100003)); /* one long row */
+  sort_pair(ctx, x, 0, true, -1, "sort one row");
+  moe_tensor_release(x);
+  x = rnd(ctx, MOE_BF16, MOE_CPU, 2, SH(257, 33)); /* bf16: many ties */
+  sort_pair(ctx, x, -1, false, -1, "sort bf16");
+  sort_pair(ctx, x, -1, true, 5, "topk bf16");
+  moe_tensor_release(x);
+  x = rint_(ctx, MOE_I64, 10, 2, SH(5, 999)); /* integers, ties everywhere */
+  sort_pair(ctx, x, 1, false, -1, "sort i64 ties");
+  sort_pair(ctx, x, 1, true, -1, "sort i64 ties desc");
+  sort_pair(ctx, x, 1, true, 8, "topk i64 ties");
+  moe_tensor_release(x);
+  /* topk: the router shape, k = 1, the sort fallback (k > 32, C > 4096) */
+  x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(4099, 256));
+  sort_pair(ctx, x, -1, true, 8, "topk router");
+  sort_pair(ctx, x, -1, false, 2, "topk smallest");
+  sort_pair(ctx, x, -1, true, 40, "topk k = 40");
+  sort_pair(ctx, x, 0, true, 3, "topk dim 0");
+  moe_tensor_release(x);
+  x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(33, 1));
+  sort_pair(ctx, x, 1, true, 1, "topk C = 1");
+  moe_tensor_release(x);
+  x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(5, 4097));
+  sort_pair(ctx, x, 1, true, 3, "topk C = 4097");
+  moe_tensor_release(x);
+  x = rnd(ctx, MOE_F32, MOE_CPU, 3, SH(2, 7, 64));
+  moe_tensor *xt = NULL;
+  EXPECT_OK(moe_transpose(ctx, x, 0, 2, &xt)); /* (64, 7, 2), non-contiguous */
+  sort_pair(ctx, xt, 0, true, 4, "topk non-contiguous");
+  sort_pair(ctx, xt, 1, false, -1, "sort non-contiguous");
+  moe_tensor_release(xt);
+  moe_tensor_release(x);
+}
+
+/* ------------------------------------------------------------ joins */
+
+static void test_join_cuda(moe_ctx *ctx) {
+  moe_tensor *a = rnd(ctx, MOE_BF16, MOE_CPU, 2, SH(3, 5)), *b = rnd(ctx, MOE_BF16, MOE_CPU, 2, SH(3, 1));
+  moe_tensor *ag = gpu(ctx, a), *bg = gpu(ctx, b), *o1 = NULL, *o2 = NULL;
+  EXPECT_OK(moe_cat(ctx, 3, (moe_tensor *[]){ag, bg, ag}, 1, &o1));
+  EXPECT_OK(moe_cat(ctx, 3, (moe_tensor *[]){a, b, a}, 1, &o2));
+  SAME(o1, o2, 0, "cat"); /* exact */
+  rel3(o1, o2, NULL);
+  EXPECT_OK(moe_stack(ctx, 2, (moe_tensor *[]){ag, ag}, 2, &o1));
+  EXPECT_OK(moe_stack(ctx, 2, (moe_tensor *[]){a, a}, 2, &o2));
+  SAME(o1, o2, 0, "stack");
+  rel3(o1, o2, NULL);
+  EXPECT_ERR(moe_cat(ctx, 2, (moe_tensor *[]){ag, b}, 1, &o1), MOE_ERR_DEVICE);
+  moe_tensor *ts[] = {a, b, ag, bg};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* ------------------------------------------------------------- rope */
+
+static void test_rope_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  const double tol[] = {1e-6, 1.0 / 256}; /* see the header; exact expected */
+  for (int k = 0; k < 2; k++) {
+    moe_tensor *c = NULL, *s = NULL, *cg = NULL, *sg = NULL, *a = NULL, *b = NULL;
+    EXPECT_OK(moe_rope_cache(ctx, 33, 64, 10000, dts[k], MOE_CPU, &c, &s));
+    EXPECT_OK(moe_rope_cache(ctx, 33, 64, 10000, dts[k], GPU, &cg, &sg));
+    SAME(cg, c, 0, "rope_cache"); /* built on the host either way */
+    moe_tensor *x = rnd(ctx, dts[k], MOE_CPU, 4, SH(2, 33, 3, 64)), *xg = gpu(ctx, x);
+    EXPECT_OK(moe_rope(ctx, xg, cg, sg, MOE_ROPE_BTHD, &a));
+    EXPECT_OK(moe_rope(ctx, x, c, s, MOE_ROPE_BTHD, &b));
+    SAME(a, b, tol[k], "rope bthd");
+    rel3(a, b, NULL);
+    /* BHTD through a transposed (non-contiguous) view */
+    moe_tensor *xt = NULL, *xtg = NULL;
+    EXPECT_OK(moe_transpose(ctx, x, 1, 2, &xt));
+    EXPECT_OK(moe_transpose(ctx, xg, 1, 2, &xtg));
+    EXPECT_OK(moe_rope(ctx, xtg, cg, sg, MOE_ROPE_BHTD, &a));
+    EXPECT_OK(moe_rope(ctx, xt, c, s, MOE_ROPE_BHTD, &b));
+    SAME(a, b, tol[k], "rope bhtd");
+    rel3(a, b, NULL);
+    /* backward: x requires grad, a random cotangent */
+    moe_tensor *xl = NULL, *xlg = NULL, *g = rnd(ctx, dts[k], MOE_CPU, 4, SH(2, 33, 3, 64)), *gg = gpu(ctx, g);
+    EXPECT_OK(moe_clone(ctx, x, &xl));
+    EXPECT_OK(moe_clone(ctx, xg, &xlg));
+    EXPECT_OK(moe_set_requires_grad(ctx, xl, true));
+    EXPECT_OK(moe_set_requires_grad(ctx, xlg, true));
+    EXPECT_OK(moe_rope(ctx, xlg, cg, sg, MOE_ROPE_BTHD, &a));
+    EXPECT_OK(moe_rope(ctx, xl, c, s, MOE_ROPE_BTHD, &b));
+    EXPECT_OK(moe_backward(ctx, a, gg, false));
+    EXPECT_OK(moe_backward(ctx, b, g, false));
+    EXPECT(moe_tensor_grad(xlg) && moe_tensor_grad(xl));
+    if (moe_tensor_grad(xlg) && moe_tensor_grad(xl))
+      SAME(moe_tensor_grad(xlg), moe_tensor_grad(xl), tol[k], "rope backward");
+    rel3(a, b, NULL);
+    moe_tensor *ts[] = {c, s, cg, sg, x, xg, xt, xtg, xl, xlg, g, gg};
+    for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+  }
+}
+
+/* ------------------------------------------------------- backward */
+
+/* grad of a leaf x (cpu and gpu copies) through f, with cotangent g. */
+typedef moe_status (*unary_fn)(moe_ctx *ctx, moe_tensor *x, void *ud, moe_tensor **out);
+
+static void grad_pair(moe_ctx *ctx, moe_tensor *x, unary_fn f, void *ud, double tol, const char *what) {
+  moe_tensor *xc = NULL, *xg = NULL, *oc = NULL, *og = NULL, *g = NULL, *gg = NULL;
+  EXPECT_OK(moe_clone(ctx, x, &xc));
+  EXPECT_OK(moe_to(ctx, x, x->dtype, GPU, &xg));
+  EXPECT_OK(moe_set_requires_grad(ctx, xc, true));
+  EXPECT_OK(moe_set_requires_grad(ctx, xg, true));
+  EXPECT_OK(f(ctx, xc, ud, &oc));
+  EXPECT_OK(f(ctx, xg, ud, &og));
+  if (oc && og) {
+    g = rnd(ctx, x->dtype, MOE_CPU, oc->ndim, oc->shape);
+    gg = gpu(ctx, g);
+    EXPECT_OK(moe_backward(ctx, oc, g, false));
+    EXPECT_OK(moe_backward(ctx, og, gg, false));
+    EXPECT(moe_tensor_grad(xc) && moe_tensor_grad(xg));
+    if (moe_tensor_grad(xc) && moe_tensor_grad(xg)) SAME(moe_tensor_grad(xg), moe_tensor_grad(xc), tol, what);
+  }
+  rel3(xc, xg, oc);
+  rel3(og, g, gg);
+}
+
+typedef struct pair_ud {
+  moe_tensor *cpu, *gpu; /* an index on each device */
+  int64_t dim, k;
+} pair_ud;
+
+static moe_tensor *ud_index(pair_ud *u, moe_tensor *x) {
+  return moe_tensor_device(x).type == MOE_DEVICE_CUDA ? u->gpu : u->cpu;
+}
+
+static moe_status f_gather(moe_ctx *ctx, moe_tensor *x, void *ud, moe_tensor **out) {
+  return moe_gather(ctx, x, ((pair_ud *)ud)->dim, ud_index(ud, x), out);
+}
+static moe_status f_embedding(moe_ctx *ctx, moe_tensor *x, void *ud, moe_tensor **out) {
+  return moe_embedding(ctx, x, ud_index(ud, x), out);
+}
+static moe_status f_topk(moe_ctx *ctx, moe_tensor *x, void *ud, moe_tensor **out) {
+  moe_tensor *i = NULL;
+  moe_status st = moe_topk(ctx, x, ((pair_ud *)ud)->k, ((pair_ud *)ud)->dim, true, out, &i);
+  moe_tensor_release(i);
+  return st;
+}
+
+static void test_backward_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  const double tol[] = {1e-6, 1.0 / 256}; /* sums in f32 in one order on both: see the header */
+  for (int k = 0; k < 2; k++) {
+    moe_tensor *x = rnd(ctx, dts[k], MOE_CPU, 2, SH(61, 33));
+    moe_tensor *i = rint_(ctx, MOE_I64, 61, 2, SH(200, 33));
+    pair_ud u = {i, gpu(ctx, i), 0, 0};
+    grad_pair(ctx, x, f_gather, &u, tol[k], "gather backward");
+    moe_tensor_release(u.gpu);
+    moe_tensor_release(i);
+    /* embedding backward: 3000 ids into 61 rows, many repeats */
+    moe_tensor *ids = rint_(ctx, MOE_I64, 61, 2, SH(3, 1000));
+    pair_ud e = {ids, gpu(ctx, ids), 0, 0};
+    grad_pair(ctx, x, f_embedding, &e, tol[k], "embedding backward");
+    moe_tensor_release(e.gpu);
+    moe_tensor_release(ids);
+    pair_ud t = {NULL, NULL, -1, 8};
+    grad_pair(ctx, x, f_topk, &t, 0, "topk backward"); /* exact: a scatter of distinct targets */
+    moe_tensor_release(x);
+  }
+}
+
+/* ------------------------------------------------------- multinomial */
+
+static void test_multinomial_cuda(moe_ctx *ctx) {
+  moe_tensor *p = NULL, *pc = NULL, *a = NULL, *b = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(7, 1000), MOE_F32, MOE_CPU, &p));
+  EXPECT_OK(moe_uniform_(ctx, p, 0, 1));
+  moe_tensor *pg = gpu(ctx, p);
+  moe_rng_seed(ctx, 11);
+  EXPECT_OK(moe_multinomial(ctx, pg, 300, true, &a));
+  moe_rng_seed(ctx, 11);
+  EXPECT_OK(moe_multinomial(ctx, p, 300, true, &b));
+  SAME(a, b, 0, "multinomial with replacement"); /* exact: same draws, same double sums */
+  rel3(a, b, NULL);
+  EXPECT_OK(moe_multinomial(ctx, pg, 20, false, &a));
+  moe_rng_seed(ctx, 11);
+  moe_rng_set_state(ctx, 11, 1); /* the second call of seed 11 */
+  EXPECT_OK(moe_multinomial(ctx, p, 20, false, &b));
+  SAME(a, b, 0, "multinomial without replacement");
+  rel3(a, b, NULL);
+  /* one large bf16 row (vocabulary-sized), 1 sample */
+  moe_tensor *v = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 1, SH(50257), MOE_F32, MOE_CPU, &v));
+  EXPECT_OK(moe_uniform_(ctx, v, 0, 1));
+  EXPECT_OK(moe_to(ctx, v, MOE_BF16, MOE_CPU, &pc));
+  moe_tensor *vg = gpu(ctx, pc);
+  moe_rng_set_state(ctx, 5, 9);
+  EXPECT_OK(moe_multinomial(ctx, vg, 16, true, &a));
+  moe_rng_set_state(ctx, 5, 9);
+  EXPECT_OK(moe_multinomial(ctx, pc, 16, true, &b));
+  SAME(a, b, 0, "multinomial vocabulary row");
+  rel3(a, b, NULL);
+  moe_tensor *ts[] = {p, pg, v, pc, vg};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* ------------------------------------------------------------ timings */
+
+static double now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+/* Median of 9 runs of 10 calls, ms per call (host clock around a sync). */
+#define BENCH(name, bytes, body)                                                          \
+  do {                                                                                    \
+    double t_[9];                                                                         \
+    for (int w_ = 0; w_ < 3; w_++) { body; }                                              \
+    moe_cuda_synchronize(ctx, GPU);                                                       \
+    for (int r_ = 0; r_ < 9; r_++) {                                                      \
+      double t0_ = now_ms();                                                              \
+      for (int i_ = 0; i_ < 10; i_++) { body; }                                           \
+      moe_cuda_synchronize(ctx, GPU);                                                     \
+      t_[r_] = (now_ms() - t0_) / 10;                                                     \
+    }                                                                                     \
+    for (int a_ = 0; a_ < 9; a_++)                                                        \
+      for (int b_ = a_ + 1; b_ < 9; b_++)                                                 \
+        if (t_[b_] < t_[a_]) { double s_ = t_[a_]; t_[a_] = t_[b_]; t_[b_] = s_; }        \
+    printf("bench %-44s %9.4f ms  %8.1f GB/s\n", name, t_[4], (bytes) / (t_[4] * 1e6));  \
+  } while (0)
+
+static void test_timings(moe_ctx *ctx) {
+  /* router topk: 65536 tokens x 256 experts f32, k = 8 */
+  moe_tensor *x = NULL, *v = NULL, *i = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(65536, 256), MOE_F32, GPU, &x));
+  EXPECT_OK(moe_normal_(ctx, x, 0, 1));
+  BENCH("topk k=8 of (65536, 256) f32", 65536.0 * 256 * 4 + 65536.0 * 8 * 12,
+        { moe_topk(ctx, x, 8, -1, true, &v, &i); moe_tensor_release(v); moe_tensor_release(i); });
+  moe_tensor *x2 = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(65536, 64), MOE_BF16, GPU, &x2));
+  EXPECT_OK(moe_normal_(ctx, x2, 0, 1));
+  BENCH("topk k=2 of (65536, 64) bf16", 65536.0 * 64 * 2 + 65536.0 * 2 * 10,
+        { moe_topk(ctx, x2, 2, -1, true, &v, &i); moe_tensor_release(v); moe_tensor_release(i); });
+  /* argsort of 131072 expert ids (the MoE dispatch permutation) */
+  moe_tensor *ids = NULL, *idsg = NULL;
+  ids = rint_(ctx, MOE_I64, 64, 1, SH(131072));
+  idsg = gpu(ctx, ids);
+  BENCH("argsort 131072 i64 ids", 131072.0 * 8 * 4, { moe_argsort(ctx, idsg, 0, false, &i); moe_tensor_release(i); });
+  /* embedding (50257, 1024) bf16, 8192 tokens: forward and weight gradient */
+  moe_tensor *w = NULL, *tok = NULL, *tokg = NULL, *o = NULL, *g = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(50257, 1024), MOE_BF16, GPU, &w));
+  EXPECT_OK(moe_normal_(ctx, w, 0, 1));
+  tok = rint_(ctx, MOE_I64, 50257, 1, SH(8192));
+  tokg = gpu(ctx, tok);
+  BENCH("embedding fwd 8192 x 1024 bf16", 8192.0 * 1024 * 2 * 2,
+        { moe_embedding(ctx, w, tokg, &o); moe_tensor_release(o); });
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(8192, 1024), MOE_BF16, GPU, &g));
+  EXPECT_OK(moe_normal_(ctx, g, 0, 1));
+  moe_tensor *z = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, 2, SH(50257, 1024), 0, MOE_BF16, GPU, &z));
+  BENCH("index_add (embedding bwd core) 8192 x 1024", 8192.0 * 1024 * 2 * 3 + 50257.0 * 1024 * 4,
+        { moe_index_add(ctx, z, 0, tokg, g, &o); moe_tensor_release(o); });
+  /* rope (8, 2048, 16, 128) bf16 */
+  moe_tensor *q = NULL, *c = NULL, *s = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 4, SH(8, 2048, 16, 128), MOE_BF16, GPU, &q));
+  EXPECT_OK(moe_normal_(ctx, q, 0, 1));
+  EXPECT_OK(moe_rope_cache(ctx, 2048, 128, 10000, MOE_BF16, GPU, &c, &s));
+  BENCH("rope (8, 2048, 16, 128) bf16", 8.0 * 2048 * 16 * 128 * 2 * 2,
+        { moe_rope(ctx, q, c, s, MOE_ROPE_BTHD, &o); moe_tensor_release(o); });
+  /* multinomial: 64 rows of a 50257 vocabulary, one sample each */
+  moe_tensor *pr = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(64, 50257), MOE_F32, GPU, &pr));
+  EXPECT_OK(moe_uniform_(ctx, pr, 0, 1));
+  BENCH("multinomial (64, 50257) f32, 1 sample", 64.0 * 50257 * 4,
+        { moe_multinomial(ctx, pr, 1, true, &o); moe_tensor_release(o); });
+  moe_tensor *ts[] = {x, x2, ids, idsg, w, tok, tokg, g, z, q, c, s, pr};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+int main(void) {
+  moe_ctx *ctx = harness_start();
+  SKIP_IF_NO_GPU(ctx);
+  RUN(test_gather_cuda);
+  RUN(test_scatter_cuda);
+  RUN(test_sort_cuda);
+  RUN(test_join_cuda);
+  RUN(test_rope_cuda);
+  RUN(test_backward_cuda);
+  RUN(test_multinomial_cuda);
+  if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
+  return harness_end();
+}
