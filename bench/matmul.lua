@@ -3,7 +3,8 @@ bench/matmul.lua - times moe's matrix products on CUDA (cuBLASLt) at the
 shapes of issue 3's target: bf16 GEMMs 4096^3 and 8192^3, a linear layer
 (16384 x 4096) @ (14336 x 4096)^T with and without its bias, the two GEMMs
 of that layer's backward (dX = dY @ W, dW = dY^T @ X, as moe_linear's
-backward runs them) and one f32 GEMM (full f32, no TF32). The same cases
+backward runs them), the whole layer forward and backward through autograd
+(three GEMMs and the bias gradient) and one f32 GEMM (full f32, no TF32). The same cases
 run with torch in bench/matmul_torch.py; bench/matmul_report.py joins both.
 
   moe-lua bench/matmul.lua [--json FILE] [--repeats N]
@@ -12,7 +13,7 @@ Before timing, each layout (NN, NT via linear, TN) is checked against the
 CPU on a small bf16 problem: the CPU multiplies the same bf16 values in f32.
 Timing: warm-up, then `repeats` samples of `iters` calls between two
 moe.cuda.synchronize(), timed with moe.clock(); the median per call. Inputs
-are random normal (never zeros). FLOPs: 2 M N K.
+are random normal (never zeros). FLOPs: 2 M N K per GEMM.
 ]]
 local moe = require "moe"
 
@@ -95,8 +96,10 @@ end
 -- ------------------------------------------------------------ timing
 
 local cases = {}
-local function case(name, M, N, K, dtype, setup)
-  cases[#cases + 1] = { name = name, M = M, N = N, K = K, dtype = dtype, setup = setup }
+-- gemms: how many M x N x K GEMMs one call does (3 for a layer's forward and backward)
+local function case(name, M, N, K, dtype, setup, gemms)
+  cases[#cases + 1] = { name = name, M = M, N = N, K = K, dtype = dtype, setup = setup,
+                        gemms = gemms or 1 }
 end
 
 case("matmul 4096^3", 4096, 4096, 4096, "bf16", function()
@@ -124,6 +127,18 @@ case("linear bwd dW = dY^T X", 14336, 4096, 16384, "bf16", function()
   local dyt = dy:transpose(0, 1)
   return function() moe.matmul(dyt, x):free() end, { dy, x }
 end)
+case("linear fwd+bwd (autograd)", 16384, 14336, 4096, "bf16", function()
+  local x = randn({ 16384, 4096 }):requires_grad_()
+  local w = randn({ 14336, 4096 }):requires_grad_()
+  local b = randn({ 14336 }):requires_grad_()
+  local dy = randn({ 16384, 14336 })
+  return function()
+    local y = moe.linear(x, w, b)
+    y:backward(dy)
+    y:free()
+    x.grad = nil; w.grad = nil; b.grad = nil
+  end, { x, w, b, dy }
+end, 3)
 case("matmul 4096^3 f32", 4096, 4096, 4096, "f32", function()
   local a, b = randn({ 4096, 4096 }, "f32"), randn({ 4096, 4096 }, "f32")
   return function() moe.matmul(a, b):free() end, { a, b }
@@ -134,11 +149,11 @@ local results = {}
 print(string.format("%-26s %-6s %10s %10s", "case", "dtype", "ms", "TFLOP/s"))
 for _, c in ipairs(cases) do
   local f, keep = c.setup()
-  local flops = 2 * c.M * c.N * c.K
-  local iters = math.max(3, math.floor(2e13 / flops)) -- about 10-30 ms of work per sample
+  local flops = 2 * c.M * c.N * c.K * c.gemms
+  local iters = math.max(3, math.min(200, math.floor(2e13 / flops))) -- 10-30 ms a sample
   local t = time(f, iters, args.repeats)
-  local r = { name = c.name, M = c.M, N = c.N, K = c.K, dtype = c.dtype, ms = t * 1e3,
-              tflops = flops / t / 1e12 }
+  local r = { name = c.name, M = c.M, N = c.N, K = c.K, dtype = c.dtype, gemms = c.gemms,
+              ms = t * 1e3, tflops = flops / t / 1e12 }
   results[#results + 1] = r
   print(string.format("%-26s %-6s %10.4f %10.1f", c.name, c.dtype, r.ms, r.tflops))
   for _, x in ipairs(keep) do x:free() end
@@ -150,8 +165,8 @@ if args.json then
   local parts = {}
   for _, r in ipairs(results) do
     parts[#parts + 1] = string.format(
-      '{"name": "%s", "M": %d, "N": %d, "K": %d, "dtype": "%s", "ms": %.5f, "tflops": %.2f}',
-      r.name, r.M, r.N, r.K, r.dtype, r.ms, r.tflops)
+      '{"name": "%s", "M": %d, "N": %d, "K": %d, "gemms": %d, "dtype": "%s", "ms": %.5f, ' ..
+      '"tflops": %.2f}', r.name, r.M, r.N, r.K, r.gemms, r.dtype, r.ms, r.tflops)
   end
   local vparts = {}
   for _, v in ipairs(validation) do

@@ -28,6 +28,7 @@ def main():
         t = by_name[r["name"]]
         ratio = r["ms"] / t["ms"]
         rows.append({"name": r["name"], "dtype": r["dtype"], "M": r["M"], "N": r["N"], "K": r["K"],
+                     "gemms": r.get("gemms", 1),
                      "moe_ms": r["ms"], "moe_tflops": r["tflops"],
                      "torch_ms": t["ms"], "torch_tflops": t["tflops"],
                      "time_ratio_moe_over_torch": ratio, "within_5pct": ratio <= 1.05})
@@ -41,7 +42,9 @@ def main():
                      "moe.cuda.synchronize(); torch: CUDA events; same iterations per sample"
                      % moe["repeats"],
            "command": command, "validation": moe["validation"], "cases": rows,
-           "target_bf16_within_5pct": all(r["within_5pct"] for r in target)}
+           "target_bf16_within_5pct": all(r["within_5pct"] for r in target),
+           "target_bf16_single_gemms_within_5pct":
+               all(r["within_5pct"] for r in target if r["gemms"] == 1)}
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "matmul.json"), "w") as fh:
         json.dump(out, fh, indent=1)
@@ -56,12 +59,19 @@ def main():
              "| case | dtype | M x N x K | moe ms | moe TFLOP/s | torch ms | torch TFLOP/s | moe/torch time | within 5% |",
              "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['dtype']} | {r['M']} x {r['N']} x {r['K']} | "
+        shape = f"{r['M']} x {r['N']} x {r['K']}" + (f" (x{r['gemms']})" if r["gemms"] > 1 else "")
+        lines.append(f"| {r['name']} | {r['dtype']} | {shape} | "
                      f"{r['moe_ms']:.4f} | {r['moe_tflops']:.1f} | {r['torch_ms']:.4f} | "
                      f"{r['torch_tflops']:.1f} | {r['time_ratio_moe_over_torch']:.3f} | "
                      f"{'yes' if r['within_5pct'] else 'no'} |")
-    lines += ["", "Target (issue 3): matmul/linear within 5% of torch.matmul for large bf16 shapes: "
-              + ("met" if out["target_bf16_within_5pct"] else "NOT met") + "."]
+    single = out["target_bf16_single_gemms_within_5pct"]
+    lines += ["", "Target (issue 3): matmul/linear within 5% of torch.matmul for large bf16 shapes:",
+              "- single products (matmul, linear forward, each backward GEMM): "
+              + ("met" if single else "NOT met") + ";"]
+    for r in target:
+        if r["gemms"] > 1:
+            lines.append(f"- {r['name']}: {r['time_ratio_moe_over_torch']:.3f}x torch's time, "
+                         + ("met" if r["within_5pct"] else "NOT met") + ".")
     with open(os.path.join(outdir, "matmul.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -6,7 +6,8 @@ bf16 (and one f32 GEMM with TF32 off, torch's default for matmul).
 
 Timing: warm-up, then `repeats` samples of `iters` calls between two CUDA
 events (the same iters as the Lua side), the median per call. Inputs are
-random normal. FLOPs: 2 M N K.
+random normal. FLOPs: 2 M N K per GEMM (3 GEMMs for a layer's forward and
+backward).
 """
 import argparse
 import datetime
@@ -67,6 +68,19 @@ def main():
         dy, x = randn(16384, 14336), randn(16384, 4096)
         return lambda: torch.matmul(dy.t(), x)
 
+    def linear_train():
+        x = randn(16384, 4096).requires_grad_()
+        w = randn(14336, 4096).requires_grad_()
+        b = randn(14336).requires_grad_()
+        dy = randn(16384, 14336)
+
+        def f():
+            F.linear(x, w, b).backward(dy)
+            x.grad = None
+            w.grad = None
+            b.grad = None
+        return f
+
     cases = [
         ("matmul 4096^3", 4096, 4096, 4096, "bf16", lambda: mm(4096, 4096, 4096)),
         ("matmul 8192^3", 8192, 8192, 8192, "bf16", lambda: mm(8192, 8192, 8192)),
@@ -74,17 +88,19 @@ def main():
         ("linear x W^T + b", 16384, 14336, 4096, "bf16", lambda: linear(True)),
         ("linear bwd dX = dY W", 16384, 4096, 14336, "bf16", lambda: mm(16384, 4096, 14336)),
         ("linear bwd dW = dY^T X", 14336, 4096, 16384, "bf16", dw),
+        ("linear fwd+bwd (autograd)", 16384, 14336, 4096, "bf16", linear_train, 3),
         ("matmul 4096^3 f32", 4096, 4096, 4096, "f32",
          lambda: mm(4096, 4096, 4096, dtype=torch.float32)),
     ]
     results = []
     print(f"{'case':26s} {'dtype':6s} {'ms':>10s} {'TFLOP/s':>10s}")
-    for name, M, N, K, dtype, setup in cases:
+    for name, M, N, K, dtype, setup, *rest in cases:
+        gemms = rest[0] if rest else 1  # M x N x K GEMMs per call
         f = setup()
-        flops = 2 * M * N * K
-        iters = max(3, int(2e13 // flops))
+        flops = 2 * M * N * K * gemms
+        iters = max(3, min(200, int(2e13 // flops)))
         t = time_cuda(f, iters, args.repeats)
-        r = {"name": name, "M": M, "N": N, "K": K, "dtype": dtype, "ms": t * 1e3,
+        r = {"name": name, "M": M, "N": N, "K": K, "gemms": gemms, "dtype": dtype, "ms": t * 1e3,
              "tflops": flops / t / 1e12}
         results.append(r)
         print(f"{name:26s} {dtype:6s} {r['ms']:10.4f} {r['tflops']:10.1f}")

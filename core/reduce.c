@@ -427,7 +427,7 @@ static moe_status reduce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
                      moe_op_name(n->op), moe_dtype_name(vg.dtype), moe_dtype_name(vr.dtype));
     } else if (n->in_device[0].type == MOE_DEVICE_CUDA) {
 #ifdef MOE_WITH_CUDA
-      st = moe_cuda_reduce_backward(ctx, n->in_device[0].index, kind, &vr, &vx, &vg, &vy, &va, 0,
+      st = moe_cuda_reduce_backward(ctx, n->in_device[0].index, kind, &vr, &vx, &vg, &vy, &va,
                                     scale, arg);
 #else
       st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA",

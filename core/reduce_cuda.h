@@ -58,18 +58,16 @@ typedef struct moe_red_geom {
 moe_status moe_cuda_reduce(moe_ctx *ctx, int device, moe_red_kind kind, const moe_red_geom *g,
                            double arg, void *out, moe_dtype odt, int64_t *idx);
 
-/* Backward of a dim reduction, elementwise over the input's shape:
- * gin = F(x, g, y) where g and y are the output gradient and the forward
- * output broadcast to the input's shape (stride 0 on reduced dims), gin
- * and x contiguous or strided views of one shape. For MAX/MIN, y is the
- * index tensor (i64) and pos the position along the reduced dim `dim`
- * (gin = g where the position equals the index). aux: the mean for VAR
- * (broadcast), unused otherwise. scale: 1/count for MEAN, 2/(n - c) for VAR;
- * arg: p for NORMP. */
+/* Backward of a dim reduction (not MAX/MIN), elementwise over the input's
+ * shape: gin = F(x, g, y, aux) where g and y are the output gradient and
+ * the forward output broadcast to the input's shape (stride 0 on reduced
+ * dims); gin and x are views of that shape; views F does not use may have
+ * no data. aux: the mean for VAR (broadcast). scale: 1/count for MEAN,
+ * 2/(count - correction) for VAR, 1 otherwise; arg: p for NORMP. */
 moe_status moe_cuda_reduce_backward(moe_ctx *ctx, int device, moe_red_kind kind,
                                     const moe_kview *gin, const moe_kview *x, const moe_kview *g,
-                                    const moe_kview *y, const moe_kview *aux, int dim,
-                                    double scale, double arg);
+                                    const moe_kview *y, const moe_kview *aux, double scale,
+                                    double arg);
 
 /* Gradient of max / min: gin (outer * nd * post) contiguous, already zero;
  * gin[(o / post * nd + idx[o]) * post + o % post] = g[o] for o < outer (g
@@ -78,8 +76,8 @@ moe_status moe_cuda_red_scatter(moe_ctx *ctx, int device, void *gin, const void 
                                 const int64_t *idx, moe_dtype dt, int64_t outer, int64_t nd,
                                 int64_t post);
 
-/* Rows of length n along a dim: row r, element j at base + r-offset + j*s.
- * The row kernels take contiguous rows (the core copies others). */
+/* The row kernels below take contiguous rows (rows, n): the core moves the
+ * dim to the end and copies when needed. */
 
 /* y = softmax(x) or log_softmax(x) over the last dim of contiguous (rows, n). */
 moe_status moe_cuda_softmax(moe_ctx *ctx, int device, bool log, const void *x, void *y,

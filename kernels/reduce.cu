@@ -416,9 +416,8 @@ __global__ void moe_red_bwd_kernel(int64_t n, MoeDyn5 v, MoeGeom<5> g, float sca
 extern "C" moe_status moe_cuda_reduce_backward(moe_ctx *ctx, int device, moe_red_kind kind,
                                                const moe_kview *gin, const moe_kview *x,
                                                const moe_kview *g, const moe_kview *y,
-                                               const moe_kview *aux, int dim, double scale,
+                                               const moe_kview *aux, double scale,
                                                double arg) {
-  (void)dim;
   int64_t n = 1;
   for (int d = 0; d < gin->ndim; d++) n *= gin->shape[d];
   if (n == 0) return MOE_OK;

@@ -126,6 +126,29 @@ static void test_sum_dtypes(moe_ctx *ctx) {
   moe_tensor_release(e);
 }
 
+/* A broadcast view (stride 0), as autograd's sum_to_shape hands gradients. */
+static void test_sum_expanded(moe_ctx *ctx) {
+  moe_tensor *row = vals(ctx, MOE_F32, SHAPE(1, 3), (double[]){1, -2, 0.5});
+  moe_tensor *e = NULL, *r = NULL;
+  EXPECT_OK(moe_expand(ctx, row, SHAPE(4, 3), &e));
+  EXPECT_OK(moe_sum(ctx, e, DIMS(0), true, &r));
+  EXPECT(same_shape(r, SHAPE(1, 3)));
+  EXPECT_VALUES(r, 0, 4, -8, 2);
+  moe_tensor_release(r);
+  EXPECT_OK(moe_softmax(ctx, e, 0, &r)); /* equal rows: a quarter each */
+  EXPECT_VALUES(r, 1e-7, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25, 0.25);
+  moe_tensor_release(r);
+  moe_tensor_release(e);
+  moe_tensor_release(row);
+  /* bf16 in, bf16 out, computed in double and rounded once */
+  moe_tensor *h = vals(ctx, MOE_BF16, SHAPE(2, 2), (double[]){0, 0, 1, 1});
+  EXPECT_OK(moe_log_softmax(ctx, h, 1, &r));
+  EXPECT(r && r->dtype == MOE_BF16);
+  EXPECT_VALUES(r, 2e-3, -log(2), -log(2), -log(2), -log(2));
+  moe_tensor_release(r);
+  moe_tensor_release(h);
+}
+
 static void test_sum_errors(moe_ctx *ctx) {
   moe_tensor *a = vals(ctx, MOE_F32, SHAPE(2, 3), (double[]){1, 2, 3, 4, 5, 6});
   moe_tensor *r = NULL;
@@ -571,6 +594,7 @@ static void test_no_grad_outputs(moe_ctx *ctx) {
 int main(void) {
   RUN(test_sum_values);
   RUN(test_sum_dtypes);
+  RUN(test_sum_expanded);
   RUN(test_sum_errors);
   RUN(test_sum_grad);
   RUN(test_mean_var_norm_lse);
