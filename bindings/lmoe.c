@@ -1709,6 +1709,7 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_attention(L, mod, methods, sentinel);
   lm_open_event(L, mod, methods, sentinel);
   lm_open_io(L, mod, methods, sentinel);
+  lm_open_routing(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

@@ -117,6 +117,7 @@ void lm_open_matmul(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_routing(lua_State *L, int mod, int methods, int sentinel);
 
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */

@@ -377,6 +377,9 @@ typedef enum moe_op {
   MOE_OP_LINEAR,
   /* attention (moe_attention.h) */
   MOE_OP_ATTENTION,
+  /* MoE routing (moe_routing.h) */
+  MOE_OP_ROUTING_PERMUTE,
+  MOE_OP_ROUTING_COMBINE,
   MOE_OP_COUNT
 } moe_op;
 
@@ -431,5 +434,7 @@ moe_status moe_sum(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims, 
 #include "moe_index.h"
 #include "moe_matmul.h"
 #include "moe_attention.h"
+#include "moe_routing.h"
+#include "moe_io.h"
 
 #endif /* MOE_H */

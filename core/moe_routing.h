@@ -19,7 +19,8 @@
  *                b (MegaBlocks); with ffn_hidden > 0 the plan also holds the
  *                block-sparse topology below.
  *   capacity     capacity_factor c > 0: capacity C = ceil(c * T * k / E)
- *                (rounded up to a multiple of block_size when padded); each
+ *                (rounded up to a multiple of block_size when padded; at
+ *                least 1); each
  *                segment has C rows, R = E * C; assignments past C are
  *                dropped, by position (earlier tokens win: rank in the
  *                stable sort) or by score (higher gate wins, ties: earlier

@@ -33,7 +33,8 @@ static const char *const moe_op_names[] = {
     "gather", "scatter", "scatter_add", "index_select", "index_add", "embedding", "one_hot",
     "topk", "sort", "cat", "stack", "rope", "multinomial",
     "matmul", "bmm", "linear",
-    "attention"};
+    "attention",
+    "routing_permute", "routing_combine"};
 _Static_assert(sizeof(moe_op_names) / sizeof(moe_op_names[0]) == MOE_OP_COUNT,
                "moe_op_names must name every moe_op");
 

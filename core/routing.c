@@ -7,9 +7,9 @@
  *
  * Every stage has a CPU reference here and a CUDA launcher in
  * kernels/routing.cu (routing_cuda.h) computing the same integers, so a
- * plan is bit-identical on both devices. Nodes of permute and combine are
- * MOE_OP_CUSTOM nodes named "routing_permute" / "routing_combine" that hold
- * a reference to the plan (node->user).
+ * plan is bit-identical on both devices. Nodes of permute and combine
+ * (MOE_OP_ROUTING_PERMUTE / MOE_OP_ROUTING_COMBINE) hold a reference to the
+ * plan (node->user).
  */
 #include <math.h>
 #include <stdlib.h>
@@ -131,7 +131,6 @@ static moe_status rt_cpu_sort(moe_ctx *ctx, const moe_tensor *ids, const moe_ten
     return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "routing_plan: no host memory for %lld ids",
                      (long long)N);
   }
-  for (int64_t e = 0; e <= E; e++) offsets[e] = 0;
   for (int64_t t = 0; t < T; t++)
     for (int64_t j = 0; j < k; j++) {
       int64_t v = moe_load_i64(pi + (t * ids->stride[0] + j * ids->stride[1]) * (int64_t)is,
@@ -152,8 +151,7 @@ static moe_status rt_cpu_sort(moe_ctx *ctx, const moe_tensor *ids, const moe_ten
             ps + (t * scores->stride[0] + j * scores->stride[1]) * (int64_t)ss, scores->dtype));
       }
     }
-  (void)counts; /* counts doubles as the histogram above; offsets below */
-  offsets[0] = 0;
+  offsets[0] = 0; /* counts (zeroed by the caller) is the histogram */
   for (int64_t e = 0; e < E; e++) offsets[e + 1] = offsets[e] + counts[e];
   /* stable counting sort: assignments in increasing a within each expert */
   int64_t *cur = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
@@ -165,8 +163,7 @@ static moe_status rt_cpu_sort(moe_ctx *ctx, const moe_tensor *ids, const moe_ten
   memcpy(cur, offsets, sizeof(int64_t) * (size_t)E);
   for (int64_t a = 0; a < N; a++) perm[cur[e_of[a]]++] = a;
   free(cur);
-  if (sk) { /* within each expert: score descending, then a ascending (insertion sort
-               on a stable merge would do; segments are short, use a merge sort) */
+  if (sk) { /* within each expert: score descending, ties a ascending (stable merge sort) */
     int64_t *tmp = (int64_t *)malloc(sizeof(int64_t) * (size_t)(N ? N : 1));
     if (!tmp) {
       free(e_of);
@@ -682,12 +679,11 @@ static moe_status rt_permute_backward(moe_ctx *ctx, moe_node *n, moe_tensor *con
 }
 
 /* Records a node holding the plan; on failure out is released. */
-static moe_status rt_record(moe_ctx *ctx, const char *name, moe_backward_fn bw, int n_in,
+static moe_status rt_record(moe_ctx *ctx, moe_op op, moe_backward_fn bw, int n_in,
                             moe_tensor *const *in, moe_routing_plan *p, moe_tensor *out) {
   moe_node *n = NULL;
-  moe_status st = moe_node_new(ctx, MOE_OP_CUSTOM, bw, n_in, in, &n);
+  moe_status st = moe_node_new(ctx, op, bw, n_in, in, &n);
   if (st == MOE_OK) {
-    n->name = name;
     moe_routing_plan_retain(p);
     n->user = p;
     n->user_free = rt_plan_release_void;
@@ -709,12 +705,10 @@ moe_status moe_routing_permute(moe_ctx *ctx, moe_tensor *x, moe_routing_plan *p,
   moe_tensor *r;
   MOE_CHECK(rt_gather(ctx, x, p, NULL, &r));
   if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){x})) {
-    /* x is saved only so the node's input metadata is complete; the
-     * backward needs the plan alone */
+    /* the backward needs the plan alone: nothing is saved */
     moe_node *n = NULL;
-    moe_status st = moe_node_new(ctx, MOE_OP_CUSTOM, rt_permute_backward, 1, &x, &n);
+    moe_status st = moe_node_new(ctx, MOE_OP_ROUTING_PERMUTE, rt_permute_backward, 1, &x, &n);
     if (st == MOE_OK) {
-      n->name = "routing_permute";
       moe_routing_plan_retain(p);
       n->user = p;
       n->user_free = rt_plan_release_void;
@@ -775,7 +769,7 @@ moe_status moe_routing_combine(moe_ctx *ctx, moe_tensor *y, moe_routing_plan *p,
   moe_tensor *in[2] = {y, gates};
   int n_in = gates ? 2 : 1;
   if (moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in)) {
-    MOE_CHECK(rt_record(ctx, "routing_combine", rt_combine_backward, n_in, in, p, r));
+    MOE_CHECK(rt_record(ctx, MOE_OP_ROUTING_COMBINE, rt_combine_backward, n_in, in, p, r));
   }
   *out = r;
   return MOE_OK;
