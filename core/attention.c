@@ -329,7 +329,7 @@ moe_status moe_attention_forward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe
                                  bool causal, double scale, moe_tensor **out, moe_tensor **lse) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!out || !lse) return moe_error(ctx, MOE_ERR_INVALID_ARG, "attention: out or lse is NULL");
-  double s;
+  double s = 0;
   MOE_CHECK(attn_check(ctx, "attention", q, k, v, scale, &s));
   if (q->storage->device.type == MOE_DEVICE_CUDA)
     return attn_cuda_forward(ctx, q, k, v, causal, s, out, lse);
@@ -344,7 +344,7 @@ moe_status moe_attention_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, mo
   char s1[SHAPE_BUF], s2[SHAPE_BUF];
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!dq || !dk || !dv) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: dq, dk or dv is NULL", fn);
-  double s;
+  double s = 0;
   MOE_CHECK(attn_check(ctx, fn, q, k, v, scale, &s));
   MOE_CHECK(attn_check_one(ctx, fn, "out", out, q));
   MOE_CHECK(attn_check_one(ctx, fn, "dout", dout, q));
@@ -392,7 +392,7 @@ moe_status moe_attention(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor 
                          double scale, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "attention: out is NULL");
-  double s;
+  double s = 0;
   MOE_CHECK(attn_check(ctx, "attention", q, k, v, scale, &s));
   moe_tensor *o = NULL, *lse = NULL, *od = NULL;
   MOE_CHECK(moe_attention_forward(ctx, q, k, v, causal, s, &o, &lse));

@@ -373,7 +373,7 @@ moe_status moe_node_save(moe_ctx *ctx, moe_node *n, moe_tensor *t) {
     return moe_error(ctx, MOE_ERR_INVALID_ARG,
                      "node_save (%s): the saved-tensor hooks changed between saves of one node",
                      name);
-  moe_tensor *a;
+  moe_tensor *a = NULL;
   MOE_CHECK(header_alias(ctx, "node_save", t, &a));
   if (!h) {
     n->saved[n->n_saved++] = a;

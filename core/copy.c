@@ -134,7 +134,7 @@ static void cpu_fill(const moe_kview *dst, double value) {
   moe_loop_init(&l, 1, (const moe_kview *[]){dst});
 #pragma omp parallel for if (l.numel >= MOE_LOOP_PAR_MIN) schedule(static)
   for (int64_t k = 0; k < l.tasks; k++) {
-    int64_t off, first;
+    int64_t off = 0, first = 0;
     int64_t n = moe_loop_task(&l, k, &off, &first);
     char *d = (char *)dst->data + off * es;
     int64_t sd = l.inner_stride[0] * es;
@@ -170,7 +170,7 @@ static void cpu_random(const moe_kview *dst, moe_random_kind kind, uint64_t seed
   moe_loop_init(&l, 1, (const moe_kview *[]){dst});
 #pragma omp parallel for if (l.numel >= MOE_LOOP_PAR_MIN / 4) schedule(static)
   for (int64_t k = 0; k < l.tasks; k++) {
-    int64_t off, first;
+    int64_t off = 0, first = 0;
     int64_t n = moe_loop_task(&l, k, &off, &first);
     char *d = (char *)dst->data + off * es;
     int64_t sd = l.inner_stride[0] * es;

@@ -597,7 +597,7 @@ static moe_status pw_binary(moe_ctx *ctx, moe_op op, moe_pw_kop kop, moe_tensor 
   const char *fn = moe_op_name(op);
   moe_tensor *const in[2] = {a, b};
   MOE_CHECK(pw_args(ctx, fn, 2, in, (const char *[]){"a", "b"}, out));
-  int ndim;
+  int ndim = 0;
   int64_t shape[MOE_MAX_DIMS];
   MOE_CHECK(pw_broadcast(ctx, fn, 2, in, &ndim, shape));
   moe_dtype dt = moe_dtype_promote(a->dtype, b->dtype);
@@ -700,7 +700,7 @@ moe_status moe_compare(moe_ctx *ctx, moe_op op, moe_tensor *a, moe_tensor *b, mo
   const char *fn = moe_op_name(op);
   moe_tensor *const in[2] = {a, b};
   MOE_CHECK(pw_args(ctx, fn, 2, in, (const char *[]){"a", "b"}, out));
-  int ndim;
+  int ndim = 0;
   int64_t shape[MOE_MAX_DIMS];
   MOE_CHECK(pw_broadcast(ctx, fn, 2, in, &ndim, shape));
   moe_dtype cdt = moe_dtype_is_float(a->dtype) || moe_dtype_is_float(b->dtype) ? MOE_F64 : MOE_I64;
@@ -756,7 +756,7 @@ moe_status moe_where(moe_ctx *ctx, moe_tensor *cond, moe_tensor *a, moe_tensor *
   if (cond->dtype != MOE_BOOL)
     return moe_error(ctx, MOE_ERR_DTYPE, "where: cond must be a bool tensor, got %s",
                      moe_dtype_name(cond->dtype));
-  int ndim;
+  int ndim = 0;
   int64_t shape[MOE_MAX_DIMS];
   MOE_CHECK(pw_broadcast(ctx, fn, 3, in, &ndim, shape));
   moe_dtype dt = moe_dtype_promote(a->dtype, b->dtype);

@@ -688,7 +688,7 @@ static moe_status arg_op(moe_ctx *ctx, const char *fn, moe_red_kind kind, moe_te
     mask = (1u << t->ndim) - 1u;
     keepdim = false;
   } else {
-    int d;
+    int d = 0;
     MOE_CHECK(norm_dim(ctx, fn, dim, t->ndim, &d));
     mask = 1u << d;
   }
@@ -900,7 +900,7 @@ static moe_status softmax_op(moe_ctx *ctx, const char *fn, moe_op op, bool lg, m
   MOE_CHECK(check_tensor(ctx, fn, t, "input"));
   MOE_CHECK(check_out(ctx, fn, out));
   MOE_CHECK(check_float(ctx, fn, t));
-  int d;
+  int d = 0;
   MOE_CHECK(norm_dim(ctx, fn, dim, t->ndim, &d));
   moe_tensor *y = NULL;
   if (t->storage->device.type == MOE_DEVICE_CUDA) {
@@ -968,7 +968,7 @@ moe_status moe_cumsum(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **out
   MOE_CHECK(check_tensor(ctx, "cumsum", t, "input"));
   MOE_CHECK(check_out(ctx, "cumsum", out));
   if (is_float(t->dtype)) MOE_CHECK(check_float(ctx, "cumsum", t));
-  int d;
+  int d = 0;
   MOE_CHECK(norm_dim(ctx, "cumsum", dim, t->ndim, &d));
   moe_tensor *y = NULL;
   MOE_CHECK(cumsum_run(ctx, t, d, false, &y));
