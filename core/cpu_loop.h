@@ -4,7 +4,7 @@
  * Also moe_kview_broadcast, which dispatch uses to hand CPU loops and CUDA
  * kernels views of one shape.
  *
- * Up to three views of one shape are walked together in row-major logical
+ * Up to five views of one shape are walked together in row-major logical
  * order. Dims of size 1 are dropped and neighbouring dims that are contiguous
  * for every view are merged (order is kept), so a contiguous tensor becomes
  * one long row. The rows are cut into tasks of at most MOE_LOOP_CHUNK
@@ -24,7 +24,7 @@
 
 #include "internal.h"
 
-#define MOE_LOOP_MAX_OPS 3
+#define MOE_LOOP_MAX_OPS 5        /* views walked together (pointwise backward needs 5) */
 #define MOE_LOOP_CHUNK 16384     /* elements per task at most */
 #define MOE_LOOP_PAR_MIN 32768   /* run tasks in parallel from this many elements */
 

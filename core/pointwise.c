@@ -5,8 +5,7 @@
  * and the autograd nodes with their backward functions.
  *
  * The CPU reference walks up to five views of one shape (two outputs and
- * three inputs for the fused backward passes) with the same dim merging and
- * task split as core/cpu_loop.h (which stops at three views). Each element
+ * three inputs for the fused backward passes) with core/cpu_loop.h. Each element
  * is loaded into the compute type (float for f32/bf16/f16, double for f64,
  * int64 for integers), handed to the formulas of pointwise_cuda.h, which the
  * CUDA kernels share, and stored to the output dtype. All-f32 and all-f64
@@ -25,70 +24,7 @@
 #include "pointwise_cuda.h"
 
 #define PW_SHAPE_BUF 160
-#define PW_MAX_OPS 5 /* views one CPU loop walks together */
-
-/* ------------------------------------------------------------ CPU loop */
-
-typedef struct pw_loop {
-  int nops;
-  int ndim;                                 /* >= 1 after merging */
-  int64_t shape[MOE_MAX_DIMS];              /* (ndim) */
-  int64_t stride[PW_MAX_OPS][MOE_MAX_DIMS]; /* (nops, ndim) in elements */
-  int64_t numel, inner, chunks, tasks;
-} pw_loop;
-
-/* As moe_loop_init, for up to PW_MAX_OPS views of v[0]'s shape. */
-static void pw_loop_init(pw_loop *l, int nops, const moe_kview *const *v) {
-  MOE_ASSERT(nops >= 1 && nops <= PW_MAX_OPS);
-  l->nops = nops;
-  l->ndim = 0;
-  l->numel = 1;
-  for (int d = 0; d < v[0]->ndim; d++) {
-    int64_t n = v[0]->shape[d];
-    for (int k = 1; k < nops; k++) MOE_ASSERT(v[k]->ndim == v[0]->ndim && v[k]->shape[d] == n);
-    l->numel *= n;
-    if (n == 1) continue;
-    int last = l->ndim - 1;
-    bool merge = last >= 0;
-    for (int k = 0; k < nops && merge; k++) merge = l->stride[k][last] == v[k]->stride[d] * n;
-    if (merge) {
-      l->shape[last] *= n;
-      for (int k = 0; k < nops; k++) l->stride[k][last] = v[k]->stride[d];
-    } else {
-      l->shape[l->ndim] = n;
-      for (int k = 0; k < nops; k++) l->stride[k][l->ndim] = v[k]->stride[d];
-      l->ndim++;
-    }
-  }
-  if (l->ndim == 0) {
-    l->shape[0] = 1;
-    for (int k = 0; k < nops; k++) l->stride[k][0] = 0;
-    l->ndim = 1;
-  }
-  l->inner = l->shape[l->ndim - 1];
-  if (l->numel == 0) {
-    l->chunks = l->tasks = 0;
-    return;
-  }
-  l->chunks = (l->inner + MOE_LOOP_CHUNK - 1) / MOE_LOOP_CHUNK;
-  l->tasks = (l->numel / l->inner) * l->chunks;
-}
-
-/* Task k: element offsets of its first element per view, its row-major
- * index; returns its element count. */
-static int64_t pw_loop_task(const pw_loop *l, int64_t k, int64_t *off, int64_t *first) {
-  int64_t row = k / l->chunks, j0 = (k % l->chunks) * MOE_LOOP_CHUNK;
-  for (int v = 0; v < l->nops; v++) off[v] = j0 * l->stride[v][l->ndim - 1];
-  int64_t r = row;
-  for (int d = l->ndim - 2; d >= 0 && r > 0; d--) {
-    int64_t i = r % l->shape[d];
-    r /= l->shape[d];
-    for (int v = 0; v < l->nops; v++) off[v] += i * l->stride[v][d];
-  }
-  *first = row * l->inner + j0;
-  int64_t n = l->inner - j0;
-  return n < MOE_LOOP_CHUNK ? n : MOE_LOOP_CHUNK;
-}
+#define PW_MAX_OPS MOE_LOOP_MAX_OPS /* views one CPU loop walks together */
 
 /* What one CPU pass computes. */
 typedef enum pw_kind {
@@ -193,8 +129,8 @@ static void pw_elem_i64(const pw_job *jb, const int64_t *x, int64_t *y) {
 /* Runs jb over v = outputs (nout) then inputs (nin), all of v[0]'s shape. */
 static void pw_cpu_run(const pw_job *jb, const moe_kview *const *v) {
   int nops = jb->nout + jb->nin;
-  pw_loop l;
-  pw_loop_init(&l, nops, v);
+  moe_loop l;
+  moe_loop_init(&l, nops, v);
   int64_t esz[PW_MAX_OPS];
   bool all_f32 = jb->compute == PW_C_F32, all_f64 = jb->compute == PW_C_F64;
   for (int k = 0; k < nops; k++) {
@@ -205,7 +141,7 @@ static void pw_cpu_run(const pw_job *jb, const moe_kview *const *v) {
 #pragma omp parallel for if (l.numel >= MOE_LOOP_PAR_MIN) schedule(static)
   for (int64_t t = 0; t < l.tasks; t++) {
     int64_t off[PW_MAX_OPS], first;
-    int64_t n = pw_loop_task(&l, t, off, &first);
+    int64_t n = moe_loop_task(&l, t, off, &first);
     char *p[PW_MAX_OPS];
     int64_t step[PW_MAX_OPS];
     for (int k = 0; k < nops; k++) {
