@@ -346,6 +346,84 @@ static void test_backward(moe_ctx *ctx) {
   }
 }
 
+/* worst |a - ref| <= rel * max |ref|, a on CUDA, ref on the CPU (same shape). */
+static void expect_close_rows(moe_ctx *ctx, const moe_tensor *a, const moe_tensor *ref, double rel,
+                              const char *what, int line) {
+  int64_t n = moe_tensor_numel(ref);
+  harness_checks++;
+  if (!a || moe_tensor_numel(a) != n) {
+    harness_failures++;
+    fprintf(stderr, "%s:%d: FAILED: %s missing or of the wrong size\n", __FILE__, line, what);
+    return;
+  }
+  double *va = host(ctx, a), *vr = host(ctx, ref), mx = 0, worst = 0;
+  for (int64_t j = 0; j < n; j++) mx = fmax(mx, fabs(vr[j]));
+  for (int64_t j = 0; j < n; j++) worst = fmax(worst, fabs(va[j] - vr[j]));
+  if (!(worst <= rel * mx) || !(mx > 0)) {
+    harness_failures++;
+    fprintf(stderr, "%s:%d: FAILED: %s differs by %g (max |ref| %g, tol %g)\n", __FILE__, line,
+            what, worst, mx, rel * mx);
+  }
+  free(va);
+  free(vr);
+}
+
+/* A bf16 linear layer large enough for the first call of each of its three
+ * GEMMs to time cuBLASLt's candidates (forward with the bias epilogue, dX,
+ * dW with the bias gradient fused by BGRADB), run twice (the second from the
+ * algorithm cache). Checked against the CPU in f64 on a few rows (x, dx),
+ * a few rows of dW (a few columns of g) and the whole bias gradient.
+ * Tolerance 2^-7 of the largest reference element: one bf16 rounding of the
+ * output (2^-9 |r|) plus f32 accumulation error (about 1e-5 S) is far less. */
+static void test_linear_large(moe_ctx *ctx) {
+  const int64_t R = 4096, IN = 1024, OUT = 2560, ROWS = 8;
+  moe_tensor *x = rnd_dev(ctx, MOE_BF16, CUDA0, SHAPE(R, IN));
+  moe_tensor *w = rnd_dev(ctx, MOE_BF16, CUDA0, SHAPE(OUT, IN));
+  moe_tensor *b = rnd_dev(ctx, MOE_BF16, CUDA0, SHAPE(OUT));
+  moe_tensor *g = rnd_dev(ctx, MOE_BF16, CUDA0, SHAPE(R, OUT));
+  moe_tensor *cx = NULL, *cw = NULL, *cb = NULL, *cg = NULL;
+  EXPECT_OK(moe_to(ctx, x, MOE_F64, MOE_CPU, &cx));
+  EXPECT_OK(moe_to(ctx, w, MOE_F64, MOE_CPU, &cw));
+  EXPECT_OK(moe_to(ctx, b, MOE_F64, MOE_CPU, &cb));
+  EXPECT_OK(moe_to(ctx, g, MOE_F64, MOE_CPU, &cg));
+  EXPECT_OK(moe_set_requires_grad(ctx, x, true));
+  EXPECT_OK(moe_set_requires_grad(ctx, w, true));
+  EXPECT_OK(moe_set_requires_grad(ctx, b, true));
+  /* references: y[0:ROWS], dx[0:ROWS] = g[0:ROWS] @ w, dw[0:ROWS] = g[:, 0:ROWS]^T @ x,
+   * db = ones(1, R) @ g */
+  moe_tensor *cx8 = NULL, *cg8 = NULL, *cgc = NULL, *cgct = NULL, *ones = NULL;
+  moe_tensor *ry = NULL, *rdx = NULL, *rdw = NULL, *rdb = NULL;
+  EXPECT_OK(moe_narrow(ctx, cx, 0, 0, ROWS, &cx8));
+  EXPECT_OK(moe_narrow(ctx, cg, 0, 0, ROWS, &cg8));
+  EXPECT_OK(moe_narrow(ctx, cg, 1, 0, ROWS, &cgc));
+  EXPECT_OK(moe_transpose(ctx, cgc, 0, 1, &cgct));
+  EXPECT_OK(moe_tensor_full(ctx, SHAPE(1, R), 1, MOE_F64, MOE_CPU, &ones));
+  EXPECT_OK(moe_linear(ctx, cx8, cw, cb, &ry));
+  EXPECT_OK(moe_matmul(ctx, cg8, cw, &rdx));
+  EXPECT_OK(moe_matmul(ctx, cgct, cx, &rdw));
+  EXPECT_OK(moe_matmul(ctx, ones, cg, &rdb));
+  for (int pass = 0; pass < 2; pass++) {
+    moe_tensor *y = NULL, *y8 = NULL, *dx8 = NULL, *dw8 = NULL;
+    EXPECT_OK(moe_linear(ctx, x, w, b, &y));
+    if (!y) break;
+    EXPECT_OK(moe_backward(ctx, y, g, false));
+    EXPECT_OK(moe_narrow(ctx, y, 0, 0, ROWS, &y8));
+    EXPECT_OK(moe_narrow(ctx, moe_tensor_grad(x), 0, 0, ROWS, &dx8));
+    EXPECT_OK(moe_narrow(ctx, moe_tensor_grad(w), 0, 0, ROWS, &dw8));
+    expect_close_rows(ctx, y8, ry, 1.0 / 128, "y rows", __LINE__);
+    expect_close_rows(ctx, dx8, rdx, 1.0 / 128, "dx rows", __LINE__);
+    expect_close_rows(ctx, dw8, rdw, 1.0 / 128, "dW rows", __LINE__);
+    expect_close_rows(ctx, moe_tensor_grad(b), rdb, 1.0 / 128, "dbias", __LINE__);
+    moe_tensor *ts[] = {y, y8, dx8, dw8};
+    for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) moe_tensor_release(ts[i]);
+    EXPECT_OK(moe_tensor_set_grad(ctx, x, NULL)); /* the next pass accumulates afresh */
+    EXPECT_OK(moe_tensor_set_grad(ctx, w, NULL));
+    EXPECT_OK(moe_tensor_set_grad(ctx, b, NULL));
+  }
+  moe_tensor *ts[] = {x, w, b, g, cx, cw, cb, cg, cx8, cg8, cgc, cgct, ones, ry, rdx, rdw, rdb};
+  for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) moe_tensor_release(ts[i]);
+}
+
 /* Device memory comes back: products and their backward hold nothing. */
 static void test_memory_flat(moe_ctx *ctx) {
   moe_memory_stats before, after;
@@ -383,6 +461,7 @@ int main(void) {
   RUN(test_forward_1d_empty);
   RUN(test_linear);
   RUN(test_backward);
+  RUN(test_linear_large);
   RUN(test_memory_flat);
   RUN(test_errors);
   return harness_end();
