@@ -4,7 +4,9 @@ shapes of issue 3's target: bf16 GEMMs 4096^3 and 8192^3, a linear layer
 (16384 x 4096) @ (14336 x 4096)^T with and without its bias, the two GEMMs
 of that layer's backward (dX = dY @ W, dW = dY^T @ X, as moe_linear's
 backward runs them), the whole layer forward and backward through autograd
-(three GEMMs and the bias gradient) and one f32 GEMM (full f32, no TF32). The same cases
+(three GEMMs and the bias gradient's column sums) and one f32 GEMM
+(full f32, no TF32). The first call of each large GEMM shape times
+cuBLASLt's candidate algorithms (kernels/matmul.cu); the warm-up absorbs it. The same cases
 run with torch in bench/matmul_torch.py; bench/matmul_report.py joins both.
 
   moe-lua bench/matmul.lua [--json FILE] [--repeats N]

@@ -21,7 +21,8 @@
  *                that were broadcast (db is one GEMM over the flattened batch
  *                when b has no batch dims, as in x @ W);
  *   linear:      dx = g @ W, dW = g_flat^T @ x_flat (one GEMM over the
- *                flattened leading dims), dbias = ones(1, R) @ g_flat.
+ *                flattened leading dims), dbias = the column sums of g_flat
+ *                (on CUDA a column-sum kernel, on the CPU ones(1, R) @ g_flat).
  * Backward GEMMs run in the inputs' dtype (16-bit types accumulate in f32).
  */
 #include <cblas.h>
@@ -563,12 +564,50 @@ moe_status moe_bmm(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **out)
 
 /* --------------------------------------------------------------- linear */
 
+/* dbias (N) = the sums over rows of gf (R, N): on CUDA one column-sum
+ * kernel pass over gf (read once, at memory speed), on the CPU the GEMM
+ * ones(1, R) @ gf. */
+static moe_status linear_bias_grad(moe_ctx *ctx, moe_tensor *gf, moe_tensor **out) {
+  int64_t R = gf->shape[0], N = gf->shape[1];
+  moe_device dev = gf->storage->device;
+  moe_tensor *ones = NULL, *r = NULL, *gc = NULL;
+  moe_status st = MOE_OK;
+  if (dev.type == MOE_DEVICE_CUDA && R > 0 && N > 0) {
+#ifdef MOE_WITH_CUDA
+    /* the kernel reads rows of unit column stride at least N apart (an
+     * expanded gradient, row stride 0, is not): others take a contiguous copy */
+    if ((N > 1 && gf->stride[1] != 1) || (R > 1 && gf->stride[0] < N)) {
+      MOE_CHECK(moe_contiguous(ctx, gf, &gc));
+      gf = gc;
+    }
+    int64_t ld = R > 1 ? gf->stride[0] : N;
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &N, gf->dtype, dev, &r), st, done);
+    st = moe_cuda_colsum(ctx, dev.index, gf->dtype, moe_tensor_data(gf), R, N, ld,
+                         moe_tensor_data(r));
+    if (st != MOE_OK) goto done;
+    *out = r;
+    r = NULL;
+#else
+    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "linear: this moe-lua was built without CUDA");
+#endif
+    goto done;
+  }
+  MOE_CHECK_GOTO(moe_tensor_full(ctx, 2, (int64_t[]){1, R}, 1.0, gf->dtype, dev, &ones), st,
+                 done);
+  MOE_CHECK_GOTO(mm_compute(ctx, "linear", ones, gf, NULL, &r), st, done);
+  st = moe_reshape(ctx, r, 1, &N, out);
+done:
+  moe_tensor_release(ones);
+  moe_tensor_release(r);
+  moe_tensor_release(gc);
+  return st;
+}
+
 /* saved x (slot 0), W (slot 1); inputs x, W, bias (when given). */
 static moe_status linear_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!gout[0]) return mm_zero_grads(ctx, n, gin);
   moe_tensor *x = NULL, *w = NULL, *g2 = NULL, *gf = NULL, *xf = NULL, *t = NULL, *r = NULL;
-  moe_tensor *ones = NULL;
   moe_status st;
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
@@ -587,12 +626,8 @@ static moe_status linear_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(moe_transpose(ctx, gf, 0, 1, &t), st, fail);
     MOE_CHECK_GOTO(mm_compute(ctx, "linear", t, xf, NULL, &gin[1]), st, fail);
   }
-  if (n->n_inputs > 2 && moe_node_needs_grad(n, 2)) { /* dbias = ones(1, R) @ g_flat */
-    MOE_CHECK_GOTO(moe_tensor_full(ctx, 2, (int64_t[]){1, R}, 1.0, gf->dtype,
-                                   gf->storage->device, &ones), st, fail);
-    MOE_CHECK_GOTO(mm_compute(ctx, "linear", ones, gf, NULL, &r), st, fail);
-    MOE_CHECK_GOTO(moe_reshape(ctx, r, 1, &out_f, &gin[2]), st, fail);
-  }
+  if (n->n_inputs > 2 && moe_node_needs_grad(n, 2)) /* dbias: the column sums of g_flat */
+    MOE_CHECK_GOTO(linear_bias_grad(ctx, gf, &gin[2]), st, fail);
   st = MOE_OK;
   goto done;
 fail:
@@ -608,7 +643,6 @@ done:
   moe_tensor_release(xf);
   moe_tensor_release(t);
   moe_tensor_release(r);
-  moe_tensor_release(ones);
   return st;
 }
 

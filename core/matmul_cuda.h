@@ -41,6 +41,13 @@ typedef struct moe_gemm {
  * when Lt offers no algorithm). f32, f64, bf16, f16; 16-bit types accumulate
  * in f32. */
 moe_status moe_cuda_gemm(moe_ctx *ctx, int device, const moe_gemm *g);
+
+/* dst (cols) = the sums over rows of src (rows, cols), element (r, c) at
+ * src[r * ld + c] (ld >= cols), summed in f32 (f64 for f64) in a fixed order
+ * (deterministic): linear's bias gradient. f32, f64, bf16, f16; rows, cols
+ * >= 1; dst packed, of src's dtype. */
+moe_status moe_cuda_colsum(moe_ctx *ctx, int device, moe_dtype dtype, const void *src,
+                           int64_t rows, int64_t cols, int64_t ld, void *dst);
 #endif
 
 #ifdef __cplusplus

@@ -8,8 +8,9 @@
  * fixed tree; a long reduction split into segments writes one state per
  * segment and a second kernel combines them in segment order. Column sums
  * of the norm backward (weight and bias gradients) go through per-block
- * partial rows summed by a second kernel, so the result depends only on the
- * device's SM count (fixed per GPU).
+ * partial rows (accumulated in registers over each block's rows) summed by
+ * a second kernel in a fixed order, so the result depends only on the
+ * launch geometry, fixed per GPU model and shape (SM count, occupancy).
  *
  * Index math is int64 where a product can pass 2^31.
  */
@@ -618,6 +619,368 @@ template <moe_dtype DT> static inline unsigned moe_row_threads(int64_t n, bool v
   return t;
 }
 
+/* -------------------------------------------- register-resident rows */
+/*
+ * Fast path of the row kernels for contiguous rows of n = nvec * VW
+ * elements with 16-byte aligned bases: thread t of a block holds vectors
+ * t, t + TH, ..., t + (NV - 1) * TH of its row raw in registers (those past
+ * nvec are zero and skipped), so every row is read from global memory once,
+ * all of a thread's loads in flight before any arithmetic, and each pass
+ * after the first runs on registers. Forward kernels take one row per
+ * block; the norm backward takes rows blockIdx.x, + gridDim.x, ... and
+ * streams them through shared-memory stages by cp.async, several rows
+ * ahead of the one it works on.
+ */
+
+#define MOE_REG_FWD_THREADS 512 /* at most, per block, forward */
+#define MOE_REG_BWD_THREADS 512 /* at most, per block, norm backward */
+
+template <int NV> struct MoeRegRow {
+  uint4 v[NV];
+};
+
+template <int NV>
+__device__ __forceinline__ void moe_reg_load(MoeRegRow<NV> &r, const void *__restrict__ row,
+                                             int64_t nvec) {
+#pragma unroll
+  for (int q = 0; q < NV; q++) {
+    int64_t k = threadIdx.x + (int64_t)q * blockDim.x;
+    r.v[q] = k < nvec ? __ldg((const uint4 *)row + k) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+/* Element e of vector q as float. */
+template <moe_dtype DT, int NV>
+__device__ __forceinline__ float moe_reg_at(const MoeRegRow<NV> &r, int q, int e) {
+  return moe_load_as<float, DT>(((const moe_st_t<DT> *)&r.v[q])[e]);
+}
+
+__device__ __forceinline__ bool moe_reg_valid(int q, int64_t nvec) {
+  return threadIdx.x + (int64_t)q * blockDim.x < nvec;
+}
+
+/* Writes f(q, e) to the thread's vectors of row yr. */
+template <moe_dtype DT, int NV, typename F>
+__device__ __forceinline__ void moe_reg_store(void *__restrict__ yr, int64_t nvec, F &&f) {
+  using T = moe_st_t<DT>;
+  constexpr int VW = MoeRow<DT>::VW;
+#pragma unroll
+  for (int q = 0; q < NV; q++) {
+    int64_t k = threadIdx.x + (int64_t)q * blockDim.x;
+    if (k < nvec) {
+      uint4 u;
+      T *e = (T *)&u;
+#pragma unroll
+      for (int i = 0; i < VW; i++) e[i] = moe_store_from<DT, float>(f(q, i));
+      ((uint4 *)yr)[k] = u;
+    }
+  }
+}
+
+/* Max over the block (every thread gets it); sh: 32 floats. NaN-ignoring
+ * like fmaxf: a NaN still reaches the result through the sum of exps. */
+__device__ __forceinline__ float moe_block_max(float v, float *sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  v = moe_warp_max(v);
+  __syncthreads();
+  if (lane == 0) sh[w] = v;
+  __syncthreads();
+  v = lane < nw ? sh[lane] : -INFINITY;
+  return moe_warp_max(v);
+}
+
+/* Two sums over the block at once; sh: 64 floats. */
+__device__ __forceinline__ void moe_block_sum2(float &a, float &b, float *sh) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  a = moe_warp_sum(a);
+  b = moe_warp_sum(b);
+  __syncthreads();
+  if (lane == 0) sh[w] = a, sh[32 + w] = b;
+  __syncthreads();
+  a = moe_warp_sum(lane < nw ? sh[lane] : 0.f);
+  b = moe_warp_sum(lane < nw ? sh[32 + lane] : 0.f);
+}
+
+/* Vectors per thread (1, 2, 4 ... most_nv) and threads (a multiple of 32,
+ * at most most_th) for a row of nvec vectors: the fewest vectors per thread
+ * that keep the block within `want` threads, else most_nv. 0: no fit. */
+static int moe_reg_plan(int64_t nvec, int most_nv, unsigned want, unsigned most_th, unsigned *th) {
+  for (int nv = 1; nv <= most_nv; nv <<= 1) {
+    int64_t t = (nvec + nv - 1) / nv;
+    if (t <= (int64_t)want || (nv == most_nv && t <= (int64_t)most_th)) {
+      *th = (unsigned)((t + 31) / 32 * 32);
+      return nv;
+    }
+  }
+  return 0;
+}
+
+/* Calls f(std::integral_constant<int, NV>{}) for nv in {1, 2, 4}. */
+template <typename F> static moe_status moe_reg_nv(int nv, F &&f) {
+  switch (nv) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
+
+template <moe_dtype DT, int NV, bool LOG>
+__global__ void __launch_bounds__(MOE_REG_FWD_THREADS)
+    moe_softmax_reg_kernel(const void *__restrict__ x, void *__restrict__ y, int64_t nvec) {
+  using T = moe_st_t<DT>;
+  constexpr int VW = MoeRow<DT>::VW;
+  __shared__ float sh[32];
+  int64_t off = (int64_t)blockIdx.x * nvec * VW;
+  MoeRegRow<NV> r;
+  moe_reg_load<NV>(r, (const T *)x + off, nvec);
+  float m = -INFINITY;
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+    if (moe_reg_valid(q, nvec))
+#pragma unroll
+      for (int e = 0; e < VW; e++) m = fmaxf(m, moe_reg_at<DT, NV>(r, q, e));
+  m = moe_block_max(m, sh);
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+    if (moe_reg_valid(q, nvec))
+#pragma unroll
+      for (int e = 0; e < VW; e++) s += __expf(moe_reg_at<DT, NV>(r, q, e) - m);
+  s = moe_block_sum(s, sh);
+  float ls = __logf(s), inv = 1.f / s;
+  moe_reg_store<DT, NV>((T *)y + off, nvec, [&](int q, int e) {
+    float v = moe_reg_at<DT, NV>(r, q, e) - m;
+    return LOG ? v - ls : __expf(v) * inv;
+  });
+}
+
+template <moe_dtype DT, int NV, bool RMS>
+__global__ void __launch_bounds__(MOE_REG_FWD_THREADS)
+    moe_norm_fwd_reg_kernel(const void *__restrict__ x, const void *__restrict__ w,
+                            const void *__restrict__ b, void *__restrict__ y,
+                            float *__restrict__ mean, float *__restrict__ rstd, int64_t nvec,
+                            float eps) {
+  using T = moe_st_t<DT>;
+  constexpr int VW = MoeRow<DT>::VW;
+  __shared__ float sh[32];
+  int64_t row = blockIdx.x, n = nvec * VW, off = row * n;
+  MoeRegRow<NV> r;
+  moe_reg_load<NV>(r, (const T *)x + off, nvec);
+  float s1 = 0.f;
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+#pragma unroll
+    for (int e = 0; e < VW; e++) { /* padding is zero: adds nothing */
+      float v = moe_reg_at<DT, NV>(r, q, e);
+      s1 += RMS ? v * v : v;
+    }
+  float tot = moe_block_sum(s1, sh);
+  float m = 0.f, rs;
+  if (RMS) {
+    rs = rsqrtf(tot / (float)n + eps);
+  } else {
+    m = tot / (float)n;
+    float s2 = 0.f;
+#pragma unroll
+    for (int q = 0; q < NV; q++)
+      if (moe_reg_valid(q, nvec))
+#pragma unroll
+        for (int e = 0; e < VW; e++) {
+          float c = moe_reg_at<DT, NV>(r, q, e) - m;
+          s2 += c * c;
+        }
+    rs = rsqrtf(moe_block_sum(s2, sh) / (float)n + eps);
+  }
+  MoeRegRow<NV> rw, rb;
+  if (w) moe_reg_load<NV>(rw, w, nvec);
+  if (b) moe_reg_load<NV>(rb, b, nvec);
+  moe_reg_store<DT, NV>((T *)y + off, nvec, [&](int q, int e) {
+    float v = (moe_reg_at<DT, NV>(r, q, e) - m) * rs;
+    if (w) v *= moe_reg_at<DT, NV>(rw, q, e);
+    if (b) v += moe_reg_at<DT, NV>(rb, q, e);
+    return v;
+  });
+  if (threadIdx.x == 0) {
+    if (mean) mean[row] = m;
+    rstd[row] = rs;
+  }
+}
+
+/* 16-byte asynchronous copy global -> shared (Ampere and later), its
+ * group commit and wait for all but N groups. */
+__device__ __forceinline__ void moe_cp16(void *sdst, const void *gsrc) {
+  unsigned d = (unsigned)__cvta_generic_to_shared(sdst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(gsrc) : "memory");
+}
+__device__ __forceinline__ void moe_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void moe_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+#define MOE_NB_STAGES 4 /* rows of x and g in flight per block (norm backward) */
+
+/* Issues the thread's vectors of rows `row` of x and g into stage buffers
+ * sx / sg (nothing past `rows`); always commits a group. */
+template <int NV>
+__device__ __forceinline__ void moe_nb_issue(uint4 *sx, uint4 *sg, const void *x, const void *g,
+                                             int64_t row, int64_t rows, int64_t nvec) {
+  if (row < rows) {
+#pragma unroll
+    for (int q = 0; q < NV; q++) {
+      int64_t k = threadIdx.x + (int64_t)q * blockDim.x;
+      if (k < nvec) {
+        moe_cp16(sx + k, (const uint4 *)x + row * nvec + k);
+        moe_cp16(sg + k, (const uint4 *)g + row * nvec + k);
+      }
+    }
+  }
+  moe_cp_commit();
+}
+
+/*
+ * Norm backward, rows blockIdx.x, + gridDim.x, ...: rows of x and g stream
+ * into MOE_NB_STAGES shared-memory stages by cp.async, MOE_NB_STAGES - 1
+ * rows ahead of the one being worked on. Each thread copies and later reads
+ * only its own vectors, so the stages need no barrier. Per row: the two
+ * block sums (of g*w and g*w*xhat) in one reduction, then dx; the thread's
+ * columns of dw (sum of g*xhat) and db (sum of g) accumulate in registers
+ * over the block's rows in row order and go to the block's partial row
+ * pw[blockIdx.x] / pb[blockIdx.x] at the end (summed by moe_colsum_kernel).
+ * Dynamic shared memory: MOE_NB_STAGES * 2 * nvec * 16 bytes.
+ */
+template <moe_dtype DT, int NV, bool RMS>
+__global__ void __launch_bounds__(MOE_REG_BWD_THREADS)
+    moe_norm_bwd_reg_kernel(const void *__restrict__ x, const void *__restrict__ w,
+                            const void *__restrict__ g, const float *__restrict__ mean,
+                            const float *__restrict__ rstd, void *__restrict__ gx,
+                            float *__restrict__ pw, float *__restrict__ pb, int64_t rows,
+                            int64_t nvec) {
+  using T = moe_st_t<DT>;
+  constexpr int VW = MoeRow<DT>::VW;
+  extern __shared__ uint4 moe_nb_buf[];
+  __shared__ float sh[64];
+  int64_t n = nvec * VW, step = gridDim.x;
+  float inv_n = 1.f / (float)n;
+  int64_t row = blockIdx.x;
+#pragma unroll
+  for (int st = 0; st < MOE_NB_STAGES - 1; st++) {
+    uint4 *sx = moe_nb_buf + (int64_t)st * 2 * nvec;
+    moe_nb_issue<NV>(sx, sx + nvec, x, g, row + st * step, rows, nvec);
+  }
+  MoeRegRow<NV> rw;
+  if (w) moe_reg_load<NV>(rw, w, nvec);
+  float aw[NV][VW], ab[NV][VW];
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+#pragma unroll
+    for (int e = 0; e < VW; e++) aw[q][e] = 0.f, ab[q][e] = 0.f;
+  float m = 0.f, rs = 0.f;
+  if (row < rows) m = RMS ? 0.f : mean[row], rs = rstd[row];
+  for (int it = 0; row < rows; row += step, it++) {
+    {
+      int st = (it + MOE_NB_STAGES - 1) % MOE_NB_STAGES; /* consumed at it - 1, by this thread */
+      uint4 *sx = moe_nb_buf + (int64_t)st * 2 * nvec;
+      moe_nb_issue<NV>(sx, sx + nvec, x, g, row + (MOE_NB_STAGES - 1) * step, rows, nvec);
+    }
+    int64_t next = row + step;
+    float m_next = 0.f, rs_next = 0.f;
+    if (next < rows) m_next = RMS ? 0.f : mean[next], rs_next = rstd[next];
+    moe_cp_wait<MOE_NB_STAGES - 1>();
+    const uint4 *sx = moe_nb_buf + (int64_t)(it % MOE_NB_STAGES) * 2 * nvec, *sg = sx + nvec;
+    MoeRegRow<NV> cx, cg;
+#pragma unroll
+    for (int q = 0; q < NV; q++) {
+      int64_t k = threadIdx.x + (int64_t)q * blockDim.x;
+      cx.v[q] = k < nvec ? sx[k] : make_uint4(0u, 0u, 0u, 0u);
+      cg.v[q] = k < nvec ? sg[k] : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float sa = 0.f, sb = 0.f;
+#pragma unroll
+    for (int q = 0; q < NV; q++)
+#pragma unroll
+      for (int e = 0; e < VW; e++) { /* padding: g is zero, adds nothing */
+        float gv = moe_reg_at<DT, NV>(cg, q, e);
+        float h = (moe_reg_at<DT, NV>(cx, q, e) - m) * rs;
+        float gh = w ? gv * moe_reg_at<DT, NV>(rw, q, e) : gv;
+        sa += gh;
+        sb += gh * h;
+        aw[q][e] += gv * h;
+        ab[q][e] += gv;
+      }
+    if (gx) {
+      moe_block_sum2(sa, sb, sh);
+      float ta = RMS ? 0.f : sa * inv_n, tb = sb * inv_n;
+      moe_reg_store<DT, NV>((T *)gx + row * n, nvec, [&](int q, int e) {
+        float gv = moe_reg_at<DT, NV>(cg, q, e);
+        float h = (moe_reg_at<DT, NV>(cx, q, e) - m) * rs;
+        float gh = w ? gv * moe_reg_at<DT, NV>(rw, q, e) : gv;
+        return rs * (gh - ta - h * tb);
+      });
+    }
+    m = m_next;
+    rs = rs_next;
+  }
+  moe_cp_wait<0>();
+#pragma unroll
+  for (int q = 0; q < NV; q++) {
+    int64_t k = threadIdx.x + (int64_t)q * blockDim.x;
+    if (k >= nvec) continue;
+    float *dw = pw ? pw + (int64_t)blockIdx.x * n + k * VW : NULL;
+    float *db = pb ? pb + (int64_t)blockIdx.x * n + k * VW : NULL;
+#pragma unroll
+    for (int e = 0; e < VW; e += 4) {
+      if (dw) *(float4 *)(dw + e) = make_float4(aw[q][e], aw[q][e + 1], aw[q][e + 2], aw[q][e + 3]);
+      if (db) *(float4 *)(db + e) = make_float4(ab[q][e], ab[q][e + 1], ab[q][e + 2], ab[q][e + 3]);
+    }
+  }
+}
+
+/* cross_entropy forward of one row per block from registers: max, sum of
+ * exps, sum of logits (label smoothing); the target's logit from memory. */
+template <moe_dtype DT, int NV>
+__global__ void __launch_bounds__(MOE_REG_FWD_THREADS)
+    moe_ce_fwd_reg_kernel(const void *__restrict__ logits, const int64_t *__restrict__ target,
+                          float *__restrict__ loss, float *__restrict__ lse, int64_t nvec,
+                          int64_t ignore, float smooth) {
+  using T = moe_st_t<DT>;
+  constexpr int VW = MoeRow<DT>::VW;
+  __shared__ float sh[32];
+  int64_t row = blockIdx.x, n = nvec * VW;
+  const T *xr = (const T *)logits + row * n;
+  MoeRegRow<NV> r;
+  moe_reg_load<NV>(r, xr, nvec);
+  float m = -INFINITY, sx = 0.f;
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+    if (moe_reg_valid(q, nvec))
+#pragma unroll
+      for (int e = 0; e < VW; e++) {
+        float v = moe_reg_at<DT, NV>(r, q, e);
+        m = fmaxf(m, v);
+        sx += v;
+      }
+  m = moe_block_max(m, sh);
+  float s = 0.f;
+#pragma unroll
+  for (int q = 0; q < NV; q++)
+    if (moe_reg_valid(q, nvec))
+#pragma unroll
+      for (int e = 0; e < VW; e++) s += __expf(moe_reg_at<DT, NV>(r, q, e) - m);
+  s = moe_block_sum(s, sh);
+  float tsx = smooth != 0.f ? moe_block_sum(sx, sh) : 0.f;
+  if (threadIdx.x == 0) {
+    float l = m + __logf(s);
+    int64_t t = target[row];
+    float out = 0.f;
+    if (t != ignore) {
+      if (t < 0 || t >= n) out = NAN; /* out of range: documented NaN, no host sync */
+      else out = l - (1.f - smooth) * moe_load_as<float, DT>(xr[t]) - smooth * tsx / (float)n;
+    }
+    loss[row] = out;
+    lse[row] = l;
+  }
+}
+
 /* softmax / log_softmax of one row per block; cache: row in shared memory. */
 template <moe_dtype DT, bool LOG>
 __global__ void moe_softmax_kernel(const void *__restrict__ x, void *__restrict__ y, int64_t n,
@@ -691,10 +1054,21 @@ extern "C" moe_status moe_cuda_softmax(moe_ctx *ctx, int device, bool log, const
   return moe_row_dispatch(ctx, dt, "cuda softmax", [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
     bool vec = moe_row_vec<DT>(x, n) && moe_row_vec<DT>(y, n);
+    unsigned th;
+    int64_t nvec = n / MoeRow<DT>::VW;
+    int nv = vec ? moe_reg_plan(nvec, 4, 128, MOE_REG_FWD_THREADS, &th) : 0;
+    if (nv > 0)
+      return moe_reg_nv(nv, [&](auto nvt) -> moe_status {
+        constexpr int NV = decltype(nvt)::value;
+        if (log) moe_softmax_reg_kernel<DT, NV, true><<<(unsigned)rows, th, 0, s>>>(x, y, nvec);
+        else moe_softmax_reg_kernel<DT, NV, false><<<(unsigned)rows, th, 0, s>>>(x, y, nvec);
+        MOE_KCHECK(ctx, "cuda softmax kernel");
+        return MOE_OK;
+      });
     size_t bytes = (size_t)n * sizeof(float);
     bool cache = bytes <= MOE_ROW_CACHE_MAX;
     size_t smem = cache ? bytes : 0;
-    unsigned th = moe_row_threads<DT>(n, vec);
+    th = moe_row_threads<DT>(n, vec);
     if (log) {
       if (smem > 48 * 1024)
         MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_softmax_kernel<DT, true>,
@@ -879,10 +1253,24 @@ extern "C" moe_status moe_cuda_norm_forward(moe_ctx *ctx, int device, bool rms, 
   return moe_row_dispatch(ctx, dt, rms ? "cuda rms_norm" : "cuda layer_norm", [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
     bool vec = moe_row_vec<DT>(x, n) && moe_row_vec<DT>(y, n);
+    unsigned th;
+    int64_t nvec = n / MoeRow<DT>::VW;
+    int nv = vec && (!w || moe_aligned(w, 16)) && (!b || moe_aligned(b, 16))
+                 ? moe_reg_plan(nvec, 4, 128, MOE_REG_FWD_THREADS, &th)
+                 : 0;
+    if (nv > 0)
+      return moe_reg_nv(nv, [&](auto nvt) -> moe_status {
+        constexpr int NV = decltype(nvt)::value;
+        float e = (float)eps;
+        if (rms) moe_norm_fwd_reg_kernel<DT, NV, true><<<(unsigned)rows, th, 0, s>>>(x, w, b, y, mean, rstd, nvec, e);
+        else moe_norm_fwd_reg_kernel<DT, NV, false><<<(unsigned)rows, th, 0, s>>>(x, w, b, y, mean, rstd, nvec, e);
+        MOE_KCHECK(ctx, rms ? "cuda rms_norm kernel" : "cuda layer_norm kernel");
+        return MOE_OK;
+      });
     size_t bytes = (size_t)n * sizeof(float);
     bool cache = bytes <= MOE_ROW_CACHE_MAX;
     size_t smem = cache ? bytes : 0;
-    unsigned th = moe_row_threads<DT>(n, vec);
+    th = moe_row_threads<DT>(n, vec);
     if (rms) {
       if (smem > 48 * 1024)
         MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_norm_fwd_kernel<DT, true>,
@@ -948,14 +1336,36 @@ __global__ void moe_norm_bwd_kernel(const void *__restrict__ x, const void *__re
   }
 }
 
+/* out[j] = sum over k of part[k * n + j]: block (32, 8) takes 32 columns;
+ * thread row ty sums partial rows ty, ty + 8, ... in order, then a fixed
+ * tree over ty (deterministic). */
+#define MOE_COLSUM_Y 8
 template <moe_dtype DT>
 __global__ void moe_colsum_kernel(const float *__restrict__ part, int64_t nblk, int64_t n,
                                   void *__restrict__ out) {
-  int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= n) return;
+  __shared__ float sh[MOE_COLSUM_Y][33];
+  int tx = threadIdx.x, ty = threadIdx.y;
+  int64_t j = (int64_t)blockIdx.x * 32 + tx;
   float s = 0.f;
-  for (int64_t k = 0; k < nblk; k++) s += part[k * n + j];
-  ((moe_st_t<DT> *)out)[j] = moe_store_from<DT, float>(s);
+  if (j < n) {
+    int64_t k = ty;
+    for (; k + 3 * MOE_COLSUM_Y < nblk; k += 4 * MOE_COLSUM_Y) {
+      float a = part[k * n + j], b = part[(k + MOE_COLSUM_Y) * n + j];
+      float c = part[(k + 2 * MOE_COLSUM_Y) * n + j], d = part[(k + 3 * MOE_COLSUM_Y) * n + j];
+      s += a;
+      s += b;
+      s += c;
+      s += d;
+    }
+    for (; k < nblk; k += MOE_COLSUM_Y) s += part[k * n + j];
+  }
+  sh[ty][tx] = s;
+  __syncthreads();
+  for (int h = MOE_COLSUM_Y / 2; h > 0; h >>= 1) {
+    if (ty < h) sh[ty][tx] += sh[ty + h][tx];
+    __syncthreads();
+  }
+  if (ty == 0 && j < n) ((moe_st_t<DT> *)out)[j] = moe_store_from<DT, float>(sh[0][tx]);
 }
 
 extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms, const void *x,
@@ -966,36 +1376,68 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t s = (cudaStream_t)stream;
-  int64_t nblk = 2LL * moe_red_sm_count(device);
-  if (!gw && !gb) nblk = rows; /* no column sums: a block per row */
-  if (nblk > rows) nblk = rows;
-  if (nblk > 0x7fffffffLL) nblk = 0x7fffffffLL;
+  int sms = moe_red_sm_count(device);
   void *block = NULL;
   size_t bsize = 0;
-  float *pw = NULL, *pb = NULL;
   int np = (gw ? 1 : 0) + (gb ? 1 : 0);
-  if (np > 0 && nblk > 0) {
-    MOE_CHECK(moe_cuda_alloc(ctx, device, sizeof(float) * (size_t)(nblk * n * np), &block, &bsize));
-    pw = gw ? (float *)block : NULL;
-    pb = gb ? (float *)block + (gw ? nblk * n : 0) : NULL;
-  }
   moe_status st = moe_row_dispatch(ctx, dt, rms ? "cuda rms_norm backward" : "cuda layer_norm backward",
                                    [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
-    unsigned th = moe_row_threads<DT>(n, false);
-    if (nblk > 0) {
-      if (rms)
-        moe_norm_bwd_kernel<DT, true><<<(unsigned)nblk, th, 0, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, n);
-      else
-        moe_norm_bwd_kernel<DT, false><<<(unsigned)nblk, th, 0, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, n);
+    /* register path: rows of at most 2 vectors per thread of 512 */
+    bool vec = moe_row_vec<DT>(x, n) && moe_row_vec<DT>(g, n) && (!gx || moe_row_vec<DT>(gx, n)) &&
+               (!w || moe_aligned(w, 16));
+    unsigned th = 0;
+    int64_t nvec = n / MoeRow<DT>::VW;
+    int nv = vec ? moe_reg_plan(nvec, 2, MOE_REG_BWD_THREADS, MOE_REG_BWD_THREADS, &th) : 0;
+    const void *kfn = NULL;
+    if (nv == 1) kfn = rms ? (const void *)moe_norm_bwd_reg_kernel<DT, 1, true> : (const void *)moe_norm_bwd_reg_kernel<DT, 1, false>;
+    else if (nv == 2) kfn = rms ? (const void *)moe_norm_bwd_reg_kernel<DT, 2, true> : (const void *)moe_norm_bwd_reg_kernel<DT, 2, false>;
+    else th = moe_row_threads<DT>(n, false);
+    /* blocks: as many as are resident at once (register path) or two per SM,
+     * at most a quarter of the rows (so blocks of many rows amortise their
+     * partial row); without column sums, a block per row */
+    int64_t nblk = 2LL * sms;
+    size_t smem = (size_t)MOE_NB_STAGES * 2 * (size_t)nvec * 16;
+    if (kfn) {
+      int per = 0;
+      if (smem > 48 * 1024)
+        MOE_KCUDA(ctx, cudaFuncSetAttribute(kfn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      MOE_KCUDA(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kfn, (int)th, smem));
+      nblk = (int64_t)(per > 0 ? per : 1) * sms;
+      int64_t q = (rows + 3) / 4;
+      if (np > 0 && nblk > q) nblk = q;
     }
-    unsigned cb = (unsigned)((n + 255) / 256);
+    if (np == 0) nblk = rows;
+    if (nblk > rows) nblk = rows;
+    if (nblk > 0x7fffffffLL) nblk = 0x7fffffffLL;
+    float *pw = NULL, *pb = NULL;
+    if (np > 0 && nblk > 0) {
+      MOE_CHECK(moe_cuda_alloc(ctx, device, sizeof(float) * (size_t)(nblk * n * np), &block, &bsize));
+      pw = gw ? (float *)block : NULL;
+      pb = gb ? (float *)block + (gw ? nblk * n : 0) : NULL;
+    }
+    if (nblk > 0) {
+      unsigned gb_ = (unsigned)nblk;
+      if (nv == 1) {
+        if (rms) moe_norm_bwd_reg_kernel<DT, 1, true><<<gb_, th, smem, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, nvec);
+        else moe_norm_bwd_reg_kernel<DT, 1, false><<<gb_, th, smem, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, nvec);
+      } else if (nv == 2) {
+        if (rms) moe_norm_bwd_reg_kernel<DT, 2, true><<<gb_, th, smem, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, nvec);
+        else moe_norm_bwd_reg_kernel<DT, 2, false><<<gb_, th, smem, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, nvec);
+      } else if (rms) {
+        moe_norm_bwd_kernel<DT, true><<<gb_, th, 0, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, n);
+      } else {
+        moe_norm_bwd_kernel<DT, false><<<gb_, th, 0, s>>>(x, w, g, mean, rstd, gx, pw, pb, rows, n);
+      }
+    }
+    dim3 cblk(32, MOE_COLSUM_Y);
+    unsigned cb = (unsigned)((n + 31) / 32);
     if (gw) {
-      if (nblk > 0) moe_colsum_kernel<DT><<<cb, 256, 0, s>>>(pw, nblk, n, gw);
+      if (nblk > 0) moe_colsum_kernel<DT><<<cb, cblk, 0, s>>>(pw, nblk, n, gw);
       else MOE_KCUDA(ctx, cudaMemsetAsync(gw, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
     }
     if (gb) {
-      if (nblk > 0) moe_colsum_kernel<DT><<<cb, 256, 0, s>>>(pb, nblk, n, gb);
+      if (nblk > 0) moe_colsum_kernel<DT><<<cb, cblk, 0, s>>>(pb, nblk, n, gb);
       else MOE_KCUDA(ctx, cudaMemsetAsync(gb, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
     }
     MOE_KCHECK(ctx, "cuda norm backward kernel");
@@ -1049,7 +1491,18 @@ extern "C" moe_status moe_cuda_cross_entropy(moe_ctx *ctx, int device, const voi
   return moe_row_dispatch(ctx, dt, "cuda cross_entropy", [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
     bool vec = moe_row_vec<DT>(logits, n);
-    unsigned th = moe_row_threads<DT>(n, vec);
+    unsigned th;
+    int64_t nvec = n / MoeRow<DT>::VW;
+    int nv = vec ? moe_reg_plan(nvec, 4, 128, MOE_REG_FWD_THREADS, &th) : 0;
+    if (nv > 0)
+      return moe_reg_nv(nv, [&](auto nvt) -> moe_status {
+        constexpr int NV = decltype(nvt)::value;
+        moe_ce_fwd_reg_kernel<DT, NV><<<(unsigned)rows, th, 0, s>>>(logits, target, loss, lse, nvec,
+                                                                    ignore_index, (float)smoothing);
+        MOE_KCHECK(ctx, "cuda cross_entropy kernel");
+        return MOE_OK;
+      });
+    th = moe_row_threads<DT>(n, vec);
     moe_ce_fwd_kernel<DT><<<(unsigned)rows, th, 0, s>>>(logits, target, loss, lse, n, ignore_index,
                                                         (float)smoothing, vec);
     MOE_KCHECK(ctx, "cuda cross_entropy kernel");

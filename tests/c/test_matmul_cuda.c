@@ -370,8 +370,8 @@ static void expect_close_rows(moe_ctx *ctx, const moe_tensor *a, const moe_tenso
 
 /* A bf16 linear layer large enough for the first call of each of its three
  * GEMMs to time cuBLASLt's candidates (forward with the bias epilogue, dX,
- * dW with the bias gradient fused by BGRADB), run twice (the second from the
- * algorithm cache). Checked against the CPU in f64 on a few rows (x, dx),
+ * dW), run twice (the second from the algorithm cache); the bias gradient
+ * takes the vectorized column-sum kernel (2560 columns). Checked against the CPU in f64 on a few rows (x, dx),
  * a few rows of dW (a few columns of g) and the whole bias gradient.
  * Tolerance 2^-7 of the largest reference element: one bf16 rounding of the
  * output (2^-9 |r|) plus f32 accumulation error (about 1e-5 S) is far less. */
@@ -424,6 +424,35 @@ static void test_linear_large(moe_ctx *ctx) {
   for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) moe_tensor_release(ts[i]);
 }
 
+/* An output gradient expanded from one row (row stride 0): the bias
+ * gradient (column sums) reads a contiguous copy; db = R * row exactly in f32
+ * for these small integers (R = 37 times a value in {-2..2}). */
+static void test_linear_expanded_grad(moe_ctx *ctx) {
+  const int64_t R = 37, IN = 24, OUT = 40;
+  moe_tensor *x = rnd_dev(ctx, MOE_F32, CUDA0, SHAPE(R, IN));
+  moe_tensor *w = rnd_dev(ctx, MOE_F32, CUDA0, SHAPE(OUT, IN));
+  moe_tensor *b = rnd_dev(ctx, MOE_F32, CUDA0, SHAPE(OUT));
+  moe_tensor *row = NULL, *dy = NULL, *y = NULL;
+  double hrow[40];
+  for (int j = 0; j < OUT; j++) hrow[j] = (double)(j % 5 - 2);
+  EXPECT_OK(moe_tensor_from_f64(ctx, hrow, SHAPE(1, OUT), MOE_F32, CUDA0, &row));
+  EXPECT_OK(moe_expand(ctx, row, 2, (int64_t[]){R, OUT}, &dy));
+  EXPECT_OK(moe_set_requires_grad(ctx, b, true));
+  EXPECT_OK(moe_linear(ctx, x, w, b, &y));
+  if (y && dy) {
+    EXPECT_OK(moe_backward(ctx, y, dy, false));
+    moe_tensor *db = moe_tensor_grad(b);
+    EXPECT(db != NULL);
+    if (db) {
+      double *v = host(ctx, db);
+      for (int j = 0; j < OUT; j++) EXPECT(v[j] == (double)R * hrow[j]);
+      free(v);
+    }
+  }
+  moe_tensor *ts[] = {x, w, b, row, dy, y};
+  for (size_t i = 0; i < sizeof(ts) / sizeof(ts[0]); i++) moe_tensor_release(ts[i]);
+}
+
 /* Device memory comes back: products and their backward hold nothing. */
 static void test_memory_flat(moe_ctx *ctx) {
   moe_memory_stats before, after;
@@ -462,6 +491,7 @@ int main(void) {
   RUN(test_linear);
   RUN(test_backward);
   RUN(test_linear_large);
+  RUN(test_linear_expanded_grad);
   RUN(test_memory_flat);
   RUN(test_errors);
   return harness_end();
