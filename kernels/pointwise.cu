@@ -13,9 +13,9 @@
  *   - pw_dyn_kernel: anything else (strided or broadcast views, mixed dtypes,
  *     integer and bool operands), with per-element offsets from the merged
  *     geometry of common.cuh and runtime-dtype loads and stores.
- * Dropout has its own contiguous kernel drawing one Philox block per four
- * elements. Math is the formulas of pointwise_cuda.h in float (f32, bf16,
- * f16), double (f64) or int64; index math is int64.
+ * Dropout has its own contiguous kernel: 8 elements (16-byte vectors, two
+ * Philox blocks) per thread step. Math is the formulas of pointwise_cuda.h
+ * in float (f32, bf16, f16), double (f64) or int64; index math is int64.
  */
 #include "common.cuh"
 #include "pointwise_cuda.h"
@@ -254,32 +254,110 @@ __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
-/* Dropout over a contiguous tensor: one Philox block per 4 elements. */
+/*
+ * moe_philox(seed, block, call) of core/philox.h written in 32-bit
+ * operations: mulhi through __umulhi and the low product as a 32-bit
+ * multiply, the same ten rounds and key schedule, so the same four words
+ * bit for bit (moe_mulhilo32's hi and lo are exactly these). philox.h's
+ * 64-bit product makes NVVM carry the state in 64-bit registers (64-bit
+ * multiplies, xors and masks per round); this form keeps it in 32-bit
+ * IMAD.WIDE/LOP3. The counter's upper words c1 (block >> 32), c2, c3 (call)
+ * and the key are arguments so that loop-invariant parts stay uniform.
+ */
+static __host__ __device__ __forceinline__ uint32_t pw_mulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
+#endif
+}
+
+static __host__ __device__ __forceinline__ moe_philox4 pw_philox32(uint32_t c0, uint32_t c1,
+                                                                   uint32_t c2, uint32_t c3,
+                                                                   uint32_t k0, uint32_t k1) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int r = 0; r < 10; r++) {
+    uint32_t hi0 = pw_mulhi32(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+    uint32_t hi1 = pw_mulhi32(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  moe_philox4 out;
+  out.v[0] = c0;
+  out.v[1] = c1;
+  out.v[2] = c2;
+  out.v[3] = c3;
+  return out;
+}
+
+static __host__ __device__ __forceinline__ moe_philox4 pw_philox(uint64_t seed, uint64_t block,
+                                                                 uint64_t call) {
+  return pw_philox32((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)call,
+                     (uint32_t)(call >> 32), (uint32_t)seed, (uint32_t)(seed >> 32));
+}
+
+/*
+ * Dropout over a contiguous tensor. Element i's mask bit is lane i % 4 of
+ * Philox block i / 4 (moe_pw_dropout_keep). With vec (both pointers 16-byte
+ * aligned) a thread takes 8 consecutive elements per grid-stride step: it
+ * issues their 16-byte loads (one vector of bf16/f16, two of f32, four of
+ * f64), computes the two Philox blocks covering them once each while the
+ * loads are in flight, and stores whole vectors. The remaining elements
+ * (all of them without vec, fewer than 8 with it) go one Philox block of 4
+ * scalar elements per thread. No Philox block is computed twice. Launch
+ * bounds: at most 32 registers (8 blocks of 256 threads per SM, full
+ * occupancy) for 2- and 4-byte dtypes, 48 for f64 (5 blocks), none spilling.
+ */
 template <moe_dtype DT>
-__global__ void __launch_bounds__(MOE_THREADS)
+__global__ void __launch_bounds__(MOE_THREADS, DT == MOE_F64 ? 5 : 8)
     pw_dropout_contig_kernel(int64_t n, void *out, const void *x, uint64_t seed, uint64_t call,
                              uint32_t thr, float scale32, double scale64, bool vec) {
   using T = moe_st_t<DT>;
   using C = moe_compute_t<DT>;
+  constexpr int V = 16 / (int)sizeof(T); /* elements per 16-byte vector */
+  constexpr int E = 8;                   /* elements per vector step: 2 Philox blocks */
+  constexpr int NV = E / V;              /* vectors per step */
+  static_assert(E % V == 0, "a step is whole vectors");
+  using Vec = MoeVec<T, V>;
   C scale;
   if constexpr (std::is_same_v<C, double>) scale = scale64;
   else scale = scale32;
+  int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
-  int64_t ng = (n + 3) / 4;
-  for (int64_t j = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; j < ng; j += nthreads) {
-    moe_philox4 r = moe_philox(seed, (uint64_t)j, call);
-    if (vec && 4 * j + 4 <= n) {
-      MoeVec<T, 4> a = ((const MoeVec<T, 4> *)x)[j], o;
+  int64_t ng = vec ? n / E : 0;
+  for (int64_t j = tid; j < ng; j += nthreads) {
+    Vec a[NV], o[NV];
 #pragma unroll
-      for (int e = 0; e < 4; e++)
-        o.v[e] = moe_store_from<DT, C>((r.v[e] >> 8) >= thr ? moe_load_as<C, DT>(a.v[e]) * scale : (C)0);
-      ((MoeVec<T, 4> *)out)[j] = o;
-    } else {
-      for (int e = 0; e < 4 && 4 * j + e < n; e++) {
-        int64_t i = 4 * j + e;
-        C v = moe_load_as<C, DT>(((const T *)x)[i]);
-        ((T *)out)[i] = moe_store_from<DT, C>((r.v[e] >> 8) >= thr ? v * scale : (C)0);
+    for (int k = 0; k < NV; k++) a[k] = ((const Vec *)x)[j * NV + k];
+    moe_philox4 r[2];
+    r[0] = pw_philox(seed, 2 * (uint64_t)j, call);
+    r[1] = pw_philox(seed, 2 * (uint64_t)j + 1, call);
+#pragma unroll
+    for (int k = 0; k < NV; k++) {
+#pragma unroll
+      for (int e = 0; e < V; e++) {
+        const int l = k * V + e; /* element 8j + l: block 2j + l / 4, lane l % 4 */
+        bool keep = (r[l >> 2].v[l & 3] >> 8) >= thr;
+        o[k].v[e] = moe_store_from<DT, C>(keep ? moe_load_as<C, DT>(a[k].v[e]) * scale : (C)0);
       }
+    }
+#pragma unroll
+    for (int k = 0; k < NV; k++) ((Vec *)out)[j * NV + k] = o[k];
+  }
+  int64_t nb = (n + 3) / 4;
+  for (int64_t b = ng * (E / 4) + tid; b < nb; b += nthreads) {
+    moe_philox4 r = pw_philox(seed, (uint64_t)b, call);
+    for (int e = 0; e < 4 && 4 * b + e < n; e++) {
+      int64_t i = 4 * b + e;
+      C v = moe_load_as<C, DT>(((const T *)x)[i]);
+      ((T *)out)[i] = moe_store_from<DT, C>((r.v[e] >> 8) >= thr ? v * scale : (C)0);
     }
   }
 }
@@ -534,9 +612,9 @@ extern "C" moe_status moe_cuda_pw_dropout(moe_ctx *ctx, int device, const moe_kv
   cudaStream_t s = (cudaStream_t)stream;
   MOE_CHECK(pw_float_dispatch(out->dtype, [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
-    using T = moe_st_t<DT>;
-    bool vec = moe_aligned(out->data, 4 * sizeof(T)) && moe_aligned(x->data, 4 * sizeof(T));
-    pw_dropout_contig_kernel<DT><<<moe_blocks((n + 3) / 4), MOE_THREADS, 0, s>>>(
+    /* 8 elements per thread step when vectorised, 4 (one Philox block) otherwise */
+    bool vec = n >= 8 && moe_aligned(out->data, 16) && moe_aligned(x->data, 16);
+    pw_dropout_contig_kernel<DT><<<moe_blocks(vec ? n / 8 : (n + 3) / 4), MOE_THREADS, 0, s>>>(
         n, out->data, x->data, seed, call, thr, (float)scale, scale, vec);
     return MOE_OK;
   }));
