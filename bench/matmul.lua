@@ -162,6 +162,76 @@ for _, c in ipairs(cases) do
   collectgarbage()
 end
 
+-- ------------------------------------------------------------ fused-step breakdown
+-- Where the time of "linear fwd+bwd (autograd)" goes (printed and written to
+-- the JSON under "breakdown"; bench/matmul_torch.py measures the same):
+--   step_events_ms: the same step and loop as the table row, timed with
+--     events instead of moe.clock() (the timing method's share);
+--   fwd_ms, bwd_ms: each phase between events, one step per sync (medians);
+--   by_hand_ms: the same GPU work without autograd: linear + bias, dY W,
+--     dY^T X and dY:sum(0) (reduce family's kernel, not linear's column sum);
+--   allocs_per_step, system_allocs_per_step: allocator calls per step (a
+--     clone of a gradient would show as one more allocation).
+local breakdown = {}
+do
+  local x = randn({ 16384, 4096 }):requires_grad_()
+  local w = randn({ 14336, 4096 }):requires_grad_()
+  local b = randn({ 14336 }):requires_grad_()
+  local dy = randn({ 16384, 14336 })
+  local xd, wd, bd = x:detach(), w:detach(), b:detach()
+  local dyt = dy:transpose(0, 1)
+  local function step()
+    local y = moe.linear(x, w, b)
+    y:backward(dy)
+    y:free()
+    x.grad = nil; w.grad = nil; b.grad = nil
+  end
+  local function by_hand()
+    moe.linear(xd, wd, bd):free()
+    moe.matmul(dy, wd):free()
+    moe.matmul(dyt, xd):free()
+    moe.sum(dy, 0):free()
+  end
+  for _ = 1, 3 do step() end
+  moe.cuda.synchronize()
+  local e0, e1, e2 = moe.Event("cuda"), moe.Event("cuda"), moe.Event("cuda")
+  local ev, fwd, bwd = {}, {}, {}
+  for r = 1, args.repeats do
+    e0:record()
+    for _ = 1, 3 do step() end
+    e1:record(); e1:synchronize()
+    ev[r] = e0:elapsed(e1) / 3
+  end
+  local s0 = moe.memory_stats("cuda")
+  for r = 1, args.repeats do
+    e0:record()
+    local y = moe.linear(x, w, b)
+    e1:record()
+    y:backward(dy)
+    e2:record(); e2:synchronize()
+    fwd[r], bwd[r] = e0:elapsed(e1), e1:elapsed(e2)
+    y:free()
+    x.grad = nil; w.grad = nil; b.grad = nil
+  end
+  local s1 = moe.memory_stats("cuda")
+  breakdown.step_events_ms = median(ev)
+  breakdown.fwd_ms, breakdown.bwd_ms = median(fwd), median(bwd)
+  breakdown.allocs_per_step = (s1.alloc_count - s0.alloc_count) / args.repeats
+  breakdown.system_allocs_per_step = (s1.system_allocs - s0.system_allocs) / args.repeats
+  breakdown.by_hand_ms = time(by_hand, 3, args.repeats) * 1e3
+  for _, t in ipairs({ e0, e1, e2 }) do t:free() end
+  for _, t in ipairs({ x, w, b, dy, xd, wd, bd, dyt }) do t:free() end
+  collectgarbage()
+  local clock_ms = 0
+  for _, r in ipairs(results) do
+    if r.name == "linear fwd+bwd (autograd)" then clock_ms = r.ms end
+  end
+  print(string.format("breakdown of the fused step: events %.4f ms (clock %.4f), fwd %.4f, " ..
+    "bwd %.4f, by hand %.4f; allocations per step %.1f (system %.1f)", breakdown.step_events_ms,
+    clock_ms, breakdown.fwd_ms, breakdown.bwd_ms, breakdown.by_hand_ms,
+    breakdown.allocs_per_step, breakdown.system_allocs_per_step))
+end
+
 if args.json then
   local gpu = info.gpus[1] or {}
   local parts = {}
@@ -178,9 +248,12 @@ if args.json then
   local f = assert(io.open(args.json, "w"))
   f:write(string.format(
     '{"tool": "moe-lua %s", "device": "%s", "cuda_runtime": %d, "cuda_driver": %d, "cublas": %d,\n' ..
-    ' "date": "%s", "repeats": %d, "tf32": false,\n "validation": [%s],\n "results": [%s]}\n',
+    ' "date": "%s", "repeats": %d, "tf32": false,\n "validation": [%s],\n "results": [%s],\n' ..
+    ' "breakdown": {"step_events_ms": %.5f, "fwd_ms": %.5f, "bwd_ms": %.5f, "by_hand_ms": %.5f,' ..
+    ' "allocs_per_step": %.2f, "system_allocs_per_step": %.2f}}\n',
     info.version, gpu.name or "?", info.cuda_runtime, info.cuda_driver, info.cublas,
     os.date("!%Y-%m-%dT%H:%M:%SZ"), args.repeats, table.concat(vparts, ", "),
-    table.concat(parts, ",\n  ")))
+    table.concat(parts, ",\n  "), breakdown.step_events_ms, breakdown.fwd_ms, breakdown.bwd_ms,
+    breakdown.by_hand_ms, breakdown.allocs_per_step, breakdown.system_allocs_per_step))
   f:close()
 end

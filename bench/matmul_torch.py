@@ -42,6 +42,55 @@ def blas_library():
         return None
 
 
+def fused_breakdown(repeats, randn):
+    """The fused step's phases, as bench/matmul.lua's breakdown: fwd_ms and
+    bwd_ms between CUDA events one step per sync (medians); by_hand_ms the
+    same GPU work without autograd (F.linear + bias, dY W, dY^T X, dY.sum(0));
+    step_events_ms the table's step timed the same way as the Lua side's."""
+    x = randn(16384, 4096).requires_grad_()
+    w = randn(14336, 4096).requires_grad_()
+    b = randn(14336).requires_grad_()
+    dy = randn(16384, 14336)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+
+    def step():
+        F.linear(x, w, b).backward(dy)
+        x.grad = None
+        w.grad = None
+        b.grad = None
+
+    def by_hand():
+        F.linear(xd, wd, bd)
+        torch.matmul(dy, wd)
+        torch.matmul(dy.t(), xd)
+        dy.sum(0)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        e[0].record()
+        y = F.linear(x, w, b)
+        e[1].record()
+        y.backward(dy)
+        e[2].record()
+        e[2].synchronize()
+        fwd.append(e[0].elapsed_time(e[1]))
+        bwd.append(e[1].elapsed_time(e[2]))
+        del y
+        x.grad = None
+        w.grad = None
+        b.grad = None
+    out = {"step_events_ms": time_cuda(step, 3, repeats) * 1e3,
+           "fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
+           "by_hand_ms": time_cuda(by_hand, 3, repeats) * 1e3}
+    del x, w, b, dy, xd, wd, bd
+    torch.cuda.empty_cache()
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -106,6 +155,11 @@ def main():
         print(f"{name:26s} {dtype:6s} {r['ms']:10.4f} {r['tflops']:10.1f}")
         del f
         torch.cuda.empty_cache()
+    breakdown = fused_breakdown(args.repeats, randn)
+    clock = next(r["ms"] for r in results if r["name"] == "linear fwd+bwd (autograd)")
+    print(f"breakdown of the fused step: events {breakdown['step_events_ms']:.4f} ms "
+          f"(table {clock:.4f}), fwd {breakdown['fwd_ms']:.4f}, bwd {breakdown['bwd_ms']:.4f}, "
+          f"by hand {breakdown['by_hand_ms']:.4f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({
@@ -117,6 +171,7 @@ def main():
                 "repeats": args.repeats,
                 "tf32": False,
                 "results": results,
+                "breakdown": breakdown,
             }, fh, indent=1)
 
 

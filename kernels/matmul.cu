@@ -118,8 +118,9 @@ __global__ void __launch_bounds__(MOE_THREADS)
  * bias at 16384 x 14336 x 4096 with the first choice, 2.68 ms tuned). Tuning
  * synchronizes the stream once per key; the environment variable
  * MOE_GEMM_TUNE=0 turns it off (the heuristic's first choice, deterministic
- * across processes). The table is process-wide (host memory only) and, like
- * the Lt handle, meant for one host thread issuing GEMMs at a time. */
+ * across processes), MOE_GEMM_TUNE=all extends it to large plain GEMMs.
+ * The table is process-wide (host memory only) and, like the Lt handle,
+ * meant for one host thread issuing GEMMs at a time. */
 #define MOE_GEMM_CACHE 128
 #define MOE_GEMM_TUNE_ALGOS 8
 #define MOE_GEMM_TUNE_REPS 2
@@ -159,13 +160,15 @@ static void moe_gemm_cache_put(const MoeGemmKey &key, bool found,
   if (found) e->algo = *algo;
 }
 
-static bool moe_gemm_tune_enabled(void) {
-  static int enabled = -1;
-  if (enabled < 0) {
+/* MOE_GEMM_TUNE: 0 none, 1 (unset or anything else) the large GEMMs with
+ * the bias epilogue, "all" every large GEMM (an experiment: see below). */
+static int moe_gemm_tune_level(void) {
+  static int level = -1;
+  if (level < 0) {
     const char *v = getenv("MOE_GEMM_TUNE");
-    enabled = !(v && v[0] == '0' && v[1] == '\0');
+    level = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "all") == 0 ? 2 : 1;
   }
-  return enabled != 0;
+  return level;
 }
 
 /* CUDA events, destroyed on scope exit. */
@@ -315,9 +318,11 @@ static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, con
                             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.al_c,
                             sizeof(key.al_c)));
     double flops = 2.0 * (double)g->m * (double)g->n * (double)g->k * (double)g->batch;
-    /* Only GEMMs with the bias epilogue are tuned: for plain GEMMs the
-     * heuristic's first choice was as fast or faster in the measurements. */
-    int want = g->bias && flops >= MOE_GEMM_TUNE_FLOPS && moe_gemm_tune_enabled()
+    /* By default only GEMMs with the bias epilogue are tuned: for plain
+     * GEMMs the heuristic's first choice was as fast or faster in most
+     * measurements (MOE_GEMM_TUNE=all tunes them too, to measure that). */
+    int level = moe_gemm_tune_level();
+    int want = flops >= MOE_GEMM_TUNE_FLOPS && (level == 2 || (level == 1 && g->bias))
                    ? MOE_GEMM_TUNE_ALGOS
                    : 1;
     cublasLtMatmulHeuristicResult_t heur[MOE_GEMM_TUNE_ALGOS];
