@@ -255,55 +255,6 @@ __global__ void __launch_bounds__(MOE_THREADS)
 }
 
 /*
- * moe_philox(seed, block, call) of core/philox.h written in 32-bit
- * operations: mulhi through __umulhi and the low product as a 32-bit
- * multiply, the same ten rounds and key schedule, so the same four words
- * bit for bit (moe_mulhilo32's hi and lo are exactly these). philox.h's
- * 64-bit product makes NVVM carry the state in 64-bit registers (64-bit
- * multiplies, xors and masks per round); this form keeps it in 32-bit
- * IMAD.WIDE/LOP3. The counter's upper words c1 (block >> 32), c2, c3 (call)
- * and the key are arguments so that loop-invariant parts stay uniform.
- */
-static __host__ __device__ __forceinline__ uint32_t pw_mulhi32(uint32_t a, uint32_t b) {
-#if defined(__CUDA_ARCH__)
-  return __umulhi(a, b);
-#else
-  return (uint32_t)(((uint64_t)a * (uint64_t)b) >> 32);
-#endif
-}
-
-static __host__ __device__ __forceinline__ moe_philox4 pw_philox32(uint32_t c0, uint32_t c1,
-                                                                   uint32_t c2, uint32_t c3,
-                                                                   uint32_t k0, uint32_t k1) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-  for (int r = 0; r < 10; r++) {
-    uint32_t hi0 = pw_mulhi32(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-    uint32_t hi1 = pw_mulhi32(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-    uint32_t n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  moe_philox4 out;
-  out.v[0] = c0;
-  out.v[1] = c1;
-  out.v[2] = c2;
-  out.v[3] = c3;
-  return out;
-}
-
-static __host__ __device__ __forceinline__ moe_philox4 pw_philox(uint64_t seed, uint64_t block,
-                                                                 uint64_t call) {
-  return pw_philox32((uint32_t)block, (uint32_t)(block >> 32), (uint32_t)call,
-                     (uint32_t)(call >> 32), (uint32_t)seed, (uint32_t)(seed >> 32));
-}
-
-/*
  * Dropout over a contiguous tensor. Element i's mask bit is lane i % 4 of
  * Philox block i / 4 (moe_pw_dropout_keep). With vec (both pointers 16-byte
  * aligned) a thread takes 8 consecutive elements per grid-stride step: it
@@ -337,8 +288,8 @@ __global__ void __launch_bounds__(MOE_THREADS, DT == MOE_F64 ? 5 : 8)
 #pragma unroll
     for (int k = 0; k < NV; k++) a[k] = ((const Vec *)x)[j * NV + k];
     moe_philox4 r[2];
-    r[0] = pw_philox(seed, 2 * (uint64_t)j, call);
-    r[1] = pw_philox(seed, 2 * (uint64_t)j + 1, call);
+    r[0] = moe_philox(seed, 2 * (uint64_t)j, call);
+    r[1] = moe_philox(seed, 2 * (uint64_t)j + 1, call);
 #pragma unroll
     for (int k = 0; k < NV; k++) {
 #pragma unroll
@@ -353,7 +304,7 @@ __global__ void __launch_bounds__(MOE_THREADS, DT == MOE_F64 ? 5 : 8)
   }
   int64_t nb = (n + 3) / 4;
   for (int64_t b = ng * (E / 4) + tid; b < nb; b += nthreads) {
-    moe_philox4 r = pw_philox(seed, (uint64_t)b, call);
+    moe_philox4 r = moe_philox(seed, (uint64_t)b, call);
     for (int e = 0; e < 4 && 4 * b + e < n; e++) {
       int64_t i = 4 * b + e;
       C v = moe_load_as<C, DT>(((const T *)x)[i]);
