@@ -16,6 +16,7 @@
  * use narrow's node).
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -311,6 +312,9 @@ static moe_status ix_src_grad(moe_ctx *ctx, const char *fn, moe_tensor *gout, in
 
 /* -------------------------------------------------------------- gather */
 
+/* Backward of an op that picked elements of x along dim iargs[0] at the
+ * indices saved in slot 0 (gather, sort, topk's values): zeros of x's shape
+ * with the output gradient added back at those indices. */
 static moe_status gather_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
@@ -318,10 +322,11 @@ static moe_status gather_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   MOE_CHECK(ix_zeros(ctx, n->in_ndim[0], n->in_shape[0], n->in_dtype[0], n->in_device[0], &g));
   moe_status st = MOE_OK;
   if (gout[0]) {
+    char fn[64];
+    snprintf(fn, sizeof fn, "%s backward", moe_node_name(n));
     st = moe_node_saved(ctx, n, 0, &index);
     if (st == MOE_OK)
-      st = ix_scatter_into(ctx, "gather backward", MOE_SCATTER_ADD, g, (int)n->iargs[0], index,
-                           gout[0]);
+      st = ix_scatter_into(ctx, fn, MOE_SCATTER_ADD, g, (int)n->iargs[0], index, gout[0]);
   }
   moe_tensor_release(index);
   if (st != MOE_OK) {
@@ -898,27 +903,6 @@ static moe_status ix_sort_run(moe_ctx *ctx, const char *fn, moe_tensor *x, int d
   return MOE_OK;
 }
 
-/* inputs x; saved indices; iargs dim. gx = zeros with gvalues put back. */
-static moe_status sort_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
-                                moe_tensor **gin) {
-  if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  moe_tensor *index = NULL, *g = NULL;
-  MOE_CHECK(ix_zeros(ctx, n->in_ndim[0], n->in_shape[0], n->in_dtype[0], n->in_device[0], &g));
-  moe_status st = MOE_OK;
-  if (gout[0]) {
-    st = moe_node_saved(ctx, n, 0, &index);
-    if (st == MOE_OK)
-      st = ix_scatter_into(ctx, "sort backward", MOE_SCATTER_ADD, g, (int)n->iargs[0], index,
-                           gout[0]);
-  }
-  moe_tensor_release(index);
-  if (st != MOE_OK) {
-    moe_tensor_release(g);
-    return st;
-  }
-  gin[0] = g;
-  return MOE_OK;
-}
 
 static moe_status ix_sort_check(moe_ctx *ctx, const char *fn, const moe_tensor *x, int64_t dim,
                                 int *d) {
@@ -941,7 +925,7 @@ static moe_status ix_sort_op(moe_ctx *ctx, const char *fn, moe_op op, moe_tensor
   moe_grad_set(ctx, prev);
   MOE_CHECK(st);
   if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){x})) {
-    st = ix_record(ctx, op, sort_backward, 1, (moe_tensor *[]){x}, 1, (moe_tensor *[]){ix}, 1,
+    st = ix_record(ctx, op, gather_backward, 1, (moe_tensor *[]){x}, 1, (moe_tensor *[]){ix}, 1,
                    (int64_t[]){d}, v);
     if (st != MOE_OK) {
       moe_tensor_release(ix);
