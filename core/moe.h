@@ -380,6 +380,12 @@ typedef enum moe_op {
   /* MoE routing (moe_routing.h) */
   MOE_OP_ROUTING_PERMUTE,
   MOE_OP_ROUTING_COMBINE,
+  /* moe_grouped.h, moe_blocksparse.h, moe_experts.h */
+  MOE_OP_GROUPED_MM,
+  MOE_OP_BSMM_SDD,
+  MOE_OP_BSMM_DSD,
+  MOE_OP_PARALLEL_LINEAR,
+  MOE_OP_GLU_EXPERTS,
   MOE_OP_COUNT
 } moe_op;
 
@@ -435,6 +441,9 @@ moe_status moe_sum(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims, 
 #include "moe_matmul.h"
 #include "moe_attention.h"
 #include "moe_routing.h"
+#include "moe_grouped.h"
+#include "moe_blocksparse.h"
+#include "moe_experts.h"
 #include "moe_io.h"
 
 #endif /* MOE_H */

@@ -34,7 +34,8 @@ static const char *const moe_op_names[] = {
     "topk", "sort", "cat", "stack", "rope", "multinomial",
     "matmul", "bmm", "linear",
     "attention",
-    "routing_permute", "routing_combine"};
+    "routing_permute", "routing_combine",
+    "grouped_mm", "bsmm_sdd", "bsmm_dsd", "parallel_linear", "glu_experts"};
 _Static_assert(sizeof(moe_op_names) / sizeof(moe_op_names[0]) == MOE_OP_COUNT,
                "moe_op_names must name every moe_op");
 

@@ -1,0 +1,93 @@
+/*
+ * moe_blocksparse.h - block-sparse matrix products over a routing plan's
+ * topology (issue 4 item 4; MegaBlocks' SDD, DSD, DDS and the transposed
+ * forms its backward needs): core/blocksparse.c (CPU reference, autograd),
+ * kernels/blocksparse.cu (CUDA). Included by moe.h.
+ *
+ * The sparse matrix S. A padded plan with ffn_hidden (moe_routing.h: block
+ * size b = plan->block_size, F = plan->ffn_blocks, N = F * b = ffn_hidden,
+ * E_loc = e1 - e0) describes S (R x E_loc * N) as nnz b x b blocks: block i
+ * sits at row block rb = bs_row_indices[i] and column block
+ * cb = bs_column_indices[i] = (e - e0) * F + c, e the expert owning rb,
+ * c = 0..F-1. Its VALUES are a contiguous tensor (nnz, b, b), block i
+ * row-major (MegaBlocks' stk.Matrix.data layout). The transpose metadata
+ * (bs_offsets_t, bs_column_indices_t, bs_block_offsets_t) lists the blocks
+ * of each column block.
+ *
+ * The dense expert operand. w holds one matrix per local expert, a 3-D
+ * tensor (E_loc, K, N) or (E_loc, N, K): the stacked (K x E_loc * N) matrix
+ * whose column block cb = (e - e0) * F + c is w[e - e0][:, c*b : (c+1)*b]
+ * (rows c*b : (c+1)*b of w[e - e0] in the (E_loc, N, K) form).
+ *
+ * x / y: dense (R, K), R = plan->rows (the permuted, padded buffer of
+ * moe_routing_permute). Supported: b = 128 on CUDA (other b: a clear error),
+ * any b >= 1 on the CPU; K any size >= 1 (CUDA may require K % 8 == 0 for
+ * bf16: then a clear error naming K); dtypes as moe_grouped.h (f32, f64 on
+ * the CPU, bf16 with f32 accumulation). No atomics: every output element is
+ * summed by one thread in a fixed order, so results are deterministic.
+ */
+#ifndef MOE_BLOCKSPARSE_H
+#define MOE_BLOCKSPARSE_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct moe_routing_plan;
+
+/*
+ * SDD: sparse = dense @ dense, only the plan's blocks.
+ *   trans_w false: w (E_loc, K, N): S_i = x[rb] @ w[e][:, c block]
+ *   trans_w true:  w (E_loc, N, K): S_i = x[rb] @ w[e][c block, :]^T
+ * x (R, K) -> out (nnz, b, b). Differentiable in x and w:
+ *   dx = moe_bsmm_dsd(dS, w, plan, !trans_w);
+ *   dw = moe_bsmm_dds(x, dS) (trans_w false) or moe_bsmm_dsd_t(dS, x)
+ *   (trans_w true).
+ */
+moe_status moe_bsmm_sdd(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
+                        struct moe_routing_plan *plan, bool trans_w, moe_tensor **out);
+
+/*
+ * DSD: dense = sparse @ dense. s (nnz, b, b) ->
+ *   trans_w false: w (E_loc, N, K): out[rb] = sum over blocks i of row block rb
+ *                  of S_i @ w[e][c block, :]
+ *   trans_w true:  w (E_loc, K, N): out[rb] = sum_i S_i @ w[e][:, c block]^T
+ * out (R, K). Differentiable in s and w:
+ *   ds = moe_bsmm_sdd(dout, w, plan, !trans_w);
+ *   dw = moe_bsmm_dsd_t(s, dout) (trans_w false) or moe_bsmm_dds(dout, s)
+ *   (trans_w true).
+ */
+moe_status moe_bsmm_dsd(moe_ctx *ctx, moe_tensor *s, moe_tensor *w,
+                        struct moe_routing_plan *plan, bool trans_w, moe_tensor **out);
+
+/*
+ * DSD with S transposed (a weight gradient; not differentiable):
+ * s (nnz, b, b), y (R, K) -> out (E_loc, N, K), out[e][c block, :] = sum over
+ * the blocks i of column block cb of S_i^T @ y[rb]; blocks of a column in the
+ * transpose metadata's order. Columns without blocks give zeros.
+ */
+moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y,
+                          struct moe_routing_plan *plan, moe_tensor **out);
+
+/*
+ * DDS: dense = dense^T @ sparse (a weight gradient; not differentiable):
+ * x (R, K), s (nnz, b, b) -> out (E_loc, K, N), out[e][:, c block] = sum over
+ * the blocks i of column block cb of x[rb]^T @ S_i. Zeros where no blocks.
+ */
+moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s,
+                        struct moe_routing_plan *plan, moe_tensor **out);
+
+/*
+ * The dense (R, E_loc * N) matrix of s with zeros outside the blocks, and
+ * back (values outside the topology ignored). For tests and debugging; both
+ * devices; not differentiable.
+ */
+moe_status moe_bsmm_to_dense(moe_ctx *ctx, moe_tensor *s, struct moe_routing_plan *plan,
+                             moe_tensor **out);
+moe_status moe_bsmm_from_dense(moe_ctx *ctx, moe_tensor *dense, struct moe_routing_plan *plan,
+                               moe_tensor **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_BLOCKSPARSE_H */

@@ -1,0 +1,75 @@
+/*
+ * moe_experts.h - expert computation over a routing plan (issue 4 item 5):
+ * parallel_linear, one differentiable op over the grouped GEMM
+ * (moe_grouped.h) or the block-sparse products (moe_blocksparse.h), from
+ * which Lua composes expert MLPs; and the fused GLU expert MLP in C that a
+ * Lua-composed GLU must match. core/experts.c (+ kernels where fused work
+ * needs them). Included by moe.h.
+ */
+#ifndef MOE_EXPERTS_H
+#define MOE_EXPERTS_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct moe_routing_plan;
+
+typedef enum moe_experts_impl {
+  MOE_EXPERTS_GROUPED = 0, /* grouped GEMM over the plan's row segments */
+  MOE_EXPERTS_SPARSE = 1   /* block-sparse products over the plan's topology */
+} moe_experts_impl;
+
+typedef struct moe_parallel_linear_opts {
+  moe_experts_impl impl;
+  bool trans_w;        /* w (E_loc, N, K) instead of (E_loc, K, N) */
+  bool gather;         /* x is tokens (T, K): its rows are gathered into the
+                          plan's order (moe_routing_permute) */
+  bool scatter;        /* the output is combined back to tokens (T, N)
+                          (moe_routing_combine) with gates */
+  moe_tensor *gates;   /* (T, k) for scatter, NULL: all ones (borrowed) */
+} moe_parallel_linear_opts;
+
+/* impl grouped, no gather, no scatter, w not transposed. */
+moe_parallel_linear_opts moe_parallel_linear_opts_default(void);
+
+/*
+ * y = x W_e per expert e, rows grouped by the plan.
+ *   grouped: x (R, K) (or (T, K) with gather) -> (R, N) (or (T, N) with
+ *            scatter).
+ *   sparse:  the plan must be padded with ffn_hidden. A 2-D x (R, K) (or
+ *            (T, K) with gather) gives the block-sparse (nnz, b, b) hidden
+ *            (SDD; scatter is an error); a 3-D x (nnz, b, b) is a sparse
+ *            hidden and gives (R, N) or (T, N) with scatter (DSD; gather is an
+ *            error). N, K from w as above.
+ * Differentiable in x, w and gates. Uses the plan's host row offsets
+ * (moe_routing_plan_counts_to_host: at most one sync per plan).
+ */
+moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
+                               struct moe_routing_plan *plan,
+                               const moe_parallel_linear_opts *opts, moe_tensor **out);
+
+typedef enum moe_glu_activation {
+  MOE_GLU_SILU = 0,   /* SwiGLU: silu(x W1) * (x W3) */
+  MOE_GLU_GELU = 1,   /* GeGLU, exact gelu */
+  MOE_GLU_GELU_TANH = 2
+} moe_glu_activation;
+
+/*
+ * The fused GLU expert MLP: out (T, d) = sum over a token's kept
+ * assignments of gates[t, j] * (act(x_t W1_e) * (x_t W3_e)) W2_e.
+ * x (T, d), w1 and w3 (E_loc, d, f), w2 (E_loc, f, d), gates (T, k) or NULL.
+ * impl as above (sparse needs a padded plan with ffn_hidden = f).
+ * memory_optimized: backward recomputes the activation from the saved
+ * pre-activations instead of saving act(h1) * h3.
+ * Differentiable in x, w1, w3, w2 and gates; one autograd node.
+ */
+moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                           moe_tensor *w2, struct moe_routing_plan *plan, moe_tensor *gates,
+                           moe_experts_impl impl, moe_glu_activation act,
+                           bool memory_optimized, moe_tensor **out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_EXPERTS_H */

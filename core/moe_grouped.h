@@ -1,0 +1,65 @@
+/*
+ * moe_grouped.h - grouped GEMM over variable-size groups of contiguous rows
+ * (issue 4 item 3): core/grouped.c (CPU reference on OpenBLAS, autograd),
+ * kernels/grouped.cu (CUDA). Included by moe.h.
+ *
+ * Terms. x (R, K): R rows; group g (g = 0..G-1) is the rows
+ * [offs[g], offs[g+1]), offs a HOST array of G + 1 int64 with
+ * 0 <= offs[0] <= offs[1] <= ... <= offs[G] <= R. A routing plan gives them:
+ * plan->row_offsets_host + e0 with G = e1 - e0 (moe_routing_plan_counts_to_host
+ * is the layer's one host synchronisation). Groups of zero rows are normal:
+ * nothing is computed for them and their weight gradient is zero. Rows
+ * outside [offs[0], offs[G]) get zero output rows and zero gradient.
+ *
+ * dtypes: f32 and f64 (CPU only) and bf16 (f32 accumulation, bf16 output);
+ * x and w of one dtype and device. 64-bit offsets throughout: G * K * N and
+ * R * K may pass 2^31. x may be any 2-D view whose rows have unit stride
+ * along K (other layouts are copied first); w must be contiguous per group
+ * (any 3-D view with unit inner stride and its own leading stride).
+ */
+#ifndef MOE_GROUPED_H
+#define MOE_GROUPED_H
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * out (R, N), contiguous, x's dtype:
+ *   trans_w false: w (G, K, N), out[rows of g] = x[rows of g] @ w[g]
+ *   trans_w true:  w (G, N, K), out[rows of g] = x[rows of g] @ w[g]^T
+ * Differentiable in x and w:
+ *   dx = moe_grouped_mm(dout, w, offs, G, !trans_w)
+ *   dw = moe_grouped_mm_wgrad(x, dout, offs, G, trans_w)
+ * The node keeps its own copy of offs. Errors: shapes (naming both), groups
+ * < 1, offsets out of order or past R, dtype, device.
+ */
+moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int64_t *offs,
+                          int64_t groups, bool trans_w, moe_tensor **out);
+
+/*
+ * The per-group weight gradient, not differentiable: a (R, K), b (R, N):
+ *   trans_out false: out (G, K, N), out[g] = a[rows of g]^T @ b[rows of g]
+ *   trans_out true:  out (G, N, K), out[g] = b[rows of g]^T @ a[rows of g]
+ * (a variable inner dimension per group); zero for empty groups.
+ */
+moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const int64_t *offs,
+                                int64_t groups, bool trans_out, moe_tensor **out);
+
+/*
+ * The CUDA implementation used by the two functions above, process-wide
+ * (for benchmarks and tests; like torch.backends settings): "auto" (the
+ * default: chosen per call from the shapes), or one of the names that
+ * moe_grouped_backends lists (e.g. "loop": one cuBLASLt GEMM per group;
+ * "cublas_grouped": cublasGemmGroupedBatchedEx). Unknown names give
+ * MOE_ERR_INVALID_ARG listing the valid ones.
+ */
+moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name);
+const char *moe_grouped_backend(void);
+/* A static, comma-separated list of the backend names, "auto" first. */
+const char *moe_grouped_backends(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_GROUPED_H */
