@@ -14,7 +14,7 @@ run with torch in bench/matmul_torch.py; bench/matmul_report.py joins both.
 Before timing, each layout (NN, NT via linear, TN) is checked against the
 CPU on a small bf16 problem: the CPU multiplies the same bf16 values in f32.
 Timing: warm-up, then `repeats` samples of `iters` calls between two
-moe.cuda.synchronize(), timed with moe.clock(); the median per call. Inputs
+CUDA events (moe.Event), as the torch side; the median per call. Inputs
 are random normal (never zeros). FLOPs: 2 M N K per GEMM.
 ]]
 local moe = require "moe"
@@ -44,18 +44,22 @@ local function median(t)
   return (t[n // 2] + t[n // 2 + 1]) / 2
 end
 
--- Median seconds per call of f (which frees what it makes).
+-- Median seconds per call of f (which frees what it makes): CUDA events
+-- around `iters` calls, as bench/matmul_torch.py times torch, so both sides
+-- use one method (until 2026-11-22 this side used moe.clock() between two
+-- synchronisations, which added host time to the fused step's row).
 local function time(f, iters, repeats)
   for _ = 1, 5 do f() end
   moe.cuda.synchronize()
+  local e0, e1 = moe.Event("cuda"), moe.Event("cuda")
   local samples = {}
   for r = 1, repeats do
-    moe.cuda.synchronize()
-    local t0 = moe.clock()
+    e0:record()
     for _ = 1, iters do f() end
-    moe.cuda.synchronize()
-    samples[r] = (moe.clock() - t0) / iters
+    e1:record(); e1:synchronize()
+    samples[r] = e0:elapsed(e1) / 1e3 / iters
   end
+  e0:free(); e1:free()
   return median(samples)
 end
 
@@ -165,8 +169,8 @@ end
 -- ------------------------------------------------------------ fused-step breakdown
 -- Where the time of "linear fwd+bwd (autograd)" goes (printed and written to
 -- the JSON under "breakdown"; bench/matmul_torch.py measures the same):
---   step_events_ms: the same step and loop as the table row, timed with
---     events instead of moe.clock() (the timing method's share);
+--   step_events_ms: the same step as the table row, 3 per sample, timed with
+--     events (a second measurement of the row, to see its spread);
 --   fwd_ms, bwd_ms: each phase between events, one step per sync (medians);
 --   by_hand_ms: the same GPU work without autograd: linear + bias, dY W,
 --     dY^T X and dY:sum(0) (reduce family's kernel, not linear's column sum);
@@ -226,7 +230,7 @@ do
   for _, r in ipairs(results) do
     if r.name == "linear fwd+bwd (autograd)" then clock_ms = r.ms end
   end
-  print(string.format("breakdown of the fused step: events %.4f ms (clock %.4f), fwd %.4f, " ..
+  print(string.format("breakdown of the fused step: events %.4f ms (table row %.4f), fwd %.4f, " ..
     "bwd %.4f, by hand %.4f; allocations per step %.1f (system %.1f)", breakdown.step_events_ms,
     clock_ms, breakdown.fwd_ms, breakdown.bwd_ms, breakdown.by_hand_ms,
     breakdown.allocs_per_step, breakdown.system_allocs_per_step))

@@ -38,8 +38,8 @@ def main():
                         "torch_blas_library": th.get("blas_library"),
                         "cuda_runtime": moe["cuda_runtime"], "cuda_driver": moe["cuda_driver"],
                         "cublas": moe["cublas"]},
-           "method": "median of %d samples per case; moe: moe.clock() between "
-                     "moe.cuda.synchronize(); torch: CUDA events; same iterations per sample"
+           "method": "median of %d samples per case; both sides: CUDA events around the "
+                     "same iterations per sample"
                      % moe["repeats"],
            "command": command, "validation": moe["validation"], "cases": rows,
            "target_bf16_within_5pct": all(r["within_5pct"] for r in target),
