@@ -183,8 +183,8 @@ static void test_op_errors(moe_ctx *ctx) {
                "div: shapes [4] and [2, 3] cannot be broadcast");
   EXPECT_FAILS(moe_binary(ctx, MOE_OP_NEG, a, a, &out), MOE_ERR_INVALID_ARG,
                "binary: neg (op 4) is not a binary op");
-  EXPECT_FAILS(moe_binary(ctx, (moe_op)77, a, a, &out), MOE_ERR_INVALID_ARG,
-               "binary: op? (op 77) is not a binary op");
+  EXPECT_FAILS(moe_binary(ctx, (moe_op)177, a, a, &out), MOE_ERR_INVALID_ARG,
+               "binary: op? (op 177) is not a binary op");
   EXPECT_FAILS(moe_binary(ctx, MOE_OP_MUL, a, NULL, &out), MOE_ERR_INVALID_ARG,
                "mul: second operand is NULL");
   EXPECT_FAILS(moe_binary(ctx, MOE_OP_SUB, flag, flag, &out), MOE_ERR_DTYPE,
