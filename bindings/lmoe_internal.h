@@ -97,6 +97,12 @@ lm_tensor *lm_push_empty(lua_State *L);
 void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t);
 void lm_release(lm_tensor *u);
 lm_tensor *lm_testtensor(lua_State *L, int arg);
+/* Routing plans (lrouting.c's moe.RoutingPlan userdata). lm_toplan: the C
+ * plan at arg, or NULL when arg is not a plan; raises on a freed plan.
+ * lm_plan_arg: the same, raising "routing plan expected" otherwise. */
+struct moe_routing_plan;
+struct moe_routing_plan *lm_toplan(lua_State *L, int arg, const char *fname);
+struct moe_routing_plan *lm_plan_arg(lua_State *L, int arg, const char *fname);
 moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname);
 int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out, const char *fname, int arg);
 void lm_push_device(lua_State *L, moe_device d);
@@ -118,6 +124,9 @@ void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_routing(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_grouped(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_experts(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel);
 
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */

@@ -43,6 +43,17 @@ static lm_plan *lm_checkplan(lua_State *L, int arg, const char *fname) {
   return u;
 }
 
+moe_routing_plan *lm_toplan(lua_State *L, int arg, const char *fname) {
+  lm_plan *u = (lm_plan *)luaL_testudata(L, arg, LM_PLAN);
+  if (u == NULL) return NULL;
+  if (u->p == NULL) lm_argerror(L, arg, fname, "attempt to use a freed routing plan");
+  return u->p;
+}
+
+moe_routing_plan *lm_plan_arg(lua_State *L, int arg, const char *fname) {
+  return lm_checkplan(L, arg, fname)->p;
+}
+
 static int lm_plan_release(lua_State *L) {
   lm_plan *u = (lm_plan *)luaL_checkudata(L, 1, LM_PLAN);
   if (u->p) {

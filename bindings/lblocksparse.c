@@ -1,0 +1,110 @@
+/*
+ * lblocksparse.c - Lua bindings of the block-sparse family
+ * (core/moe_blocksparse.h), under the `moe.ops` sub-table (created here
+ * when absent):
+ *
+ *   moe.ops.bsmm_sdd(x, w, plan [, {trans_w = false}])  -- (nnz, b, b)
+ *   moe.ops.bsmm_dsd(s, w, plan [, {trans_w = false}])  -- (R, K)
+ *   moe.ops.bsmm_dsd_t(s, y, plan)                      -- (E_loc, N, K)
+ *   moe.ops.bsmm_dds(x, s, plan)                        -- (E_loc, K, N)
+ *   moe.ops.bsmm_to_dense(s, plan)                      -- (R, E_loc * N)
+ *   moe.ops.bsmm_from_dense(d, plan)                    -- (nnz, b, b)
+ *
+ * plan is a moe.RoutingPlan userdata (bindings/lrouting.c) built with
+ * block_size and ffn_hidden. sdd and dsd are differentiable (the nodes hold
+ * the C plan). Registered by luaopen_moe through lm_open_blocksparse.
+ */
+#include <string.h>
+
+#include "lmoe_internal.h"
+#include "moe_routing.h"
+
+/* Options table at arg: only trans_w (boolean). */
+static bool lm_bs_opts(lua_State *L, int arg, const char *fname) {
+  if (lua_isnoneornil(L, arg)) return false;
+  if (lua_type(L, arg) != LUA_TTABLE)
+    lm_argerror(L, arg, fname, "options table expected, got %s", lm_typename(L, arg));
+  lua_pushnil(L);
+  while (lua_next(L, arg)) {
+    if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "trans_w") != 0)
+      lm_argerror(L, arg, fname, "unknown option %s (valid: trans_w)",
+                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2));
+    lua_pop(L, 1);
+  }
+  bool t = false;
+  if (lua_getfield(L, arg, "trans_w") != LUA_TNIL) {
+    if (!lua_isboolean(L, -1))
+      lm_argerror(L, arg, fname, "option trans_w must be a boolean, got %s", lm_describe(L, -1));
+    t = lua_toboolean(L, -1);
+  }
+  lua_pop(L, 1);
+  return t;
+}
+
+typedef enum lm_bs_kind { LM_SDD, LM_DSD, LM_DSD_T, LM_DDS } lm_bs_kind;
+
+static int lm_bs_product(lua_State *L, lm_bs_kind kind, const char *fname) {
+  lm_state *S = lm_S(L);
+  moe_tensor *a = lm_checktensor(L, 1, fname);
+  moe_tensor *b = lm_checktensor(L, 2, fname);
+  moe_routing_plan *p = lm_plan_arg(L, 3, fname);
+  bool trans_w = false;
+  if (kind == LM_SDD || kind == LM_DSD) {
+    trans_w = lm_bs_opts(L, 4, fname);
+    lm_checkend(L, 4, fname);
+  } else {
+    lm_checkend(L, 3, fname);
+  }
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st = MOE_OK;
+  switch (kind) {
+  case LM_SDD: LM_CALL(L, st, moe_bsmm_sdd(S->ctx, a, b, p, trans_w, &out)); break;
+  case LM_DSD: LM_CALL(L, st, moe_bsmm_dsd(S->ctx, a, b, p, trans_w, &out)); break;
+  case LM_DSD_T: LM_CALL(L, st, moe_bsmm_dsd_t(S->ctx, a, b, p, &out)); break;
+  case LM_DDS: LM_CALL(L, st, moe_bsmm_dds(S->ctx, a, b, p, &out)); break;
+  }
+  return lm_result(L, S, r, st, out, fname, 0);
+}
+
+static int lm_bsmm_sdd(lua_State *L) { return lm_bs_product(L, LM_SDD, "bsmm_sdd"); }
+static int lm_bsmm_dsd(lua_State *L) { return lm_bs_product(L, LM_DSD, "bsmm_dsd"); }
+static int lm_bsmm_dsd_t(lua_State *L) { return lm_bs_product(L, LM_DSD_T, "bsmm_dsd_t"); }
+static int lm_bsmm_dds(lua_State *L) { return lm_bs_product(L, LM_DDS, "bsmm_dds"); }
+
+static int lm_bs_convert(lua_State *L, bool to_dense, const char *fname) {
+  lm_state *S = lm_S(L);
+  moe_tensor *t = lm_checktensor(L, 1, fname);
+  moe_routing_plan *p = lm_plan_arg(L, 2, fname);
+  lm_checkend(L, 2, fname);
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  if (to_dense) LM_CALL(L, st, moe_bsmm_to_dense(S->ctx, t, p, &out));
+  else LM_CALL(L, st, moe_bsmm_from_dense(S->ctx, t, p, &out));
+  return lm_result(L, S, r, st, out, fname, 0);
+}
+
+static int lm_bsmm_to_dense(lua_State *L) { return lm_bs_convert(L, true, "bsmm_to_dense"); }
+static int lm_bsmm_from_dense(lua_State *L) { return lm_bs_convert(L, false, "bsmm_from_dense"); }
+
+static const luaL_Reg lm_blocksparse_functions[] = {{"bsmm_sdd", lm_bsmm_sdd},
+                                                    {"bsmm_dsd", lm_bsmm_dsd},
+                                                    {"bsmm_dsd_t", lm_bsmm_dsd_t},
+                                                    {"bsmm_dds", lm_bsmm_dds},
+                                                    {"bsmm_to_dense", lm_bsmm_to_dense},
+                                                    {"bsmm_from_dense", lm_bsmm_from_dense},
+                                                    {NULL, NULL}};
+
+void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel) {
+  mod = lua_absindex(L, mod);
+  sentinel = lua_absindex(L, sentinel);
+  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
+    lua_pop(L, 1);
+    lua_newtable(L);
+    lua_pushvalue(L, -1);
+    lua_setfield(L, mod, "ops");
+  }
+  lm_register(L, lua_gettop(L), methods, sentinel, lm_blocksparse_functions, NULL);
+  lua_pop(L, 1);
+}

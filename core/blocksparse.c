@@ -1,0 +1,546 @@
+/*
+ * blocksparse.c - the block-sparse family (moe_blocksparse.h): MegaBlocks'
+ * SDD, DSD, DSD^T and DDS products and the dense conversions over a padded
+ * routing plan's topology (moe_routing.h), with validation, the CPU
+ * reference (one cblas GEMM per block, f32/f64; bf16 computed in f32), the
+ * dispatch to kernels/blocksparse.cu (blocksparse_cuda.h), and the autograd
+ * nodes of SDD and DSD (MOE_OP_BSMM_SDD / MOE_OP_BSMM_DSD), which hold a
+ * reference to the plan (node->user).
+ *
+ * Determinism: every output block is produced by one owner summing its
+ * blocks in the topology's order (row-major for DSD, the transpose
+ * metadata's order for DSD^T and DDS); no atomics on either device.
+ */
+#include <cblas.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "blocksparse_cuda.h"
+#include "internal.h"
+#include "moe_routing.h"
+
+#define BS_SHAPE 96
+
+/* The sizes of a plan's block matrix. */
+typedef struct bs_geom {
+  int64_t b;   /* block size */
+  int64_t F;   /* column blocks per expert */
+  int64_t N;   /* F * b, columns per expert */
+  int64_t EL;  /* local experts e1 - e0 */
+  int64_t R;   /* rows of the permuted buffer */
+  int64_t Rb;  /* R / b row blocks */
+  int64_t nnz; /* Rb * F blocks */
+} bs_geom;
+
+static bool bs_cuda(const moe_routing_plan *p) { return p->device.type == MOE_DEVICE_CUDA; }
+
+#ifndef MOE_WITH_CUDA
+static moe_status bs_not_built(moe_ctx *ctx, const char *fn) {
+  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: CUDA tensor but moe-lua was built without CUDA",
+                   fn);
+}
+#endif
+
+/* ---------------------------------------------------------- validation */
+
+static moe_status bs_check_plan(moe_ctx *ctx, const char *fn, const moe_routing_plan *p,
+                                bs_geom *g) {
+  if (!p) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: plan is NULL", fn);
+  if (p->block_size <= 0)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: the plan is not padded (block_size 0); build it with block_size and "
+                     "ffn_hidden",
+                     fn);
+  if (!p->bs_row_indices || p->ffn_blocks <= 0)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: the plan has no block-sparse topology; build it with ffn_hidden (a "
+                     "multiple of block_size %lld)",
+                     fn, (long long)p->block_size);
+  if (bs_cuda(p) && p->block_size != 128)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: block_size %lld is not supported on CUDA (the kernels need 128)", fn,
+                     (long long)p->block_size);
+  g->b = p->block_size;
+  g->F = p->ffn_blocks;
+  g->N = g->F * g->b;
+  g->EL = p->e1 - p->e0;
+  g->R = p->rows;
+  g->Rb = p->rows / p->block_size;
+  g->nnz = p->nnz;
+  return MOE_OK;
+}
+
+/* dtype and device of one operand; dt0 (when not NULL and not MOE_DTYPE_COUNT)
+ * is the dtype the other operands have. */
+static moe_status bs_check_operand(moe_ctx *ctx, const char *fn, const char *what,
+                                   const moe_tensor *t, const moe_routing_plan *p) {
+  if (!t) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
+  bool cuda = bs_cuda(p);
+  bool ok = t->dtype == MOE_F32 || t->dtype == MOE_BF16 || (t->dtype == MOE_F64 && !cuda);
+  if (!ok)
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s has dtype %s; supported: %s", fn, what,
+                     moe_dtype_name(t->dtype), cuda ? "f32, bf16 on CUDA" : "f32, f64, bf16");
+  if (!moe_device_equal(t->storage->device, p->device)) {
+    char a[32], b[32];
+    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but the plan is on %s", fn, what,
+                     moe_device_str(t->storage->device, a, sizeof a),
+                     moe_device_str(p->device, b, sizeof b));
+  }
+  return MOE_OK;
+}
+
+static moe_status bs_check_same_dtype(moe_ctx *ctx, const char *fn, const char *wa,
+                                      const moe_tensor *a, const char *wb, const moe_tensor *b) {
+  if (a->dtype == b->dtype) return MOE_OK;
+  return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s (%s) and %s (%s) must have the same dtype", fn, wa,
+                   moe_dtype_name(a->dtype), wb, moe_dtype_name(b->dtype));
+}
+
+/* t must have shape want (ndim dims); want_str describes it. */
+static moe_status bs_check_shape(moe_ctx *ctx, const char *fn, const char *what,
+                                 const moe_tensor *t, int ndim, const int64_t *want,
+                                 const char *want_str) {
+  bool ok = t->ndim == ndim;
+  for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == want[i];
+  if (ok) return MOE_OK;
+  char s[BS_SHAPE], w[BS_SHAPE];
+  return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s = %s", fn, what,
+                   moe_shape_str(t->ndim, t->shape, s, sizeof s), want_str,
+                   moe_shape_str(ndim, want, w, sizeof w));
+}
+
+/* A dense (R, K) operand: checks rows, reads K (>= 1; % 8 for bf16 on CUDA). */
+static moe_status bs_check_dense(moe_ctx *ctx, const char *fn, const char *what,
+                                 const moe_tensor *t, const moe_routing_plan *p,
+                                 const bs_geom *g, int64_t *K) {
+  char s[BS_SHAPE];
+  if (t->ndim != 2 || t->shape[0] != g->R)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (R, K) with the plan's R = %lld",
+                     fn, what, moe_shape_str(t->ndim, t->shape, s, sizeof s), (long long)g->R);
+  *K = t->shape[1];
+  if (*K < 1)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, what,
+                     moe_shape_str(t->ndim, t->shape, s, sizeof s));
+  if (bs_cuda(p) && t->dtype == MOE_BF16 && *K % 8 != 0)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
+                     fn, (long long)*K);
+  return MOE_OK;
+}
+
+static moe_status bs_check_sparse(moe_ctx *ctx, const char *fn, const char *what,
+                                  const moe_tensor *s, const bs_geom *g) {
+  return bs_check_shape(ctx, fn, what, s, 3, (int64_t[]){g->nnz, g->b, g->b}, "(nnz, b, b)");
+}
+
+/* --------------------------------------------------- operand preparation */
+
+/* A contiguous copy (or t retained) ready for the compute: on the CPU in
+ * dtype cdt; on CUDA in t's dtype and 16-byte aligned. No autograd. */
+static moe_status bs_prepare(moe_ctx *ctx, moe_tensor *t, moe_dtype cdt, moe_tensor **out) {
+  moe_tensor *a = NULL, *c = NULL;
+  moe_status st;
+  if (t->storage->device.type == MOE_DEVICE_CUDA) {
+    MOE_CHECK(moe_contiguous(ctx, t, &c));
+    if (((uintptr_t)moe_tensor_data(c) & 15u) != 0) {
+      st = moe_clone(ctx, c, &a);
+      moe_tensor_release(c);
+      if (st != MOE_OK) return st;
+      c = a;
+    }
+    *out = c;
+    return MOE_OK;
+  }
+  MOE_CHECK(moe_to(ctx, t, cdt, t->storage->device, &a));
+  st = moe_contiguous(ctx, a, &c);
+  moe_tensor_release(a);
+  if (st != MOE_OK) return st;
+  *out = c;
+  return MOE_OK;
+}
+
+/* The CPU compute dtype of an operand dtype: bf16 in f32. */
+static moe_dtype bs_cdt(moe_dtype dt) { return dt == MOE_F64 ? MOE_F64 : MOE_F32; }
+
+static const int64_t *bs_idx(const moe_tensor *t) { return (const int64_t *)moe_tensor_data(t); }
+
+/* C (m x n, ldc) = beta C + op(A) op(B), in f32 or f64 (cdt). */
+static void bs_gemm(moe_dtype cdt, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
+                    const void *A, int64_t lda, const void *B, int64_t ldb, double beta, void *C,
+                    int64_t ldc) {
+  enum CBLAS_TRANSPOSE a = ta ? CblasTrans : CblasNoTrans, b = tb ? CblasTrans : CblasNoTrans;
+  if (cdt == MOE_F64)
+    cblas_dgemm(CblasRowMajor, a, b, (int)m, (int)n, (int)k, 1.0, (const double *)A, (int)lda,
+                (const double *)B, (int)ldb, beta, (double *)C, (int)ldc);
+  else
+    cblas_sgemm(CblasRowMajor, a, b, (int)m, (int)n, (int)k, 1.0f, (const float *)A, (int)lda,
+                (const float *)B, (int)ldb, (float)beta, (float *)C, (int)ldc);
+}
+
+/* Element pointer arithmetic in elements of size es. */
+static const char *bs_at(const moe_tensor *t, int64_t elems, size_t es) {
+  return (const char *)moe_tensor_data(t) + elems * (int64_t)es;
+}
+
+#ifdef MOE_WITH_CUDA
+static moe_bs_topo bs_topo(const moe_routing_plan *p, const bs_geom *g) {
+  moe_bs_topo tp;
+  tp.b = g->b, tp.F = g->F, tp.EL = g->EL, tp.Rb = g->Rb, tp.nnz = g->nnz;
+  tp.row_indices = bs_idx(p->bs_row_indices);
+  tp.column_indices = bs_idx(p->bs_column_indices);
+  tp.offsets_t = bs_idx(p->bs_offsets_t);
+  tp.column_indices_t = bs_idx(p->bs_column_indices_t);
+  tp.block_offsets_t = bs_idx(p->bs_block_offsets_t);
+  return tp;
+}
+#endif
+
+/* The four products. Each takes prepared operands (a, c contiguous; CPU: in
+ * the compute dtype), writes the result r (contiguous, same dtype as the
+ * operands on CUDA, the compute dtype on the CPU). */
+typedef enum bs_kind { BS_SDD, BS_DSD, BS_DSD_T, BS_DDS } bs_kind;
+
+static void bs_cpu(bs_kind kind, const moe_routing_plan *p, const bs_geom *g, int64_t K,
+                   bool trans_w, const moe_tensor *a, const moe_tensor *c, moe_tensor *r) {
+  moe_dtype cdt = r->dtype;
+  size_t es = moe_dtype_size(cdt);
+  int64_t b = g->b, F = g->F, N = g->N;
+  const int64_t *ri = bs_idx(p->bs_row_indices), *ci = bs_idx(p->bs_column_indices);
+  const int64_t *off_t = bs_idx(p->bs_offsets_t), *ci_t = bs_idx(p->bs_column_indices_t);
+  const int64_t *bo_t = bs_idx(p->bs_block_offsets_t);
+  char *o = (char *)moe_tensor_data(r);
+  if (kind != BS_SDD && moe_tensor_numel(r) > 0) memset(o, 0, (size_t)moe_tensor_numel(r) * es);
+  switch (kind) {
+  case BS_SDD: /* a = x (R, K), c = w */
+    for (int64_t i = 0; i < g->nnz; i++) {
+      int64_t rb = ri[i], el = ci[i] / F, cc = ci[i] % F;
+      const char *A = bs_at(a, rb * b * K, es);
+      if (!trans_w)
+        bs_gemm(cdt, false, false, b, b, K, A, K, bs_at(c, el * K * N + cc * b, es), N, 0.0,
+                o + i * b * b * (int64_t)es, b);
+      else
+        bs_gemm(cdt, false, true, b, b, K, A, K, bs_at(c, el * N * K + cc * b * K, es), K, 0.0,
+                o + i * b * b * (int64_t)es, b);
+    }
+    break;
+  case BS_DSD: /* a = s, c = w; row block rb's blocks in order */
+    for (int64_t i = 0; i < g->nnz; i++) {
+      int64_t rb = ri[i], el = ci[i] / F, cc = ci[i] % F;
+      const char *A = bs_at(a, i * b * b, es);
+      char *C = o + rb * b * K * (int64_t)es;
+      if (!trans_w)
+        bs_gemm(cdt, false, false, b, K, b, A, b, bs_at(c, el * N * K + cc * b * K, es), K, 1.0, C,
+                K);
+      else
+        bs_gemm(cdt, false, true, b, K, b, A, b, bs_at(c, el * K * N + cc * b, es), N, 1.0, C, K);
+    }
+    break;
+  case BS_DSD_T: /* a = s, c = y; out (EL, N, K) */
+    for (int64_t col = 0; col < g->EL * F; col++) {
+      int64_t el = col / F, cc = col % F;
+      char *C = o + (el * N * K + cc * b * K) * (int64_t)es;
+      for (int64_t it = off_t[col]; it < off_t[col + 1]; it++)
+        bs_gemm(cdt, true, false, b, K, b, bs_at(a, bo_t[it] * b * b, es), b,
+                bs_at(c, ci_t[it] * b * K, es), K, 1.0, C, K);
+    }
+    break;
+  case BS_DDS: /* a = x, c = s; out (EL, K, N) */
+    for (int64_t col = 0; col < g->EL * F; col++) {
+      int64_t el = col / F, cc = col % F;
+      char *C = o + (el * K * N + cc * b) * (int64_t)es;
+      for (int64_t it = off_t[col]; it < off_t[col + 1]; it++)
+        bs_gemm(cdt, true, false, K, b, b, bs_at(a, ci_t[it] * b * K, es), K,
+                bs_at(c, bo_t[it] * b * b, es), b, 1.0, C, N);
+    }
+    break;
+  }
+}
+
+/* Runs one product with grad mode off: out has shape (ndim, shape) and the
+ * operands' dtype. */
+static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
+                         const bs_geom *g, int64_t K, bool trans_w, moe_tensor *a, moe_tensor *c,
+                         int ndim, const int64_t *shape, moe_tensor **out) {
+  moe_dtype dt = a->dtype;
+  bool cuda = bs_cuda(p);
+  moe_dtype cdt = cuda ? dt : bs_cdt(dt);
+  moe_tensor *pa = NULL, *pc = NULL, *r = NULL, *rc = NULL;
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = MOE_OK;
+  MOE_CHECK_GOTO(bs_prepare(ctx, a, cdt, &pa), st, done);
+  MOE_CHECK_GOTO(bs_prepare(ctx, c, cdt, &pc), st, done);
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, ndim, shape, cdt, p->device, &r), st, done);
+  if (cuda) {
+#ifdef MOE_WITH_CUDA
+    moe_bs_topo tp = bs_topo(p, g);
+    int dev = p->device.index;
+    const void *da = moe_tensor_data(pa), *dc = moe_tensor_data(pc);
+    void *dr = moe_tensor_data(r);
+    switch (kind) {
+    case BS_SDD: st = moe_cuda_bsmm_sdd(ctx, dev, dt, &tp, da, dc, K, trans_w, dr); break;
+    case BS_DSD: st = moe_cuda_bsmm_dsd(ctx, dev, dt, &tp, da, dc, K, trans_w, dr); break;
+    case BS_DSD_T: st = moe_cuda_bsmm_dsd_t(ctx, dev, dt, &tp, da, dc, K, dr); break;
+    case BS_DDS: st = moe_cuda_bsmm_dds(ctx, dev, dt, &tp, da, dc, K, dr); break;
+    }
+#else
+    (void)g, (void)K, (void)trans_w;
+    st = bs_not_built(ctx, fn);
+#endif
+    if (st != MOE_OK) goto done;
+  } else {
+    bs_cpu(kind, p, g, K, trans_w, pa, pc, r);
+    if (cdt != dt) {
+      MOE_CHECK_GOTO(moe_to(ctx, r, dt, p->device, &rc), st, done);
+      moe_tensor_release(r);
+      r = rc;
+    }
+  }
+  *out = r;
+  r = NULL;
+done:
+  (void)fn;
+  moe_grad_set(ctx, prev);
+  moe_tensor_release(pa);
+  moe_tensor_release(pc);
+  moe_tensor_release(r);
+  return st;
+}
+
+/* ------------------------------------------------------- raw products */
+
+static moe_status bs_check_w(moe_ctx *ctx, const char *fn, const moe_tensor *w, const bs_geom *g,
+                             int64_t K, bool kn) {
+  if (kn) return bs_check_shape(ctx, fn, "w", w, 3, (int64_t[]){g->EL, K, g->N}, "(E_loc, K, N)");
+  return bs_check_shape(ctx, fn, "w", w, 3, (int64_t[]){g->EL, g->N, K}, "(E_loc, N, K)");
+}
+
+static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
+                             bool trans_w, moe_tensor **out) {
+  const char *fn = "bsmm_sdd";
+  bs_geom g;
+  int64_t K;
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
+  MOE_CHECK(bs_check_same_dtype(ctx, fn, "x", x, "w", w));
+  MOE_CHECK(bs_check_dense(ctx, fn, "x", x, p, &g, &K));
+  MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, !trans_w));
+  return bs_run(ctx, fn, BS_SDD, p, &g, K, trans_w, x, w, 3, (int64_t[]){g.nnz, g.b, g.b}, out);
+}
+
+static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_plan *p,
+                             bool trans_w, moe_tensor **out) {
+  const char *fn = "bsmm_dsd";
+  bs_geom g;
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
+  MOE_CHECK(bs_check_same_dtype(ctx, fn, "s", s, "w", w));
+  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+  char sh[BS_SHAPE];
+  if (w->ndim != 3)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s, expected %s", fn,
+                     moe_shape_str(w->ndim, w->shape, sh, sizeof sh),
+                     trans_w ? "(E_loc, K, N)" : "(E_loc, N, K)");
+  int64_t K = trans_w ? w->shape[1] : w->shape[2];
+  if (K < 1)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s: K = 0 is not supported", fn,
+                     moe_shape_str(w->ndim, w->shape, sh, sizeof sh));
+  MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, trans_w));
+  if (bs_cuda(p) && w->dtype == MOE_BF16 && K % 8 != 0)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
+                     fn, (long long)K);
+  return bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, out);
+}
+
+moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,
+                          moe_tensor **out) {
+  const char *fn = "bsmm_dsd_t";
+  bs_geom g;
+  int64_t K;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, "y", y, p));
+  MOE_CHECK(bs_check_same_dtype(ctx, fn, "s", s, "y", y));
+  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+  MOE_CHECK(bs_check_dense(ctx, fn, "y", y, p, &g, &K));
+  return bs_run(ctx, fn, BS_DSD_T, p, &g, K, false, s, y, 3, (int64_t[]){g.EL, g.N, K}, out);
+}
+
+moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_plan *p,
+                        moe_tensor **out) {
+  const char *fn = "bsmm_dds";
+  bs_geom g;
+  int64_t K;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
+  MOE_CHECK(bs_check_same_dtype(ctx, fn, "x", x, "s", s));
+  MOE_CHECK(bs_check_dense(ctx, fn, "x", x, p, &g, &K));
+  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+  return bs_run(ctx, fn, BS_DDS, p, &g, K, false, x, s, 3, (int64_t[]){g.EL, K, g.N}, out);
+}
+
+/* ------------------------------------------------------------ autograd */
+
+static void bs_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
+
+static moe_status bs_zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
+  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
+                         out);
+}
+
+/* Shared by SDD and DSD: inputs (a, w) saved in slots 0, 1; iargs[0] =
+ * trans_w; iargs[1] = 0 for SDD, 1 for DSD. */
+static moe_status bs_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                              moe_tensor **gin) {
+  moe_routing_plan *p = (moe_routing_plan *)n->user;
+  bool trans_w = n->iargs[0] != 0, dsd = n->iargs[1] != 0;
+  if (!gout[0]) {
+    for (int i = 0; i < 2; i++)
+      if (moe_node_needs_grad(n, i)) MOE_CHECK(bs_zeros_like_input(ctx, n, i, &gin[i]));
+    return MOE_OK;
+  }
+  moe_tensor *a = NULL, *w = NULL;
+  moe_status st = MOE_OK;
+  moe_tensor *g = gout[0];
+  if (moe_node_needs_grad(n, 0)) {
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, done);
+    /* SDD: dx = DSD(dS, w, !trans_w); DSD: ds = SDD(dout, w, !trans_w) */
+    if (dsd) MOE_CHECK_GOTO(bs_sdd_raw(ctx, g, w, p, !trans_w, &gin[0]), st, done);
+    else MOE_CHECK_GOTO(bs_dsd_raw(ctx, g, w, p, !trans_w, &gin[0]), st, done);
+  }
+  if (moe_node_needs_grad(n, 1)) {
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &a), st, done);
+    if (!dsd) { /* a = x, g = dS */
+      if (!trans_w) MOE_CHECK_GOTO(moe_bsmm_dds(ctx, a, g, p, &gin[1]), st, done);
+      else MOE_CHECK_GOTO(moe_bsmm_dsd_t(ctx, g, a, p, &gin[1]), st, done);
+    } else { /* a = s, g = dout */
+      if (!trans_w) MOE_CHECK_GOTO(moe_bsmm_dsd_t(ctx, a, g, p, &gin[1]), st, done);
+      else MOE_CHECK_GOTO(moe_bsmm_dds(ctx, g, a, p, &gin[1]), st, done);
+    }
+  }
+done:
+  moe_tensor_release(a);
+  moe_tensor_release(w);
+  return st;
+}
+
+/* Records the node of SDD (dsd false) or DSD over inputs (a, w); on failure
+ * out is released. */
+static moe_status bs_record(moe_ctx *ctx, bool dsd, moe_tensor *a, moe_tensor *w,
+                            moe_routing_plan *p, bool trans_w, moe_tensor *out) {
+  moe_tensor *in[2] = {a, w};
+  moe_node *n = NULL;
+  moe_status st = moe_node_new(ctx, dsd ? MOE_OP_BSMM_DSD : MOE_OP_BSMM_SDD, bs_backward, 2, in,
+                               &n);
+  if (st == MOE_OK) {
+    moe_routing_plan_retain(p);
+    n->user = p;
+    n->user_free = bs_plan_release_void;
+    n->iargs[0] = trans_w ? 1 : 0;
+    n->iargs[1] = dsd ? 1 : 0;
+    /* the gradient of a needs w and that of w needs a */
+    st = moe_node_save(ctx, n, a);
+    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
+  }
+  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
+  if (n) moe_node_release(n);
+  if (st != MOE_OK) moe_tensor_release(out);
+  return st;
+}
+
+moe_status moe_bsmm_sdd(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
+                        bool trans_w, moe_tensor **out) {
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_sdd: out is NULL");
+  moe_tensor *r;
+  MOE_CHECK(bs_sdd_raw(ctx, x, w, p, trans_w, &r));
+  if (moe_grad_wanted(ctx, 2, (const moe_tensor *[]){x, w}))
+    MOE_CHECK(bs_record(ctx, false, x, w, p, trans_w, r));
+  *out = r;
+  return MOE_OK;
+}
+
+moe_status moe_bsmm_dsd(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_plan *p,
+                        bool trans_w, moe_tensor **out) {
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_dsd: out is NULL");
+  moe_tensor *r;
+  MOE_CHECK(bs_dsd_raw(ctx, s, w, p, trans_w, &r));
+  if (moe_grad_wanted(ctx, 2, (const moe_tensor *[]){s, w}))
+    MOE_CHECK(bs_record(ctx, true, s, w, p, trans_w, r));
+  *out = r;
+  return MOE_OK;
+}
+
+/* ---------------------------------------------------- dense conversions */
+
+static moe_status bs_convert(moe_ctx *ctx, const char *fn, bool to_dense, moe_tensor *in,
+                             moe_routing_plan *p, moe_tensor **out) {
+  bs_geom g;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  MOE_CHECK(bs_check_operand(ctx, fn, to_dense ? "s" : "dense", in, p));
+  if (to_dense) MOE_CHECK(bs_check_sparse(ctx, fn, "s", in, &g));
+  else
+    MOE_CHECK(bs_check_shape(ctx, fn, "dense", in, 2, (int64_t[]){g.R, g.EL * g.N},
+                             "(R, E_loc * N)"));
+  moe_tensor *c = NULL, *r = NULL;
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = moe_contiguous(ctx, in, &c);
+  if (st == MOE_OK && bs_cuda(p) && ((uintptr_t)moe_tensor_data(c) & 15u) != 0) {
+    moe_tensor *a = NULL;
+    st = moe_clone(ctx, c, &a);
+    moe_tensor_release(c);
+    c = a;
+  }
+  moe_grad_set(ctx, prev);
+  if (st != MOE_OK) return st;
+  if (to_dense) st = moe_tensor_full(ctx, 2, (int64_t[]){g.R, g.EL * g.N}, 0.0, in->dtype, p->device, &r);
+  else st = moe_tensor_empty(ctx, 3, (int64_t[]){g.nnz, g.b, g.b}, in->dtype, p->device, &r);
+  if (st != MOE_OK) goto done;
+  if (bs_cuda(p)) {
+#ifdef MOE_WITH_CUDA
+    moe_bs_topo tp = bs_topo(p, &g);
+    if (to_dense)
+      st = moe_cuda_bsmm_to_dense(ctx, p->device.index, in->dtype, &tp, moe_tensor_data(c),
+                                  moe_tensor_data(r));
+    else
+      st = moe_cuda_bsmm_from_dense(ctx, p->device.index, in->dtype, &tp, moe_tensor_data(c),
+                                    moe_tensor_data(r));
+#else
+    st = bs_not_built(ctx, fn);
+#endif
+  } else {
+    size_t es = moe_dtype_size(in->dtype);
+    const int64_t *ri = bs_idx(p->bs_row_indices), *ci = bs_idx(p->bs_column_indices);
+    int64_t ld = g.EL * g.N, b = g.b;
+    char *s = (char *)moe_tensor_data(to_dense ? c : r), *d = (char *)moe_tensor_data(to_dense ? r : c);
+    for (int64_t i = 0; i < g.nnz; i++)
+      for (int64_t row = 0; row < b; row++) {
+        char *sp = s + (i * b * b + row * b) * (int64_t)es;
+        char *dp = d + ((ri[i] * b + row) * ld + ci[i] * b) * (int64_t)es;
+        if (to_dense) memcpy(dp, sp, (size_t)b * es);
+        else memcpy(sp, dp, (size_t)b * es);
+      }
+  }
+  if (st == MOE_OK) {
+    *out = r;
+    r = NULL;
+  }
+done:
+  moe_tensor_release(c);
+  moe_tensor_release(r);
+  return st;
+}
+
+moe_status moe_bsmm_to_dense(moe_ctx *ctx, moe_tensor *s, moe_routing_plan *p, moe_tensor **out) {
+  return bs_convert(ctx, "bsmm_to_dense", true, s, p, out);
+}
+
+moe_status moe_bsmm_from_dense(moe_ctx *ctx, moe_tensor *dense, moe_routing_plan *p,
+                               moe_tensor **out) {
+  return bs_convert(ctx, "bsmm_from_dense", false, dense, p, out);
+}

@@ -1,0 +1,56 @@
+/*
+ * blocksparse_cuda.h - CUDA entry points of the block-sparse family
+ * (kernels/blocksparse.cu), called by core/blocksparse.c inside
+ * #ifdef MOE_WITH_CUDA. Private to core/.
+ *
+ * All pointers are device pointers to contiguous, 16-byte aligned arrays of
+ * one dtype dt (MOE_F32 or MOE_BF16; core/blocksparse.c validated shapes,
+ * dtypes and devices, b = 128, and K % 8 == 0 for bf16). Index arrays are the
+ * plan's i64 topology (moe_routing.h). Launches go on the context's stream;
+ * nothing synchronises with the host. Every output element is written by one
+ * thread summing in a fixed order (no atomics): results are deterministic.
+ *
+ * Shapes (b = 128, F column blocks per expert, N = F * b, EL local experts,
+ * Rb = R / b row blocks, nnz = Rb * F blocks):
+ *   sdd:    x (R, K), w (EL, K, N) or (EL, N, K) when trans_w -> s (nnz, b, b)
+ *   dsd:    s (nnz, b, b), w (EL, N, K) or (EL, K, N) when trans_w -> out (R, K)
+ *   dsd_t:  s (nnz, b, b), y (R, K) -> out (EL, N, K)
+ *   dds:    x (R, K), s (nnz, b, b) -> out (EL, K, N)
+ */
+#ifndef MOE_BLOCKSPARSE_CUDA_H
+#define MOE_BLOCKSPARSE_CUDA_H
+
+#include "internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The topology a kernel reads (device arrays of the plan, i64). */
+typedef struct moe_bs_topo {
+  int64_t b, F, EL, Rb, nnz;
+  const int64_t *row_indices;      /* (nnz) */
+  const int64_t *column_indices;   /* (nnz) */
+  const int64_t *offsets_t;        /* (EL * F + 1) */
+  const int64_t *column_indices_t; /* (nnz) */
+  const int64_t *block_offsets_t;  /* (nnz) */
+} moe_bs_topo;
+
+moe_status moe_cuda_bsmm_sdd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *x, const void *w, int64_t K, bool trans_w, void *out);
+moe_status moe_cuda_bsmm_dsd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *s, const void *w, int64_t K, bool trans_w, void *out);
+moe_status moe_cuda_bsmm_dsd_t(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                               const void *s, const void *y, int64_t K, void *out);
+moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *x, const void *s, int64_t K, void *out);
+/* dense (R, EL * N) <-> s (nnz, b, b); to_dense writes zeros outside blocks. */
+moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                                  const void *s, void *dense);
+moe_status moe_cuda_bsmm_from_dense(moe_ctx *ctx, int device, moe_dtype dt,
+                                    const moe_bs_topo *tp, const void *dense, void *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_BLOCKSPARSE_CUDA_H */

@@ -1,0 +1,641 @@
+/*
+ * experts.c - expert computation over a routing plan (core/moe_experts.h):
+ * moe_parallel_linear and the fused GLU expert MLP moe_glu_experts, CPU
+ * reference loops here, CUDA kernels in kernels/experts.cu
+ * (core/experts_cuda.h). The matrix products come from the grouped GEMM
+ * (moe_grouped.h) or the block-sparse products (moe_blocksparse.h); the
+ * gather and the weighted scatter from moe_routing_permute / _combine.
+ *
+ * parallel_linear COMPOSES those differentiable ops (each records its own
+ * node): their backward rules are tested where they live, so the op adds no
+ * second copy of them, and autograd frees each intermediate as soon as its
+ * consumer's backward ran. MOE_OP_PARALLEL_LINEAR is therefore never a node.
+ *
+ * glu_experts records ONE node (MOE_OP_GLU_EXPERTS) with its own backward:
+ * it saves x, the weights and gates (the caller holds those anyway), the
+ * pre-activations h1 = xs W1 and h3 = xs W3, and a = act(h1) * h3 unless
+ * memory_optimized (then a is recomputed in the backward's fused pass). The
+ * permuted tokens xs = permute(x) (k times x) are not saved but gathered
+ * again, and y = a W2 is never kept: the gate gradient is
+ * dot(dout_t, y_r) = dot(dout_t W2^T, a_r), formed from the ungated
+ * dA0 = dout_rows W2^T the backward needs anyway. Backward:
+ *   dout_rows = permute(dout)              (R, d)
+ *   dA0 = dout_rows W2^T                   (R, f) or sparse (nnz, b, b)
+ *   fused pass: dgate_r = <dA0_r, a_r>, da = g_r dA0, dh1 = da h3 act'(h1),
+ *               dh3 = da act(h1), ga = g_r a
+ *   dW2 = ga^T dout_rows, dxs = dh1 W1^T + dh3 W3^T, dx = combine(dxs),
+ *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
+ */
+#include <math.h>
+#include <string.h>
+
+#include "internal.h"
+#include "moe_routing.h"
+#ifdef MOE_WITH_CUDA
+#include "experts_cuda.h"
+#endif
+
+/* ------------------------------------------------------------- helpers */
+
+static bool ex_cuda(const moe_tensor *t) { return t->storage->device.type == MOE_DEVICE_CUDA; }
+
+static const char *ex_shape(const moe_tensor *t, char *buf, size_t len) {
+  return moe_shape_str(t->ndim, t->shape, buf, len);
+}
+
+static moe_status ex_check_float(moe_ctx *ctx, const char *fn, const char *what,
+                                 const moe_tensor *t) {
+  if (t->dtype != MOE_F32 && t->dtype != MOE_F64 && t->dtype != MOE_BF16)
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s must be f32, f64 or bf16, got %s", fn, what,
+                     moe_dtype_name(t->dtype));
+  if (t->dtype == MOE_F64 && ex_cuda(t))
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is f64 on CUDA: f64 is CPU-only (use f32 or bf16)",
+                     fn, what);
+  return MOE_OK;
+}
+
+static moe_status ex_check_device(moe_ctx *ctx, const char *fn, const char *what,
+                                  const moe_tensor *t, moe_device d) {
+  if (!moe_device_equal(t->storage->device, d)) {
+    char a[32], b[32];
+    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but the plan is on %s", fn, what,
+                     moe_device_str(t->storage->device, a, sizeof a), moe_device_str(d, b, sizeof b));
+  }
+  return MOE_OK;
+}
+
+static moe_status ex_check_same_dtype(moe_ctx *ctx, const char *fn, const char *what,
+                                      const moe_tensor *t, const moe_tensor *x) {
+  if (t->dtype != x->dtype)
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but x is %s (one dtype for x and weights)",
+                     fn, what, moe_dtype_name(t->dtype), moe_dtype_name(x->dtype));
+  return MOE_OK;
+}
+
+/* The plan's host row offsets of its local experts (the one host sync). */
+static moe_status ex_offsets(moe_ctx *ctx, moe_routing_plan *p, const int64_t **offs,
+                             int64_t *groups) {
+  MOE_CHECK(moe_routing_plan_counts_to_host(ctx, p));
+  *offs = p->row_offsets_host + p->e0;
+  *groups = p->e1 - p->e0;
+  return MOE_OK;
+}
+
+static moe_status ex_check_sparse_plan(moe_ctx *ctx, const char *fn, const moe_routing_plan *p) {
+  if (p->block_size <= 0 || p->ffn_blocks <= 0 || !p->bs_row_indices)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: impl sparse needs a plan padded with ffn_hidden (block_size and "
+                     "ffn_hidden options); this plan has block_size %lld and no topology",
+                     fn, (long long)p->block_size);
+  return MOE_OK;
+}
+
+/* ------------------------------------------------------ parallel_linear */
+
+moe_parallel_linear_opts moe_parallel_linear_opts_default(void) {
+  moe_parallel_linear_opts o;
+  memset(&o, 0, sizeof o);
+  o.impl = MOE_EXPERTS_GROUPED;
+  return o;
+}
+
+moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
+                               struct moe_routing_plan *plan,
+                               const moe_parallel_linear_opts *opts, moe_tensor **out) {
+  const char *fn = "parallel_linear";
+  if (!x || !w || !plan || !out)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: x, w, plan or out is NULL", fn);
+  moe_parallel_linear_opts o = opts ? *opts : moe_parallel_linear_opts_default();
+  if (o.impl != MOE_EXPERTS_GROUPED && o.impl != MOE_EXPERTS_SPARSE)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)o.impl);
+  char sx[64], sw[64];
+  MOE_CHECK(ex_check_float(ctx, fn, "x", x));
+  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w", w, x));
+  MOE_CHECK(ex_check_device(ctx, fn, "x", x, plan->device));
+  MOE_CHECK(ex_check_device(ctx, fn, "w", w, plan->device));
+  int64_t E_loc = plan->e1 - plan->e0;
+  if (w->ndim != 3 || w->shape[0] != E_loc)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w must be (E_loc, %s) with the plan's E_loc = %lld "
+                     "local experts, got %s", fn, o.trans_w ? "N, K" : "K, N", (long long)E_loc,
+                     ex_shape(w, sw, sizeof sw));
+  int64_t K = o.trans_w ? w->shape[2] : w->shape[1];
+  int64_t N = o.trans_w ? w->shape[1] : w->shape[2];
+  if (o.gates && !o.scatter)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gates are given but scatter is off", fn);
+  if (o.gates) {
+    MOE_CHECK(ex_check_float(ctx, fn, "gates", o.gates));
+    MOE_CHECK(ex_check_device(ctx, fn, "gates", o.gates, plan->device));
+    if (o.gates->ndim != 2 || o.gates->shape[0] != plan->T || o.gates->shape[1] != plan->k)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
+                       fn, (long long)plan->T, (long long)plan->k, ex_shape(o.gates, sx, sizeof sx));
+  }
+  bool sparse_in = o.impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
+  int64_t nb = plan->ffn_blocks * plan->block_size; /* the sparse width */
+  if (o.impl == MOE_EXPERTS_SPARSE) {
+    MOE_CHECK(ex_check_sparse_plan(ctx, fn, plan));
+    if (x->ndim != 2 && x->ndim != 3)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse takes a dense 2-D x or a sparse "
+                       "(nnz, b, b) x, got %s", fn, ex_shape(x, sx, sizeof sx));
+    if (sparse_in && o.gather)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gather needs a dense x (T, K), got the "
+                       "sparse %s", fn, ex_shape(x, sx, sizeof sx));
+    if (!sparse_in && o.scatter)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: scatter of a block-sparse (SDD) output is "
+                       "not defined: the dense x %s gives a sparse hidden", fn,
+                       ex_shape(x, sx, sizeof sx));
+    if (sparse_in) {
+      int64_t b = plan->block_size;
+      if (x->shape[0] != plan->nnz || x->shape[1] != b || x->shape[2] != b)
+        return moe_error(ctx, MOE_ERR_SHAPE, "%s: sparse x must be the plan's (nnz, b, b) = "
+                         "(%lld, %lld, %lld), got %s", fn, (long long)plan->nnz, (long long)b,
+                         (long long)b, ex_shape(x, sx, sizeof sx));
+      if (K != nb)
+        return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have K = ffn_hidden = %lld for a "
+                         "sparse x", fn, ex_shape(w, sw, sizeof sw), (long long)nb);
+    } else if (N != nb) {
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have N = ffn_hidden = %lld for impl "
+                       "sparse (the plan's topology)", fn, ex_shape(w, sw, sizeof sw),
+                       (long long)nb);
+    }
+  } else if (x->ndim != 2) {
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be 2-D (%s, K), got %s", fn,
+                     o.gather ? "T" : "R", ex_shape(x, sx, sizeof sx));
+  }
+  if (!sparse_in) {
+    int64_t rows = o.gather ? plan->T : plan->rows;
+    if (x->shape[0] != rows || x->shape[1] != K)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (%s, K) = (%lld, %lld) for w %s%s, got %s",
+                       fn, o.gather ? "T" : "R", (long long)rows, (long long)K,
+                       ex_shape(w, sw, sizeof sw), o.trans_w ? " (trans_w)" : "",
+                       ex_shape(x, sx, sizeof sx));
+  }
+
+  moe_status st = MOE_OK;
+  moe_tensor *xs = NULL, *wc = NULL, *y = NULL;
+  MOE_CHECK_GOTO(moe_contiguous(ctx, w, &wc), st, done);
+  if (o.gather) {
+    MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, done);
+  } else {
+    moe_tensor_retain(x);
+    xs = x;
+  }
+  if (o.impl == MOE_EXPERTS_GROUPED) {
+    const int64_t *offs;
+    int64_t G;
+    MOE_CHECK_GOTO(ex_offsets(ctx, plan, &offs, &G), st, done);
+    MOE_CHECK_GOTO(moe_grouped_mm(ctx, xs, wc, offs, G, o.trans_w, &y), st, done);
+  } else if (sparse_in) {
+    MOE_CHECK_GOTO(moe_bsmm_dsd(ctx, xs, wc, plan, o.trans_w, &y), st, done);
+  } else {
+    MOE_CHECK_GOTO(moe_bsmm_sdd(ctx, xs, wc, plan, o.trans_w, &y), st, done);
+  }
+  if (o.scatter) {
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, o.gates, out), st, done);
+  } else {
+    *out = y;
+    y = NULL;
+  }
+done:
+  moe_tensor_release(xs);
+  moe_tensor_release(wc);
+  moe_tensor_release(y);
+  return st;
+}
+
+/* --------------------------------------------------- CPU elementwise */
+
+static inline double ex_ld(const void *p, moe_dtype dt, int64_t i) {
+  switch (dt) {
+    case MOE_F64: return ((const double *)p)[i];
+    case MOE_F32: return ((const float *)p)[i];
+    default: return moe_bf16_to_f32(((const moe_bf16 *)p)[i]);
+  }
+}
+
+static inline void ex_st(void *p, moe_dtype dt, int64_t i, double v) {
+  switch (dt) {
+    case MOE_F64: ((double *)p)[i] = v; break;
+    case MOE_F32: ((float *)p)[i] = (float)v; break;
+    default: ((moe_bf16 *)p)[i] = moe_f32_to_bf16((float)v); break;
+  }
+}
+
+/* act(v) and act'(v). */
+static inline void ex_act(int act, double v, double *f, double *df) {
+  if (act == MOE_GLU_SILU) {
+    double s = 1.0 / (1.0 + exp(-v));
+    *f = v * s;
+    *df = s * (1.0 + v * (1.0 - s));
+  } else if (act == MOE_GLU_GELU) {
+    double c = 0.5 * (1.0 + erf(v * 0.70710678118654752440));
+    *f = v * c;
+    *df = c + v * exp(-0.5 * v * v) * 0.39894228040143267794;
+  } else {
+    const double k0 = 0.79788456080286535588, k1 = 0.044715;
+    double t = tanh(k0 * (v + k1 * v * v * v));
+    *f = 0.5 * v * (1.0 + t);
+    *df = 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * k0 * (1.0 + 3.0 * k1 * v * v);
+  }
+}
+
+/* Element offset of (r, c) in a hidden of layout bs (experts_cuda.h). */
+static inline int64_t ex_hidx(int64_t r, int64_t c, int64_t f, int64_t bs) {
+  if (bs == 0) return r * f + c;
+  int64_t F = f / bs;
+  return ((r / bs) * F + c / bs) * bs * bs + (r % bs) * bs + c % bs;
+}
+
+/* a = act(h1) * h3, contiguous, h1's shape and dtype. */
+static moe_status ex_glu_fwd(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3, int act,
+                             moe_tensor **out) {
+  moe_tensor *a;
+  MOE_CHECK(moe_tensor_empty(ctx, h1->ndim, h1->shape, h1->dtype, h1->storage->device, &a));
+  int64_t n = moe_tensor_numel(h1);
+  moe_status st = MOE_OK;
+  if (n > 0 && ex_cuda(h1)) {
+#ifdef MOE_WITH_CUDA
+    st = moe_cuda_experts_glu_fwd(ctx, h1->storage->device.index, h1->dtype, act, n,
+                                  moe_tensor_data(h1), moe_tensor_data(h3), moe_tensor_data(a));
+#else
+    st = moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA");
+#endif
+  } else {
+    const void *p1 = moe_tensor_data(h1), *p3 = moe_tensor_data(h3);
+    void *pa = moe_tensor_data(a);
+    for (int64_t i = 0; i < n; i++) {
+      double f, df;
+      ex_act(act, ex_ld(p1, h1->dtype, i), &f, &df);
+      ex_st(pa, a->dtype, i, f * ex_ld(p3, h3->dtype, i));
+    }
+  }
+  if (st != MOE_OK) {
+    moe_tensor_release(a);
+    return st;
+  }
+  *out = a;
+  return MOE_OK;
+}
+
+/* out (n) of out_dt = idx[i] >= 0 ? in[idx[i]] : 0; in and idx contiguous. */
+static moe_status ex_take(moe_ctx *ctx, moe_tensor *in, moe_tensor *idx, moe_dtype out_dt,
+                          moe_tensor **out) {
+  int64_t n = moe_tensor_numel(idx);
+  moe_tensor *r;
+  MOE_CHECK(moe_tensor_empty(ctx, 1, &n, out_dt, idx->storage->device, &r));
+  moe_status st = MOE_OK;
+  if (n > 0 && ex_cuda(idx)) {
+#ifdef MOE_WITH_CUDA
+    st = moe_cuda_experts_take(ctx, idx->storage->device.index, n,
+                               (const int64_t *)moe_tensor_data(idx), moe_tensor_data(in),
+                               in->dtype, moe_tensor_data(r), out_dt);
+#else
+    st = moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA");
+#endif
+  } else {
+    const int64_t *ip = (const int64_t *)moe_tensor_data(idx);
+    const void *src = moe_tensor_data(in);
+    void *dst = moe_tensor_data(r);
+    for (int64_t i = 0; i < n; i++)
+      ex_st(dst, out_dt, i, ip[i] >= 0 ? ex_ld(src, in->dtype, ip[i]) : 0.0);
+  }
+  if (st != MOE_OK) {
+    moe_tensor_release(r);
+    return st;
+  }
+  *out = r;
+  return MOE_OK;
+}
+
+/* The fused backward pass of experts_cuda.h on the CPU (any float dtype;
+ * g_rows and dgate_rows of dtype gdt). */
+static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int64_t f, int64_t bs,
+                           void *dA0, const void *h1, const void *h3, const void *a,
+                           const void *g_rows, void *dh3, void *ga, void *dgate_rows) {
+  for (int64_t r = 0; r < R; r++) {
+    double g = g_rows ? ex_ld(g_rows, gdt, r) : 1.0, dot = 0.0;
+    for (int64_t c = 0; c < f; c++) {
+      int64_t i = ex_hidx(r, c, f, bs);
+      double v1 = ex_ld(h1, dt, i), v3 = ex_ld(h3, dt, i), d0 = ex_ld(dA0, dt, i);
+      double fa, dfa;
+      ex_act(act, v1, &fa, &dfa);
+      double av = a ? ex_ld(a, dt, i) : fa * v3;
+      dot += d0 * av;
+      double da = g * d0;
+      ex_st(dA0, dt, i, da * v3 * dfa);
+      ex_st(dh3, dt, i, da * fa);
+      if (ga) ex_st(ga, dt, i, g * av);
+    }
+    if (dgate_rows) ex_st(dgate_rows, gdt, r, dot);
+  }
+}
+
+/* ---------------------------------------------------------- glu_experts */
+
+/* Saved slots of the node. */
+enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SAVED_H3 };
+/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 slot of a (-1) */
+
+static void ex_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
+
+static moe_status ex_zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
+  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
+                         out);
+}
+
+/* xs (R, K) times the per-expert w with impl: grouped (dense out) or sparse
+ * (SDD, out (nnz, b, b)). */
+static moe_status ex_mm_sdd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *xs, moe_tensor *w,
+                            moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_sdd(ctx, xs, w, p, trans_w, out);
+  const int64_t *offs;
+  int64_t G;
+  MOE_CHECK(ex_offsets(ctx, p, &offs, &G));
+  return moe_grouped_mm(ctx, xs, w, offs, G, trans_w, out);
+}
+
+/* hidden (R, f) or sparse (nnz, b, b) times w -> (R, N) dense. */
+static moe_status ex_mm_dsd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *h, moe_tensor *w,
+                            moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd(ctx, h, w, p, trans_w, out);
+  const int64_t *offs;
+  int64_t G;
+  MOE_CHECK(ex_offsets(ctx, p, &offs, &G));
+  return moe_grouped_mm(ctx, h, w, offs, G, trans_w, out);
+}
+
+/* The weight gradient (E_loc, K, N) = xs^T h per expert, xs (R, K) dense,
+ * h the hidden (dense (R, N) or sparse). */
+static moe_status ex_wgrad_in(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *xs, moe_tensor *h,
+                              moe_routing_plan *p, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dds(ctx, xs, h, p, out);
+  const int64_t *offs;
+  int64_t G;
+  MOE_CHECK(ex_offsets(ctx, p, &offs, &G));
+  return moe_grouped_mm_wgrad(ctx, xs, h, offs, G, false, out);
+}
+
+/* The weight gradient (E_loc, f, d) = h^T dy per expert, h the hidden. */
+static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *h, moe_tensor *dy,
+                               moe_routing_plan *p, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd_t(ctx, h, dy, p, out);
+  const int64_t *offs;
+  int64_t G;
+  MOE_CHECK(ex_offsets(ctx, p, &offs, &G));
+  return moe_grouped_mm_wgrad(ctx, h, dy, offs, G, false, out);
+}
+
+static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                  moe_tensor **gin) {
+  moe_routing_plan *p = (moe_routing_plan *)n->user;
+  moe_experts_impl impl = (moe_experts_impl)n->iargs[0];
+  int act = (int)n->iargs[1];
+  int gslot = (int)n->iargs[2], aslot = (int)n->iargs[3];
+  bool has_gates = gslot >= 0;
+  if (!gout[0]) {
+    for (int i = 0; i < n->n_inputs; i++)
+      if (moe_node_needs_grad(n, i)) MOE_CHECK(ex_zeros_like_input(ctx, n, i, &gin[i]));
+    return MOE_OK;
+  }
+  bool need_x = moe_node_needs_grad(n, 0), need_w1 = moe_node_needs_grad(n, 1),
+       need_w3 = moe_node_needs_grad(n, 2), need_w2 = moe_node_needs_grad(n, 3),
+       need_g = has_gates && moe_node_needs_grad(n, 4);
+  moe_status st = MOE_OK;
+  moe_tensor *x = NULL, *w1 = NULL, *w3 = NULL, *w2 = NULL, *h1s = NULL, *h3s = NULL, *h1 = NULL,
+             *h3 = NULL, *a = NULL, *as = NULL, *gates = NULL, *gc = NULL,
+             *g_rows = NULL, *dout_rows = NULL, *dA0 = NULL, *dh3 = NULL, *ga = NULL,
+             *dgate_rows = NULL, *xs = NULL, *t1 = NULL, *t2 = NULL, *dxs = NULL, *dg = NULL;
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W1, &w1), st, done);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W3, &w3), st, done);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W2, &w2), st, done);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_H1, &h1s), st, done);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_H3, &h3s), st, done);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, h1s, &h1), st, done);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, h3s, &h3), st, done);
+  if (aslot >= 0) {
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, aslot, &as), st, done);
+    MOE_CHECK_GOTO(moe_contiguous(ctx, as, &a), st, done);
+  }
+  moe_dtype dt = h1->dtype;
+  moe_dtype gdt = dt == MOE_F64 ? MOE_F64 : MOE_F32;
+  /* per-row gates g_rows[r] = gates[src[r]] (0 for padding) */
+  if (has_gates) {
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, gslot, &gates), st, done);
+    MOE_CHECK_GOTO(moe_contiguous(ctx, gates, &gc), st, done);
+    MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
+  }
+  MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
+  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, h1->ndim, h1->shape, dt, h1->storage->device, &dh3), st,
+                 done);
+  if (need_w2)
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, h1->ndim, h1->shape, dt, h1->storage->device, &ga), st,
+                   done);
+  if (need_g) {
+    int64_t R = p->rows;
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &R, gdt, h1->storage->device, &dgate_rows), st, done);
+  }
+  {
+    int64_t R = p->rows, bs = impl == MOE_EXPERTS_SPARSE ? p->block_size : 0;
+    int64_t f = impl == MOE_EXPERTS_SPARSE ? p->ffn_blocks * p->block_size : h1->shape[1];
+    if (ex_cuda(h1)) {
+#ifdef MOE_WITH_CUDA
+      if (R > 0 && f > 0)
+        MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
+                           ctx, h1->storage->device.index, dt, act, R, f, bs, moe_tensor_data(dA0),
+                           moe_tensor_data(h1), moe_tensor_data(h3), a ? moe_tensor_data(a) : NULL,
+                           g_rows ? (const float *)moe_tensor_data(g_rows) : NULL,
+                           moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
+                           dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
+                       st, done);
+#else
+      MOE_CHECK_GOTO(moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA"), st, done);
+#endif
+    } else {
+      ex_glu_bwd_cpu(dt, gdt, act, R, f, bs, moe_tensor_data(dA0), moe_tensor_data(h1),
+                     moe_tensor_data(h3), a ? moe_tensor_data(a) : NULL,
+                     g_rows ? moe_tensor_data(g_rows) : NULL, moe_tensor_data(dh3),
+                     ga ? moe_tensor_data(ga) : NULL,
+                     dgate_rows ? moe_tensor_data(dgate_rows) : NULL);
+    }
+  }
+  /* dA0 now holds dh1. Buffers go back as soon as their last use is queued
+   * (a lower peak: the hidden-sized ones are R x f each). */
+#define EX_DROP(t) (moe_tensor_release(t), (t) = NULL)
+  if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
+  EX_DROP(ga);
+  EX_DROP(dout_rows);
+  EX_DROP(a);
+  EX_DROP(as);
+  EX_DROP(h1);
+  EX_DROP(h1s);
+  EX_DROP(h3);
+  EX_DROP(h3s);
+  if (need_g) {
+    MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[4], &dg), st, done);
+    MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[4]), st, done);
+  }
+  if (need_w1 || need_w3 || need_x) {
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_X, &x), st, done);
+    MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
+  }
+  if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
+  if (need_x) MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
+  EX_DROP(dA0);
+  if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
+  EX_DROP(xs);
+  if (need_x) {
+    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
+    EX_DROP(dh3);
+    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &dxs), st, done);
+    EX_DROP(t1);
+    EX_DROP(t2);
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
+  }
+#undef EX_DROP
+done:
+  moe_tensor_release(x);
+  moe_tensor_release(w1);
+  moe_tensor_release(w3);
+  moe_tensor_release(w2);
+  moe_tensor_release(h1s);
+  moe_tensor_release(h3s);
+  moe_tensor_release(h1);
+  moe_tensor_release(h3);
+  moe_tensor_release(as);
+  moe_tensor_release(a);
+  moe_tensor_release(gates);
+  moe_tensor_release(gc);
+  moe_tensor_release(g_rows);
+  moe_tensor_release(dout_rows);
+  moe_tensor_release(dA0);
+  moe_tensor_release(dh3);
+  moe_tensor_release(ga);
+  moe_tensor_release(dgate_rows);
+  moe_tensor_release(xs);
+  moe_tensor_release(t1);
+  moe_tensor_release(t2);
+  moe_tensor_release(dxs);
+  moe_tensor_release(dg);
+  return st;
+}
+
+static moe_status ex_glu_validate(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                                  moe_tensor *w2, moe_routing_plan *p, moe_tensor *gates,
+                                  moe_experts_impl impl, moe_glu_activation act) {
+  const char *fn = "glu_experts";
+  char s1[64], s2[64], s3[64], s4[64];
+  if (impl != MOE_EXPERTS_GROUPED && impl != MOE_EXPERTS_SPARSE)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)impl);
+  if (act != MOE_GLU_SILU && act != MOE_GLU_GELU && act != MOE_GLU_GELU_TANH)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown activation %d", fn, (int)act);
+  MOE_CHECK(ex_check_float(ctx, fn, "x", x));
+  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w1", w1, x));
+  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w3", w3, x));
+  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w2", w2, x));
+  MOE_CHECK(ex_check_device(ctx, fn, "x", x, p->device));
+  MOE_CHECK(ex_check_device(ctx, fn, "w1", w1, p->device));
+  MOE_CHECK(ex_check_device(ctx, fn, "w3", w3, p->device));
+  MOE_CHECK(ex_check_device(ctx, fn, "w2", w2, p->device));
+  int64_t E_loc = p->e1 - p->e0;
+  if (x->ndim != 2 || x->shape[0] != p->T)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (T, d) with the plan's T = %lld, got %s",
+                     fn, (long long)p->T, ex_shape(x, s1, sizeof s1));
+  int64_t d = x->shape[1];
+  if (w1->ndim != 3 || w1->shape[0] != E_loc || w1->shape[1] != d)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w1 must be (E_loc, d, f) = (%lld, %lld, f) for x %s, "
+                     "got %s", fn, (long long)E_loc, (long long)d, ex_shape(x, s1, sizeof s1),
+                     ex_shape(w1, s2, sizeof s2));
+  int64_t f = w1->shape[2];
+  if (w3->ndim != 3 || w3->shape[0] != E_loc || w3->shape[1] != d || w3->shape[2] != f ||
+      w2->ndim != 3 || w2->shape[0] != E_loc || w2->shape[1] != f || w2->shape[2] != d)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w1 %s, w3 %s and w2 %s must be (E_loc, d, f), "
+                     "(E_loc, d, f) and (E_loc, f, d) with E_loc = %lld, d = %lld", fn,
+                     ex_shape(w1, s1, sizeof s1), ex_shape(w3, s2, sizeof s2),
+                     ex_shape(w2, s3, sizeof s3), (long long)E_loc, (long long)d);
+  if (gates) {
+    MOE_CHECK(ex_check_float(ctx, fn, "gates", gates));
+    MOE_CHECK(ex_check_device(ctx, fn, "gates", gates, p->device));
+    if (gates->ndim != 2 || gates->shape[0] != p->T || gates->shape[1] != p->k)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
+                       fn, (long long)p->T, (long long)p->k, ex_shape(gates, s4, sizeof s4));
+  }
+  if (impl == MOE_EXPERTS_SPARSE) {
+    MOE_CHECK(ex_check_sparse_plan(ctx, fn, p));
+    if (p->ffn_blocks * p->block_size != f)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse needs the plan's ffn_hidden (%lld) to "
+                       "equal f = %lld of w1 %s", fn, (long long)(p->ffn_blocks * p->block_size),
+                       (long long)f, ex_shape(w1, s1, sizeof s1));
+  }
+  return MOE_OK;
+}
+
+moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                           moe_tensor *w2, struct moe_routing_plan *plan, moe_tensor *gates,
+                           moe_experts_impl impl, moe_glu_activation act,
+                           bool memory_optimized, moe_tensor **out) {
+  if (!x || !w1 || !w3 || !w2 || !plan || !out)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "glu_experts: x, w1, w3, w2, plan or out is NULL");
+  MOE_CHECK(ex_glu_validate(ctx, x, w1, w3, w2, plan, gates, impl, act));
+  moe_status st = MOE_OK;
+  moe_tensor *w1c = NULL, *w3c = NULL, *w2c = NULL, *xs = NULL, *h1 = NULL, *h3 = NULL, *a = NULL,
+             *y = NULL, *r = NULL;
+  bool prev = moe_grad_set(ctx, false);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, w2, &w2c), st, fail);
+  MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, fail);
+  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
+  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
+  moe_tensor_release(xs);
+  xs = NULL;
+  MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
+  MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, a, w2c, plan, false, &y), st, fail);
+  MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, gates, &r), st, fail);
+  moe_grad_set(ctx, prev);
+  moe_tensor *in[5] = {x, w1, w3, w2, gates};
+  int n_in = gates ? 5 : 4;
+  if (moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in)) {
+    moe_node *n = NULL;
+    st = moe_node_new(ctx, MOE_OP_GLU_EXPERTS, ex_glu_backward, n_in, in, &n);
+    if (st == MOE_OK) {
+      moe_routing_plan_retain(plan);
+      n->user = plan;
+      n->user_free = ex_plan_release_void;
+      n->iargs[0] = impl;
+      n->iargs[1] = act;
+      n->iargs[2] = -1;
+      n->iargs[3] = -1;
+      /* the contiguous weights (w itself when already contiguous) */
+      moe_tensor *save[6] = {x, w1c, w3c, w2c, h1, h3};
+      for (int i = 0; i < 6 && st == MOE_OK; i++) st = moe_node_save(ctx, n, save[i]);
+      int slot = 6;
+      if (st == MOE_OK && gates) {
+        st = moe_node_save(ctx, n, gates);
+        n->iargs[2] = slot++;
+      }
+      if (st == MOE_OK && !memory_optimized) {
+        st = moe_node_save(ctx, n, a);
+        n->iargs[3] = slot++;
+      }
+    }
+    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
+    if (n) moe_node_release(n);
+    if (st != MOE_OK) goto done;
+  }
+  *out = r;
+  r = NULL;
+  goto done;
+fail:
+  moe_grad_set(ctx, prev);
+done:
+  moe_tensor_release(w1c);
+  moe_tensor_release(w3c);
+  moe_tensor_release(w2c);
+  moe_tensor_release(xs);
+  moe_tensor_release(h1);
+  moe_tensor_release(h3);
+  moe_tensor_release(a);
+  moe_tensor_release(y);
+  moe_tensor_release(r);
+  return st;
+}

@@ -1,0 +1,520 @@
+/*
+ * grouped.c - the grouped GEMM family (API and contract in moe_grouped.h):
+ * moe_grouped_mm (differentiable in x and w), moe_grouped_mm_wgrad, and the
+ * process-wide choice of the CUDA backend.
+ *
+ * Both ops reduce to a list of per-group products described as moe_gemm
+ * (matmul_cuda.h, batch 1), one per non-empty group, built from the host
+ * offsets without copying the operands when their layout is BLAS-compatible
+ * (x rows of unit stride, w's groups row-major or transposed): the CPU runs
+ * cblas_sgemm/dgemm per product (bf16 converted to f32 first and rounded
+ * back, as matmul.c does), CUDA runs the list with the backend chosen by
+ * moe_grouped_set_backend: "loop" (one cuBLASLt GEMM per group through
+ * matmul's moe_cuda_gemm, its algorithm cache included) or "cublas_grouped"
+ * (one cublasGemmGroupedBatchedEx_64 call, kernels/grouped.cu) or
+ * "streams" (cublasGemmEx per group over 4 side streams); "auto"
+ * picks loop or streams per call (gg_auto_backend below, with the
+ * measurements behind the rule). Output rows outside the groups
+ * and weight gradients of empty groups are zero-filled; nothing else is.
+ *
+ * Backward of grouped_mm (node MOE_OP_GROUPED_MM, saves x and w, keeps its
+ * own copy of the offsets in node->user):
+ *   dx = grouped_mm(dout, w, offs, !trans_w)
+ *   dw = grouped_mm_wgrad(x, dout, offs, trans_w)
+ */
+#include <cblas.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "grouped_cuda.h"
+#include "internal.h"
+#include "moe_grouped.h"
+
+#define SHAPE_BUF 160
+
+/* ------------------------------------------------------------ backends */
+
+typedef enum gg_backend {
+  GG_AUTO = 0,
+  GG_LOOP,
+  GG_CUBLAS_GROUPED,
+  GG_STREAMS,
+  GG_NBACKENDS
+} gg_backend;
+
+static const char *const gg_backend_names[GG_NBACKENDS] = {"auto", "loop", "cublas_grouped",
+                                                            "streams"};
+static gg_backend gg_current = GG_AUTO; /* process-wide, see moe_grouped_set_backend */
+
+moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!name)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "grouped_set_backend: name is NULL (valid: %s)",
+                     moe_grouped_backends());
+  for (int i = 0; i < GG_NBACKENDS; i++)
+    if (strcmp(name, gg_backend_names[i]) == 0) {
+      gg_current = (gg_backend)i;
+      return MOE_OK;
+    }
+  return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                   "grouped_set_backend: unknown backend \"%s\" (valid: %s)", name,
+                   moe_grouped_backends());
+}
+
+const char *moe_grouped_backend(void) { return gg_backend_names[gg_current]; }
+
+const char *moe_grouped_backends(void) { return "auto,loop,cublas_grouped,streams"; }
+
+/* ---------------------------------------------------------- validation */
+
+static bool gg_dtype_ok(moe_dtype dt) { return dt == MOE_F32 || dt == MOE_F64 || dt == MOE_BF16; }
+
+static moe_status gg_check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t,
+                                  const char *what, int ndim, const char *layout) {
+  char s[SHAPE_BUF];
+  if (!t) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
+  if (!gg_dtype_ok(t->dtype))
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s has dtype %s; %s takes f32, f64 or bf16", fn, what,
+                     moe_dtype_name(t->dtype), fn);
+  if (t->dtype == MOE_F64 && t->storage->device.type == MOE_DEVICE_CUDA)
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is f64 on CUDA; f64 is CPU only (use f32 or bf16)",
+                     fn, what);
+  if (t->ndim != ndim)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s must be %d-D %s, got shape %s", fn, what, ndim,
+                     layout, moe_shape_str(t->ndim, t->shape, s, sizeof(s)));
+  return MOE_OK;
+}
+
+/* b on a's device with a's dtype. */
+static moe_status gg_check_pair(moe_ctx *ctx, const char *fn, const moe_tensor *a, const char *an,
+                                const moe_tensor *b, const char *bn) {
+  if (!moe_device_equal(a->storage->device, b->storage->device)) {
+    char da[32], db[32];
+    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but %s is on %s", fn, an,
+                     moe_device_str(a->storage->device, da, sizeof(da)), bn,
+                     moe_device_str(b->storage->device, db, sizeof(db)));
+  }
+  if (a->dtype != b->dtype)
+    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but %s is %s (convert one with to)", fn, an,
+                     moe_dtype_name(a->dtype), bn, moe_dtype_name(b->dtype));
+  return moe_device_check(ctx, a->storage->device);
+}
+
+/* 0 <= offs[0] <= ... <= offs[G] <= R. */
+static moe_status gg_check_offs(moe_ctx *ctx, const char *fn, const int64_t *offs, int64_t groups,
+                                int64_t R) {
+  if (groups < 1)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: groups must be >= 1, got %lld", fn,
+                     (long long)groups);
+  if (!offs) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: offsets are NULL", fn);
+  if (offs[0] < 0)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: offsets[0] = %lld is negative", fn,
+                     (long long)offs[0]);
+  for (int64_t g = 0; g < groups; g++)
+    if (offs[g + 1] < offs[g])
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "%s: offsets out of order: offsets[%lld] = %lld < offsets[%lld] = %lld", fn,
+                       (long long)(g + 1), (long long)offs[g + 1], (long long)g,
+                       (long long)offs[g]);
+  if (offs[groups] > R)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: offsets[%lld] = %lld is past the %lld rows of the input", fn,
+                     (long long)groups, (long long)offs[groups], (long long)R);
+  return MOE_OK;
+}
+
+/* ------------------------------------------------------------- layouts */
+
+/* x (R, K) usable in place: unit stride along K and a row stride >= K. */
+static bool gg_rows_ok(const moe_tensor *x, int64_t *ld) {
+  int64_t R = x->shape[0], K = x->shape[1];
+  if (K > 1 && x->stride[1] != 1) return false;
+  if (R > 1 && x->stride[0] < (K > 1 ? K : 1)) return false;
+  *ld = R > 1 ? x->stride[0] : (K > 1 ? K : 1);
+  return true;
+}
+
+/* w (G, A, B) usable in place: each group row-major with unit inner stride
+ * and a row stride >= B; the group stride is free. */
+static bool gg_groups_ok(const moe_tensor *w, int64_t *ld) {
+  int64_t A = w->shape[1], B = w->shape[2];
+  if (B > 1 && w->stride[2] != 1) return false;
+  if (A > 1 && w->stride[1] < (B > 1 ? B : 1)) return false;
+  *ld = A > 1 ? w->stride[1] : (B > 1 ? B : 1);
+  return true;
+}
+
+/* t itself (retained) when ok, else a contiguous copy. */
+static moe_status gg_usable(moe_ctx *ctx, moe_tensor *t, bool ok, moe_tensor **out) {
+  if (ok) {
+    moe_tensor_retain(t);
+    *out = t;
+    return MOE_OK;
+  }
+  return moe_contiguous(ctx, t, out);
+}
+
+/* ------------------------------------------------------------ execution */
+
+static moe_status gg_cpu_gemm(moe_ctx *ctx, const char *fn, const moe_gemm *g) {
+  if (g->m > INT_MAX || g->n > INT_MAX || g->k > INT_MAX || g->lda > INT_MAX || g->ldb > INT_MAX)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: a group's product (%lld x %lld) @ (%lld x %lld) exceeds the 32-bit "
+                     "sizes of the CPU BLAS",
+                     fn, (long long)g->m, (long long)g->k, (long long)g->k, (long long)g->n);
+  int m = (int)g->m, n = (int)g->n, k = (int)g->k, lda = (int)g->lda, ldb = (int)g->ldb;
+  enum CBLAS_TRANSPOSE ta = g->a_t ? CblasTrans : CblasNoTrans;
+  enum CBLAS_TRANSPOSE tb = g->b_t ? CblasTrans : CblasNoTrans;
+  if (g->dtype == MOE_F32)
+    cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, 1.0f, (const float *)g->a, lda,
+                (const float *)g->b, ldb, 0.0f, (float *)g->c, n);
+  else
+    cblas_dgemm(CblasRowMajor, ta, tb, m, n, k, 1.0, (const double *)g->a, lda,
+                (const double *)g->b, ldb, 0.0, (double *)g->c, n);
+  return MOE_OK;
+}
+
+#ifdef MOE_WITH_CUDA
+/* The CUDA backend of one call: "auto" resolved from the number of groups
+ * and the mean rows per group (rows = offs[G] - offs[0], the dimension that
+ * varies: M of the forward and input-gradient products, the inner K of the
+ * weight gradient).
+ *
+ * Rule, from bench/results/grouped.md (H100 80GB HBM3, cuBLAS 13.1,
+ * 2026-11-22, bf16, the six GEMMs of the GLU expert MLP at T = 16384, chain
+ * ms; torch._grouped_mm beside):
+ *                 groups  rows/grp  loop    streams  cublas_grouped  torch
+ *   mixtral       8       4096      51.5    51.4     104.9           58.4
+ *   olmoe         64      2048      8.47    8.70     14.14           8.34
+ *   qwen3         128     1024      12.52   9.59     11.75           6.64
+ * cublasGemmGroupedBatchedEx never wins (it ran at 47-56% of the dense
+ * rate), so auto never picks it. One cuBLASLt GEMM per group (loop) runs
+ * each group at about the dense rate when groups are few or >= 2048 rows;
+ * below that a single group no longer fills the 132 SMs and 4 side streams
+ * win (qwen3: 9.59 vs 12.52 ms; 8 streams: 13.5 ms, worse). */
+#define GG_AUTO_LOOP_MAX_GROUPS 16 /* this many groups or fewer: loop */
+#define GG_AUTO_LOOP_MIN_ROWS 2048 /* mean rows per group at least this: loop */
+static gg_backend gg_auto_backend(int64_t groups, int64_t rows) {
+  if (gg_current != GG_AUTO) return gg_current;
+  if (groups <= GG_AUTO_LOOP_MAX_GROUPS || rows / groups >= GG_AUTO_LOOP_MIN_ROWS) return GG_LOOP;
+  return GG_STREAMS;
+}
+#endif
+
+/* Runs the count products of list; groups and rows (offs[G] - offs[0])
+ * for the choice of the CUDA backend. */
+static moe_status gg_exec(moe_ctx *ctx, const char *fn, moe_device dev, const moe_gemm *list,
+                          int64_t count, int64_t groups, int64_t rows) {
+  if (count == 0) return MOE_OK;
+  if (dev.type == MOE_DEVICE_CUDA) {
+#ifdef MOE_WITH_CUDA
+    gg_backend b = gg_auto_backend(groups, rows);
+    if (b == GG_CUBLAS_GROUPED) return moe_cuda_gemm_grouped(ctx, dev.index, list, count);
+    if (b == GG_STREAMS) return moe_cuda_gemm_streams(ctx, dev.index, list, count);
+    for (int64_t i = 0; i < count; i++) MOE_CHECK(moe_cuda_gemm(ctx, dev.index, &list[i]));
+    return MOE_OK;
+#else
+    (void)groups, (void)rows;
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: this moe-lua was built without CUDA", fn);
+#endif
+  }
+  for (int64_t i = 0; i < count; i++) MOE_CHECK(gg_cpu_gemm(ctx, fn, &list[i]));
+  return MOE_OK;
+}
+
+/* Zero-fills rows [start, start + len) of dim 0 of t. */
+static moe_status gg_zero_rows(moe_ctx *ctx, moe_tensor *t, int64_t start, int64_t len) {
+  if (len <= 0) return MOE_OK;
+  moe_tensor *v = NULL;
+  MOE_CHECK(moe_narrow(ctx, t, 0, start, len, &v));
+  moe_status st = moe_fill_(ctx, v, 0);
+  moe_tensor_release(v);
+  return st;
+}
+
+static moe_gemm *gg_list_new(moe_ctx *ctx, const char *fn, int64_t groups) {
+  moe_gemm *list = (moe_gemm *)calloc((size_t)groups, sizeof(moe_gemm));
+  if (!list)
+    moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot allocate %lld group descriptions", fn,
+              (long long)groups);
+  return list;
+}
+
+/* out (R, N) = per group x @ w[g] (or w[g]^T); validated, grad mode off,
+ * f32/f64 on the CPU or any dtype on CUDA. */
+static moe_status gg_mm_run(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w,
+                            const int64_t *offs, int64_t groups, bool trans_w, moe_tensor *r) {
+  int64_t R = x->shape[0], K = x->shape[1], N = r->shape[1];
+  moe_tensor *xc = NULL, *wc = NULL;
+  moe_gemm *list = NULL;
+  moe_status st = MOE_OK;
+  int64_t ldx = 0, ldw = 0;
+  MOE_CHECK_GOTO(gg_usable(ctx, x, gg_rows_ok(x, &ldx), &xc), st, done);
+  MOE_CHECK_GOTO(gg_usable(ctx, w, gg_groups_ok(w, &ldw), &wc), st, done);
+  if (xc != x) MOE_ASSERT(gg_rows_ok(xc, &ldx));
+  if (wc != w) MOE_ASSERT(gg_groups_ok(wc, &ldw));
+  MOE_CHECK_GOTO(gg_zero_rows(ctx, r, 0, offs[0]), st, done);
+  MOE_CHECK_GOTO(gg_zero_rows(ctx, r, offs[groups], R - offs[groups]), st, done);
+  if (K == 0) { /* empty sums */
+    st = gg_zero_rows(ctx, r, offs[0], offs[groups] - offs[0]);
+    goto done;
+  }
+  if (!(list = gg_list_new(ctx, fn, groups))) {
+    st = MOE_ERR_OUT_OF_MEMORY;
+    goto done;
+  }
+  size_t es = moe_dtype_size(x->dtype);
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; g++) {
+    int64_t m = offs[g + 1] - offs[g];
+    if (m == 0) continue;
+    moe_gemm *p = &list[count++];
+    p->dtype = x->dtype;
+    p->batch = 1;
+    p->m = m, p->n = N, p->k = K;
+    p->a = (const char *)moe_tensor_data(xc) + (size_t)(offs[g] * ldx) * es;
+    p->lda = ldx;
+    p->b = (const char *)moe_tensor_data(wc) + (size_t)(g * wc->stride[0]) * es;
+    p->b_t = trans_w; /* w[g] (N, K) row-major is the transpose of a (K, N) */
+    p->ldb = ldw;
+    p->c = (char *)moe_tensor_data(r) + (size_t)(offs[g] * N) * es;
+    p->tf32 = moe_matmul_tf32();
+  }
+  st = gg_exec(ctx, fn, r->storage->device, list, count, groups, offs[groups] - offs[0]);
+done:
+  free(list);
+  moe_tensor_release(xc);
+  moe_tensor_release(wc);
+  return st;
+}
+
+/* out (G, K, N) = a_g^T b_g, or (G, N, K) = b_g^T a_g; validated, grad
+ * mode off, f32/f64 on the CPU or any dtype on CUDA. */
+static moe_status gg_wgrad_run(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_tensor *b,
+                               const int64_t *offs, int64_t groups, bool trans_out,
+                               moe_tensor *r) {
+  int64_t K = a->shape[1], N = b->shape[1];
+  moe_tensor *ac = NULL, *bc = NULL;
+  moe_gemm *list = NULL;
+  moe_status st = MOE_OK;
+  int64_t lda = 0, ldb = 0;
+  if (K == 0 || N == 0) return MOE_OK; /* nothing to write */
+  MOE_CHECK_GOTO(gg_usable(ctx, a, gg_rows_ok(a, &lda), &ac), st, done);
+  MOE_CHECK_GOTO(gg_usable(ctx, b, gg_rows_ok(b, &ldb), &bc), st, done);
+  if (ac != a) MOE_ASSERT(gg_rows_ok(ac, &lda));
+  if (bc != b) MOE_ASSERT(gg_rows_ok(bc, &ldb));
+  if (!(list = gg_list_new(ctx, fn, groups))) {
+    st = MOE_ERR_OUT_OF_MEMORY;
+    goto done;
+  }
+  size_t es = moe_dtype_size(a->dtype);
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; g++) {
+    int64_t m = offs[g + 1] - offs[g];
+    if (m == 0) {
+      MOE_CHECK_GOTO(gg_zero_rows(ctx, r, g, 1), st, done);
+      continue;
+    }
+    const char *pa = (const char *)moe_tensor_data(ac) + (size_t)(offs[g] * lda) * es;
+    const char *pb = (const char *)moe_tensor_data(bc) + (size_t)(offs[g] * ldb) * es;
+    moe_gemm *p = &list[count++];
+    p->dtype = a->dtype;
+    p->batch = 1;
+    p->k = m;
+    p->c = (char *)moe_tensor_data(r) + (size_t)(g * K * N) * es;
+    p->tf32 = moe_matmul_tf32();
+    /* the first operand is the transpose of the rows of one input */
+    p->a_t = true;
+    p->b_t = false;
+    if (!trans_out) { /* (K, N) = a_g^T b_g */
+      p->m = K, p->n = N;
+      p->a = pa, p->lda = lda;
+      p->b = pb, p->ldb = ldb;
+    } else { /* (N, K) = b_g^T a_g */
+      p->m = N, p->n = K;
+      p->a = pb, p->lda = ldb;
+      p->b = pa, p->ldb = lda;
+    }
+  }
+  st = gg_exec(ctx, fn, r->storage->device, list, count, groups, offs[groups] - offs[0]);
+done:
+  free(list);
+  moe_tensor_release(ac);
+  moe_tensor_release(bc);
+  return st;
+}
+
+/* out (R, N) of x's dtype and device (validated inputs; grad mode off). */
+static moe_status gg_mm_compute(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w,
+                                const int64_t *offs, int64_t groups, bool trans_w,
+                                moe_tensor **out) {
+  int64_t R = x->shape[0], N = trans_w ? w->shape[1] : w->shape[2];
+  moe_device dev = x->storage->device;
+  moe_tensor *r = NULL, *x32 = NULL, *w32 = NULL, *r32 = NULL;
+  moe_status st = MOE_OK;
+  if (dev.type == MOE_DEVICE_CPU && x->dtype == MOE_BF16) { /* in f32, rounded back */
+    MOE_CHECK_GOTO(moe_to(ctx, x, MOE_F32, dev, &x32), st, done);
+    MOE_CHECK_GOTO(moe_to(ctx, w, MOE_F32, dev, &w32), st, done);
+    MOE_CHECK_GOTO(gg_mm_compute(ctx, fn, x32, w32, offs, groups, trans_w, &r32), st, done);
+    st = moe_to(ctx, r32, MOE_BF16, dev, out);
+    goto done;
+  }
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, x->dtype, dev, &r), st, done);
+  if (R > 0 && N > 0) MOE_CHECK_GOTO(gg_mm_run(ctx, fn, x, w, offs, groups, trans_w, r), st, done);
+  *out = r;
+  r = NULL;
+done:
+  moe_tensor_release(r);
+  moe_tensor_release(x32);
+  moe_tensor_release(w32);
+  moe_tensor_release(r32);
+  return st;
+}
+
+static moe_status gg_wgrad_compute(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_tensor *b,
+                                   const int64_t *offs, int64_t groups, bool trans_out,
+                                   moe_tensor **out) {
+  int64_t K = a->shape[1], N = b->shape[1];
+  moe_device dev = a->storage->device;
+  moe_tensor *r = NULL, *a32 = NULL, *b32 = NULL, *r32 = NULL;
+  moe_status st = MOE_OK;
+  if (dev.type == MOE_DEVICE_CPU && a->dtype == MOE_BF16) {
+    MOE_CHECK_GOTO(moe_to(ctx, a, MOE_F32, dev, &a32), st, done);
+    MOE_CHECK_GOTO(moe_to(ctx, b, MOE_F32, dev, &b32), st, done);
+    MOE_CHECK_GOTO(gg_wgrad_compute(ctx, fn, a32, b32, offs, groups, trans_out, &r32), st, done);
+    st = moe_to(ctx, r32, MOE_BF16, dev, out);
+    goto done;
+  }
+  int64_t shape[3] = {groups, trans_out ? N : K, trans_out ? K : N};
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, 3, shape, a->dtype, dev, &r), st, done);
+  MOE_CHECK_GOTO(gg_wgrad_run(ctx, fn, a, b, offs, groups, trans_out, r), st, done);
+  *out = r;
+  r = NULL;
+done:
+  moe_tensor_release(r);
+  moe_tensor_release(a32);
+  moe_tensor_release(b32);
+  moe_tensor_release(r32);
+  return st;
+}
+
+/* ------------------------------------------------------------ autograd */
+
+/* inputs x (0), w (1); saved x (slot 0), w (slot 1); iargs: groups,
+ * trans_w; user: a copy of the G + 1 offsets. */
+static moe_status gg_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                 moe_tensor **gin) {
+  moe_tensor *x = NULL, *w = NULL;
+  moe_status st = MOE_OK;
+  const int64_t *offs = (const int64_t *)n->user;
+  int64_t groups = n->iargs[0];
+  bool trans_w = n->iargs[1] != 0;
+  if (!gout[0]) { /* nothing flowed in: zero gradients */
+    for (int i = 0; i < 2 && st == MOE_OK; i++)
+      if (moe_node_needs_grad(n, i))
+        st = moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0, n->in_dtype[i],
+                             n->in_device[i], &gin[i]);
+    if (st != MOE_OK) goto fail;
+    return MOE_OK;
+  }
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
+  if (moe_node_needs_grad(n, 0))
+    MOE_CHECK_GOTO(gg_mm_compute(ctx, "grouped_mm", gout[0], w, offs, groups, !trans_w, &gin[0]),
+                   st, fail);
+  if (moe_node_needs_grad(n, 1))
+    MOE_CHECK_GOTO(gg_wgrad_compute(ctx, "grouped_mm", x, gout[0], offs, groups, trans_w, &gin[1]),
+                   st, fail);
+  goto done;
+fail:
+  for (int i = 0; i < 2; i++) {
+    moe_tensor_release(gin[i]);
+    gin[i] = NULL;
+  }
+done:
+  moe_tensor_release(x);
+  moe_tensor_release(w);
+  return st;
+}
+
+/* ------------------------------------------------------------------ API */
+
+moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int64_t *offs,
+                          int64_t groups, bool trans_w, moe_tensor **out) {
+  const char *fn = "grouped_mm";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
+  char sx[SHAPE_BUF], sw[SHAPE_BUF];
+  moe_shape_str(x->ndim, x->shape, sx, sizeof(sx));
+  moe_shape_str(w->ndim, w->shape, sw, sizeof(sw));
+  if (groups >= 1 && w->shape[0] != groups)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, wanted %lld (x %s)",
+                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
+  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
+  if (x->shape[1] != wk)
+    return moe_error(ctx, MOE_ERR_SHAPE,
+                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
+                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, x->shape[0]));
+
+  bool prev = moe_grad_set(ctx, false);
+  moe_tensor *r = NULL;
+  moe_status st = gg_mm_compute(ctx, fn, x, w, offs, groups, trans_w, &r);
+  moe_grad_set(ctx, prev);
+  MOE_CHECK(st);
+  if (moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w})) {
+    moe_node *n = NULL;
+    int64_t *copy = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1));
+    if (!copy) {
+      st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn,
+                     (long long)(groups + 1));
+    } else {
+      memcpy(copy, offs, sizeof(int64_t) * (size_t)(groups + 1));
+      st = moe_node_new(ctx, MOE_OP_GROUPED_MM, gg_mm_backward, 2, (moe_tensor *[]){x, w}, &n);
+      if (st == MOE_OK) {
+        n->user = copy;
+        n->user_free = free;
+        copy = NULL;
+        n->iargs[0] = groups;
+        n->iargs[1] = trans_w;
+        st = moe_node_save(ctx, n, x);
+      }
+      free(copy);
+    }
+    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
+    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
+    if (n) moe_node_release(n);
+    if (st != MOE_OK) {
+      moe_tensor_release(r);
+      return st;
+    }
+  }
+  *out = r;
+  return MOE_OK;
+}
+
+moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const int64_t *offs,
+                                int64_t groups, bool trans_out, moe_tensor **out) {
+  const char *fn = "grouped_mm_wgrad";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
+  if (a->shape[0] != b->shape[0]) {
+    char sa[SHAPE_BUF], sb[SHAPE_BUF];
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
+                     moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
+                     moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)), (long long)a->shape[0],
+                     (long long)b->shape[0]);
+  }
+  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, a->shape[0]));
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = gg_wgrad_compute(ctx, fn, a, b, offs, groups, trans_out, out);
+  moe_grad_set(ctx, prev);
+  return st;
+}

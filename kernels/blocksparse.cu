@@ -1,0 +1,903 @@
+/*
+ * blocksparse.cu - CUDA kernels of the block-sparse family
+ * (core/blocksparse_cuda.h): MegaBlocks' SDD, DSD, DSD^T and DDS products
+ * with 128 x 128 blocks over a routing plan's topology, and the dense
+ * conversions.
+ *
+ * One main loop serves the four products. Every CTA owns one 128 x BN
+ * output tile (BN = 256: two adjacent column blocks, or 256 columns of K)
+ * and walks a sequence of BK-deep k-chunks; a product only says, per chunk,
+ * where the A (128 x BK) and B (BK x BN, two 128-row halves) tiles start,
+ * their leading dimension and how many rows / k are valid:
+ *   SDD    tile = blocks (rb, c0..)   chunks over K (x row block, w columns)
+ *   DSD    tile = (rb, K-tile)        chunks = the row's F blocks x 128 / BK
+ *   DSD^T  tile = (column, K-tile)    chunks = the column's blocks x 128 / BK (S^T)
+ *   DDS    tile = (K-tile, columns)   chunks = the columns' blocks x 128 / BK (x^T)
+ * Whether A / B are k-contiguous or m/n-contiguous in memory is a template
+ * parameter; ldmatrix (.trans where the tile is m/n-contiguous) turns either
+ * into mma.sync m16n8k16 fragments (bf16 in, f32 accumulate). Shared memory
+ * holds a multi-stage cp.async pipeline of padded tiles (row pitch + 8
+ * elements: conflict-free ldmatrix); 8 warps as 2 x 4, each 64 x BN/4 of the
+ * tile. CTAs are ordered in groups of 8 tile rows for L2 reuse. Variants
+ * (MOE_BSMM_TILE, see bs_variant): 128 x 128 / BK 32, 128 x 256 / BK 32 and
+ * 128 x 256 / BK 64. f32 uses a plain shared-memory tiled kernel (128 x 128)
+ * with the same chunk walk.
+ *
+ * Hopper (sm_90a, the default "wg" variant; see "Hopper: TMA + wgmma main
+ * loop" below): the same tiles and chunk walk (bs_cta), each chunk's
+ * operands loaded by TMA boxes with the 128-byte swizzle into a 4-stage
+ * mbarrier pipeline by a producer warpgroup, consumed by two warpgroups
+ * with wgmma m64n256k16 (M/N-major operands through the transpose bits);
+ * 2.1-2.3x the mma.sync kernels on an H100.
+ *
+ * Determinism: each output element is accumulated by one thread over the
+ * chunks in the topology's order; no atomics. Sizes: K % 8 == 0 for bf16
+ * (16-byte cp.async); all offsets are int64.
+ */
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "blocksparse_cuda.h"
+#include "common.cuh"
+
+namespace {
+
+constexpr int BS_B = 128;      /* block size */
+constexpr int BS_BK = 32;      /* k-chunk of the f32 kernel and the default bf16 one */
+constexpr int BS_THREADS = 256;
+constexpr int BS_GROUP = 8;       /* tile rows per rasterisation group (MOE_BSMM_GROUP) */
+
+enum BsKind { BS_SDD = 0, BS_DSD = 1, BS_DSD_T = 2, BS_DDS = 3 };
+
+/* One operand's chunk: element (mn, k) of the first 128 rows (mn < 128)
+ * sits at p[mn * ld + k] when k-contiguous, else at p[k * ld + mn]; rows
+ * 128.. (the second half of a 256-wide B tile) likewise from p2 with
+ * mn - 128. Rows mn >= mn_valid and k >= k_valid read as zeros. */
+template <typename T> struct BsTile {
+  const T *p, *p2;
+  int64_t ld;
+  int mn_valid, k_valid;
+};
+
+struct BsArgs {
+  moe_bs_topo tp;
+  const void *a; /* first operand (x or s) */
+  const void *c; /* second operand (w, y or s) */
+  void *out;
+  int64_t K;
+  int group; /* tile rows per rasterisation group (bs_raster) */
+};
+
+/* The output tile (BS_B x BN) and chunk walk of a CTA. Output element
+ * (row, col) of the tile is out[out_off + row * ldo + (col / 128) * cbs +
+ * col % 128]. */
+struct BsCta {
+  int64_t i0;       /* SDD: first block; DSD: row block; DSD_T / DDS: first it of the column */
+  int64_t col;      /* DSD_T / DDS: the (first) column block */
+  int64_t t0;       /* offset of the tile along K (DSD, DSD_T: n0; DDS: m0) */
+  int nq;           /* chunks */
+  int64_t out_off, ldo, cbs;
+  int m_valid, n_valid;
+};
+
+__device__ __forceinline__ int bs_min(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
+
+/* Tile coordinates of linear CTA id over (Mt x Nt) tiles, grouped by G
+ * tile rows. */
+__device__ __forceinline__ void bs_raster(int64_t id, int64_t Mt, int64_t Nt, int64_t G,
+                                          int64_t *mt, int64_t *nt) {
+  int64_t per = G * Nt, g = id / per, local = id - g * per;
+  int64_t rows = Mt - g * G < G ? Mt - g * G : G;
+  *mt = g * G + local % rows;
+  *nt = local / rows;
+}
+
+/* Tiles of a product with tile width BN (host and device). */
+__host__ __device__ inline int64_t bs_tiles(int kind, const moe_bs_topo &tp, int64_t K, int BN) {
+  int64_t cpt = BN / BS_B; /* column blocks per tile */
+  switch (kind) {
+  case BS_SDD: return tp.Rb * ((tp.F + cpt - 1) / cpt);
+  case BS_DSD: return tp.Rb * ((K + BN - 1) / BN);
+  case BS_DSD_T: return tp.EL * tp.F * ((K + BN - 1) / BN);
+  default: return tp.EL * ((tp.F + cpt - 1) / cpt) * ((K + BS_B - 1) / BS_B);
+  }
+}
+
+template <int KIND, int BN, int BK>
+__device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
+  const moe_bs_topo &tp = g.tp;
+  constexpr int CPT = BN / BS_B;
+  int64_t K = g.K, F = tp.F, N = F * BS_B;
+  BsCta c;
+  int64_t mt, nt;
+  c.col = 0;
+  if (KIND == BS_SDD) { /* tile = blocks (rb, c0 .. c0 + CPT - 1) */
+    int64_t Fp = (F + CPT - 1) / CPT;
+    bs_raster(id, tp.Rb, Fp, g.group, &mt, &nt);
+    int64_t c0 = nt * CPT;
+    c.i0 = mt * F + c0;
+    c.t0 = 0;
+    c.nq = (int)((K + BK - 1) / BK);
+    c.out_off = c.i0 * BS_B * BS_B;
+    c.ldo = BS_B, c.cbs = BS_B * BS_B;
+    c.m_valid = BS_B, c.n_valid = bs_min(BN, (F - c0) * BS_B);
+  } else if (KIND == BS_DSD) {
+    bs_raster(id, tp.Rb, (K + BN - 1) / BN, g.group, &mt, &nt);
+    c.i0 = mt;
+    c.t0 = nt * BN;
+    c.nq = (int)(F * (BS_B / BK));
+    c.out_off = mt * BS_B * K + c.t0;
+    c.ldo = K, c.cbs = BS_B;
+    c.m_valid = BS_B, c.n_valid = bs_min(BN, K - c.t0);
+  } else if (KIND == BS_DSD_T) { /* out (EL, N, K): rows = the column block, cols t0.. */
+    bs_raster(id, tp.EL * F, (K + BN - 1) / BN, g.group, &mt, &nt);
+    int64_t el = mt / F, cc = mt % F;
+    c.col = mt;
+    c.i0 = tp.offsets_t[mt];
+    c.t0 = nt * BN;
+    c.nq = (int)((tp.offsets_t[mt + 1] - c.i0) * (BS_B / BK));
+    c.out_off = (el * N + cc * BS_B) * K + c.t0;
+    c.ldo = K, c.cbs = BS_B;
+    c.m_valid = BS_B, c.n_valid = bs_min(BN, K - c.t0);
+  } else { /* DDS: out (EL, K, N): rows t0.. of K, cols = column blocks c0 .. c0 + CPT - 1 */
+    int64_t Fp = (F + CPT - 1) / CPT;
+    bs_raster(id, tp.EL * Fp, (K + BS_B - 1) / BS_B, g.group, &mt, &nt);
+    int64_t el = mt / Fp, c0 = (mt % Fp) * CPT;
+    c.col = el * F + c0;
+    c.i0 = tp.offsets_t[c.col];
+    c.t0 = nt * BS_B;
+    c.nq = (int)((tp.offsets_t[c.col + 1] - c.i0) * (BS_B / BK));
+    c.out_off = (el * K + c.t0) * N + c0 * BS_B;
+    c.ldo = N, c.cbs = BS_B;
+    c.m_valid = bs_min(BS_B, K - c.t0), c.n_valid = bs_min(BN, (F - c0) * BS_B);
+  }
+  return c;
+}
+
+/* Where chunk q of the CTA's walk reads A (128 x BK) and B (BK x BN). */
+template <int KIND, bool TRANS, typename T, int BK>
+__device__ __forceinline__ void bs_chunk(const BsArgs &g, const BsCta &c, int q, BsTile<T> &A,
+                                         BsTile<T> &B) {
+  const moe_bs_topo &tp = g.tp;
+  const T *a = (const T *)g.a, *w = (const T *)g.c;
+  int64_t K = g.K, F = tp.F, N = F * BS_B;
+  constexpr int QB = BS_B / BK; /* chunks per block */
+  if (KIND == BS_SDD) {
+    int64_t i = c.i0, rb = tp.row_indices[i], cb = tp.column_indices[i];
+    int64_t el = cb / F, cc = cb % F, kk = (int64_t)q * BK;
+    int kv = bs_min(BK, K - kk);
+    const T *pa = a + rb * BS_B * K + kk;
+    A = BsTile<T>{pa, pa, K, BS_B, kv};
+    if (!TRANS) { /* w[el] (K, N): B[k][n] = w[el][kk + k][cc * 128 + n] */
+      const T *pb = w + (el * K + kk) * N + cc * BS_B;
+      B = BsTile<T>{pb, pb + BS_B, N, c.n_valid, kv};
+    } else { /* w[el] (N, K): B[k][n] = w[el][cc * 128 + n][kk + k] */
+      const T *pb = w + (el * N + cc * BS_B) * K + kk;
+      B = BsTile<T>{pb, pb + BS_B * K, K, c.n_valid, kv};
+    }
+  } else if (KIND == BS_DSD) {
+    int64_t i = c.i0 * F + q / QB, cb = tp.column_indices[i];
+    int64_t el = cb / F, cc = cb % F, kk = (int64_t)(q % QB) * BK;
+    const T *pa = a + i * BS_B * BS_B + kk;
+    A = BsTile<T>{pa, pa, BS_B, BS_B, BK};
+    if (!TRANS) { /* w[el] (N, K): B[k][n] = w[el][cc * 128 + kk + k][t0 + n] */
+      const T *pb = w + (el * N + cc * BS_B + kk) * K + c.t0;
+      B = BsTile<T>{pb, pb + BS_B, K, c.n_valid, BK};
+    } else { /* w[el] (K, N): B[k][n] = w[el][t0 + n][cc * 128 + kk + k] */
+      const T *pb = w + (el * K + c.t0) * N + cc * BS_B + kk;
+      B = BsTile<T>{pb, pb + BS_B * N, N, c.n_valid, BK};
+    }
+  } else {
+    int64_t it = c.i0 + q / QB, i = tp.block_offsets_t[it], rb = tp.column_indices_t[it];
+    int64_t kk = (int64_t)(q % QB) * BK;
+    if (KIND == BS_DSD_T) { /* A = S_i^T (m-contiguous), B = y rows (n-contiguous) */
+      const T *pa = a + i * BS_B * BS_B + kk * BS_B;
+      A = BsTile<T>{pa, pa, BS_B, BS_B, BK};
+      const T *pb = w + (rb * BS_B + kk) * K + c.t0;
+      B = BsTile<T>{pb, pb + BS_B, K, c.n_valid, BK};
+    } else { /* DDS: A = x^T (m-contiguous), B = S_i | S_i+1 (n-contiguous); a = x, w = s */
+      const T *pa = a + (rb * BS_B + kk) * K + c.t0;
+      A = BsTile<T>{pa, pa, K, c.m_valid, BK};
+      const T *pb = w + i * BS_B * BS_B + kk * BS_B;
+      B = BsTile<T>{pb, pb + BS_B * BS_B, BS_B, c.n_valid, BK};
+    }
+  }
+}
+
+template <int KIND, bool TRANS> struct BsLayout {
+  /* A k-contiguous: SDD, DSD; B k-contiguous: SDD / DSD with trans_w */
+  static constexpr bool A_KC = KIND == BS_SDD || KIND == BS_DSD;
+  static constexpr bool B_KC = (KIND == BS_SDD || KIND == BS_DSD) && TRANS;
+};
+
+/* Shared-memory geometry for tile width BN, k-chunk BK and STAGES stages
+ * (A is 128 x BK). Pitches of 8 extra elements keep ldmatrix conflict-free. */
+template <int BN, int BK, int STAGES> struct BsSmem {
+  static constexpr int PK = BK + 8;     /* pitch of a k-contiguous row (128 or BN rows) */
+  static constexpr int PMA = BS_B + 8;  /* pitch of an m-contiguous A row (BK rows) */
+  static constexpr int PMB = BN + 8;    /* pitch of an n-contiguous B row (BK rows) */
+  static constexpr int A_ELEMS = BS_B * PK > BK * PMA ? BS_B * PK : BK * PMA;
+  static constexpr int B_ELEMS = BN * PK > BK * PMB ? BN * PK : BK * PMB;
+  static constexpr int STAGE = A_ELEMS + B_ELEMS;
+  static constexpr size_t BYTES = sizeof(uint16_t) * (size_t)STAGES * STAGE;
+};
+
+/* ------------------------------------------------------ bf16 tensor cores */
+
+__device__ __forceinline__ uint32_t bs_smem_u32(const void *p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bs_cp16(uint32_t dst, const void *src, bool valid) {
+  int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void bs_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void bs_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void bs_ldm(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void bs_ldm_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void bs_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Issues the cp.async copies of one operand's chunk (ROWS x BK) into a
+ * stage tile: k-contiguous (ROWS rows of pitch BK + 8) or m/n-contiguous
+ * (BK rows of pitch PM). */
+template <bool KC, int ROWS, int PM, int BK>
+__device__ __forceinline__ void bs_load_tile(uint16_t *sm, const BsTile<uint16_t> &t) {
+  constexpr int PER = ROWS * BK / 8 / BS_THREADS; /* 16-byte copies per thread */
+#pragma unroll
+  for (int r = 0; r < PER; r++) {
+    int idx = threadIdx.x + r * BS_THREADS;
+    if (KC) {
+      int row = idx / (BK / 8), kc = (idx % (BK / 8)) * 8;
+      bool v = row < t.mn_valid && kc < t.k_valid;
+      const uint16_t *base = row < BS_B ? t.p : t.p2;
+      const uint16_t *src = v ? base + (int64_t)(row & (BS_B - 1)) * t.ld + kc : t.p;
+      bs_cp16(bs_smem_u32(sm + row * (BK + 8) + kc), src, v);
+    } else {
+      int kr = idx / (ROWS / 8), mc = (idx % (ROWS / 8)) * 8;
+      bool v = kr < t.k_valid && mc < t.mn_valid;
+      const uint16_t *base = mc < BS_B ? t.p : t.p2;
+      const uint16_t *src = v ? base + (int64_t)kr * t.ld + (mc & (BS_B - 1)) : t.p;
+      bs_cp16(bs_smem_u32(sm + kr * PM + mc), src, v);
+    }
+  }
+}
+
+/* The tensor-core kernel: tile 128 x BN, k-chunks of BK in a STAGES-deep
+ * pipeline, 8 warps as 2 x 4, each 64 x BN/4. */
+template <int KIND, bool TRANS, int BN, int BK, int STAGES>
+__global__ void __launch_bounds__(BS_THREADS, BN == 128 ? 2 : 1) bs_mma_kernel(BsArgs g) {
+  using L = BsLayout<KIND, TRANS>;
+  using SM = BsSmem<BN, BK, STAGES>;
+  constexpr int NI = BN / 32; /* n8 tiles per warp */
+  constexpr int NP = BN / 64; /* ldmatrix.x4 of B per k16 (16 n each) */
+  extern __shared__ __align__(16) uint16_t bs_smem[];
+  BsCta c = bs_cta<KIND, BN, BK>(g, blockIdx.x);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int wm = warp >> 2, wn = warp & 3; /* warp tile rows wm*64.., cols wn*(BN/4).. */
+  float acc[4][NI][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[mi][ni][e] = 0.f;
+
+  auto issue = [&](int q) {
+    BsTile<uint16_t> A, B;
+    bs_chunk<KIND, TRANS, uint16_t, BK>(g, c, q, A, B);
+    uint16_t *st = bs_smem + (q % STAGES) * SM::STAGE;
+    bs_load_tile<L::A_KC, BS_B, SM::PMA, BK>(st, A);
+    bs_load_tile<L::B_KC, BN, SM::PMB, BK>(st + SM::A_ELEMS, B);
+  };
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; s++) {
+    if (s < c.nq) issue(s);
+    bs_cp_commit();
+  }
+  for (int q = 0; q < c.nq; q++) {
+    bs_cp_wait<STAGES - 2>();
+    __syncthreads();
+    if (q + STAGES - 1 < c.nq) issue(q + STAGES - 1);
+    bs_cp_commit();
+    const uint16_t *sa = bs_smem + (q % STAGES) * SM::STAGE, *sb = sa + SM::A_ELEMS;
+#pragma unroll
+    for (int ks = 0; ks < BK / 16; ks++) {
+      uint32_t af[4][4], bfr[NP][4];
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++) {
+        int m0 = wm * 64 + mi * 16;
+        if (L::A_KC) {
+          int row = m0 + (lane & 15), k = ks * 16 + (lane >> 4) * 8;
+          bs_ldm(af[mi], bs_smem_u32(sa + row * SM::PK + k));
+        } else {
+          int j = lane >> 3, k = ks * 16 + (lane & 7) + (j >> 1) * 8, m = m0 + (j & 1) * 8;
+          bs_ldm_t(af[mi], bs_smem_u32(sa + k * SM::PMA + m));
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < NP; p++) {
+        int n0 = wn * (BN / 4) + p * 16, j = lane >> 3;
+        if (L::B_KC) {
+          int n = n0 + (lane & 7) + (j >> 1) * 8, k = ks * 16 + (j & 1) * 8;
+          bs_ldm(bfr[p], bs_smem_u32(sb + n * SM::PK + k));
+        } else {
+          int k = ks * 16 + (lane & 7) + (j & 1) * 8, n = n0 + (j >> 1) * 8;
+          bs_ldm_t(bfr[p], bs_smem_u32(sb + k * SM::PMB + n));
+        }
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+          bs_mma(acc[mi][ni], af[mi], bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
+    }
+  }
+  bs_cp_wait<0>();
+  /* epilogue: bf16 pairs, predicated on the tile's valid rows / columns */
+  __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
+  const int gq = lane >> 2, tq = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+    for (int ni = 0; ni < NI; ni++) {
+      int col = wn * (BN / 4) + ni * 8 + tq * 2;
+      int64_t coff = (int64_t)(col >> 7) * c.cbs + (col & (BS_B - 1));
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        int row = wm * 64 + mi * 16 + gq + h * 8;
+        if (row < c.m_valid && col < c.n_valid) {
+          __nv_bfloat162 v = __floats2bfloat162_rn(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+          *(__nv_bfloat162 *)(out + (int64_t)row * c.ldo + coff) = v;
+        }
+      }
+    }
+}
+
+/* ------------------------------------------------------------ f32 path */
+
+/* Each thread owns an 8 x 8 patch of the tile; chunks staged in shared
+ * memory k-major. Plain FMAs in f32, summed over k in order. */
+template <int KIND, bool TRANS>
+__global__ void __launch_bounds__(BS_THREADS) bs_f32_kernel(BsArgs g) {
+  using L = BsLayout<KIND, TRANS>;
+  __shared__ float sa[BS_BK][BS_B + 4], sb[BS_BK][BS_B + 4];
+  BsCta c = bs_cta<KIND, BS_B, BS_BK>(g, blockIdx.x);
+  const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
+  float acc[8][8];
+#pragma unroll
+  for (int i = 0; i < 8; i++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[i][j] = 0.f;
+  for (int q = 0; q < c.nq; q++) {
+    BsTile<float> A, B;
+    bs_chunk<KIND, TRANS, float, BS_BK>(g, c, q, A, B);
+    for (int e = threadIdx.x; e < BS_B * BS_BK; e += BS_THREADS) {
+      int mn, k;
+      if (L::A_KC) mn = e >> 5, k = e & 31;
+      else k = e >> 7, mn = e & 127;
+      sa[k][mn] = mn < A.mn_valid && k < A.k_valid
+                      ? (L::A_KC ? A.p[(int64_t)mn * A.ld + k] : A.p[(int64_t)k * A.ld + mn])
+                      : 0.f;
+      if (L::B_KC) mn = e >> 5, k = e & 31;
+      else k = e >> 7, mn = e & 127;
+      sb[k][mn] = mn < B.mn_valid && k < B.k_valid
+                      ? (L::B_KC ? B.p[(int64_t)mn * B.ld + k] : B.p[(int64_t)k * B.ld + mn])
+                      : 0.f;
+    }
+    __syncthreads();
+#pragma unroll 4
+    for (int k = 0; k < BS_BK; k++) {
+      float av[8], bv[8];
+#pragma unroll
+      for (int i = 0; i < 8; i++) av[i] = sa[k][ty * 8 + i], bv[i] = sb[k][tx * 8 + i];
+#pragma unroll
+      for (int i = 0; i < 8; i++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+  float *out = (float *)g.out + c.out_off;
+#pragma unroll
+  for (int i = 0; i < 8; i++)
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+      int row = ty * 8 + i, col = tx * 8 + j;
+      if (row < c.m_valid && col < c.n_valid) out[(int64_t)row * c.ldo + col] = acc[i][j];
+    }
+}
+
+/* ------------------------------------------- Hopper: TMA + wgmma main loop */
+
+/* The sm_90a path (MOE_BSMM_TILE=wg). CTA tile 128 x 256, k-chunks of 64,
+ * BS_WG_STAGES-deep pipeline in shared memory, 3 warpgroups: warpgroup 0
+ * is the producer (one thread issues the TMA copies of each chunk, waiting
+ * on the stage's "empty" mbarrier), warpgroups 1 and 2 are consumers (rows
+ * 0-63 and 64-127 of the tile: wgmma m64n256k16, f32 accumulators in
+ * registers), each waiting on the stage's "full" mbarrier (TMA transaction
+ * bytes) and releasing it once the wgmma that read it has completed.
+ *
+ * Every chunk operand is a plain 2-D (or 3-D, per expert) box of a tensor,
+ * so TMA loads it with the 128-byte swizzle wgmma expects; no gather:
+ *   K-major tile (k-contiguous rows): one box of 64 k x ROWS rows, row r at
+ *     r * 128 bytes (SW128 K-major: 8-row groups 1024 bytes apart);
+ *   M/N-major tile: boxes of 64 m/n x 64 k, box j (m/n 64j..) at j * 8192
+ *     bytes, k row at k * 128 (SW128 MN-major: 64-wide atoms 8192 bytes
+ *     apart, 8-k groups 1024 apart); wgmma reads it with its transpose bit.
+ * Out-of-bounds box elements (K tails, the column block after the last)
+ * are zero-filled by TMA; the epilogue writes only valid rows / columns. */
+constexpr int BS_WG_BK = 64;
+constexpr int BS_WG_BN = 256;
+constexpr int BS_WG_STAGES = 4;
+constexpr int BS_WG_THREADS = 384;
+constexpr int BS_WG_A_BYTES = BS_B * BS_WG_BK * 2;     /* 16 KB */
+constexpr int BS_WG_B_BYTES = BS_WG_BN * BS_WG_BK * 2; /* 32 KB */
+constexpr int BS_WG_STAGE = BS_WG_A_BYTES + BS_WG_B_BYTES;
+/* stages + mbarriers + 1024 bytes for aligning the base (SW128 atoms) */
+constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + 1024 + 2 * BS_WG_STAGES * 8;
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define BS_WG_DEVICE 1
+#endif
+
+#ifdef BS_WG_DEVICE
+__device__ __forceinline__ void bs_mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void bs_mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "BS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra BS_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bs_mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void bs_mbar_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+      "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bs_tma2(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                        uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void bs_tma3(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                        int c2, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+               : "memory");
+}
+/* Shared-memory matrix descriptor, 128-byte swizzle (start, LBO, SBO >> 4). */
+__device__ __forceinline__ uint64_t bs_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
+         (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+/* One wgmma m64n256k16 (bf16 in, f32 accumulate): d += A * B, A and B
+ * from shared memory by descriptor; TA / TB: M- / N-major operands. */
+template <int TA, int TB>
+__device__ __forceinline__ void bs_wgmma(float (&d)[128], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+      "%128, %129, 1, 1, 1, %130, %131;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+
+/* Producer: TMA copies of chunk q of the CTA's walk into stage st (A at
+ * sa, B at sb), completing on mbarrier bar. Maps: ma / mb as made by
+ * bs_wg_maps (the box shapes listed there). */
+template <int KIND, bool TRANS>
+__device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int q,
+                                            const CUtensorMap *ma, const CUtensorMap *mb,
+                                            uint32_t sa, uint32_t sb, uint32_t bar) {
+  const moe_bs_topo &tp = g.tp;
+  int64_t F = tp.F;
+  if (KIND == BS_SDD) {
+    int64_t i = c.i0, rb = tp.row_indices[i], cb = tp.column_indices[i];
+    int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
+    bs_tma2(sa, ma, kk, (int)(rb * BS_B), bar); /* x (K | R): 64 x 128 */
+    if (!TRANS)                                 /* w (N | K | EL): 4 x (64 x 64 x 1) */
+      for (int j = 0; j < 4; j++) bs_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
+    else /* w (K | N | EL): 64 x 256 x 1 */
+      bs_tma3(sb, mb, kk, n0, el, bar);
+  } else if (KIND == BS_DSD) {
+    int64_t i = c.i0 * F + q / 2, cb = tp.column_indices[i];
+    int el = (int)(cb / F), r0 = (int)(cb % F) * BS_B + (q % 2) * BS_WG_BK;
+    int t0 = (int)c.t0;
+    bs_tma2(sa, ma, (q % 2) * BS_WG_BK, (int)(i * BS_B), bar); /* s (128 | nnz*128): 64 x 128 */
+    if (!TRANS) /* w (K | N | EL): 4 x (64 x 64 x 1) */
+      for (int j = 0; j < 4; j++) bs_tma3(sb + j * 8192, mb, t0 + j * 64, r0, el, bar);
+    else /* w (N | K | EL): 64 x 256 x 1 */
+      bs_tma3(sb, mb, r0, t0, el, bar);
+  } else {
+    int64_t it = c.i0 + q / 2, i = tp.block_offsets_t[it], rb = tp.column_indices_t[it];
+    int kk = (q % 2) * BS_WG_BK, t0 = (int)c.t0;
+    if (KIND == BS_DSD_T) { /* A = S_i^T: s (128 | nnz*128) 2 x (64 x 64); B = y (K | R) 4 x */
+      for (int j = 0; j < 2; j++) bs_tma2(sa + j * 8192, ma, j * 64, (int)(i * BS_B) + kk, bar);
+      for (int j = 0; j < 4; j++)
+        bs_tma2(sb + j * 8192, mb, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
+    } else { /* DDS: A = x^T: x (K | R) 2 x (64 x 64); B = S_i | S_i+1: s 4 x (64 x 64) */
+      for (int j = 0; j < 2; j++)
+        bs_tma2(sa + j * 8192, ma, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
+      for (int j = 0; j < 4; j++)
+        bs_tma2(sb + j * 8192, mb, (j & 1) * 64, (int)((i + (j >> 1)) * BS_B) + kk, bar);
+    }
+  }
+}
+#endif /* BS_WG_DEVICE */
+
+/* mn_swap: 1 swaps the LBO / SBO fields of the M/N-major descriptors (a
+ * diagnostic, MOE_BSMM_WG_MNSWAP=1; 0 is the PTX ISA's canonical form).
+ * The CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... < ntiles: one
+ * tile per CTA when the grid covers them all, a persistent grid otherwise
+ * (MOE_BSMM_PERSIST; the producer then loads the next tile's first chunks
+ * while the consumers store the previous one). Stage / phase counters run
+ * on across tiles (it = the CTA's chunk count so far). */
+template <int KIND, bool TRANS>
+__global__ void __launch_bounds__(BS_WG_THREADS, 1)
+    bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
+                 BsArgs g, int64_t ntiles, int mn_swap) {
+#ifdef BS_WG_DEVICE
+  using L = BsLayout<KIND, TRANS>;
+  extern __shared__ __align__(16) uint8_t bs_wsmem[];
+  const uint32_t raw = bs_smem_u32(bs_wsmem);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t bars = base + BS_WG_STAGES * BS_WG_STAGE; /* full[S], empty[S] */
+  const int wg = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < BS_WG_STAGES; s++) {
+      bs_mbar_init(bars + 8 * s, 1);
+      bs_mbar_init(bars + 8 * (BS_WG_STAGES + s), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (wg == 0) { /* producer */
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      int64_t it = 0;
+      for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
+        for (int q = 0; q < c.nq; q++, it++) {
+          int s = (int)(it % BS_WG_STAGES);
+          if (it >= BS_WG_STAGES)
+            bs_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
+          uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE;
+          bs_mbar_expect(full, BS_WG_STAGE);
+          bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, sa, sa + BS_WG_A_BYTES, full);
+        }
+      }
+    }
+  } else { /* consumers: rows (wg - 1) * 64 .. of the tile */
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    const int cw = wg - 1;
+    const uint32_t lbo = mn_swap ? 1024u : 8192u, sbo = mn_swap ? 8192u : 1024u;
+    const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+    int64_t it = 0;
+    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+      BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
+      float acc[128];
+#pragma unroll
+      for (int e = 0; e < 128; e++) acc[e] = 0.f;
+      for (int q = 0; q < c.nq; q++, it++) {
+        int s = (int)(it % BS_WG_STAGES);
+        bs_mbar_wait(bars + 8 * s, (uint32_t)((it / BS_WG_STAGES) & 1));
+        uint32_t sa = base + s * BS_WG_STAGE + cw * 8192, sb = base + s * BS_WG_STAGE + BS_WG_A_BYTES;
+        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#pragma unroll
+        for (int ks = 0; ks < BS_WG_BK / 16; ks++) {
+          uint64_t da =
+              L::A_KC ? bs_desc(sa + ks * 32, 16, 1024) : bs_desc(sa + ks * 2048, lbo, sbo);
+          uint64_t db =
+              L::B_KC ? bs_desc(sb + ks * 32, 16, 1024) : bs_desc(sb + ks * 2048, lbo, sbo);
+          bs_wgmma<L::A_KC ? 0 : 1, L::B_KC ? 0 : 1>(acc, da, db);
+        }
+        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+        if (q > 0) bs_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+      }
+      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      /* the tile's last stage is free for the producer's next tile */
+      if (c.nq > 0) bs_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+      /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
+       * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
+      __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
+#pragma unroll
+      for (int j = 0; j < 32; j++) {
+        int col = j * 8 + (lane & 3) * 2;
+        int64_t coff = (int64_t)(col >> 7) * c.cbs + (col & (BS_B - 1));
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+          int row = cw * 64 + wq * 16 + (lane >> 2) + h * 8;
+          if (row < c.m_valid && col < c.n_valid)
+            *(__nv_bfloat162 *)(out + (int64_t)row * c.ldo + coff) =
+                __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+#else
+  (void)ma, (void)mb, (void)g, (void)ntiles, (void)mn_swap;
+#endif
+}
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
+ * against libcuda). */
+typedef CUresult (*bs_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
+                                 const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
+                                 const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+bs_encode_fn bs_encoder() {
+  static bs_encode_fn fn = NULL;
+  if (!fn) {
+    void *p = NULL;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) == cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = (bs_encode_fn)p;
+  }
+  return fn;
+}
+
+/* A bf16 tensor map over a row-major tensor: dims innermost first (elements),
+ * box in elements (innermost 64 = 128 bytes, the swizzle span). */
+moe_status bs_map(moe_ctx *ctx, CUtensorMap *m, const void *p, int rank, const int64_t *dims,
+                  const uint32_t *box) {
+  bs_encode_fn enc = bs_encoder();
+  if (!enc) return moe_error(ctx, MOE_ERR_CUDA, "bsmm: cuTensorMapEncodeTiled is not available");
+  cuuint64_t gd[3], gs[2];
+  cuuint32_t bx[3], es[3] = {1, 1, 1};
+  int64_t stride = 2;
+  for (int d = 0; d < rank; d++) {
+    gd[d] = (cuuint64_t)dims[d], bx[d] = box[d];
+    if (d > 0) gs[d - 1] = (cuuint64_t)stride;
+    stride *= dims[d];
+  }
+  CUresult r = enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, (cuuint32_t)rank, (void *)p, gd, gs, bx,
+                   es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return moe_error(ctx, MOE_ERR_CUDA, "bsmm: cuTensorMapEncodeTiled failed (%d)", (int)r);
+  return MOE_OK;
+}
+
+/* The two tensor maps of a product (see bs_wg_issue for the boxes). */
+template <int KIND, bool TRANS>
+moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMap *mb) {
+  const moe_bs_topo &tp = g.tp;
+  int64_t K = g.K, N = tp.F * BS_B, R = tp.Rb * BS_B, S = tp.nnz * BS_B, EL = tp.EL;
+  const uint32_t b64x128[2] = {64, 128}, b64x64[2] = {64, 64};
+  const uint32_t b3_64[3] = {64, 64, 1}, b3_256[3] = {64, 256, 1};
+  if (KIND == BS_SDD) {
+    const int64_t dx[2] = {K, R}, dw[3] = {N, K, EL}, dwt[3] = {K, N, EL};
+    MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
+    return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
+  }
+  if (KIND == BS_DSD) {
+    const int64_t ds[2] = {BS_B, S}, dw[3] = {K, N, EL}, dwt[3] = {N, K, EL};
+    MOE_CHECK(bs_map(ctx, ma, g.a, 2, ds, b64x128));
+    return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
+  }
+  const int64_t ds[2] = {BS_B, S}, dy[2] = {K, R};
+  const bool dds = KIND == BS_DDS; /* DSD^T: a = s, c = y; DDS: a = x, c = s */
+  MOE_CHECK(bs_map(ctx, ma, g.a, 2, dds ? dy : ds, b64x64));
+  return bs_map(ctx, mb, g.c, 2, dds ? ds : dy, b64x64);
+}
+
+template <int KIND, bool TRANS>
+moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
+  CUtensorMap ma, mb;
+  MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb)));
+  const char *e = getenv("MOE_BSMM_WG_MNSWAP");
+  int swap = e && strcmp(e, "1") == 0;
+  auto kern = bs_wg_kernel<KIND, TRANS>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      (int)BS_WG_SMEM));
+  /* MOE_BSMM_PERSIST=1: a persistent grid of one CTA per multiprocessor;
+   * =n (n >= 2): n CTAs (tests use a few to walk many tiles per CTA) */
+  const char *pe = getenv("MOE_BSMM_PERSIST");
+  int64_t grid = ctas, want = pe ? atoll(pe) : 0;
+  if (want == 1) {
+    int dev = 0, sms = 0;
+    MOE_KCUDA(ctx, cudaGetDevice(&dev));
+    MOE_KCUDA(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    want = sms;
+  }
+  if (want >= 1 && want < grid) grid = want;
+  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap);
+  MOE_KCHECK(ctx, "bsmm (bf16 wgmma kernel)");
+  return MOE_OK;
+}
+
+/* Whether device can run the sm_90a kernel (compute capability 9.x). */
+bool bs_wg_supported(int device) {
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+             cudaSuccess &&
+         major == 9;
+}
+
+/* -------------------------------------------------------------- launch */
+
+/* The bf16 kernel variant, from the environment variable MOE_BSMM_TILE:
+ * "wg" (the default: TMA + wgmma, 128 x 256, BK 64, 4 stages, sm_90a; on a
+ * GPU other than compute capability 9.x it falls back to 256k64), or the
+ * mma.sync kernels: "128" (tile 128 x 128, BK 32, 4 stages, 2 CTAs per SM),
+ * "256" (128 x 256, BK 32, 4 stages), "256k64" (128 x 256, BK 64, 3 stages).
+ * All are tested (tests/c/test_blocksparse_cuda.c) and benchmarked. */
+enum BsVariant { BS_V128 = 0, BS_V256 = 1, BS_V256K64 = 2, BS_VWG = 3 };
+BsVariant bs_variant() {
+  const char *e = getenv("MOE_BSMM_TILE");
+  if (e && strcmp(e, "wg") == 0) return BS_VWG;
+  if (e && strcmp(e, "128") == 0) return BS_V128;
+  if (e && strcmp(e, "256") == 0) return BS_V256;
+  if (e && strcmp(e, "256k64") == 0) return BS_V256K64;
+  return BS_VWG; /* the fastest on an H100 (bench/results/blocksparse.md) */
+}
+
+template <int KIND, bool TRANS, int BN, int BK, int STAGES>
+moe_status bs_launch_mma(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
+  size_t smem = BsSmem<BN, BK, STAGES>::BYTES;
+  auto kern = bs_mma_kernel<KIND, TRANS, BN, BK, STAGES>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  kern<<<(unsigned)ctas, BS_THREADS, smem, stream>>>(g);
+  MOE_KCHECK(ctx, "bsmm (bf16 tensor-core kernel)");
+  return MOE_OK;
+}
+
+template <int KIND, bool TRANS>
+moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
+  BsVariant v = bs_variant();
+  int BN = dt == MOE_BF16 && v != BS_V128 ? 256 : BS_B;
+  int64_t ctas = bs_tiles(KIND, g.tp, g.K, BN);
+  if (ctas == 0) return MOE_OK;
+  if (ctas > INT32_MAX)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "bsmm: %lld tiles exceed the grid limit",
+                     (long long)ctas);
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  cudaStream_t cs = (cudaStream_t)stream;
+  if (dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device))
+    return bs_launch_wg<KIND, TRANS>(ctx, g, cs, ctas);
+  if (dt == MOE_BF16 && (v == BS_V256K64 || v == BS_VWG)) return bs_launch_mma<KIND, TRANS, 256, 64, 3>(ctx, g, cs, ctas);
+  if (dt == MOE_BF16 && v == BS_V256) return bs_launch_mma<KIND, TRANS, 256, 32, 4>(ctx, g, cs, ctas);
+  if (dt == MOE_BF16) return bs_launch_mma<KIND, TRANS, 128, 32, 4>(ctx, g, cs, ctas);
+  bs_f32_kernel<KIND, TRANS><<<(unsigned)ctas, BS_THREADS, 0, (cudaStream_t)stream>>>(g);
+  MOE_KCHECK(ctx, "bsmm (f32 kernel)");
+  return MOE_OK;
+}
+
+BsArgs bs_args(const moe_bs_topo *tp, const void *a, const void *c, void *out, int64_t K) {
+  BsArgs g;
+  g.tp = *tp;
+  g.a = a, g.c = c, g.out = out, g.K = K;
+  /* MOE_BSMM_GROUP (1..64) overrides the rasterisation group, for tuning */
+  const char *e = getenv("MOE_BSMM_GROUP");
+  int v = e ? atoi(e) : 0;
+  g.group = v >= 1 && v <= 64 ? v : BS_GROUP;
+  return g;
+}
+
+/* ------------------------------------------------------ dense conversions */
+
+template <typename T>
+__global__ void bs_convert_kernel(moe_bs_topo tp, const T *src, T *dst, bool to_dense) {
+  int64_t i = blockIdx.x, rb = tp.row_indices[i], cb = tp.column_indices[i];
+  int64_t ld = tp.EL * tp.F * BS_B;
+  for (int e = threadIdx.x; e < BS_B * BS_B; e += blockDim.x) {
+    int r = e / BS_B, j = e % BS_B;
+    int64_t d = (rb * BS_B + r) * ld + cb * BS_B + j, s = i * BS_B * BS_B + e;
+    if (to_dense) dst[d] = src[s];
+    else dst[s] = src[d];
+  }
+}
+
+moe_status bs_convert(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                      const void *src, void *dst, bool to_dense) {
+  if (tp->nnz == 0) return MOE_OK;
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  if (dt == MOE_BF16)
+    bs_convert_kernel<uint16_t><<<(unsigned)tp->nnz, 256, 0, (cudaStream_t)stream>>>(
+        *tp, (const uint16_t *)src, (uint16_t *)dst, to_dense);
+  else
+    bs_convert_kernel<float><<<(unsigned)tp->nnz, 256, 0, (cudaStream_t)stream>>>(
+        *tp, (const float *)src, (float *)dst, to_dense);
+  MOE_KCHECK(ctx, to_dense ? "bsmm_to_dense" : "bsmm_from_dense");
+  return MOE_OK;
+}
+
+} // namespace
+
+extern "C" {
+
+moe_status moe_cuda_bsmm_sdd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *x, const void *w, int64_t K, bool trans_w, void *out) {
+  BsArgs g = bs_args(tp, x, w, out, K);
+  if (trans_w) return bs_launch<BS_SDD, true>(ctx, device, dt, g);
+  return bs_launch<BS_SDD, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_dsd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *s, const void *w, int64_t K, bool trans_w, void *out) {
+  BsArgs g = bs_args(tp, s, w, out, K);
+  if (trans_w) return bs_launch<BS_DSD, true>(ctx, device, dt, g);
+  return bs_launch<BS_DSD, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_dsd_t(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                               const void *s, const void *y, int64_t K, void *out) {
+  BsArgs g = bs_args(tp, s, y, out, K);
+  return bs_launch<BS_DSD_T, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                             const void *x, const void *s, int64_t K, void *out) {
+  BsArgs g = bs_args(tp, x, s, out, K);
+  return bs_launch<BS_DDS, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                                  const void *s, void *dense) {
+  return bs_convert(ctx, device, dt, tp, s, dense, true);
+}
+
+moe_status moe_cuda_bsmm_from_dense(moe_ctx *ctx, int device, moe_dtype dt,
+                                    const moe_bs_topo *tp, const void *dense, void *s) {
+  return bs_convert(ctx, device, dt, tp, dense, s, false);
+}
+
+} /* extern "C" */

@@ -1,0 +1,201 @@
+/*
+ * test_experts_cuda.c - the experts family on CUDA against the f64 CPU op
+ * (moe_experts.h): glu_experts forward and every gradient (x, w1, w3, w2,
+ * gates) in f32 and bf16, grouped and sparse, at awkward sizes (T not a
+ * multiple of 128, an empty expert, k = 1, 2, 8, d not a multiple of 64, f
+ * not a multiple of 8: the kernels' scalar path);
+ * parallel_linear gather/scatter; bit-identical repeats (no atomics); one
+ * host sync per plan. Exits 77 without a GPU.
+ */
+#include "half.h"
+#include "harness.h"
+#include "moe_routing.h"
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+static double urand(void) { /* [-1, 1) */
+  rng_state = rng_state * 6364136223846793005ull + 1442695040888963407ull;
+  return (double)(rng_state >> 11) / 4503599627370496.0 - 1.0;
+}
+
+static double *rvals(int64_t n, double scale) {
+  double *v = malloc(sizeof(double) * (size_t)(n + 1));
+  for (int64_t i = 0; i < n; i++) v[i] = scale * urand();
+  return v;
+}
+
+typedef struct ex_case {
+  int64_t T, k, E, E_used, d, f, bs; /* bs 0: an unpadded plan (grouped only) */
+} ex_case;
+
+/* Max |a - b| over the max |b|: the error relative to the tensor's scale. */
+static double rel_err(moe_ctx *ctx, moe_tensor *got, moe_tensor *want) {
+  int64_t n = moe_tensor_numel(want);
+  double *a = malloc(sizeof(double) * (size_t)(n + 1)), *b = malloc(sizeof(double) * (size_t)(n + 1));
+  double err = 0, scale = 0;
+  if (moe_tensor_to_f64(ctx, got, a) != MOE_OK || moe_tensor_to_f64(ctx, want, b) != MOE_OK ||
+      moe_tensor_numel(got) != n)
+    err = INFINITY;
+  else
+    for (int64_t i = 0; i < n; i++) {
+      err = fmax(err, fabs(a[i] - b[i]));
+      scale = fmax(scale, fabs(b[i]));
+    }
+  free(a), free(b);
+  return scale > 0 ? err / scale : err;
+}
+
+/* Runs glu_experts on device dev in dtype dt from the f64 host values;
+ * res[0] = out, res[1..5] = grads of x, w1, w3, w2, gates (f64 CPU copies).
+ * Returns the plan's host_syncs. */
+static int64_t run(moe_ctx *ctx, const ex_case *c, const int64_t *ids, double *const *vals,
+                   moe_device dev, moe_dtype dt, moe_experts_impl impl, moe_tensor **res) {
+  int64_t shapes[6][3] = {{c->T, c->d}, {c->E, c->d, c->f}, {c->E, c->d, c->f},
+                          {c->E, c->f, c->d}, {c->T, c->k}, {c->T, c->d}};
+  int nd[6] = {2, 3, 3, 3, 2, 2};
+  moe_tensor *t[6] = {0};
+  for (int i = 0; i < 6; i++) {
+    EXPECT_OK(moe_tensor_from_f64(ctx, vals[i], nd[i], shapes[i], dt, dev, &t[i]));
+    if (i < 5) EXPECT_OK(moe_set_requires_grad(ctx, t[i], true));
+  }
+  double *idv = malloc(sizeof(double) * (size_t)(c->T * c->k));
+  for (int64_t i = 0; i < c->T * c->k; i++) idv[i] = (double)ids[i];
+  moe_tensor *tid = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, idv, 2, (int64_t[]){c->T, c->k}, MOE_I64, dev, &tid));
+  free(idv);
+  moe_routing_opts o = moe_routing_opts_default();
+  o.block_size = c->bs;
+  o.ffn_hidden = c->bs ? c->f : 0;
+  moe_routing_plan *p = NULL;
+  EXPECT_OK(moe_routing_plan_new(ctx, tid, c->E, &o, &p));
+  moe_tensor *out = NULL;
+  int64_t syncs = -1;
+  if (p) EXPECT_OK(moe_glu_experts(ctx, t[0], t[1], t[2], t[3], p, t[4], impl, MOE_GLU_SILU,
+                                   false, &out));
+  if (out) {
+    EXPECT_OK(moe_backward(ctx, out, t[5], false));
+    EXPECT_OK(moe_to(ctx, out, MOE_F64, MOE_CPU, &res[0]));
+    for (int i = 0; i < 5; i++) {
+      moe_tensor *g = moe_tensor_grad(t[i]);
+      EXPECT(g != NULL);
+      if (g) EXPECT_OK(moe_to(ctx, g, MOE_F64, MOE_CPU, &res[i + 1]));
+    }
+    syncs = p->host_syncs;
+  }
+  moe_tensor_release(out);
+  moe_tensor_release(tid);
+  moe_routing_plan_release(p);
+  for (int i = 0; i < 6; i++) moe_tensor_release(t[i]);
+  return syncs;
+}
+
+static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
+  const ex_case cases[] = {
+      {300, 2, 8, 8, 64, 256, 128},   /* T not a multiple of 128 */
+      {1000, 8, 64, 63, 128, 128, 128}, /* k = 8, expert 63 empty */
+      {77, 1, 3, 2, 40, 72, 0},       /* tiny, d and f not multiples of 64 */
+      {65, 2, 5, 5, 24, 36, 0},       /* f % 8 != 0: the scalar bf16 backward pass */
+  };
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+    const ex_case *c = &cases[ci];
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
+    for (int64_t t = 0; t < c->T; t++)
+      for (int64_t j = 0; j < c->k; j++) {
+        int64_t e;
+        bool dup;
+        do {
+          e = (int64_t)((urand() + 1.0) * 0.5 * (double)c->E_used) % c->E_used;
+          dup = false;
+          for (int64_t i = 0; i < j; i++) dup = dup || ids[t * c->k + i] == e;
+        } while (dup);
+        ids[t * c->k + j] = e;
+      }
+    /* weights ~ 1/sqrt(fan-in) so activations stay O(1) */
+    double *vals[6] = {rvals(c->T * c->d, 1.0), rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
+                       rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
+                       rvals(c->E * c->f * c->d, 1.0 / sqrt((double)c->f)),
+                       rvals(c->T * c->k, 1.0), rvals(c->T * c->d, 1.0)};
+    for (int dtc = 0; dtc < 2; dtc++) {
+      moe_dtype dt = dtc ? MOE_BF16 : MOE_F32;
+      /* the reference sees the values rounded to dt */
+      double *rv[6];
+      for (int i = 0; i < 6; i++) {
+        int64_t n = i == 0 || i == 5 ? c->T * c->d : i == 4 ? c->T * c->k : c->E * c->d * c->f;
+        rv[i] = malloc(sizeof(double) * (size_t)n);
+        for (int64_t j = 0; j < n; j++) {
+          if (dt == MOE_BF16) rv[i][j] = moe_bf16_to_f32(moe_f32_to_bf16((float)vals[i][j]));
+          else rv[i][j] = (float)vals[i][j];
+        }
+      }
+      moe_tensor *ref[6] = {0};
+      EXPECT(run(ctx, c, ids, rv, MOE_CPU, MOE_F64, MOE_EXPERTS_GROUPED, ref) == 1);
+      for (int impl = 0; impl < (c->bs ? 2 : 1); impl++) {
+        moe_tensor *got[6] = {0}, *again[6] = {0};
+        EXPECT(run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, got) == 1);
+        run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, again);
+        /* f32: cuBLAS(Lt) f32 GEMMs (no TF32) of depth <= 256 and the f32
+         * fused pass: 1e-4 of each tensor's largest magnitude. bf16: h1,
+         * h3, a, y and every gradient stored with 8 mantissa bits
+         * (relative 2^-9 per rounding, a few roundings deep): 3e-2. */
+        double tol = dt == MOE_F32 ? 1e-4 : 3e-2;
+        for (int i = 0; i < 6; i++) {
+          if (!got[i] || !ref[i]) {
+            EXPECT(false);
+            continue;
+          }
+          double e = rel_err(ctx, got[i], ref[i]);
+          if (!(e <= tol))
+            fprintf(stderr, "case %d %s impl %d tensor %d: relative error %g > %g\n", (int)ci,
+                    moe_dtype_name(dt), impl, i, e, tol);
+          EXPECT(e <= tol);
+          /* deterministic: the same bits on a repeat */
+          EXPECT(again[i] && rel_err(ctx, again[i], got[i]) == 0.0);
+        }
+        for (int i = 0; i < 6; i++) moe_tensor_release(got[i]), moe_tensor_release(again[i]);
+      }
+      for (int i = 0; i < 6; i++) moe_tensor_release(ref[i]), free(rv[i]);
+    }
+    for (int i = 0; i < 6; i++) free(vals[i]);
+    free(ids);
+  }
+}
+
+/* parallel_linear with gather and scatter on CUDA vs CPU (f32). */
+static void test_parallel_linear_cuda(moe_ctx *ctx) {
+  int64_t T = 129, k = 2, E = 4, K = 48, N = 40;
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  double *xv = rvals(T * K, 1.0), *wv = rvals(E * K * N, 0.2), *gv = rvals(T * k, 1.0);
+  double *idv = malloc(sizeof(double) * (size_t)(T * k));
+  for (int64_t t = 0; t < T; t++) idv[t * k] = (double)(t % E), idv[t * k + 1] = (double)((t + 1) % E);
+  moe_tensor *out[2] = {0};
+  for (int dev = 0; dev < 2; dev++) {
+    moe_device dv = dev ? gpu : MOE_CPU;
+    moe_tensor *x = NULL, *w = NULL, *g = NULL, *tid = NULL, *y = NULL;
+    EXPECT_OK(moe_tensor_from_f64(ctx, xv, 2, (int64_t[]){T, K}, MOE_F32, dv, &x));
+    EXPECT_OK(moe_tensor_from_f64(ctx, wv, 3, (int64_t[]){E, K, N}, MOE_F32, dv, &w));
+    EXPECT_OK(moe_tensor_from_f64(ctx, gv, 2, (int64_t[]){T, k}, MOE_F32, dv, &g));
+    EXPECT_OK(moe_tensor_from_f64(ctx, idv, 2, (int64_t[]){T, k}, MOE_I64, dv, &tid));
+    moe_routing_plan *p = NULL;
+    EXPECT_OK(moe_routing_plan_new(ctx, tid, E, NULL, &p));
+    moe_parallel_linear_opts o = moe_parallel_linear_opts_default();
+    o.gather = o.scatter = true;
+    o.gates = g;
+    if (p) EXPECT_OK(moe_parallel_linear(ctx, x, w, p, &o, &y));
+    if (y) EXPECT_OK(moe_to(ctx, y, MOE_F64, MOE_CPU, &out[dev]));
+    moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(g);
+    moe_tensor_release(tid), moe_tensor_release(y);
+    moe_routing_plan_release(p);
+  }
+  /* f32 GEMMs of depth 48 on O(1) values: 1e-5 relative to the scale */
+  EXPECT(out[0] && out[1] && rel_err(ctx, out[1], out[0]) <= 1e-5);
+  moe_tensor_release(out[0]), moe_tensor_release(out[1]);
+  free(xv), free(wv), free(gv), free(idv);
+}
+
+int main(void) {
+  moe_ctx *ctx = harness_start();
+  SKIP_IF_NO_GPU(ctx);
+  RUN(test_glu_cuda_vs_cpu);
+  RUN(test_parallel_linear_cuda);
+  return harness_end();
+}

@@ -1,0 +1,184 @@
+/*
+ * test_grouped_cuda.c - the grouped GEMM family on CUDA against the CPU, for
+ * every backend (moe_grouped_set_backend: loop, cublas_grouped, streams,
+ * auto):
+ * forward (both transposes), weight gradient (both layouts) and the
+ * autograd backward at awkward sizes (odd K and N, empty groups, every row
+ * in one group, rows outside the groups, G = 1 and 256, a strided x), in
+ * f32 and bf16, with the tolerance of each dtype beside the check. Exits 77
+ * without a GPU.
+ */
+#include "harness.h"
+#include "moe_grouped.h"
+
+static const moe_device GPU = {MOE_DEVICE_CUDA, 0};
+
+static const char *const BACKENDS[] = {"loop", "cublas_grouped", "streams", "auto"};
+
+/* Tolerances: |cuda - cpu| <= atol + rtol * |cpu|.
+ * f32: both sides accumulate in f32 in different orders (cuBLAS tiles and
+ *   split-K versus OpenBLAS): sums of K <= 300 products of [-1, 1) values,
+ *   |y| <= ~10: 1e-4 absolute + 1e-5 relative.
+ * bf16: both sides accumulate in f32 and round the output to bf16 (8 bits):
+ *   the two f32 sums may round to neighbouring bf16 values, one ulp = 2^-7
+ *   relative: rtol 1/64 (two ulps) + 1e-2 absolute for results near 0. */
+typedef struct tol {
+  double atol, rtol;
+} tol;
+static const tol TOL_F32 = {1e-4, 1e-5};
+static const tol TOL_BF16 = {1e-2, 1.0 / 64};
+
+static bool same_values(moe_ctx *ctx, moe_tensor *gpu, moe_tensor *cpu, tol t, const char *what) {
+  int64_t n = moe_tensor_numel(cpu);
+  if (moe_tensor_numel(gpu) != n) {
+    fprintf(stderr, "%s: %lld vs %lld elements\n", what, (long long)moe_tensor_numel(gpu),
+            (long long)n);
+    return false;
+  }
+  double *a = malloc(sizeof(double) * (size_t)(n + 1)), *b = malloc(sizeof(double) * (size_t)(n + 1));
+  bool ok = moe_tensor_to_f64(ctx, gpu, a) == MOE_OK && moe_tensor_to_f64(ctx, cpu, b) == MOE_OK;
+  for (int64_t i = 0; ok && i < n; i++)
+    if (!(fabs(a[i] - b[i]) <= t.atol + t.rtol * fabs(b[i]))) {
+      fprintf(stderr, "%s: element %lld cuda %.9g cpu %.9g\n", what, (long long)i, a[i], b[i]);
+      ok = false;
+    }
+  free(a), free(b);
+  return ok;
+}
+
+static moe_tensor *rand_cpu(moe_ctx *ctx, int ndim, const int64_t *shape, moe_dtype dt) {
+  moe_tensor *t = NULL, *f = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, ndim, shape, MOE_F32, MOE_CPU, &f));
+  if (f) EXPECT_OK(moe_uniform_(ctx, f, -1, 1));
+  if (f) EXPECT_OK(moe_to(ctx, f, dt, MOE_CPU, &t));
+  moe_tensor_release(f);
+  return t;
+}
+
+static moe_tensor *on_gpu(moe_ctx *ctx, moe_tensor *t) {
+  moe_tensor *g = NULL;
+  EXPECT_OK(moe_to(ctx, t, t->dtype, GPU, &g));
+  return g;
+}
+
+static void random_offs(int64_t *offs, int64_t G, int64_t lo, int64_t hi, uint64_t seed) {
+  uint64_t s = seed * 6364136223846793005ull + 1442695040888963407ull;
+  offs[0] = lo;
+  offs[G] = hi;
+  for (int64_t g = 1; g < G; g++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    offs[g] = lo + (int64_t)((s >> 33) % (uint64_t)(hi - lo + 1));
+  }
+  for (int64_t i = 1; i < G; i++)
+    for (int64_t j = i; j > 1 && offs[j] < offs[j - 1]; j--) {
+      int64_t t = offs[j];
+      offs[j] = offs[j - 1], offs[j - 1] = t;
+    }
+}
+
+/* forward, wgrad and autograd backward of one configuration: CUDA (current
+ * backend) against the CPU on the same inputs. strided: x is a column
+ * slice of a wider matrix. */
+static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
+                       const int64_t *offs, moe_dtype dt, bool strided, const char *name) {
+  tol t = dt == MOE_F32 ? TOL_F32 : TOL_BF16;
+  char what[160];
+  for (int tw = 0; tw < 2; tw++) {
+    moe_tensor *xw = rand_cpu(ctx, 2, (int64_t[]){R, K + (strided ? 5 : 0)}, dt), *x = NULL;
+    EXPECT_OK(moe_narrow(ctx, xw, 1, strided ? 3 : 0, K, &x));
+    moe_tensor *w = rand_cpu(ctx, 3, tw ? (int64_t[]){G, N, K} : (int64_t[]){G, K, N}, dt);
+    moe_tensor *dy = rand_cpu(ctx, 2, (int64_t[]){R, N}, dt);
+    moe_tensor *gxw = on_gpu(ctx, xw), *gx = NULL, *gw = on_gpu(ctx, w), *gdy = on_gpu(ctx, dy);
+    EXPECT_OK(moe_narrow(ctx, gxw, 1, strided ? 3 : 0, K, &gx));
+    moe_tensor *y = NULL, *gy = NULL, *dw = NULL, *gdw = NULL;
+    /* forward, with autograd on the GPU side */
+    EXPECT_OK(moe_set_requires_grad(ctx, gw, true));
+    EXPECT_OK(moe_grouped_mm(ctx, x, w, offs, G, tw, &y));
+    EXPECT_OK(moe_grouped_mm(ctx, gx, gw, offs, G, tw, &gy));
+    snprintf(what, sizeof what, "%s %s fwd R=%lld K=%lld N=%lld G=%lld trans=%d", name,
+             moe_dtype_name(dt), (long long)R, (long long)K, (long long)N, (long long)G, tw);
+    if (y && gy) EXPECT(same_values(ctx, gy, y, t, what));
+    /* weight gradient, direct and through backward */
+    EXPECT_OK(moe_grouped_mm_wgrad(ctx, x, dy, offs, G, tw, &dw));
+    EXPECT_OK(moe_grouped_mm_wgrad(ctx, gx, gdy, offs, G, tw, &gdw));
+    /* wgrad sums over up to R rows: the f32 tolerance scaled by R / K */
+    tol tw_tol = t;
+    if (dt == MOE_F32) tw_tol.atol *= (double)(R > K ? R : K) / (double)(K > 0 ? K : 1) + 1;
+    snprintf(what, sizeof what, "%s %s wgrad R=%lld K=%lld N=%lld G=%lld trans=%d", name,
+             moe_dtype_name(dt), (long long)R, (long long)K, (long long)N, (long long)G, tw);
+    if (dw && gdw) EXPECT(same_values(ctx, gdw, dw, tw_tol, what));
+    if (gy) {
+      EXPECT_OK(moe_backward(ctx, gy, gdy, false));
+      moe_tensor *g = moe_tensor_grad(gw);
+      EXPECT(g != NULL);
+      if (g && dw) EXPECT(same_values(ctx, g, dw, tw_tol, what));
+    }
+    /* the input gradient is the forward with the other transpose */
+    moe_tensor *dx = NULL, *gdx = NULL;
+    EXPECT_OK(moe_grouped_mm(ctx, dy, w, offs, G, !tw, &dx));
+    EXPECT_OK(moe_grouped_mm(ctx, gdy, gw, offs, G, !tw, &gdx));
+    snprintf(what, sizeof what, "%s %s dgrad R=%lld K=%lld N=%lld G=%lld trans=%d", name,
+             moe_dtype_name(dt), (long long)R, (long long)K, (long long)N, (long long)G, tw);
+    if (dx && gdx) EXPECT(same_values(ctx, gdx, dx, t, what));
+    moe_tensor_release(xw), moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(dy);
+    moe_tensor_release(gxw), moe_tensor_release(gx), moe_tensor_release(gw);
+    moe_tensor_release(gdy), moe_tensor_release(y), moe_tensor_release(gy);
+    moe_tensor_release(dw), moe_tensor_release(gdw), moe_tensor_release(dx);
+    moe_tensor_release(gdx);
+  }
+}
+
+static void run_all(moe_ctx *ctx, const char *backend) {
+  EXPECT_OK(moe_grouped_set_backend(ctx, backend));
+  int64_t offs[300];
+  moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  for (int i = 0; i < 2; i++) {
+    moe_dtype dt = dts[i];
+    random_offs(offs, 7, 5, 290, 11); /* rows outside at both ends, odd sizes */
+    check_case(ctx, 300, 131, 67, 7, offs, dt, false, backend);
+    check_case(ctx, 300, 131, 67, 7, offs, dt, true, backend);
+    int64_t one[] = {0, 0, 0, 257, 257};
+    check_case(ctx, 257, 96, 33, 4, one, dt, false, backend);
+    int64_t g1[] = {0, 129};
+    check_case(ctx, 129, 7, 9, 1, g1, dt, false, backend);
+    random_offs(offs, 256, 0, 700, 12); /* G = 256, many empty groups */
+    check_case(ctx, 700, 24, 40, 256, offs, dt, false, backend);
+    int64_t none[] = {0, 0, 0};
+    check_case(ctx, 9, 8, 8, 2, none, dt, false, backend);
+    random_offs(offs, 5, 0, 1000, 13); /* larger, tile-sized dims */
+    check_case(ctx, 1000, 256, 384, 5, offs, dt, false, backend);
+  }
+  EXPECT_OK(moe_grouped_set_backend(ctx, "auto"));
+}
+
+static void test_loop(moe_ctx *ctx) { run_all(ctx, BACKENDS[0]); }
+static void test_cublas_grouped(moe_ctx *ctx) { run_all(ctx, BACKENDS[1]); }
+static void test_streams(moe_ctx *ctx) { run_all(ctx, BACKENDS[2]); }
+static void test_auto(moe_ctx *ctx) { run_all(ctx, BACKENDS[3]); }
+
+static void test_cuda_errors(moe_ctx *ctx) {
+  moe_tensor *x = NULL, *w = NULL, *wc = NULL, *out = NULL;
+  int64_t offs[] = {0, 2, 4};
+  EXPECT_OK(moe_tensor_full(ctx, 2, (int64_t[]){4, 3}, 1, MOE_F64, GPU, &x));
+  EXPECT_OK(moe_tensor_full(ctx, 3, (int64_t[]){2, 3, 2}, 1, MOE_F64, GPU, &w));
+  EXPECT_OK(moe_tensor_full(ctx, 3, (int64_t[]){2, 3, 2}, 1, MOE_F32, MOE_CPU, &wc));
+  EXPECT_ERR_MSG(moe_grouped_mm(ctx, x, w, offs, 2, false, &out), MOE_ERR_DTYPE,
+                 "f64 is CPU only");
+  moe_tensor *x32 = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, 2, (int64_t[]){4, 3}, 1, MOE_F32, GPU, &x32));
+  EXPECT_ERR_MSG(moe_grouped_mm(ctx, x32, wc, offs, 2, false, &out), MOE_ERR_DEVICE,
+                 "x is on cuda:0 but w is on cpu");
+  EXPECT(out == NULL);
+  moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(wc), moe_tensor_release(x32);
+}
+
+int main(void) {
+  moe_ctx *ctx = harness_start();
+  SKIP_IF_NO_GPU(ctx);
+  RUN(test_loop);
+  RUN(test_cublas_grouped);
+  RUN(test_streams);
+  RUN(test_auto);
+  RUN(test_cuda_errors);
+  return harness_end();
+}
