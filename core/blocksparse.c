@@ -317,7 +317,7 @@ static moe_status bs_check_w(moe_ctx *ctx, const char *fn, const moe_tensor *w, 
 static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
                              bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_sdd";
-  bs_geom g;
+  bs_geom g = {0};
   int64_t K;
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
@@ -331,7 +331,7 @@ static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_rou
 static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_plan *p,
                              bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_dsd";
-  bs_geom g;
+  bs_geom g = {0};
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
@@ -357,7 +357,7 @@ static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_rou
 moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,
                           moe_tensor **out) {
   const char *fn = "bsmm_dsd_t";
-  bs_geom g;
+  bs_geom g = {0};
   int64_t K;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
@@ -372,7 +372,7 @@ moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routin
 moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_plan *p,
                         moe_tensor **out) {
   const char *fn = "bsmm_dds";
-  bs_geom g;
+  bs_geom g = {0};
   int64_t K;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
@@ -479,7 +479,7 @@ moe_status moe_bsmm_dsd(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_
 
 static moe_status bs_convert(moe_ctx *ctx, const char *fn, bool to_dense, moe_tensor *in,
                              moe_routing_plan *p, moe_tensor **out) {
-  bs_geom g;
+  bs_geom g = {0};
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, to_dense ? "s" : "dense", in, p));

@@ -1,0 +1,180 @@
+"""bench/moe_mlp_torch.py - issue 4's benchmark, PyTorch side: the cases of
+bench/moe_mlp.lua (SwiGLU expert MLP, forward + backward, bf16, T = 16384,
+top-k of softmax of random logits; mixtral, olmoe, qwen3) with two PyTorch
+implementations, in the same run on the same GPU:
+
+  torch_naive        the per-expert loop: sort the assignments by expert
+                     (argsort, bincount -> host: one sync), gather the token
+                     rows, per expert silu(x W1) * (x W3) @ W2 on its slice,
+                     weight by the gates and index_add back to the tokens.
+  torch_grouped_mm   torch._grouped_mm (2-D x 3-D with int32 group ends)
+                     for the three GEMMs, groups padded to 16 rows on the GPU
+                     (as torchtitan does for _grouped_mm; no host sync), the
+                     same gather, gate weighting and index_add.
+
+plus the dense bf16 GEMM rate (torch.matmul 8192^3). Every step computes
+all weight gradients and the gradients of x and the gates.
+
+  python3 bench/moe_mlp_torch.py [--json FILE] [--repeats N] [--budget S]
+                                 [--configs mixtral,olmoe,qwen3]
+
+Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
+the median (as the Lua side). Peak extra memory:
+torch.cuda.max_memory_allocated() during one step minus
+torch.cuda.memory_allocated() before it. TFLOP/s: 18 T k d f per step.
+"""
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+T = 16384
+CONFIGS = [
+    {"name": "mixtral", "d": 4096, "f": 14336, "E": 8, "k": 2},
+    {"name": "olmoe", "d": 2048, "f": 1024, "E": 64, "k": 8},
+    {"name": "qwen3", "d": 2048, "f": 768, "E": 128, "k": 8},
+]
+ALIGN = 16
+
+
+def timed(fn):
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def naive(x, w1, w3, w2, ids, gates, E):
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E).tolist()  # the host sync
+    tok = order // k
+    xs = x[tok]
+    outs = []
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            h = xs[start:start + c]
+            outs.append((F.silu(h @ w1[e]) * (h @ w3[e])) @ w2[e])
+        start += c
+    ys = torch.cat(outs) * gates.reshape(-1)[order].unsqueeze(1)
+    return torch.zeros_like(x).index_add(0, tok, ys)
+
+
+def grouped(x, w1, w3, w2, ids, gates, E):
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=E)
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    ends = torch.cumsum(padded, 0)
+    starts_pad = ends - padded
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    rank = torch.arange(flat.numel(), device=x.device) - starts[sorted_e]
+    pos = starts_pad[sorted_e] + rank  # padded row of each sorted assignment
+    rows = flat.numel() + ALIGN * E  # static bound: no host sync
+    tok = order // k
+    xs = x.new_zeros(rows, x.shape[1]).index_copy(0, pos, x[tok])
+    offs = ends.to(torch.int32)
+    h = F.silu(torch._grouped_mm(xs, w1, offs=offs)) * torch._grouped_mm(xs, w3, offs=offs)
+    y = torch._grouped_mm(h, w2, offs=offs)[pos]
+    ys = y * gates.reshape(-1)[order].unsqueeze(1)
+    return torch.zeros_like(x).index_add(0, tok, ys)
+
+
+def dense_rate():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    s = [timed(lambda: [a @ b for _ in range(5)]) / 5 for _ in range(10)]
+    ms = statistics.median(s)
+    return {"name": "torch.matmul bf16 8192^3", "ms": ms, "tflops": 2 * 8192 ** 3 / (ms / 1e3) / 1e12}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--budget", type=float, default=60)
+    ap.add_argument("--configs", default="mixtral,olmoe,qwen3")
+    a = ap.parse_args()
+    t0 = time.time()
+    dense = dense_rate()
+    print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
+    results = []
+    impls = [("torch_naive", naive), ("torch_grouped_mm", grouped)]
+    for c in CONFIGS:
+        if c["name"] not in a.configs.split(","):
+            continue
+        torch.manual_seed(1234)
+        d, f, E, k = c["d"], c["f"], c["E"], c["k"]
+        o = {"device": "cuda", "dtype": torch.bfloat16}
+        x = torch.randn(T, d, **o).requires_grad_()
+        w1 = (torch.randn(E, d, f, **o) * 0.02).requires_grad_()
+        w3 = (torch.randn(E, d, f, **o) * 0.02).requires_grad_()
+        w2 = (torch.randn(E, f, d, **o) * 0.02).requires_grad_()
+        logits = torch.randn(T, E, device="cuda")
+        g, ids = torch.topk(torch.softmax(logits, -1), k, -1)
+        gates = g.to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(T, d, **o)
+        params = [x, w1, w3, w2, gates]
+        flops = 18 * T * k * d * f
+        for name, fn in impls:
+            r = {"config": c["name"], "impl": name, "T": T, "d": d, "f": f, "E": E, "k": k,
+                 "flops": flops}
+            if time.time() - t0 > a.budget:
+                r.update(skipped=True, error="time budget exhausted")
+            else:
+                def step():
+                    fn(x, w1, w3, w2, ids, gates, E).backward(dy)
+                    for p in params:
+                        p.grad = None
+                try:
+                    torch.cuda.synchronize()
+                    step()  # warm-up (cuBLAS heuristics, caching allocator growth)
+                    first = timed(step)
+                    if first > 3000:
+                        raise RuntimeError(f"too slow to time: a warm step took {first:.0f} ms")
+                    reps = 3 if first > 1000 else a.repeats
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    step()
+                    torch.cuda.synchronize()
+                    r["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - base
+                    ms = statistics.median([timed(step) for _ in range(reps)])
+                    r.update(ms=ms, repeats=reps, tflops=flops / (ms / 1e3) / 1e12)
+                    r["pct_dense"] = 100 * r["tflops"] / dense["tflops"]
+                except Exception as e:  # report, keep going
+                    r.update(skipped=True, error=f"{type(e).__name__}: {e}"[:300])
+                    torch.cuda.empty_cache()
+            results.append(r)
+            if "ms" in r:
+                print(f"{c['name']:8s} {name:17s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
+                      f"{r['pct_dense']:5.1f}% of dense  peak extra {r['peak_extra_bytes'] / 2**30:.2f} GiB")
+            else:
+                print(f"{c['name']:8s} {name:17s} skipped: {r['error']}")
+        del x, w1, w3, w2, gates, dy, params
+        torch.cuda.empty_cache()
+    if a.json:
+        out = {"tool": f"torch {torch.__version__}", "cuda": torch.version.cuda,
+               "device": torch.cuda.get_device_name(0),
+               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               "dtype": "bf16", "T": T, "dense": dense, "results": results}
+        with open(a.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
