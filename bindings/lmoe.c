@@ -1713,6 +1713,9 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_grouped(L, mod, methods, sentinel);
   lm_open_experts(L, mod, methods, sentinel);
   lm_open_blocksparse(L, mod, methods, sentinel);
+  lm_open_quantize(L, mod, methods, sentinel);
+  lm_open_optim(L, mod, methods, sentinel);
+  lm_open_data(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

@@ -127,6 +127,9 @@ void lm_open_routing(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_grouped(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_experts(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_quantize(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_optim(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_data(lua_State *L, int mod, int methods, int sentinel);
 
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */

@@ -444,6 +444,9 @@ moe_status moe_sum(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims, 
 #include "moe_grouped.h"
 #include "moe_blocksparse.h"
 #include "moe_experts.h"
+#include "moe_quantize.h"
+#include "moe_optim.h"
+#include "moe_data.h"
 #include "moe_io.h"
 
 #endif /* MOE_H */

@@ -1,0 +1,44 @@
+/*
+ * optim_cuda.h - CUDA entry points of the optimiser family (kernels/optim.cu),
+ * called by core/optim.c inside #ifdef MOE_WITH_CUDA. Private to core/.
+ *
+ * Pointers are device pointers to n contiguous elements; core/optim.c has
+ * validated dtypes, shapes and devices and precomputed the scalars (in the
+ * state's precision) so that the kernel and the CPU loop do the same IEEE
+ * operations. One launch on the context's stream; no host synchronisation.
+ */
+#ifndef MOE_OPTIM_CUDA_H
+#define MOE_OPTIM_CUDA_H
+
+#include "internal.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Scalars of one update, each rounded once to the state's precision. */
+typedef struct moe_optim_scalars {
+  double decay;     /* AdamW: 1 - lr * wd; SGD: wd */
+  double beta1;     /* AdamW: beta1; SGD: momentum */
+  double one_m_b1;  /* 1 - beta1 */
+  double beta2;
+  double one_m_b2;  /* 1 - beta2 */
+  double step_size; /* AdamW: lr / (1 - beta1^step); SGD: lr */
+  double sqrt_bc2;  /* sqrt(1 - beta2^step) */
+  double eps;
+} moe_optim_scalars;
+
+/* param: dtype pdt (f32, f64, bf16, f16); grad: gdt (same set); m, v,
+ * master (NULL allowed unless pdt is bf16/f16): f64 when pdt is f64, else f32. */
+moe_status moe_cuda_adamw_step(moe_ctx *ctx, int device, int64_t n, void *param, moe_dtype pdt,
+                               const void *grad, moe_dtype gdt, void *m, void *v, void *master,
+                               const moe_optim_scalars *s);
+/* buf NULL when momentum is 0. */
+moe_status moe_cuda_sgd_step(moe_ctx *ctx, int device, int64_t n, void *param, moe_dtype pdt,
+                             const void *grad, moe_dtype gdt, void *buf, void *master,
+                             const moe_optim_scalars *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_OPTIM_CUDA_H */
