@@ -1,0 +1,148 @@
+--[[
+moe/data/preprocess.lua - text files to Megatron .bin/.idx (data.preprocess)
+and the default corpus (data.bible_corpus). Used through moe.data.
+
+Documents: split_documents = "line" (every non-empty line), "blank_line"
+(paragraphs separated by blank lines) or "file" (a whole file). Every
+document is tokenized and followed by the tokenizer's EOD (Megatron's
+--append-eod), so GPTDataset can concatenate documents as stored.
+]]
+local M = {}
+
+local function fail(fn, msg, ...) error(("%s: " .. msg):format(fn, ...), 4) end
+
+local function read_file(fn, path)
+  local f, err = io.open(path, "rb")
+  if not f then fail(fn, "cannot open %s: %s", path, tostring(err)) end
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+-- Calls emit(text) for every document of s.
+local function split(s, how, emit)
+  if how == "file" then
+    if s:find("%S") then emit(s) end
+  elseif how == "line" then
+    for line in s:gmatch("[^\n]+") do
+      if line:find("%S") then emit(line) end
+    end
+  else -- blank_line
+    s = s:gsub("\r\n", "\n")
+    local start = 1
+    while start <= #s do
+      local a, b = s:find("\n[ \t]*\n%s*", start)
+      local doc = s:sub(start, (a or #s + 1) - 1)
+      if doc:find("%S") then emit(doc) end
+      if not a then break end
+      start = b + 1
+    end
+  end
+end
+
+local function add_text(builder, tok, text)
+  local ids = tok:encode(text)
+  ids[#ids + 1] = tok.eod
+  builder:add_document(ids)
+end
+
+local known = { inputs = true, output_prefix = true, tokenizer = true, split_documents = true,
+                dtype = true }
+
+function M.preprocess(data, opts)
+  local fn = "data.preprocess"
+  if type(opts) ~= "table" then fail(fn, "options table expected, got %s", type(opts)) end
+  for k in pairs(opts) do
+    if not known[k] then
+      fail(fn, "unknown option '%s' (valid: dtype, inputs, output_prefix, split_documents, tokenizer)",
+           tostring(k))
+    end
+  end
+  local inputs = opts.inputs
+  if type(inputs) == "string" then inputs = { inputs } end
+  if type(inputs) ~= "table" or #inputs == 0 then fail(fn, "inputs must list text files") end
+  if type(opts.output_prefix) ~= "string" or opts.output_prefix == "" then
+    fail(fn, "output_prefix is required")
+  end
+  local how = opts.split_documents or "line"
+  if how ~= "line" and how ~= "file" and how ~= "blank_line" then
+    fail(fn, "split_documents must be \"line\", \"file\" or \"blank_line\", got %s", tostring(how))
+  end
+  local tok = data.tokenizer(opts.tokenizer)
+  local texts = {}
+  for i, path in ipairs(inputs) do texts[i] = read_file(fn, path) end -- all readable first
+  local b = data.IndexedDatasetBuilder(opts.output_prefix,
+                                       { dtype = opts.dtype or (tok.vocab_size <= 65536 and "u16" or "i32") })
+  local ok, err = pcall(function()
+    for _, s in ipairs(texts) do split(s, how, function(doc) add_text(b, tok, doc) end) end
+  end)
+  if not ok then
+    b:free()
+    error(err, 0)
+  end
+  local stats = { documents = b.documents, tokens = b.tokens }
+  b:finalize()
+  return opts.output_prefix, stats
+end
+
+local function exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() end
+  return f ~= nil
+end
+
+local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- The King James Bible from `bible -f gen1:1-rev22:21` (Debian bible-kjv):
+-- one document per chapter, verses without their references, one per line.
+function M.bible_corpus(data, opts)
+  local fn = "data.bible_corpus"
+  opts = opts or {}
+  for k in pairs(opts) do
+    if k ~= "dir" then fail(fn, "unknown option '%s' (valid: dir)", tostring(k)) end
+  end
+  local dir = opts.dir or "data"
+  local prefix = dir .. "/bible_kjv"
+  if exists(prefix .. ".bin") and exists(prefix .. ".idx") then
+    local ok = pcall(data.IndexedDataset, prefix)
+    if ok then return prefix end
+  end
+  local ok_cmd = os.execute("command -v bible >/dev/null 2>&1")
+  if not ok_cmd then
+    fail(fn, "the `bible` command is not installed: install the Debian package bible-kjv " ..
+         "(sudo apt-get install bible-kjv)")
+  end
+  local p = io.popen("bible -f gen1:1-rev22:21 2>/dev/null", "r")
+  local text = p and p:read("a") or ""
+  if p then p:close() end
+  if #text < 1000000 then
+    fail(fn, "`bible -f gen1:1-rev22:21` printed %d bytes; is bible-kjv installed completely?", #text)
+  end
+  os.execute("mkdir -p " .. shell_quote(dir))
+  local tok = data.ByteTokenizer()
+  local b = data.IndexedDatasetBuilder(prefix .. ".tmp", { dtype = "u16" })
+  local chapter, verses = nil, {}
+  local function flush()
+    if #verses > 0 then add_text(b, tok, table.concat(verses, "\n")) end
+    verses = {}
+  end
+  for line in text:gmatch("[^\n]+") do
+    local ref, verse = line:match("^(%d?%a+%d+):%d+%s+(.*)$")
+    if ref then
+      if ref ~= chapter then
+        flush()
+        chapter = ref
+      end
+      verses[#verses + 1] = verse
+    end
+  end
+  flush()
+  b:finalize()
+  for _, ext in ipairs({ ".bin", ".idx" }) do
+    local ok, err = os.rename(prefix .. ".tmp" .. ext, prefix .. ext)
+    if not ok then fail(fn, "cannot write %s: %s", prefix .. ext, tostring(err)) end
+  end
+  return prefix
+end
+
+return M

@@ -1,0 +1,391 @@
+--[[
+moe/nn/transformer.lua - CausalSelfAttention, TransformerBlock and
+TransformerLM (GPT-2 / Megatron layout, pre-norm), re-exported by
+lua/moe/nn/init.lua. Option tables are documented in docs/MODELS.md.
+
+Parameter names (PyTorch-style, as state_dict writes them):
+  wte.weight (V, d), wpe.weight (seq_len, d) when pos = "learned",
+  blocks.<i>.ln1.{weight,bias}, blocks.<i>.attn.qkv.{weight (3d, d),bias},
+  blocks.<i>.attn.proj.{weight (d, d),bias}, blocks.<i>.ln2.*,
+  blocks.<i>.ffn.* (the feed-forward module of layer i), ln_f.*,
+  lm_head.weight (V, d) when tie_embeddings = false.
+]]
+local moe = require "moe"
+local base = require "moe.nn.module"
+local L = require "moe.nn.layers"
+
+local class, Module = base.class, base.Module
+local check_opts, check_pos_int = L.check_opts, L.check_pos_int
+
+local M = {}
+
+-- Frees the handle t unless it is one of the tensors in keep (an input
+-- handed back unchanged): step intermediates are released as soon as they
+-- are used (what autograd saved stays alive through its own references), so
+-- device memory does not wait for Lua's collector (docs/STYLE: rule 6).
+local function release(t, ...)
+  if t == nil then return end
+  for i = 1, select("#", ...) do
+    if rawequal(t, (select(i, ...))) then return end
+  end
+  t:free()
+end
+M.release = release
+
+local function make_norm(fname, kind, d, eps, bias)
+  if kind == "layernorm" then return L.LayerNorm(d, { eps = eps or 1e-5, bias = bias ~= false }) end
+  if kind == "rmsnorm" then return L.RMSNorm(d, { eps = eps or 1e-6 }) end
+  error(string.format("%s: norm must be 'layernorm' or 'rmsnorm', got %s", fname, tostring(kind)), 3)
+end
+
+-- ---------------------------------------------------- CausalSelfAttention
+
+-- nn.CausalSelfAttention{d_model=, n_heads=, pos="rope"|"learned"|"none",
+-- rope_base=10000, dropout=0, bias=false, std=0.02, out_std=std, dtype=,
+-- device=}. forward(x (B, S, d)) -> (B, S, d). "learned" positions are added
+-- by the model to the token embeddings, so the layer itself applies none.
+local Attention = class("CausalSelfAttention", Module)
+M.CausalSelfAttention = Attention
+
+function Attention:init(o)
+  o = check_opts("nn.CausalSelfAttention", o,
+    { "d_model", "n_heads", "pos", "rope_base", "dropout", "bias", "std", "out_std", "dtype", "device" })
+  check_pos_int("nn.CausalSelfAttention", "d_model", o.d_model)
+  check_pos_int("nn.CausalSelfAttention", "n_heads", o.n_heads)
+  if o.d_model % o.n_heads ~= 0 then
+    error(string.format("nn.CausalSelfAttention: d_model (%d) must be divisible by n_heads (%d)", o.d_model,
+      o.n_heads), 2)
+  end
+  local pos = o.pos or "rope"
+  if pos ~= "rope" and pos ~= "learned" and pos ~= "none" then
+    error("nn.CausalSelfAttention: pos must be 'rope', 'learned' or 'none', got " .. tostring(pos), 2)
+  end
+  self.d_model, self.n_heads, self.head_dim = o.d_model, o.n_heads, o.d_model // o.n_heads
+  if pos == "rope" and self.head_dim % 2 ~= 0 then
+    error("nn.CausalSelfAttention: rope needs an even head dim, got " .. self.head_dim, 2)
+  end
+  self.pos, self.rope_base = pos, o.rope_base or 10000
+  local std = o.std or 0.02
+  local lo = { bias = o.bias or false, std = std, dtype = o.dtype, device = o.device }
+  self:child("qkv", L.Linear(o.d_model, 3 * o.d_model, lo))
+  lo.std = o.out_std or std
+  self:child("proj", L.Linear(o.d_model, o.d_model, lo))
+  self:child("drop", L.Dropout(o.dropout or 0))
+  self._rope = nil -- {S, dtype, device, cos, sin}
+end
+
+-- cos, sin (S, head_dim / 2) for x's dtype and device, cached.
+function Attention:rope_tables(S, dtype, device)
+  local c = self._rope
+  if c and c.S >= S and c.dtype == dtype and c.device == device then
+    if c.S == S then return c.cos, c.sin end
+    return c.cos:narrow(0, 0, S), c.sin:narrow(0, 0, S)
+  end
+  local cos, sin = moe.rope_cache(S, self.head_dim, self.rope_base, { dtype = dtype, device = device })
+  self._rope = { S = S, dtype = dtype, device = device, cos = cos, sin = sin }
+  return cos, sin
+end
+
+-- The fused CUDA attention kernels take bf16 with head dim 64 or 128 (core/attention.c); the
+-- CPU kernel takes every float dtype. Elsewhere attention_math composes the same computation.
+local function fused_attention_ok(q)
+  if q.device:sub(1, 3) == "cpu" then return true end
+  local D = q:size(3)
+  return q.dtype == "bf16" and (D == 64 or D == 128)
+end
+
+-- (S, S) additive causal mask (0 on and below the diagonal, -inf above) in dtype on device, cached.
+function Attention:causal_mask(S, dtype, device)
+  local c = self._mask
+  if c and c.S == S and c.dtype == dtype and c.device == device then return c.mask end
+  local rows, ninf = {}, -math.huge
+  for i = 1, S do
+    local r = {}
+    for j = 1, S do r[j] = j > i and ninf or 0 end
+    rows[i] = r
+  end
+  local m = moe.tensor(rows, { dtype = "f32" })
+  if dtype ~= "f32" then m = m:to(dtype) end
+  if device:sub(1, 3) ~= "cpu" then m = m:to(device) end
+  self._mask = { S = S, dtype = dtype, device = device, mask = m }
+  return m
+end
+
+-- Causal attention from matmul, softmax and an additive mask: q, k, v (B, H, S, D) -> (B, H, S, D).
+-- Used where the fused kernel does not apply (CUDA with f32, or a head dim other than 64 / 128).
+function Attention:attention_math(q, k, v)
+  local S, D = q:size(2), q:size(3)
+  local kt = k:transpose(2, 3) -- (B, H, D, S)
+  local s = moe.matmul(q, kt) -- (B, H, S, S)
+  release(kt)
+  local scaled = s * (1 / math.sqrt(D))
+  release(s)
+  local masked = scaled + self:causal_mask(S, q.dtype, q.device)
+  release(scaled)
+  local p = moe.softmax(masked, -1)
+  release(masked)
+  local o = moe.matmul(p, v)
+  release(p)
+  return o
+end
+
+function Attention:forward(x)
+  if x:dim() ~= 3 or x:size(2) ~= self.d_model then
+    error(string.format("CausalSelfAttention: x must be (B, S, %d), got (%s)", self.d_model,
+      table.concat(x.shape, ", ")), 2)
+  end
+  local B, S = x:size(0), x:size(1)
+  local H, D = self.n_heads, self.head_dim
+  local h = self.qkv(x) -- (B, S, 3 d)
+  local qkv = h:view({ B, S, 3, H, D })
+  release(h)
+  local q, k, v = qkv:select(2, 0), qkv:select(2, 1), qkv:select(2, 2) -- (B, S, H, D)
+  release(qkv)
+  if self.pos == "rope" then
+    local cos, sin = self:rope_tables(S, x.dtype, x.device)
+    local qr, kr = moe.rope(q, cos, sin, "bthd"), moe.rope(k, cos, sin, "bthd")
+    release(q); release(k)
+    q, k = qr, kr
+  end
+  local qt, kt, vt = q:transpose(1, 2), k:transpose(1, 2), v:transpose(1, 2) -- (B, H, S, D)
+  release(q); release(k); release(v)
+  local o -- (B, H, S, D)
+  if self.math_attention or not fused_attention_ok(qt) then
+    o = self:attention_math(qt, kt, vt)
+  else
+    o = moe.scaled_dot_product_attention(qt, kt, vt, { causal = true })
+  end
+  release(qt); release(kt); release(vt)
+  local ot = o:transpose(1, 2)
+  release(o)
+  local oc = ot:reshape({ B, S, self.d_model })
+  release(ot)
+  local y = self.proj(oc)
+  release(oc)
+  local out = self.drop(y)
+  release(y, out)
+  return out
+end
+
+function Attention:extra_repr()
+  return string.format("d_model=%d, n_heads=%d, pos=%s", self.d_model, self.n_heads, self.pos)
+end
+
+-- ----------------------------------------------------- TransformerBlock
+
+-- nn.TransformerBlock{d_model=, n_heads=, norm="layernorm"|"rmsnorm",
+-- norm_eps=, ffn=<module> (default nn.MLP{d_model, 4 d_model}), d_ff=,
+-- activation=, pos=, rope_base=, dropout=0, bias=false, std=, out_std=}.
+-- Pre-norm: x + drop(attn(ln1(x))), then x + drop(ffn(ln2(x))).
+local Block = class("TransformerBlock", Module)
+M.TransformerBlock = Block
+
+function Block:init(o)
+  o = check_opts("nn.TransformerBlock", o, { "d_model", "n_heads", "norm", "norm_eps", "ffn", "d_ff",
+    "activation", "pos", "rope_base", "dropout", "bias", "std", "out_std", "dtype", "device" })
+  check_pos_int("nn.TransformerBlock", "d_model", o.d_model)
+  local norm = o.norm or "layernorm"
+  self:child("ln1", make_norm("nn.TransformerBlock", norm, o.d_model, o.norm_eps, o.bias))
+  self:child("attn", Attention({ d_model = o.d_model, n_heads = o.n_heads, pos = o.pos, rope_base = o.rope_base,
+    dropout = o.dropout, bias = o.bias, std = o.std, out_std = o.out_std }))
+  self:child("ln2", make_norm("nn.TransformerBlock", norm, o.d_model, o.norm_eps, o.bias))
+  local ffn = o.ffn
+  if ffn == nil then
+    ffn = L.MLP({ d_model = o.d_model, d_ff = o.d_ff or 4 * o.d_model, activation = o.activation or "gelu",
+      bias = o.bias, std = o.std, out_std = o.out_std })
+  end
+  self:child("ffn", ffn)
+  self:child("drop", L.Dropout(o.dropout or 0))
+  if o.dtype or o.device then self:to(o.device, o.dtype) end
+end
+
+function Block:forward(x)
+  local a = self.ln1(x)
+  local b = self.attn(a)
+  release(a, x, b)
+  local x1 = x + b
+  release(b, x)
+  local c = self.ln2(x1)
+  local f = self.ffn(c)
+  release(c, x1, f)
+  local g = self.drop(f)
+  release(f, g, x1)
+  local out = x1 + g
+  release(g, x1)
+  release(x1)
+  return out
+end
+
+-- ------------------------------------------------------ TransformerLM
+
+local lm_keys = { "vocab_size", "d_model", "n_layers", "n_heads", "seq_len", "pos", "rope_base",
+  "tie_embeddings", "dropout", "norm", "norm_eps", "init_std", "ffn", "d_ff", "activation", "bias", "dtype",
+  "device" }
+
+-- Names (relative to a block) of output projections, scaled by
+-- 1 / sqrt(2 n_layers) at initialisation.
+local function is_output_projection(name)
+  return name == "attn.proj.weight" or name:match("^ffn%..*fc2%.weight$") ~= nil
+      or name:match("^ffn%..*w2%.weight$") ~= nil or name:match("^ffn%..*%.w2$") ~= nil
+      or name == "ffn.w2"
+end
+M.is_output_projection = is_output_projection
+
+-- nn.TransformerLM{vocab_size=, d_model=, n_layers=, n_heads=, seq_len=,
+-- pos="rope", rope_base=10000, tie_embeddings=true, dropout=0,
+-- norm="layernorm", norm_eps=, init_std=0.02, ffn=function(i) -> module,
+-- d_ff=4 d_model, activation="gelu", bias=false, dtype="f32", device="cpu"}
+local LM = class("TransformerLM", Module)
+M.TransformerLM = LM
+
+function LM:init(o)
+  o = check_opts("nn.TransformerLM", o, lm_keys)
+  for _, k in ipairs({ "vocab_size", "d_model", "n_layers", "n_heads", "seq_len" }) do
+    check_pos_int("nn.TransformerLM", k, o[k])
+  end
+  if o.ffn ~= nil and type(o.ffn) ~= "function" then
+    error("nn.TransformerLM: ffn must be a function(i) returning a module, got " .. type(o.ffn), 2)
+  end
+  local pos = o.pos or "rope"
+  local std = o.init_std or 0.02
+  local out_scale = 1 / math.sqrt(2 * o.n_layers)
+  self.cfg = {
+    vocab_size = o.vocab_size, d_model = o.d_model, n_layers = o.n_layers, n_heads = o.n_heads,
+    seq_len = o.seq_len, pos = pos, tie_embeddings = o.tie_embeddings ~= false, init_std = std,
+    norm = o.norm or "layernorm",
+  }
+  self:child("wte", L.Embedding(o.vocab_size, o.d_model, { std = std }))
+  if pos == "learned" then self:child("wpe", L.Embedding(o.seq_len, o.d_model, { std = std })) end
+  self:child("drop", L.Dropout(o.dropout or 0))
+  local blocks = self:child("blocks", L.ModuleList())
+  for i = 0, o.n_layers - 1 do
+    local ffn
+    if o.ffn then
+      ffn = o.ffn(i)
+      if type(ffn) ~= "table" or type(ffn._params) ~= "table" then
+        error(string.format("nn.TransformerLM: ffn(%d) must return an nn.Module, got %s", i, type(ffn)), 2)
+      end
+    end
+    local blk = Block({ d_model = o.d_model, n_heads = o.n_heads, norm = o.norm, norm_eps = o.norm_eps, ffn = ffn,
+      d_ff = o.d_ff, activation = o.activation, pos = pos == "learned" and "none" or pos, rope_base = o.rope_base,
+      dropout = o.dropout, bias = o.bias, std = std })
+    -- output projections: std / sqrt(2 n_layers)
+    moe.no_grad(function()
+      for _, nt in ipairs(blk:named_parameters()) do
+        if is_output_projection(nt[1]) then nt[2]:copy_(nt[2] * out_scale) end
+      end
+    end)
+    blocks:append(blk)
+  end
+  self:child("ln_f", make_norm("nn.TransformerLM", self.cfg.norm, o.d_model, o.norm_eps, o.bias))
+  if not self.cfg.tie_embeddings then
+    self:child("lm_head", L.Linear(o.d_model, o.vocab_size, { bias = false, std = std }))
+  end
+  if o.dtype or o.device then self:to(o.device, o.dtype) end
+end
+
+-- idx (B, S) i64 -> logits (B, S, V)
+function LM:forward(idx)
+  if not moe.is_tensor(idx) or idx:dim() ~= 2 then
+    error("TransformerLM:forward: idx must be a (B, S) integer tensor", 2)
+  end
+  local S = idx:size(1)
+  if S > self.cfg.seq_len and self.cfg.pos == "learned" then
+    error(string.format("TransformerLM:forward: sequence length %d exceeds seq_len %d", S, self.cfg.seq_len), 2)
+  end
+  local dev = self.wte.weight.device
+  local ids = idx.device ~= dev and idx:to(dev) or idx
+  local x = self.wte(ids)
+  release(ids, idx)
+  if self.wpe then
+    local pos = moe.arange(S, { dtype = "i64", device = dev })
+    local pe = self.wpe(pos)
+    local xp = x + pe
+    release(pos); release(pe); release(x)
+    x = xp
+  end
+  local y = self.drop(x)
+  release(x, y)
+  x = y
+  for i = 0, self.blocks.n - 1 do
+    y = self.blocks:at(i)(x)
+    release(x, y)
+    x = y
+  end
+  y = self.ln_f(x)
+  release(x, y)
+  local logits
+  if self.lm_head then logits = self.lm_head(y) else logits = moe.linear(y, self.wte.weight) end
+  release(y)
+  return logits
+end
+
+-- lm:loss(idx (B, S), targets (B, S)) -> loss (scalar tensor: mean cross
+-- entropy + the aux losses of the layers), {lm_loss=, aux_loss=, stats=}.
+-- The cross entropy is computed in f32 whatever the model's dtype.
+function LM:loss(idx, targets)
+  local logits = self:forward(idx)
+  local V = self.cfg.vocab_size
+  if logits.dtype ~= "f32" and logits.dtype ~= "f64" then
+    local l32 = logits:float()
+    release(logits)
+    logits = l32
+  end
+  local dev = logits.device
+  local tg = targets.device ~= dev and targets:to(dev) or targets
+  local l2, t1 = logits:reshape({ -1, V }), tg:reshape({ -1 })
+  local lm = moe.cross_entropy(l2, t1)
+  release(l2); release(t1); release(logits); release(tg, targets)
+  local aux = self:pop_aux_loss()
+  local total = lm
+  if aux ~= nil then
+    if aux.dtype ~= lm.dtype then
+      local a32 = aux:to(lm.dtype)
+      release(aux)
+      aux = a32
+    end
+    total = lm + aux
+  end
+  local info = { lm_loss = lm:item(), aux_loss = aux and aux:item() or 0, stats = self:collect_stats() }
+  if aux ~= nil then release(lm); release(aux) end
+  return total, info
+end
+
+-- Parameters used per token: every parameter except the embedding tables,
+-- plus the output projection (V d, tied or not); a feed-forward module that
+-- defines num_active_parameters() (a MoE layer: the router and top_k of
+-- num_experts experts) counts that instead of all its parameters.
+function LM:num_active_parameters()
+  local c = self.cfg
+  local n = c.vocab_size * c.d_model -- output projection
+  if self.lm_head then n = 0 end
+  for _, m in ipairs({ self.ln_f, self.lm_head }) do n = n + m:num_parameters() end
+  for i = 0, self.blocks.n - 1 do
+    local blk = self.blocks:at(i)
+    for _, cname in ipairs(blk._children) do
+      local ch = blk[cname]
+      if cname == "ffn" and ch.num_active_parameters then
+        n = n + ch:num_active_parameters()
+      else
+        n = n + ch:num_parameters()
+      end
+    end
+  end
+  return n
+end
+
+-- Model FLOPs per token, forward + backward: 6 N_active + 12 n_layers d S
+-- (PaLM appendix B: the attention score and value matmuls, not halved for
+-- the causal mask), the convention of Megatron's and nanoGPT's MFU.
+function LM:flops_per_token()
+  local c = self.cfg
+  return 6 * self:num_active_parameters() + 12 * c.n_layers * c.d_model * c.seq_len
+end
+
+function LM:extra_repr()
+  local c = self.cfg
+  return string.format("vocab_size=%d, d_model=%d, n_layers=%d, n_heads=%d, seq_len=%d, pos=%s, tied=%s",
+    c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.seq_len, c.pos, tostring(c.tie_embeddings))
+end
+
+return M
