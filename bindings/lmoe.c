@@ -54,6 +54,8 @@
 
 #include "lmoe.h"
 #include "lmoe_internal.h"
+
+#define MOE_GC_MIB ((int64_t)1 << 20)
 #include "moe.h"
 
 void lm_state_unref(lm_state *S) {
@@ -378,10 +380,25 @@ moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
 /* The common tail of a binding whose result is the tensor userdata `r` at
  * the top of the stack: adopt `out`, or raise the core's error (r owns
  * nothing yet, so nothing is left to free). */
+/* Counts a result's fresh CUDA storage (a view shares its base's storage and
+ * is not counted) and runs a full collection when gc_step bytes have passed
+ * since the last. The result is on the stack, so it survives the cycle. */
+static void lm_gc_pressure(lua_State *L, lm_state *S, const moe_tensor *t) {
+  if (S->gc_step <= 0 || !t->storage || t->storage->refcount != 1 ||
+      t->storage->device.type != MOE_DEVICE_CUDA)
+    return;
+  S->gc_debt += (int64_t)t->storage->block;
+  if (S->gc_debt < S->gc_step) return;
+  S->gc_debt = 0;
+  S->gc_cycles++;
+  lua_gc(L, LUA_GCCOLLECT);
+}
+
 int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out,
                      const char *fname, int arg) {
   if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
   lm_adopt(r, S, out);
+  lm_gc_pressure(L, S, out);
   return 1;
 }
 
@@ -1421,6 +1438,24 @@ static int lm_cuda_synchronize(lua_State *L) {
   return 0;
 }
 
+/* moe.cuda.set_gc_step(mb): a full Lua collection every mb MiB of new CUDA
+ * storage handed to Lua (0: never); returns the previous value and the number
+ * of such collections so far. */
+static int lm_cuda_set_gc_step(lua_State *L) {
+  lm_state *S = lm_S(L);
+  int64_t old = S->gc_step / MOE_GC_MIB;
+  if (!lua_isnoneornil(L, 1)) {
+    int64_t mb = lm_optint(L, 1, "set_gc_step", "MiB", 0);
+    lm_checkend(L, 1, "set_gc_step");
+    if (mb < 0 || mb > ((int64_t)1 << 40)) lm_argerror(L, 1, "set_gc_step", "MiB must be in [0, 2^40], got %I", (LUAI_UACINT)mb);
+    S->gc_step = mb * MOE_GC_MIB;
+    S->gc_debt = 0;
+  }
+  lua_pushinteger(L, (lua_Integer)old);
+  lua_pushinteger(L, (lua_Integer)S->gc_cycles);
+  return 2;
+}
+
 static int lm_cuda_get_device_name(lua_State *L) {
   lm_state *S = lm_S(L);
   moe_device d = lm_cuda_device_arg(L, S, 1, "get_device_name");
@@ -1587,7 +1622,22 @@ static const luaL_Reg lm_cuda_functions[] = {
     {"device_count", lm_cuda_device_count},
     {"synchronize", lm_cuda_synchronize},
     {"get_device_name", lm_cuda_get_device_name},
+    {"set_gc_step", lm_cuda_set_gc_step},
     {NULL, NULL}};
+
+/* 1 GiB unless MOE_GC_STEP_MB says otherwise (0 turns it off; -1 for a
+ * malformed value). A full cycle over the Lua heap of a training script costs
+ * about a millisecond. */
+static int64_t lm_gc_step_default(void) {
+  const char *e = getenv("MOE_GC_STEP_MB");
+  if (e && *e) {
+    char *end = NULL;
+    long long v = strtoll(e, &end, 10);
+    if (end && *end == '\0' && v >= 0 && v <= ((long long)1 << 40)) return (int64_t)v * MOE_GC_MIB;
+    return -1;
+  }
+  return (int64_t)1024 * MOE_GC_MIB;
+}
 
 /* Pushes the sentinel of this Lua state, creating it (and the context) on
  * the first call. */
@@ -1611,7 +1661,13 @@ static void lm_push_sentinel(lua_State *L) {
   S->ctx = NULL;
   S->refs = 1;
   S->print = moe_print_options_default();
-  b->S = S; /* from here the sentinel's __gc frees S */
+  S->gc_step = lm_gc_step_default();
+  S->gc_debt = 0;
+  S->gc_cycles = 0;
+  b->S = S;
+  if (S->gc_step < 0)
+    luaL_error(L, "moe: MOE_GC_STEP_MB must be a whole number of MiB in [0, 2^40], got '%s'",
+               getenv("MOE_GC_STEP_MB")); /* from here the sentinel's __gc frees S */
   moe_status st = moe_ctx_init(&S->ctx);
   if (st != MOE_OK) luaL_error(L, "moe: cannot create the context (%s)", moe_status_name(st));
   lua_pushvalue(L, -1);
@@ -1710,12 +1766,12 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_event(L, mod, methods, sentinel);
   lm_open_io(L, mod, methods, sentinel);
   lm_open_routing(L, mod, methods, sentinel);
+  lm_open_quantize(L, mod, methods, sentinel);
   lm_open_grouped(L, mod, methods, sentinel);
   lm_open_experts(L, mod, methods, sentinel);
-  lm_open_blocksparse(L, mod, methods, sentinel);
-  lm_open_quantize(L, mod, methods, sentinel);
   lm_open_optim(L, mod, methods, sentinel);
   lm_open_data(L, mod, methods, sentinel);
+  lm_open_blocksparse(L, mod, methods, sentinel);
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

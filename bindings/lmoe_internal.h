@@ -44,6 +44,12 @@ typedef struct lm_state {
   moe_ctx *ctx;
   int64_t refs;            /* the sentinel + one per live tensor userdata */
   moe_print_options print; /* for __tostring; moe.set_printoptions */
+  /* Device memory is invisible to Lua's collector, which only sees small
+   * handles: tensors that became garbage in a forward pass would keep their
+   * device blocks until a cycle happens to run. Every gc_step bytes of new
+   * CUDA storage handed to Lua (gc_debt counts them) run a full cycle.
+   * 0 turns it off; moe.cuda.set_gc_step and MOE_GC_STEP_MB set it. */
+  int64_t gc_step, gc_debt, gc_cycles;
 } lm_state;
 
 typedef struct lm_sentinel {
@@ -124,12 +130,12 @@ void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_routing(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_optim(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_data(lua_State *L, int mod, int methods, int sentinel);
+void lm_open_quantize(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_grouped(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_experts(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel);
-void lm_open_quantize(lua_State *L, int mod, int methods, int sentinel);
-void lm_open_optim(lua_State *L, int mod, int methods, int sentinel);
-void lm_open_data(lua_State *L, int mod, int methods, int sentinel);
 
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */

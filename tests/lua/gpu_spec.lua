@@ -147,4 +147,36 @@ describe("tensors on cuda", function()
     assert.truthy(#moe.cuda.get_device_name() > 0)
     assert.are.equal(moe.cuda.get_device_name(0), moe.build_info().gpus[1].name)
   end)
+
+  gpu_it("collect garbage tensors when enough device memory has passed to Lua", function()
+    collectgarbage()
+    local old_step = moe.cuda.set_gc_step(64) -- a full cycle every 64 MiB
+    local _, cycles0 = moe.cuda.set_gc_step()
+    local base = moe.memory_stats("cuda:0").allocated
+    local x = moe.ones({ 1024, 1024 }, { device = "cuda" }) -- 4 MiB
+    local peak = 0
+    collectgarbage("stop") -- only the device-memory rule may collect
+    for _ = 1, 200 do -- 800 MiB of results dropped on the floor
+      local y = x * 2
+      y = nil
+      peak = math.max(peak, moe.memory_stats("cuda:0").allocated - base)
+    end
+    collectgarbage("restart")
+    local _, cycles1 = moe.cuda.set_gc_step(old_step)
+    assert.is_true(cycles1 - cycles0 >= 10, ("only %d collections"):format(cycles1 - cycles0))
+    assert.is_true(peak <= 80 * 1024 * 1024, ("peak %.1f MiB over the base"):format(peak / 2 ^ 20))
+    -- Views are not counted: they make no new storage.
+    local _, c2 = moe.cuda.set_gc_step(1)
+    collectgarbage("stop")
+    for _ = 1, 10 do local v = x:view({ 1024 * 1024 }) end
+    collectgarbage("restart")
+    local _, c3 = moe.cuda.set_gc_step(old_step)
+    assert.are.equal(c2, c3)
+    x:free()
+  end)
+
+  it("reject a negative gc step", function()
+    assert.has_error(function() moe.cuda.set_gc_step(-1) end,
+      "bad argument #1 to 'set_gc_step' (MiB must be in [0, 2^40], got -1)")
+  end)
 end)
