@@ -4,7 +4,7 @@
 # and data). Each step writes its logs and JSON under $OUT; the last lines of
 # the output are a short summary.
 #
-#   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul]
+#   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -45,11 +45,28 @@ for s in "${steps[@]}"; do
       python3 bench/matmul_report.py "$out/matmul_moe.json" "$out/matmul_torch.json" "$out" \
         --command "bash bench/gpu_round.sh matmul" > "$out/matmul_report.log" 2>&1
       note "matmul: rc=$? ($(($(date +%s) - t0)) s)" ;;
+    train125)
+      # The 125M dMoE (64 experts top-1) for 300 steps and the dense GPT of the same active
+      # size for 100, each beside bench/train_torch.py on the weights and batch it exported.
+      t=/tmp/t125; rm -rf $t; mkdir -p $t
+      $ml bench/train_125m.lua experts=64 steps=300 batch_size=8 log_every=10 data=data/bible_kjv \
+        export=$t/big out_dir=$t/out_big json="$out/big_moe.json" > "$out/big_moe.log" 2>&1
+      python3 bench/train_torch.py --export $t/big --config "$out/big_moe.json" \
+        --json "$out/big_torch.json" > "$out/big_torch.log" 2>&1
+      $ml bench/train_125m.lua kind=dense steps=100 batch_size=8 log_every=10 data=data/bible_kjv \
+        export=$t/dense out_dir=$t/out_dense json="$out/dense_moe.json" > "$out/dense_moe.log" 2>&1
+      python3 bench/train_torch.py --export $t/dense --config "$out/dense_moe.json" \
+        --json "$out/dense_torch.json" > "$out/dense_torch.log" 2>&1
+      python3 bench/train_report.py "$out/big_moe.json" "$out/big_torch.json" "$out/train_125m" \
+        --dense-moe "$out/dense_moe.json" --dense-torch "$out/dense_torch.json" \
+        --command "bash bench/gpu_round.sh train125" > "$out/train_report.log" 2>&1
+      note "train125: rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "^\| (moe-lua|PyTorch)|First step" "$out/train_125m.md" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
 # The machine hands back only a few files: everything small goes into one archive.
-(cd "$out" && tar czf round.tgz --exclude='*.safetensors' --exclude='tb' --exclude=round.tgz . &&
-  find . -mindepth 1 -maxdepth 1 ! -name round.tgz -exec rm -rf {} +)
+(cd "$out" && tar czf /tmp/round.tgz --exclude='*.safetensors' --exclude='tb' . &&
+  find . -mindepth 1 -maxdepth 1 -exec rm -rf {} + && mv /tmp/round.tgz .)
 echo "== summary =="
 printf '%s\n' "${summary[@]}"

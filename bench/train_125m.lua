@@ -1,0 +1,123 @@
+--[[
+bench/train_125m.lua - the moe-lua side of the 125M training benchmark: the
+MegaBlocks 125M dMoE (12 layers, hidden 768, 12 heads, seq_len 1024, 64
+experts top-1, ffn 3072; byte vocabulary 257) trained by moe.train on the
+King James Bible in bf16. Before training it exports what the PyTorch
+reference (bench/train_torch.py) needs to check agreement: the initial
+weights (export/model.safetensors, the state dict as moe-lua names it) and
+the first batch with its loss and logits at those weights
+(export/first_step.safetensors: x, y (B, S) i64, logits (B, S, V) f32,
+metadata loss). It then trains `steps` steps through train.run and writes
+json= (tokens/s and MFU over the steps after the first log interval, peak
+device memory, the loss curve) for bench/train_report.py.
+
+  moe-lua bench/train_125m.lua data=PREFIX steps=200 batch_size=8 experts=64 \
+      export=DIR out_dir=DIR json=FILE
+  kind=dense trains the dense GPT of the same active size (ffn 3072) instead.
+]]
+local moe = require "moe"
+local train = require "moe.train"
+local metrics = require "moe.metrics"
+
+local o = moe.config {
+  kind = "dmoe", experts = 64, top_k = 1, d_model = 768, n_layers = 12, n_heads = 12, ffn = 3072,
+  seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
+  loss_weight = 0.1, activation = "gelu", mlp_impl = "grouped", dtype = "bf16", device = "cuda",
+  data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
+}
+
+local cfg = train.config {
+  model = {
+    vocab_size = 257, d_model = o.d_model, n_layers = o.n_layers, n_heads = o.n_heads, pos = "rope",
+    norm = "layernorm", tie_embeddings = true, dropout = 0.0, init_std = 0.02,
+    ffn = o.kind == "dense" and "dense" or "moe", d_ff = o.ffn,
+    moe = { kind = o.kind == "moe" and "moe" or "dmoe", num_experts = o.experts, top_k = o.top_k,
+      ffn_hidden_size = o.ffn, mlp_type = "mlp", activation = o.activation, mlp_impl = o.mlp_impl,
+      loss_weight = o.loss_weight, zloss_weight = 0.0, jitter_eps = 0.0, capacity_factor = 1.0, every = 1 },
+  },
+  data = o.data, seq_len = o.seq_len, batch_size = o.batch_size, grad_accum = 1, steps = o.steps,
+  lr = o.lr, min_lr = o.min_lr, warmup = math.min(o.warmup, o.steps), decay = "cosine", weight_decay = 0.1,
+  clip = 1.0, eval_every = 0, eval_iters = 0, log_every = o.log_every, save_every = 0, keep_last = 0,
+  out_dir = o.out_dir, device = o.device, dtype = o.dtype, seed = o.seed, tensorboard = true,
+  sample_tokens = 0,
+}
+
+local device = train.resolve_device(cfg.device)
+moe.manual_seed(cfg.seed)
+local t0 = moe.clock()
+local model = train.build_model(cfg, device)
+local train_data, _, tokenizer = train.build_data(cfg)
+local n_params = model:num_parameters()
+local n_active = model:num_active_parameters()
+print(("train_125m: %s, %d parameters (%d active), built in %.1f s"):format(o.kind, n_params, n_active,
+  moe.clock() - t0))
+
+-- the first batch, its loss and logits at the initial weights (eval mode: no jitter, no aux loss)
+local first = {}
+do
+  local s0 = train_data:state()
+  local x, y = train_data:batch(cfg.batch_size)
+  train_data:set_state(s0)
+  moe.no_grad(function()
+    model:eval()
+    local xd, yd = x:to(device), y:to(device)
+    local logits = model:forward(xd)
+    local _, info = model:loss(xd, yd)
+    first.loss = info.lm_loss
+    first.logits = logits:float():cpu()
+    model:train()
+  end)
+  first.x, first.y = x, y
+  print(("train_125m: first-batch loss at the initial weights %.6f"):format(first.loss))
+  if o.export ~= "" then
+    local t1 = moe.clock()
+    os.execute("mkdir -p '" .. o.export .. "'")
+    moe.save(o.export .. "/model.safetensors", model:state_dict(), { format = "pt" })
+    moe.save(o.export .. "/first_step.safetensors", { x = first.x, y = first.y, logits = first.logits },
+      { loss = ("%.9g"):format(first.loss) })
+    print(("train_125m: exported weights and first batch to %s in %.1f s"):format(o.export, moe.clock() - t1))
+  end
+  first.logits = nil
+end
+
+if device == "cuda" then
+  moe.cuda.synchronize()
+  moe.reset_peak_memory_stats("cuda")
+end
+local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer })
+local mem = device == "cuda" and moe.memory_stats("cuda") or {}
+
+-- throughput over the log intervals after the first (which holds the warm-up steps)
+local recs = {}
+for _, r in ipairs(metrics.read_jsonl(cfg.out_dir .. "/metrics.jsonl")) do
+  if r.tokens_per_s then recs[#recs + 1] = r end
+end
+local steps_timed, secs, mfu_sum = 0, 0, 0
+for i = 2, #recs do
+  local r, prev = recs[i], recs[i - 1]
+  local n = r.step - prev.step
+  steps_timed, secs = steps_timed + n, secs + n * r.ms_per_iter / 1000
+  mfu_sum = mfu_sum + (r.mfu or 0) * n
+end
+local tokens_per_step = cfg.batch_size * cfg.seq_len
+local out = {
+  impl = "moe-lua", kind = o.kind, device = device == "cuda" and moe.cuda.get_device_name(0) or "cpu",
+  version = moe.version_report and moe.version_report() or nil, date = os.date("!%Y-%m-%dT%H:%M:%SZ"),
+  config = o, params = n_params, active_params = n_active, flops_per_token = model:flops_per_token(),
+  tokens_per_step = tokens_per_step, steps = result.step, steps_timed = steps_timed,
+  tokens_per_s = secs > 0 and steps_timed * tokens_per_step / secs or nil,
+  ms_per_step = steps_timed > 0 and 1000 * secs / steps_timed or nil,
+  mfu = steps_timed > 0 and mfu_sum / steps_timed or nil,
+  peak_allocated_bytes = mem.peak_allocated, peak_reserved_bytes = mem.peak_reserved,
+  first_loss = first.loss, first_train_loss = result.losses[1], last_loss = result.losses[result.step],
+  losses = {}, seconds = result.seconds,
+}
+for _, r in ipairs(recs) do out.losses[#out.losses + 1] = { r.step, r.loss } end
+print(("train_125m: %d steps, %.0f tokens/s, %.1f ms/step, MFU %.1f%%, peak allocated %.2f GiB, "
+  .. "loss %.4f -> %.4f"):format(out.steps, out.tokens_per_s or 0, out.ms_per_step or 0, 100 * (out.mfu or 0),
+  (out.peak_allocated_bytes or 0) / 2 ^ 30, out.first_train_loss or 0, out.last_loss or 0))
+if o.json ~= "" then
+  local f = assert(io.open(o.json, "w"))
+  f:write(metrics.json.encode(out), "\n")
+  f:close()
+end
