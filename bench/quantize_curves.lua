@@ -1,0 +1,252 @@
+--[[
+bench/quantize_curves.lua - loss curves with the saved activations of the
+dMoE experts kept off / 8-bit / 4-bit (issue 6): the same model, data and
+seed trained once per mode through moe.train (lua/moe/train.lua), the
+quantize switches of every dMoE layer set to the mode's bits (quantize =
+{inputs =, rematerialize =, scatter =} on the experts module).
+
+  moe-lua bench/quantize_curves.lua run preset=quickstart|dmoe46m [modes=off,8,4]
+      [steps=N] [device=auto] [dtype=] [batch_size=] [out=DIR] [json=FILE]
+      [seconds=S]   per-mode wall-clock limit: a mode that hits it stops at
+                    its last finished step (the schedule still spans steps),
+                    and the comparison uses the steps every mode reached
+  moe-lua bench/quantize_curves.lua report json=FILE[,FILE...] md=FILE png=FILE
+      a Markdown table (final loss = mean train loss of the last 10% of the
+      common steps, and the last validation loss) and a gnuplot PNG of the
+      curves (smoothed over a window of 10 steps).
+
+Presets (KJV bible corpus, byte tokens, data.bible_corpus):
+  quickstart  experiments/quickstart.lua's model: 4 layers, d_model 128,
+              8 experts top-2, ffn 256 (gelu MLP experts), seq 128, batch 8,
+              150 steps, lr 3e-3 -> 3e-4
+  dmoe46m     MegaBlocks' dmoe-46M shape: 6 layers, hidden 512, 8 heads,
+              64 experts top-1, ffn_hidden_size 2048 (gelu MLP experts),
+              seq 1024, batch 8, lr 1e-3 -> 1e-4, bf16 on the GPU
+]]
+local moe = require "moe"
+local train = require "moe.train"
+
+local function parse_args()
+  local a = { cmd = arg[1] }
+  for i = 2, #arg do
+    local k, v = arg[i]:match("^([%w_]+)=(.*)$")
+    if not k then error("bad argument '" .. arg[i] .. "' (key=value expected)", 0) end
+    a[k] = v
+  end
+  return a
+end
+
+local function preset_cfg(name)
+  local c = train.defaults()
+  c.data, c.tensorboard, c.sample_every, c.sample_tokens = "bible", false, 0, 0
+  c.save_every, c.keep_last, c.weight_decay = 0, 0, 0.0 -- keep_last 0: no checkpoint
+  if name == "quickstart" then
+    c.model.d_model, c.model.n_layers, c.model.n_heads = 128, 4, 4
+    c.model.moe.num_experts, c.model.moe.top_k, c.model.moe.ffn_hidden_size = 8, 2, 256
+    c.seq_len, c.batch_size, c.steps = 128, 8, 150
+    c.lr, c.min_lr, c.warmup = 3e-3, 3e-4, 20
+    c.eval_every, c.eval_iters, c.log_every = 50, 4, 10
+  elseif name == "dmoe46m" then
+    c.model.d_model, c.model.n_layers, c.model.n_heads = 512, 6, 8
+    c.model.moe.num_experts, c.model.moe.top_k, c.model.moe.ffn_hidden_size = 64, 1, 2048
+    c.seq_len, c.batch_size, c.steps = 1024, 8, 300
+    c.lr, c.min_lr, c.warmup = 1e-3, 1e-4, 30
+    c.eval_every, c.eval_iters, c.log_every = 100, 4, 25
+    c.dtype = "bf16"
+  else
+    error("unknown preset '" .. tostring(name) .. "' (quickstart, dmoe46m)", 0)
+  end
+  return c
+end
+
+-- Sets the quantize switches of every expert module of model (the modules
+-- with w1 and w2 that a dMoE holds as .experts).
+local function set_quantize(model, bits)
+  local n = 0
+  for _, m in ipairs(model:modules()) do
+    if m.experts ~= nil and m.experts.w1 ~= nil then
+      m.experts.quantize = bits ~= 0 and { inputs = bits, rematerialize = bits, scatter = bits } or nil
+      n = n + 1
+    end
+  end
+  if n == 0 then error("quantize_curves: the model has no dMoE experts", 0) end
+  return n
+end
+
+local function json_list(t, fmt)
+  local p = {}
+  for i, v in ipairs(t) do p[i] = string.format(fmt, v) end
+  return "[" .. table.concat(p, ", ") .. "]"
+end
+
+local function run(a)
+  local preset = a.preset or "quickstart"
+  local base = preset_cfg(preset)
+  if a.steps then
+    base.steps = math.tointeger(tonumber(a.steps))
+    base.warmup = math.min(base.warmup, base.steps // 5)
+    base.eval_every = math.min(base.eval_every, base.steps)
+  end
+  if a.batch_size then base.batch_size = math.tointeger(tonumber(a.batch_size)) end
+  if a.device then base.device = a.device end
+  if a.dtype then base.dtype = a.dtype end
+  local device = train.resolve_device(base.device)
+  if device == "cpu" and base.dtype == "bf16" and not a.dtype then base.dtype = "f32" end
+  local out = a.out or ("out/quantize_curves/" .. preset)
+  local seconds = tonumber(a.seconds or "0")
+  local json = a.json or (out .. "/curves.json")
+  -- written after every mode, so that a run cut short keeps what finished
+  local function write_json(records)
+    local f = assert(io.open(json, "w"))
+    local parts = {}
+    for _, r in ipairs(records) do
+      local vs = {}
+      for i, v in ipairs(r.vals) do vs[i] = string.format("[%d, %.6f]", v[1], v[2]) end
+      parts[#parts + 1] = string.format('{"mode": "%s", "bits": %d, "steps": %d, "seconds": %.2f, '
+        .. '"losses": %s, "val": [%s]}', r.mode, r.bits, r.steps, r.seconds, json_list(r.losses, "%.5f"),
+        table.concat(vs, ", "))
+    end
+    f:write(string.format('{"preset": "%s", "device": "%s", "dtype": "%s", "steps": %d, "batch_size": %d, '
+      .. '"seq_len": %d,\n "runs": [\n  %s\n]}\n', preset,
+      device == "cpu" and "cpu" or moe.cuda.get_device_name(0), base.dtype, base.steps, base.batch_size,
+      base.seq_len, table.concat(parts, ",\n  ")))
+    f:close()
+    print("quantize_curves: wrote " .. json)
+  end
+  local records = {}
+  for mode in (a.modes or "off,8,4"):gmatch("[^,]+") do
+    local bits = mode == "off" and 0 or math.tointeger(tonumber(mode))
+    local cfg = train.config(base)
+    cfg.out_dir = out .. "/" .. mode
+    cfg.quiet = true
+    os.execute("rm -rf '" .. cfg.out_dir .. "'")
+    moe.manual_seed(cfg.seed) -- the same initial weights in every mode
+    local model = train.build_model(cfg, device)
+    local nq = set_quantize(model, bits)
+    -- a wall-clock limit: stop_at is fixed before the run, so time a few
+    -- steps first when a limit is given
+    if seconds > 0 then
+      local probe = train.config(cfg)
+      probe.stop_at, probe.out_dir, probe.eval_every = 6, cfg.out_dir .. "-probe", cfg.steps
+      local pr = train.run(probe, { model = model })
+      local per = pr.seconds / 6 -- the first steps are slower: a safe estimate
+      os.execute("rm -rf '" .. probe.out_dir .. "'")
+      moe.manual_seed(cfg.seed)
+      model = train.build_model(cfg, device)
+      set_quantize(model, bits)
+      local fit = math.floor(seconds / per)
+      if fit < cfg.steps then cfg.stop_at = math.max(fit, 10) end
+    end
+    local t0 = moe.clock()
+    local res = train.run(cfg, { model = model })
+    local secs = moe.clock() - t0
+    local losses, vals = {}, {}
+    for s = 1, res.step do losses[#losses + 1] = res.losses[s] or res.losses[s - 1] or 0 end
+    local vsteps = {}
+    for s in pairs(res.val_losses) do vsteps[#vsteps + 1] = s end
+    table.sort(vsteps)
+    for _, s in ipairs(vsteps) do vals[#vals + 1] = { s, res.val_losses[s] } end
+    local r = { mode = mode, bits = bits, steps = res.step, seconds = secs, losses = losses, vals = vals,
+                layers = nq }
+    records[#records + 1] = r
+    print(string.format("quantize_curves %s mode=%s (%d dMoE layers): %d steps in %.1f s, last loss %.4f%s",
+      preset, mode, nq, res.step, secs, losses[#losses] or 0 / 0,
+      #vals > 0 and string.format(", val %.4f at step %d", vals[#vals][2], vals[#vals][1]) or ""))
+    model = nil -- luacheck: ignore
+    res = nil -- luacheck: ignore
+    collectgarbage()
+    write_json(records)
+  end
+end
+
+-- ------------------------------------------------------------------ report
+
+local function read_json(path)
+  local f = assert(io.open(path))
+  local s = f:read("a")
+  f:close()
+  return require("moe.metrics").json.decode(s)
+end
+
+local function report(a)
+  assert(a.json, "report: json=FILE[,FILE...] is required")
+  local md, png = a.md, a.png
+  local lines = { "| preset | mode | steps | final train loss (mean of last 10%) | vs off | last val loss | vs off "
+                  .. "| time s |",
+                  "|---|---|---|---|---|---|---|---|" }
+  local plots = {}
+  for path in a.json:gmatch("[^,]+") do
+    local d = read_json(path)
+    local common = math.huge
+    for _, r in ipairs(d.runs) do common = math.min(common, #r.losses) end
+    local w = math.max(1, common // 10)
+    local off_final, off_val
+    for _, r in ipairs(d.runs) do
+      local s = 0
+      for i = common - w + 1, common do s = s + r.losses[i] end
+      local final = s / w
+      local val = #r.val > 0 and r.val[#r.val][2] or nil
+      if r.mode == "off" then off_final, off_val = final, val end
+      local function rel(v, ref)
+        if not v or not ref or r.mode == "off" then return "" end
+        return string.format("%+.2f%%", 100 * (v / ref - 1))
+      end
+      lines[#lines + 1] = string.format("| %s | %s | %d | %.4f | %s | %s | %s | %.0f |", d.preset, r.mode, common,
+        final, rel(final, off_final), val and string.format("%.4f", val) or "-", rel(val, off_val), r.seconds)
+      -- smoothed curve for gnuplot
+      local dat = os.tmpname()
+      local fh = assert(io.open(dat, "w"))
+      for i = 1, common do
+        local lo, acc = math.max(1, i - 9), 0
+        for j = lo, i do acc = acc + r.losses[j] end
+        fh:write(string.format("%d %.5f\n", i, acc / (i - lo + 1)))
+      end
+      fh:close()
+      plots[#plots + 1] = { preset = d.preset, mode = r.mode, file = dat }
+    end
+  end
+  local text = table.concat(lines, "\n") .. "\n"
+  io.write(text)
+  if md then
+    local f = assert(io.open(md, "w"))
+    f:write(text)
+    f:close()
+  end
+  if png then
+    local presets, order = {}, {}
+    for _, p in ipairs(plots) do
+      if not presets[p.preset] then presets[p.preset] = {}; order[#order + 1] = p.preset end
+      table.insert(presets[p.preset], p)
+    end
+    local gp = { string.format("set terminal pngcairo size %d,420 font ',10'", 560 * #order),
+                 "set output '" .. png .. "'", string.format("set multiplot layout 1,%d", #order),
+                 "set xlabel 'step'", "set ylabel 'train loss (nats/byte, 10-step mean)'", "set grid" }
+    for _, name in ipairs(order) do
+      gp[#gp + 1] = "set title '" .. name .. ": saved activations off / 8-bit / 4-bit'"
+      local ps = {}
+      for _, p in ipairs(presets[name]) do
+        ps[#ps + 1] = string.format("'%s' using 1:2 with lines lw 2 title '%s'", p.file, p.mode)
+      end
+      gp[#gp + 1] = "plot " .. table.concat(ps, ", ")
+    end
+    gp[#gp + 1] = "unset multiplot"
+    local script = os.tmpname()
+    local f = assert(io.open(script, "w"))
+    f:write(table.concat(gp, "\n") .. "\n")
+    f:close()
+    local ok = os.execute("gnuplot '" .. script .. "'")
+    os.remove(script)
+    if not ok then error("report: gnuplot failed", 0) end
+    print("quantize_curves: wrote " .. png)
+  end
+  for _, p in ipairs(plots) do os.remove(p.file) end
+end
+
+local a = parse_args()
+if a.cmd == "run" then
+  run(a)
+elseif a.cmd == "report" then
+  report(a)
+else
+  error("usage: moe-lua bench/quantize_curves.lua run|report key=value ...", 0)
+end
