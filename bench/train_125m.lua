@@ -22,7 +22,7 @@ local metrics = require "moe.metrics"
 local o = moe.config {
   kind = "dmoe", experts = 64, top_k = 1, d_model = 768, n_layers = 12, n_heads = 12, ffn = 3072,
   seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
-  loss_weight = 0.1, activation = "gelu", mlp_impl = "grouped", dtype = "bf16", device = "cuda",
+  loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
 }
 
@@ -100,11 +100,16 @@ for i = 2, #recs do
   mfu_sum = mfu_sum + (r.mfu or 0) * n
 end
 local tokens_per_step = cfg.batch_size * cfg.seq_len
+-- the expert implementation the dMoE layers ran ("auto" resolves per device)
+local mlp_impl = "none"
+for _, m in ipairs(model:modules()) do
+  if m.resolve_impl then mlp_impl = m.mlp_impl break end
+end
 local out = {
   impl = "moe-lua", kind = o.kind, device = device == "cuda" and moe.cuda.get_device_name(0) or "cpu",
   version = moe.version_report and moe.version_report() or nil, date = os.date("!%Y-%m-%dT%H:%M:%SZ"),
   config = o, params = n_params, active_params = n_active, flops_per_token = model:flops_per_token(),
-  tokens_per_step = tokens_per_step, steps = result.step, steps_timed = steps_timed,
+  tokens_per_step = tokens_per_step, steps = result.step, steps_timed = steps_timed, mlp_impl = mlp_impl,
   tokens_per_s = secs > 0 and steps_timed * tokens_per_step / secs or nil,
   ms_per_step = steps_timed > 0 and 1000 * secs / steps_timed or nil,
   mfu = steps_timed > 0 and mfu_sum / steps_timed or nil,

@@ -87,7 +87,7 @@ def main():
     L.append("| implementation | tokens/s | ms/step | MFU (bf16 dense peak 989 TFLOP/s) | peak allocated GiB "
              "| peak reserved GiB | steps timed / run |")
     L.append("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    L.append(row("moe-lua (train.run, grouped experts)", m))
+    L.append(row("moe-lua (train.run, %s experts)" % m.get("mlp_impl", "grouped"), m))
     L.append(row("PyTorch %s (%s experts, eager)" % (t.get("torch"), "torch._grouped_mm" if t.get("grouped_mm")
                                                     else "looped"), t))
     if dm and dt:

@@ -58,7 +58,7 @@ function M.defaults()
       ffn = "moe", d_ff = 512,
       moe = {
         kind = "dmoe", num_experts = 8, top_k = 2, ffn_hidden_size = 256, mlp_type = "mlp",
-        activation = "gelu", mlp_impl = "grouped", loss_weight = 0.01, zloss_weight = 0.0,
+        activation = "gelu", mlp_impl = "auto", loss_weight = 0.01, zloss_weight = 0.0,
         jitter_eps = 0.0, capacity_factor = 1.0, every = 1,
       },
     },

@@ -85,6 +85,28 @@ local function dmoe(opts)
 end
 
 describe("layers.dMoE", function()
+  it("mlp_impl auto: sparse on CUDA with more than 16 experts, grouped otherwise", function()
+    local function make(E, impl)
+      return layers.dMoE { hidden_size = 8, ffn_hidden_size = 128, num_experts = E, top_k = 1, mlp_impl = impl }
+    end
+    local big = make(32, nil)
+    assert.are.equal("auto", big.mlp_impl_option)
+    assert.are.equal("grouped", big:resolve_impl("cpu"))
+    assert.are.equal("grouped", big.experts.impl)
+    assert.are.equal("sparse", big:resolve_impl("cuda:0"))
+    assert.are.equal("sparse", big.experts.impl)
+    assert.are.same(128, big:plan_opts(nil).block_size)
+    assert.are.equal("grouped", big:resolve_impl("cpu"))
+    assert.is_nil(big:plan_opts(nil).block_size)
+    assert.are.equal("grouped", make(16, "auto"):resolve_impl("cuda:0"))
+    assert.are.equal("grouped", make(32, "grouped"):resolve_impl("cuda:0"))
+    assert.are.equal("loop", make(32, "loop"):resolve_impl("cuda:0"))
+    -- ffn_hidden_size not a multiple of the block: grouped even on CUDA
+    local odd = layers.dMoE { hidden_size = 8, ffn_hidden_size = 100, num_experts = 32, top_k = 1 }
+    assert.are.equal("grouped", odd:resolve_impl("cuda:0"))
+    assert.has_error(function() make(4, "fast") end)
+  end)
+
   it("matches a dense per-token reference (MLP and GLU experts)", function()
     moe.manual_seed(1)
     for _, mlp_type in ipairs({ "mlp", "glu" }) do
@@ -360,7 +382,7 @@ describe("layers.dMoE", function()
     assert.matches("moe_capacity_factor, moe_expert_model_parallelism", err)
     local cases = {
       { { mlp_type = "swiglu" }, "mlp_type must be \"mlp\" or \"glu\", got swiglu" },
-      { { mlp_impl = "dense" }, "mlp_impl must be \"grouped\", \"sparse\" or \"loop\", got dense" },
+      { { mlp_impl = "dense" }, "mlp_impl must be \"auto\", \"grouped\", \"sparse\" or \"loop\", got dense" },
       { { mlp_impl = "sparse", ffn_hidden_size = 100 },
         "mlp_impl \"sparse\" needs ffn_hidden_size (100) to be a multiple of block_size (128)" },
       { { top_k = 5 }, "top_k = 5 is more than num_experts = 4" },
