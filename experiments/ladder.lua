@@ -45,7 +45,7 @@ function M.config(size, kind)
   m.ffn, m.d_ff = kind == "dense" and "dense" or "moe", 4 * s.d_model
   m.moe.kind = kind == "moe" and "moe" or "dmoe"
   m.moe.num_experts, m.moe.top_k, m.moe.ffn_hidden_size = 64, 1, 4 * s.d_model
-  m.moe.mlp_type, m.moe.activation, m.moe.mlp_impl = "mlp", "gelu", "grouped"
+  m.moe.mlp_type, m.moe.activation, m.moe.mlp_impl = "mlp", "gelu", "auto"
   m.moe.loss_weight, m.moe.zloss_weight, m.moe.capacity_factor = 0.1, 0.0, 1.0
   c.data, c.seq_len, c.batch_size, c.grad_accum = "bible", 1024, 8, 1
   c.steps, c.lr, c.min_lr, c.warmup, c.decay = 2000, s.lr, s.lr / 10, 100, "cosine"

@@ -609,6 +609,54 @@ describe("train.run with moe.data", function()
   end)
 end)
 
+describe("experiments/ladder.lua", function()
+  local ladder = dofile("experiments/ladder.lua")
+  it("has MegaBlocks' nine rows", function()
+    local want = { ["46m"] = { 6, 512, 6e-4 }, ["125m"] = { 12, 768, 6e-4 }, ["356m"] = { 24, 1024, 3e-4 } }
+    for size, w in pairs(want) do
+      for _, kind in ipairs({ "dense", "dmoe", "moe" }) do
+        local c = ladder.config(size, kind)
+        assert.are.same({ w[1], w[2], 1024, w[3] }, { c.model.n_layers, c.model.d_model, c.seq_len, c.lr })
+        assert.are.equal(kind == "dense" and "dense" or "moe", c.model.ffn)
+        assert.are.equal(4 * w[2], c.model.d_ff)
+        if kind ~= "dense" then
+          assert.are.same({ 64, 1, 4 * w[2] }, { c.model.moe.num_experts, c.model.moe.top_k, c.model.moe.ffn_hidden_size })
+          assert.are.equal(kind == "moe" and "moe" or "dmoe", c.model.moe.kind)
+        end
+      end
+    end
+    assert.has_error(function() ladder.config("1b", "dmoe") end, "ladder: size must be 46m, 125m or 356m, got '1b'")
+    assert.has_error(function() ladder.config("46m", "mlp") end, "ladder: kind must be dense, dmoe or moe, got 'mlp'")
+  end)
+
+  local test = have_data and have_optim and it or pending
+  test("trains each kind end to end, shrunk to a few steps on the CPU", function()
+    local host = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
+    local data = require "moe.data"
+    local txt = root .. "/ladder.txt"
+    local f = assert(io.open(txt, "w"))
+    for i = 1, 80 do f:write(("verse %d: and the evening and the morning were the day %d.\n"):format(i, i)) end
+    f:close()
+    local prefix = data.preprocess { inputs = { txt }, output_prefix = root .. "/ladder", tokenizer = "byte" }
+    for _, kind in ipairs({ "dense", "dmoe", "moe" }) do
+      local out = fresh_dir()
+      local cmd = table.concat({ sh_quote(host), "experiments/ladder.lua", "size=46m", "kind=" .. kind,
+        "data=" .. sh_quote(prefix), "device=cpu", "dtype=f32", "steps=2", "seq_len=16", "batch_size=2",
+        "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.moe.num_experts=4",
+        "model.moe.ffn_hidden_size=64", "eval_every=0", "save_every=0", "log_every=1", "warmup=1",
+        "sample_tokens=0", "out_dir=" .. sh_quote(out), "2>&1" }, " ")
+      local p = io.popen(cmd)
+      local text = p:read("a")
+      local ok = p:close()
+      assert.is_true(ok, text)
+      assert.matches("iteration +2/2", text)
+      local lines = 0
+      for _ in io.lines(out .. "/metrics.jsonl") do lines = lines + 1 end
+      assert.is_true(lines >= 2)
+    end
+  end)
+end)
+
 describe("cleanup", function()
   it("removes the spec's folder", function()
     assert.is_true(os.execute("rm -rf " .. sh_quote(root)))
