@@ -73,6 +73,9 @@ function M.generate(model, prompt, opts)
       if opts.stop ~= nil and id == opts.stop then break end
       ctx[#ctx + 1] = id
       out[#out + 1] = id
+      -- this token's tensors are garbage: give their memory back now (the collector
+      -- sees only small handles, not the storage behind them)
+      collectgarbage()
     end
   end)
   if was_training and model.train then model:train() end

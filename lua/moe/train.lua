@@ -305,6 +305,7 @@ function M.evaluate(model, data, iters, batch_size, device)
       local x, y = data:batch(batch_size)
       local _, info = model:loss(to_device(x, device), to_device(y, device))
       total = total + info.lm_loss
+      collectgarbage() -- free the batch's activations before the next
     end
     model:train()
   end)
