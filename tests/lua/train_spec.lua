@@ -516,29 +516,19 @@ describe("sample", function()
   end)
 end)
 
--- With moe.nn and moe.layers present: a real tiny dMoE TransformerLM through train.run's
--- builder (moe.optim's AdamW when present, else the momentum SGD above).
-local have_lib = pcall(require, "moe.nn") and pcall(require, "moe.layers")
--- moe.optim counts as present when an AdamW step runs in this build (it needs C ops).
-local have_optim = pcall(function()
-  local optim = require "moe.optim"
-  local w = moe.ones({ 2 }):requires_grad_(true)
-  moe.sum(w * w):backward()
-  optim.AdamW({ { "w", w } }, { lr = 0.1 }):step()
-end)
+-- A real tiny dMoE TransformerLM through train.run's builder and moe.optim's AdamW.
 describe("train.run with moe.nn and moe.layers", function()
-  local test = have_lib and it or pending
-  test("trains a tiny dMoE LM and resumes it exactly", function()
+  it("trains a tiny dMoE LM and resumes it exactly", function()
     local model_cfg = { vocab_size = V, d_model = 16, n_layers = 2, n_heads = 2,
       moe = { num_experts = 4, top_k = 2, ffn_hidden_size = 16,
-        mlp_impl = moe.ops.parallel_linear and "grouped" or "loop" } }
+        mlp_impl = "grouped" } }
     local function run(over)
       local c = cfg(over)
       c.model = model_cfg
       c.lr, c.warmup, c.min_lr = 1e-2, 0, 1e-3
       local p = parts()
       p.model = nil
-      if have_optim then p.optimizer, p.clip_grad_norm = nil, nil end
+      p.optimizer, p.clip_grad_norm = nil, nil
       return train.run(c, p)
     end
     local d1, d2 = fresh_dir(), fresh_dir()
@@ -561,15 +551,10 @@ describe("train.run with moe.nn and moe.layers", function()
   end)
 end)
 
--- With moe.data too: the same through train.run's data builder (IndexedDataset + GPTDataset,
--- whose state() goes into the checkpoint) on a small preprocessed text.
-local have_data = have_lib and pcall(function()
-  local data = require "moe.data"
-  assert(data.preprocess and data.GPTDataset and data.ByteTokenizer)
-end)
+-- The same through train.run's data builder (IndexedDataset + GPTDataset, whose state()
+-- goes into the checkpoint) on a small preprocessed text.
 describe("train.run with moe.data", function()
-  local test = have_data and it or pending
-  test("trains on a preprocessed text and resumes exactly, then samples from the checkpoint", function()
+  it("trains on a preprocessed text and resumes exactly, then samples from the checkpoint", function()
     local data = require "moe.data"
     local txt = root .. "/corpus.txt"
     local f = assert(io.open(txt, "w"))
@@ -581,12 +566,8 @@ describe("train.run with moe.data", function()
       c.data = prefix
       c.valid_fraction = 0.1
       c.model = { d_model = 16, n_layers = 1, n_heads = 2,
-        moe = { num_experts = 4, top_k = 1, ffn_hidden_size = 16,
-          mlp_impl = moe.ops.parallel_linear and "grouped" or "loop" } }
+        moe = { num_experts = 4, top_k = 1, ffn_hidden_size = 16, mlp_impl = "grouped" } }
       c.warmup = 0
-      if not have_optim then
-        return train.run(c, { optimizer = tiny_sgd, clip_grad_norm = tiny_clip })
-      end
       return train.run(c)
     end
     local d1, d2 = fresh_dir(), fresh_dir()
@@ -601,7 +582,7 @@ describe("train.run with moe.data", function()
     local c = checkpoint.load(d2 .. "/ckpt-6")
     assert.is_table(c.state.data)
   end)
-  test("a missing dataset prefix is a clear error", function()
+  it("a missing dataset prefix is a clear error", function()
     local ok, err = pcall(train.run, cfg { data = root .. "/nothing", out_dir = fresh_dir(),
       model = { d_model = 16, n_layers = 1, n_heads = 2 } })
     assert.is_false(ok)
@@ -629,8 +610,7 @@ describe("experiments/ladder.lua", function()
     assert.has_error(function() ladder.config("46m", "mlp") end, "ladder: kind must be dense, dmoe or moe, got 'mlp'")
   end)
 
-  local test = have_data and have_optim and it or pending
-  test("trains each kind end to end, shrunk to a few steps on the CPU", function()
+  it("trains each kind end to end, shrunk to a few steps on the CPU", function()
     local host = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
     local data = require "moe.data"
     local txt = root .. "/ladder.txt"
