@@ -4,7 +4,7 @@
 # and data). Each step writes its logs and JSON under $OUT; the last lines of
 # the output are a short summary.
 #
-#   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125]
+#   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -62,6 +62,26 @@ for s in "${steps[@]}"; do
         --command "bash bench/gpu_round.sh train125" > "$out/train_report.log" 2>&1
       note "train125: rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "^\| (moe-lua|PyTorch)|First step" "$out/train_125m.md" ;;
+    blocksparse)
+      # The block-sparse kernels with the staged epilogue (default) and the direct one
+      # (MOE_BSMM_EPI=direct): tests of both, then each timed twice, alternating
+      # (BS_EPIS="default smem direct", BS_ROUNDS="1 2" choose).
+      for env in "" "MOE_BSMM_EPI=direct" "MOE_BSMM_EPI=smem" "MOE_BSMM_PERSIST=3" "MOE_BSMM_PERSIST=1"; do
+        env $env build-gpu/tests/test_blocksparse_cuda > "$out/t_bs.log" 2>&1
+        note "test_blocksparse_cuda ${env:-default}: rc=$? $(tail -1 "$out/t_bs.log")"
+      done
+      build-gpu/tests/test_experts_cuda > "$out/t_ex.log" 2>&1
+      note "test_experts_cuda: rc=$? $(tail -1 "$out/t_ex.log")"
+      for n in ${BS_ROUNDS:-1 2}; do
+        for epi in ${BS_EPIS:-smem direct}; do
+          ev=MOE_BSMM_EPI=$epi; [ "$epi" = default ] && ev=MOE_BSMM_EPI=
+          env $ev $ml bench/blocksparse.lua --json "$out/bs_${epi}_$n.json" > "$out/bs_${epi}_$n.log" 2>&1
+          note "bsmm $epi #$n: $(python3 -c "import json,sys;j=json.load(open(sys.argv[1]));print(' '.join('%s %.1f' % (r.get('name', r.get('product')), r.get('tflops', 0)) for r in j.get('results', [])))" "$out/bs_${epi}_$n.json" 2>&1 | head -c 300)"
+          env $ev $ml bench/moe_mlp.lua --configs mixtral --impls grouped,sparse \
+            --json "$out/mlp_${epi}_$n.json" > "$out/mlp_${epi}_$n.log" 2>&1
+          note "moe_mlp mixtral $epi #$n: $(grep -E "grouped|sparse" "$out/mlp_${epi}_$n.log" | tr -s ' ' | tail -2 | tr '\n' ';')"
+        done
+      done ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

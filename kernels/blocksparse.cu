@@ -454,8 +454,16 @@ constexpr int BS_WG_THREADS = 384;
 constexpr int BS_WG_A_BYTES = BS_B * BS_WG_BK * 2;     /* 16 KB */
 constexpr int BS_WG_B_BYTES = BS_WG_BN * BS_WG_BK * 2; /* 32 KB */
 constexpr int BS_WG_STAGE = BS_WG_A_BYTES + BS_WG_B_BYTES;
-/* stages + mbarriers + 1024 bytes for aligning the base (SW128 atoms) */
-constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + 1024 + 2 * BS_WG_STAGES * 8;
+/* The staged epilogue's buffer: per consumer warpgroup 64 rows x 128
+ * columns of bf16 (half of its 64 x 256 tile at a time), 16-byte chunks
+ * XOR-swizzled by row % 8 so that both the fragment writes and the row reads
+ * are free of bank conflicts. Separate from the stages, so a persistent CTA's
+ * producer can fill them for the next tile meanwhile. */
+constexpr int BS_WG_EPI_BYTES = 2 * 64 * 128 * 2; /* 32 KB */
+/* stages + epilogue buffer + mbarriers + 1024 bytes for aligning the base
+ * (SW128 atoms): 230464 bytes, within the H100's 232448 per block */
+constexpr size_t BS_WG_SMEM =
+    (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYTES + 1024 + 2 * BS_WG_STAGES * 8;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BS_WG_DEVICE 1
@@ -587,13 +595,14 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
 template <int KIND, bool TRANS>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
-                 BsArgs g, int64_t ntiles, int mn_swap) {
+                 BsArgs g, int64_t ntiles, int mn_swap, int epi) {
 #ifdef BS_WG_DEVICE
   using L = BsLayout<KIND, TRANS>;
   extern __shared__ __align__(16) uint8_t bs_wsmem[];
   const uint32_t raw = bs_smem_u32(bs_wsmem);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t bars = base + BS_WG_STAGES * BS_WG_STAGE; /* full[S], empty[S] */
+  const uint32_t epi_buf = base + BS_WG_STAGES * BS_WG_STAGE;
+  const uint32_t bars = epi_buf + BS_WG_EPI_BYTES; /* full[S], empty[S] */
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < BS_WG_STAGES; s++) {
@@ -653,6 +662,55 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
       __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
+      if (epi && c.ldo % 8 == 0 && c.cbs % 8 == 0 && ((uintptr_t)out & 15) == 0) {
+        /* Staged: each half (128 columns) of the warpgroup's 64 x 256 goes to
+         * shared memory as bf16, then out as whole 16-byte chunks, a warp
+         * writing two 256-byte row segments per instruction (the direct
+         * stores below touch 8 rows per instruction). */
+        const uint32_t buf = epi_buf + cw * (BS_WG_EPI_BYTES / 2);
+        const int tid = threadIdx.x & 127;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+          /* the buffer's previous readers (the other half, the last tile) are done */
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+          for (int jj = 0; jj < 16; jj++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+              const int j = half * 16 + jj, r = wq * 16 + (lane >> 2) + h * 8;
+              __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+              uint32_t bits;
+              memcpy(&bits, &v, 4);
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + r * 256 + ((jj ^ (r & 7)) << 4) +
+                                                            (lane & 3) * 4),
+                           "r"(bits)
+                           : "memory");
+            }
+          }
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+          for (int k = 0; k < 8; k++) {
+            const int idx = tid + k * 128, r = idx >> 4, ch = idx & 15;
+            const int row = cw * 64 + r, col = half * 128 + ch * 8;
+            uint4 v;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                         : "r"(buf + r * 256 + ((ch ^ (r & 7)) << 4))
+                         : "memory");
+            if (row < c.m_valid && col < c.n_valid) {
+              __nv_bfloat16 *dst = out + (int64_t)row * c.ldo + (int64_t)(col >> 7) * c.cbs + (col & (BS_B - 1));
+              if (col + 8 <= c.n_valid) {
+                *(uint4 *)dst = v;
+              } else {
+                __nv_bfloat16 e[8];
+                memcpy(e, &v, 16);
+                for (int q = 0; col + q < c.n_valid; q++) dst[q] = e[q];
+              }
+            }
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int j = 0; j < 32; j++) {
         int col = j * 8 + (lane & 3) * 2;
@@ -668,7 +726,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     }
   }
 #else
-  (void)ma, (void)mb, (void)g, (void)ntiles, (void)mn_swap;
+  (void)ma, (void)mb, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
 #endif
 }
 
@@ -757,7 +815,16 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
     want = sms;
   }
   if (want >= 1 && want < grid) grid = want;
-  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap);
+  /* The epilogue: staged through shared memory, or stored from registers
+   * ("direct", the former default). On an H100 (bench/results/blocksparse.md,
+   * 2026-11-25) staging made sdd 9%, sdd_t 24%, dsd 5%, dsd_t 8% and dsd_tr
+   * 12% faster and dds 2% slower, so dds keeps the direct stores.
+   * MOE_BSMM_EPI=smem | direct overrides, for tests and tuning. */
+  const char *ee = getenv("MOE_BSMM_EPI");
+  int epi = KIND != BS_DDS;
+  if (ee && strcmp(ee, "direct") == 0) epi = 0;
+  if (ee && strcmp(ee, "smem") == 0) epi = 1;
+  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap, epi);
   MOE_KCHECK(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
 }
