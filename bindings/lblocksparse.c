@@ -24,21 +24,9 @@ static bool lm_bs_opts(lua_State *L, int arg, const char *fname) {
   if (lua_isnoneornil(L, arg)) return false;
   if (lua_type(L, arg) != LUA_TTABLE)
     lm_argerror(L, arg, fname, "options table expected, got %s", lm_typename(L, arg));
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), "trans_w") != 0)
-      lm_argerror(L, arg, fname, "unknown option %s (valid: trans_w)",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2));
-    lua_pop(L, 1);
-  }
-  bool t = false;
-  if (lua_getfield(L, arg, "trans_w") != LUA_TNIL) {
-    if (!lua_isboolean(L, -1))
-      lm_argerror(L, arg, fname, "option trans_w must be a boolean, got %s", lm_describe(L, -1));
-    t = lua_toboolean(L, -1);
-  }
-  lua_pop(L, 1);
-  return t;
+  static const char *const known[] = {"trans_w", NULL};
+  lm_checkkeys(L, arg, fname, known);
+  return lm_field_bool(L, arg, fname, "trans_w", false);
 }
 
 typedef enum lm_bs_kind { LM_SDD, LM_DSD, LM_DSD_T, LM_DDS } lm_bs_kind;

@@ -16,32 +16,6 @@
 #include "lmoe_internal.h"
 #include "moe_routing.h"
 
-/* Rejects keys of the options table at arg not in known (NULL-terminated). */
-static void lm_ex_known(lua_State *L, int arg, const char *fname, const char *const *known,
-                        const char *list) {
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    bool ok = false;
-    if (lua_type(L, -2) == LUA_TSTRING)
-      for (int i = 0; known[i]; i++) ok = ok || strcmp(lua_tostring(L, -2), known[i]) == 0;
-    if (!ok)
-      lm_argerror(L, arg, fname, "unknown option %s (valid: %s)",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2), list);
-    lua_pop(L, 1);
-  }
-}
-
-static bool lm_ex_optbool(lua_State *L, int arg, const char *fname, const char *key) {
-  bool v = false;
-  if (lua_getfield(L, arg, key) != LUA_TNIL) {
-    if (!lua_isboolean(L, -1))
-      lm_argerror(L, arg, fname, "option %s must be a boolean, got %s", key, lm_describe(L, -1));
-    v = lua_toboolean(L, -1);
-  }
-  lua_pop(L, 1);
-  return v;
-}
-
 static moe_experts_impl lm_ex_impl(lua_State *L, int arg, const char *fname) {
   moe_experts_impl impl = MOE_EXPERTS_GROUPED;
   if (lua_getfield(L, arg, "impl") != LUA_TNIL) {
@@ -70,11 +44,11 @@ static int lm_parallel_linear(lua_State *L) {
     if (lua_type(L, 4) != LUA_TTABLE)
       lm_argerror(L, 4, fname, "options table expected, got %s", lm_typename(L, 4));
     static const char *const known[] = {"impl", "trans_w", "gather", "scatter", "gates", NULL};
-    lm_ex_known(L, 4, fname, known, "impl, trans_w, gather, scatter, gates");
+    lm_checkkeys(L, 4, fname, known);
     o.impl = lm_ex_impl(L, 4, fname);
-    o.trans_w = lm_ex_optbool(L, 4, fname, "trans_w");
-    o.gather = lm_ex_optbool(L, 4, fname, "gather");
-    o.scatter = lm_ex_optbool(L, 4, fname, "scatter");
+    o.trans_w = lm_field_bool(L, 4, fname, "trans_w", false);
+    o.gather = lm_field_bool(L, 4, fname, "gather", false);
+    o.scatter = lm_field_bool(L, 4, fname, "scatter", false);
     if (lua_getfield(L, 4, "gates") != LUA_TNIL) {
       lm_tensor *u = lm_testtensor(L, -1);
       if (!u || !u->t)
@@ -108,9 +82,9 @@ static int lm_glu_experts(lua_State *L) {
     if (lua_type(L, 7) != LUA_TTABLE)
       lm_argerror(L, 7, fname, "options table expected, got %s", lm_typename(L, 7));
     static const char *const known[] = {"impl", "activation", "memory_optimized", NULL};
-    lm_ex_known(L, 7, fname, known, "impl, activation, memory_optimized");
+    lm_checkkeys(L, 7, fname, known);
     impl = lm_ex_impl(L, 7, fname);
-    memopt = lm_ex_optbool(L, 7, fname, "memory_optimized");
+    memopt = lm_field_bool(L, 7, fname, "memory_optimized", false);
     if (lua_getfield(L, 7, "activation") != LUA_TNIL) {
       const char *s = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
       if (s && strcmp(s, "silu") == 0) act = MOE_GLU_SILU;

@@ -81,21 +81,9 @@ static bool lm_gg_flag(lua_State *L, int arg, const char *fname, const char *key
   if (lua_isnoneornil(L, arg)) return false;
   if (lua_type(L, arg) != LUA_TTABLE)
     lm_argerror(L, arg, fname, "options table expected, got %s", lm_typename(L, arg));
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    if (lua_type(L, -2) != LUA_TSTRING || strcmp(lua_tostring(L, -2), key) != 0)
-      lm_argerror(L, arg, fname, "unknown option %s (valid: %s)",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2), key);
-    lua_pop(L, 1);
-  }
-  bool v = false;
-  if (lua_getfield(L, arg, key) != LUA_TNIL) {
-    if (!lua_isboolean(L, -1))
-      lm_argerror(L, arg, fname, "option %s must be a boolean, got %s", key, lm_describe(L, -1));
-    v = lua_toboolean(L, -1);
-  }
-  lua_pop(L, 1);
-  return v;
+  const char *const known[] = {key, NULL};
+  lm_checkkeys(L, arg, fname, known);
+  return lm_field_bool(L, arg, fname, key, false);
 }
 
 /* moe.ops.grouped_mm(x, w, offsets [, {trans_w = false}]) */

@@ -380,6 +380,44 @@ moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
 /* The common tail of a binding whose result is the tensor userdata `r` at
  * the top of the stack: adopt `out`, or raise the core's error (r owns
  * nothing yet, so nothing is left to free). */
+/* Raises "unknown option 'k' (valid options: a, b, ...)" for the first key
+ * of the table at arg that is not one of known (NULL-terminated). */
+void lm_checkkeys(lua_State *L, int arg, const char *fname, const char *const *known) {
+  arg = lua_absindex(L, arg);
+  lua_pushnil(L);
+  while (lua_next(L, arg)) {
+    bool ok = false;
+    if (lua_type(L, -2) == LUA_TSTRING)
+      for (int i = 0; known[i] && !ok; i++) ok = strcmp(lua_tostring(L, -2), known[i]) == 0;
+    if (!ok) {
+      luaL_Buffer b;
+      luaL_buffinit(L, &b);
+      for (int i = 0; known[i]; i++) {
+        if (i) luaL_addstring(&b, ", ");
+        luaL_addstring(&b, known[i]);
+      }
+      luaL_pushresult(&b);
+      const char *list = lua_tostring(L, -1); /* stays on the stack */
+      if (lua_type(L, -3) == LUA_TSTRING)
+        lm_argerror(L, arg, fname, "unknown option '%s' (valid options: %s)", lua_tostring(L, -3), list);
+      lm_argerror(L, arg, fname, "unknown option %s (valid options: %s)", lm_describe(L, -3), list);
+    }
+    lua_pop(L, 1);
+  }
+}
+
+/* The boolean field key of the options table at arg; def when absent. */
+bool lm_field_bool(lua_State *L, int arg, const char *fname, const char *key, bool def) {
+  bool v = def;
+  if (lua_getfield(L, arg, key) != LUA_TNIL) {
+    if (!lua_isboolean(L, -1))
+      lm_argerror(L, arg, fname, "option %s must be a boolean, got %s", key, lm_describe(L, -1));
+    v = lua_toboolean(L, -1);
+  }
+  lua_pop(L, 1);
+  return v;
+}
+
 /* Counts a result's fresh CUDA storage (a view shares its base's storage and
  * is not counted) and runs a full collection when gc_step bytes have passed
  * since the last. The result is on the stack, so it survives the cycle. */

@@ -99,6 +99,10 @@ int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndi
 moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fname);
 moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg, const char *fname);
 void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed, lm_opts *o);
+/* Options tables of the op families: unknown keys raise "unknown option 'k'
+ * (valid options: ...)"; lm_field_bool reads one boolean field. */
+void lm_checkkeys(lua_State *L, int arg, const char *fname, const char *const *known);
+bool lm_field_bool(lua_State *L, int arg, const char *fname, const char *key, bool def);
 lm_tensor *lm_push_empty(lua_State *L);
 void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t);
 void lm_release(lm_tensor *u);

@@ -16,20 +16,6 @@
 #include "lmoe_internal.h"
 #include "moe_optim.h"
 
-/* Rejects keys of the options table at arg that are not in known. */
-static void lm_optim_known(lua_State *L, int arg, const char *fname, const char *const *known) {
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    bool ok = false;
-    if (lua_type(L, -2) == LUA_TSTRING)
-      for (int i = 0; known[i]; i++) ok = ok || strcmp(lua_tostring(L, -2), known[i]) == 0;
-    if (!ok)
-      lm_argerror(L, arg, fname, "unknown option %s",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2));
-    lua_pop(L, 1);
-  }
-}
-
 static double lm_optim_num(lua_State *L, int arg, const char *fname, const char *key, double def) {
   double v = def;
   if (lua_getfield(L, arg, key) != LUA_TNIL) {
@@ -61,7 +47,7 @@ static int lm_adamw_step(lua_State *L) {
   moe_tensor *master = lm_optim_opt_tensor(L, 5, fname);
   lm_optim_table(L, 6, fname);
   static const char *const known[] = {"lr", "beta1", "beta2", "eps", "weight_decay", "step", NULL};
-  lm_optim_known(L, 6, fname, known);
+  lm_checkkeys(L, 6, fname, known);
   moe_adamw_opts o = moe_adamw_opts_default();
   o.lr = lm_optim_num(L, 6, fname, "lr", o.lr);
   o.beta1 = lm_optim_num(L, 6, fname, "beta1", o.beta1);
@@ -90,7 +76,7 @@ static int lm_sgd_step(lua_State *L) {
   moe_tensor *master = lm_optim_opt_tensor(L, 4, fname);
   lm_optim_table(L, 5, fname);
   static const char *const known[] = {"lr", "momentum", "weight_decay", NULL};
-  lm_optim_known(L, 5, fname, known);
+  lm_checkkeys(L, 5, fname, known);
   moe_sgd_opts o;
   o.lr = lm_optim_num(L, 5, fname, "lr", 1e-3);
   o.momentum = lm_optim_num(L, 5, fname, "momentum", 0);

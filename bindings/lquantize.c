@@ -29,19 +29,9 @@ static void lm_qz_opts(lua_State *L, int arg, const char *fname, bool hooks,
   if (lua_type(L, arg) != LUA_TTABLE)
     lm_argerror(L, arg, fname, "options table expected ({bits = 8 | 4, ...}), got %s",
                 lm_typename(L, arg));
-  static const char *const known[] = {"bits", "group_size", "stochastic", "min_numel", "keep", NULL};
-  int nknown = hooks ? 5 : 3;
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    bool ok = false;
-    if (lua_type(L, -2) == LUA_TSTRING)
-      for (int i = 0; i < nknown; i++) ok = ok || strcmp(lua_tostring(L, -2), known[i]) == 0;
-    if (!ok)
-      lm_argerror(L, arg, fname, "unknown option %s (valid options: bits, group_size, stochastic%s)",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2),
-                  hooks ? ", min_numel, keep" : "");
-    lua_pop(L, 1);
-  }
+  static const char *const known_hooks[] = {"bits", "group_size", "stochastic", "min_numel", "keep", NULL};
+  static const char *const known[] = {"bits", "group_size", "stochastic", NULL};
+  lm_checkkeys(L, arg, fname, hooks ? known_hooks : known);
   lua_getfield(L, arg, "bits");
   if (!lua_isinteger(L, -1))
     lm_argerror(L, arg, fname, "option bits must be 8 or 4, got %s", lm_describe(L, -1));

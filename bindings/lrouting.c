@@ -87,16 +87,7 @@ static void lm_plan_opts(lua_State *L, const char *fname, int64_t E, moe_routing
     lm_argerror(L, 3, fname, "options table expected, got %s", lm_typename(L, 3));
   static const char *const known[] = {"block_size", "padded",  "ffn_hidden",     "capacity_factor",
                                       "drop_policy", "scores", "experts", "counts_to_host", NULL};
-  lua_pushnil(L);
-  while (lua_next(L, 3)) {
-    bool ok = false;
-    if (lua_type(L, -2) == LUA_TSTRING)
-      for (int i = 0; known[i]; i++) ok = ok || strcmp(lua_tostring(L, -2), known[i]) == 0;
-    if (!ok)
-      lm_argerror(L, 3, fname, "unknown option %s",
-                  lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : lm_describe(L, -2));
-    lua_pop(L, 1);
-  }
+  lm_checkkeys(L, 3, fname, known);
   bool padded = false;
   if (lua_getfield(L, 3, "padded") != LUA_TNIL) {
     if (!lua_isboolean(L, -1)) lm_argerror(L, 3, fname, "option padded must be a boolean");

@@ -122,7 +122,7 @@ describe("block-sparse products", function()
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, "plan") end):find(
       "bad argument #3 to 'bsmm_sdd' (routing plan expected, got string)", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, p, { trans = true }) end):find(
-      "bad argument #4 to 'bsmm_sdd' (unknown option trans (valid: trans_w))", 1, true))
+      "bad argument #4 to 'bsmm_sdd' (unknown option 'trans' (valid options: trans_w))", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_dsd(x, w, p, { trans_w = 1 }) end):find(
       "option trans_w must be a boolean", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_dds(1, x, p) end):find(

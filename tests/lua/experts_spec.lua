@@ -150,7 +150,7 @@ describe("experts bad arguments", function()
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { impl = "dense" }) end,
       "bad argument #4 to 'parallel_linear' (option impl must be \"grouped\" or \"sparse\", got \"dense\")")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { gahter = true }) end,
-      "bad argument #4 to 'parallel_linear' (unknown option gahter (valid: impl, trans_w, gather, scatter, gates))")
+      "bad argument #4 to 'parallel_linear' (unknown option 'gahter' (valid options: impl, trans_w, gather, scatter, gates))")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { gather = 1 }) end,
       "bad argument #4 to 'parallel_linear' (option gather must be a boolean, got 1)")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { impl = "sparse", gather = true }) end)

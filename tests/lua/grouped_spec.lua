@@ -178,7 +178,7 @@ describe("grouped errors", function()
     assert.has_error(function() moe.ops.grouped_mm(x, w, moe.tensor({ 0, 3, 6 }, { dtype = "f32" })) end,
       "bad argument #3 to 'grouped_mm' (offsets tensor must be a 1-D i64 CPU tensor (G + 1), got f32 [3])")
     assert.has_error(function() moe.ops.grouped_mm(x, w, { 0, 3, 6 }, { transpose = true }) end,
-      "bad argument #4 to 'grouped_mm' (unknown option transpose (valid: trans_w))")
+      "bad argument #4 to 'grouped_mm' (unknown option 'transpose' (valid options: trans_w))")
     assert.has_error(function() moe.ops.grouped_mm(x, w, { 0, 3, 6 }, { trans_w = 1 }) end,
       "bad argument #4 to 'grouped_mm' (option trans_w must be a boolean, got 1)")
     assert.has_error(function() moe.ops.grouped_mm(x, w:to("f64"), { 0, 3, 6 }) end,
@@ -189,6 +189,6 @@ describe("grouped errors", function()
     assert.has_error(function() moe.ops.grouped_mm_wgrad(x, moe.randn({ 5, 3 }), { 0, 3, 6 }) end,
       "grouped_mm_wgrad: a [6, 4] and b [5, 3] have different rows (6 != 5)")
     assert.has_error(function() moe.ops.grouped_mm_wgrad(x, x, { 0, 3, 6 }, { trans_w = true }) end,
-      "bad argument #4 to 'grouped_mm_wgrad' (unknown option trans_w (valid: trans_out))")
+      "bad argument #4 to 'grouped_mm_wgrad' (unknown option 'trans_w' (valid options: trans_out))")
   end)
 end)

@@ -178,7 +178,7 @@ describe("optim.AdamW", function()
     assert.matches("grad has shape %[3%] but param has shape %[2, 2%]", err)
     ok, err = pcall(moe.ops.adamw_step, w, w, w, w, nil, { lr = 1, beta = 0.9 })
     assert.is_false(ok)
-    assert.matches("bad argument #6 to 'adamw_step' %(unknown option beta%)", err)
+    assert.matches("bad argument #6 to 'adamw_step' %(unknown option 'beta' %(valid options: ", err)
   end)
 end)
 

@@ -232,7 +232,7 @@ describe("bad settings", function()
     { function() return moe.ops.quantize(x, { bits = 2 }) end,
       "bad argument #2 to 'quantize' (option bits must be 8 or 4, got 2)" },
     { function() return moe.ops.quantize(x, { bits = 8, mode = 1 }) end,
-      "unknown option mode (valid options: bits, group_size, stochastic)" },
+      "unknown option 'mode' (valid options: bits, group_size, stochastic)" },
     { function() return moe.ops.dequantize(5) end,
       "bad argument #1 to 'dequantize' (quantized table expected (from quantize), got number)" },
     { function()

@@ -158,7 +158,7 @@ describe("permute and combine", function()
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 0) end,
       "bad argument #2 to 'routing_plan' (number of experts must be >= 1, got 0)")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { capacity = 2 }) end,
-      "bad argument #3 to 'routing_plan' (unknown option capacity)")
+      "bad argument #3 to 'routing_plan' (unknown option 'capacity' (valid options: block_size, padded, ffn_hidden, capacity_factor, drop_policy, scores, experts, counts_to_host))")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { drop_policy = "random" }) end,
       "bad argument #3 to 'routing_plan' (option drop_policy must be \"position\" or \"score\", got \"random\")")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { experts = { 2, 5 } }) end,
