@@ -30,48 +30,12 @@
 
 #include "attention_cuda.h"
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-
-/* ------------------------------------------------------------ PTX helpers */
-
-__device__ __forceinline__ uint32_t attn_smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* 16 bytes global -> shared; zero-filled when !valid (src is not read). */
-__device__ __forceinline__ void attn_cp16(uint32_t dst, const void *src, bool valid) {
-  int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void attn_cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void attn_ldm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void attn_ldm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-/* c (16x8 f32) += a (16x16 bf16, row) * b (16x8 bf16, col). */
-__device__ __forceinline__ void attn_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 /* 2^x by the special-function unit (ex2.approx: about 2 ulp; -inf gives 0;
  * subnormal results flush to 0, which softmax weights do not miss). */
@@ -124,13 +88,13 @@ __device__ __forceinline__ void attn_load_tile(uint16_t *tile, const uint16_t *g
                                                int row0, int T, int tid) {
   constexpr int CH = D / 8;
   static_assert(R * CH % NT == 0, "tile chunks must divide among the threads");
-  uint32_t base = attn_smem_u32(tile);
+  uint32_t base = moe_smem_u32(tile);
 #pragma unroll
   for (int it = 0; it < R * CH / NT; it++) {
     const int idx = tid + it * NT, r = idx / CH, c = idx % CH;
     bool ok = row0 + r < T;
     const uint16_t *src = g + (ok ? (int64_t)(row0 + r) * ld : 0) + c * 8;
-    attn_cp16(base + 2 * attn_sw<D>(r, c), src, ok);
+    moe_cp16(base + 2 * attn_sw<D>(r, c), src, ok);
   }
 }
 
@@ -168,10 +132,10 @@ __global__ void __launch_bounds__(NW * 32) attn_fwd_kernel(AttnParams p) {
   if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
 
   attn_load_tile<D, BM, NT>(sQ, qg, p.q_st, m0, T, tid);
-  attn_cp_commit();
+  moe_cp_commit();
   attn_load_tile<D, BN, NT>(sK, kg, p.k_st, 0, T, tid);
   attn_load_tile<D, BN, NT>(sV, vg, p.v_st, 0, T, tid);
-  attn_cp_commit();
+  moe_cp_commit();
 
   float acc[WM][D / 8][4];
   float mrow[WM][2], lrow[WM][2];
@@ -182,20 +146,20 @@ __global__ void __launch_bounds__(NW * 32) attn_fwd_kernel(AttnParams p) {
     mrow[w][0] = mrow[w][1] = -INFINITY;
     lrow[w][0] = lrow[w][1] = 0;
   }
-  const uint32_t qbase = attn_smem_u32(sQ);
+  const uint32_t qbase = moe_smem_u32(sQ);
 
   for (int j = 0; j < nkv; j++) {
     const int buf = j & 1;
     if (j + 1 < nkv) {
       attn_load_tile<D, BN, NT>(sK + (buf ^ 1) * BN * D, kg, p.k_st, (j + 1) * BN, T, tid);
       attn_load_tile<D, BN, NT>(sV + (buf ^ 1) * BN * D, vg, p.v_st, (j + 1) * BN, T, tid);
-      attn_cp_commit();
-      attn_cp_wait<1>();
+      moe_cp_commit();
+      moe_cp_wait<1>();
     } else {
-      attn_cp_wait<0>();
+      moe_cp_wait<0>();
     }
     __syncthreads();
-    const uint32_t kbase = attn_smem_u32(sK + buf * BN * D), vbase = attn_smem_u32(sV + buf * BN * D);
+    const uint32_t kbase = moe_smem_u32(sK + buf * BN * D), vbase = moe_smem_u32(sV + buf * BN * D);
 
     /* S = Q K^T */
     float s[WM][BN / 8][4];
@@ -208,15 +172,15 @@ __global__ void __launch_bounds__(NW * 32) attn_fwd_kernel(AttnParams p) {
       uint32_t a[WM][4];
 #pragma unroll
       for (int w = 0; w < WM; w++)
-        attn_ldm_x4(a[w], attn_addr_a<D>(qbase, (warp * WM + w) * 16, 2 * kk, lane));
+        moe_ldm_x4(a[w], attn_addr_a<D>(qbase, (warp * WM + w) * 16, 2 * kk, lane));
 #pragma unroll
       for (int nn = 0; nn < BN / 16; nn++) {
         uint32_t bb[4];
-        attn_ldm_x4(bb, attn_addr_b<D>(kbase, nn * 16, 2 * kk, lane));
+        moe_ldm_x4(bb, attn_addr_b<D>(kbase, nn * 16, 2 * kk, lane));
 #pragma unroll
         for (int w = 0; w < WM; w++) {
-          attn_mma(s[w][2 * nn], a[w], bb[0], bb[1]);
-          attn_mma(s[w][2 * nn + 1], a[w], bb[2], bb[3]);
+          moe_mma_bf16(s[w][2 * nn], a[w], bb[0], bb[1]);
+          moe_mma_bf16(s[w][2 * nn + 1], a[w], bb[2], bb[3]);
         }
       }
     }
@@ -277,11 +241,11 @@ __global__ void __launch_bounds__(NW * 32) attn_fwd_kernel(AttnParams p) {
 #pragma unroll
       for (int dn = 0; dn < D / 16; dn++) {
         uint32_t bb[4];
-        attn_ldm_x4_t(bb, attn_addr_a<D>(vbase, kk * 16, 2 * dn, lane));
+        moe_ldm_x4_t(bb, attn_addr_a<D>(vbase, kk * 16, 2 * dn, lane));
 #pragma unroll
         for (int w = 0; w < WM; w++) {
-          attn_mma(acc[w][2 * dn], pa[w], bb[0], bb[1]);
-          attn_mma(acc[w][2 * dn + 1], pa[w], bb[2], bb[3]);
+          moe_mma_bf16(acc[w][2 * dn], pa[w], bb[0], bb[1]);
+          moe_mma_bf16(acc[w][2 * dn + 1], pa[w], bb[2], bb[3]);
         }
       }
     }
@@ -378,27 +342,27 @@ __device__ __forceinline__ void attn_bwd_dkdv(const AttnParams &p, uint16_t *sme
     }
   };
   load_q(i0, 0);
-  attn_cp_commit();
+  moe_cp_commit();
 
   float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; n++)
 #pragma unroll
     for (int c = 0; c < 4; c++) dk[n][c] = dv[n][c] = 0;
-  const uint32_t kbase = attn_smem_u32(sK), vbase = attn_smem_u32(sV);
+  const uint32_t kbase = moe_smem_u32(sK), vbase = moe_smem_u32(sV);
   const int key0 = n0 + warp * 16;
 
   for (int i = i0; i < nq; i++) {
     const int buf = (i - i0) & 1;
     if (i + 1 < nq) {
       load_q(i + 1, buf ^ 1);
-      attn_cp_commit();
-      attn_cp_wait<1>();
+      moe_cp_commit();
+      moe_cp_wait<1>();
     } else {
-      attn_cp_wait<0>();
+      moe_cp_wait<0>();
     }
     __syncthreads();
-    const uint32_t qbase = attn_smem_u32(sQ + buf * BQ * D), obase = attn_smem_u32(sO + buf * BQ * D);
+    const uint32_t qbase = moe_smem_u32(sQ + buf * BQ * D), obase = moe_smem_u32(sO + buf * BQ * D);
     const float *L = sL + buf * BQ, *Dl = sD + buf * BQ;
 
     /* S^T = K Q^T, dP^T = V dO^T (16 keys x BQ queries per warp) */
@@ -410,17 +374,17 @@ __device__ __forceinline__ void attn_bwd_dkdv(const AttnParams &p, uint16_t *sme
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
       uint32_t ak[4], av[4];
-      attn_ldm_x4(ak, attn_addr_a<D>(kbase, warp * 16, 2 * kk, lane));
-      attn_ldm_x4(av, attn_addr_a<D>(vbase, warp * 16, 2 * kk, lane));
+      moe_ldm_x4(ak, attn_addr_a<D>(kbase, warp * 16, 2 * kk, lane));
+      moe_ldm_x4(av, attn_addr_a<D>(vbase, warp * 16, 2 * kk, lane));
 #pragma unroll
       for (int nn = 0; nn < BQ / 16; nn++) {
         uint32_t bq[4], bo[4];
-        attn_ldm_x4(bq, attn_addr_b<D>(qbase, nn * 16, 2 * kk, lane));
-        attn_ldm_x4(bo, attn_addr_b<D>(obase, nn * 16, 2 * kk, lane));
-        attn_mma(st[2 * nn], ak, bq[0], bq[1]);
-        attn_mma(st[2 * nn + 1], ak, bq[2], bq[3]);
-        attn_mma(dpt[2 * nn], av, bo[0], bo[1]);
-        attn_mma(dpt[2 * nn + 1], av, bo[2], bo[3]);
+        moe_ldm_x4(bq, attn_addr_b<D>(qbase, nn * 16, 2 * kk, lane));
+        moe_ldm_x4(bo, attn_addr_b<D>(obase, nn * 16, 2 * kk, lane));
+        moe_mma_bf16(st[2 * nn], ak, bq[0], bq[1]);
+        moe_mma_bf16(st[2 * nn + 1], ak, bq[2], bq[3]);
+        moe_mma_bf16(dpt[2 * nn], av, bo[0], bo[1]);
+        moe_mma_bf16(dpt[2 * nn + 1], av, bo[2], bo[3]);
       }
     }
     /* P^T and dS^T in place */
@@ -446,12 +410,12 @@ __device__ __forceinline__ void attn_bwd_dkdv(const AttnParams &p, uint16_t *sme
 #pragma unroll
       for (int dn = 0; dn < D / 16; dn++) {
         uint32_t bo[4], bq[4];
-        attn_ldm_x4_t(bo, attn_addr_a<D>(obase, kk * 16, 2 * dn, lane));
-        attn_ldm_x4_t(bq, attn_addr_a<D>(qbase, kk * 16, 2 * dn, lane));
-        attn_mma(dv[2 * dn], pa, bo[0], bo[1]);
-        attn_mma(dv[2 * dn + 1], pa, bo[2], bo[3]);
-        attn_mma(dk[2 * dn], da, bq[0], bq[1]);
-        attn_mma(dk[2 * dn + 1], da, bq[2], bq[3]);
+        moe_ldm_x4_t(bo, attn_addr_a<D>(obase, kk * 16, 2 * dn, lane));
+        moe_ldm_x4_t(bq, attn_addr_a<D>(qbase, kk * 16, 2 * dn, lane));
+        moe_mma_bf16(dv[2 * dn], pa, bo[0], bo[1]);
+        moe_mma_bf16(dv[2 * dn + 1], pa, bo[2], bo[3]);
+        moe_mma_bf16(dk[2 * dn], da, bq[0], bq[1]);
+        moe_mma_bf16(dk[2 * dn + 1], da, bq[2], bq[3]);
       }
     }
     __syncthreads();
@@ -476,7 +440,7 @@ __device__ __forceinline__ void attn_bwd_dq(const AttnParams &p, uint16_t *smem,
   attn_load_tile<D, BM, NT>(sO, p.dout + b * p.do_sb + h * p.do_sh, p.do_st, m0, T, tid);
   attn_load_tile<D, BK, NT>(sK, kg, p.k_st, 0, T, tid);
   attn_load_tile<D, BK, NT>(sV, vg, p.v_st, 0, T, tid);
-  attn_cp_commit();
+  moe_cp_commit();
 
   const int row0 = m0 + warp * 16;
   float L[2], Dl[2];
@@ -489,20 +453,20 @@ __device__ __forceinline__ void attn_bwd_dq(const AttnParams &p, uint16_t *smem,
   float dq[D / 8][4];
 #pragma unroll
   for (int n = 0; n < D / 8; n++) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0;
-  const uint32_t qbase = attn_smem_u32(sQ), obase = attn_smem_u32(sO);
+  const uint32_t qbase = moe_smem_u32(sQ), obase = moe_smem_u32(sO);
 
   for (int j = 0; j < nkv; j++) {
     const int buf = j & 1;
     if (j + 1 < nkv) {
       attn_load_tile<D, BK, NT>(sK + (buf ^ 1) * BK * D, kg, p.k_st, (j + 1) * BK, T, tid);
       attn_load_tile<D, BK, NT>(sV + (buf ^ 1) * BK * D, vg, p.v_st, (j + 1) * BK, T, tid);
-      attn_cp_commit();
-      attn_cp_wait<1>();
+      moe_cp_commit();
+      moe_cp_wait<1>();
     } else {
-      attn_cp_wait<0>();
+      moe_cp_wait<0>();
     }
     __syncthreads();
-    const uint32_t kbase = attn_smem_u32(sK + buf * BK * D), vbase = attn_smem_u32(sV + buf * BK * D);
+    const uint32_t kbase = moe_smem_u32(sK + buf * BK * D), vbase = moe_smem_u32(sV + buf * BK * D);
     float s[BK / 8][4], dp[BK / 8][4];
 #pragma unroll
     for (int n = 0; n < BK / 8; n++)
@@ -511,17 +475,17 @@ __device__ __forceinline__ void attn_bwd_dq(const AttnParams &p, uint16_t *smem,
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
       uint32_t aq[4], ao[4];
-      attn_ldm_x4(aq, attn_addr_a<D>(qbase, warp * 16, 2 * kk, lane));
-      attn_ldm_x4(ao, attn_addr_a<D>(obase, warp * 16, 2 * kk, lane));
+      moe_ldm_x4(aq, attn_addr_a<D>(qbase, warp * 16, 2 * kk, lane));
+      moe_ldm_x4(ao, attn_addr_a<D>(obase, warp * 16, 2 * kk, lane));
 #pragma unroll
       for (int nn = 0; nn < BK / 16; nn++) {
         uint32_t bk[4], bv[4];
-        attn_ldm_x4(bk, attn_addr_b<D>(kbase, nn * 16, 2 * kk, lane));
-        attn_ldm_x4(bv, attn_addr_b<D>(vbase, nn * 16, 2 * kk, lane));
-        attn_mma(s[2 * nn], aq, bk[0], bk[1]);
-        attn_mma(s[2 * nn + 1], aq, bk[2], bk[3]);
-        attn_mma(dp[2 * nn], ao, bv[0], bv[1]);
-        attn_mma(dp[2 * nn + 1], ao, bv[2], bv[3]);
+        moe_ldm_x4(bk, attn_addr_b<D>(kbase, nn * 16, 2 * kk, lane));
+        moe_ldm_x4(bv, attn_addr_b<D>(vbase, nn * 16, 2 * kk, lane));
+        moe_mma_bf16(s[2 * nn], aq, bk[0], bk[1]);
+        moe_mma_bf16(s[2 * nn + 1], aq, bk[2], bk[3]);
+        moe_mma_bf16(dp[2 * nn], ao, bv[0], bv[1]);
+        moe_mma_bf16(dp[2 * nn + 1], ao, bv[2], bv[3]);
       }
     }
     const int n0 = j * BK;
@@ -544,9 +508,9 @@ __device__ __forceinline__ void attn_bwd_dq(const AttnParams &p, uint16_t *smem,
 #pragma unroll
       for (int dn = 0; dn < D / 16; dn++) {
         uint32_t bk[4];
-        attn_ldm_x4_t(bk, attn_addr_a<D>(kbase, kk * 16, 2 * dn, lane));
-        attn_mma(dq[2 * dn], da, bk[0], bk[1]);
-        attn_mma(dq[2 * dn + 1], da, bk[2], bk[3]);
+        moe_ldm_x4_t(bk, attn_addr_a<D>(kbase, kk * 16, 2 * dn, lane));
+        moe_mma_bf16(dq[2 * dn], da, bk[0], bk[1]);
+        moe_mma_bf16(dq[2 * dn + 1], da, bk[2], bk[3]);
       }
     }
     __syncthreads();

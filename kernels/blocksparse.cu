@@ -42,6 +42,7 @@
 #include <string.h>
 
 #include "blocksparse_cuda.h"
+#include "mma.cuh"
 #include "common.cuh"
 
 namespace {
@@ -228,36 +229,6 @@ template <int BN, int BK, int STAGES> struct BsSmem {
 
 /* ------------------------------------------------------ bf16 tensor cores */
 
-__device__ __forceinline__ uint32_t bs_smem_u32(const void *p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void bs_cp16(uint32_t dst, const void *src, bool valid) {
-  int n = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
-}
-__device__ __forceinline__ void bs_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void bs_cp_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-__device__ __forceinline__ void bs_ldm(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void bs_ldm_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void bs_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 /* Issues the cp.async copies of one operand's chunk (ROWS x BK) into a
  * stage tile: k-contiguous (ROWS rows of pitch BK + 8) or m/n-contiguous
  * (BK rows of pitch PM). */
@@ -272,13 +243,13 @@ __device__ __forceinline__ void bs_load_tile(uint16_t *sm, const BsTile<uint16_t
       bool v = row < t.mn_valid && kc < t.k_valid;
       const uint16_t *base = row < BS_B ? t.p : t.p2;
       const uint16_t *src = v ? base + (int64_t)(row & (BS_B - 1)) * t.ld + kc : t.p;
-      bs_cp16(bs_smem_u32(sm + row * (BK + 8) + kc), src, v);
+      moe_cp16(moe_smem_u32(sm + row * (BK + 8) + kc), src, v);
     } else {
       int kr = idx / (ROWS / 8), mc = (idx % (ROWS / 8)) * 8;
       bool v = kr < t.k_valid && mc < t.mn_valid;
       const uint16_t *base = mc < BS_B ? t.p : t.p2;
       const uint16_t *src = v ? base + (int64_t)kr * t.ld + (mc & (BS_B - 1)) : t.p;
-      bs_cp16(bs_smem_u32(sm + kr * PM + mc), src, v);
+      moe_cp16(moe_smem_u32(sm + kr * PM + mc), src, v);
     }
   }
 }
@@ -313,13 +284,13 @@ __global__ void __launch_bounds__(BS_THREADS, BN == 128 ? 2 : 1) bs_mma_kernel(B
 #pragma unroll
   for (int s = 0; s < STAGES - 1; s++) {
     if (s < c.nq) issue(s);
-    bs_cp_commit();
+    moe_cp_commit();
   }
   for (int q = 0; q < c.nq; q++) {
-    bs_cp_wait<STAGES - 2>();
+    moe_cp_wait<STAGES - 2>();
     __syncthreads();
     if (q + STAGES - 1 < c.nq) issue(q + STAGES - 1);
-    bs_cp_commit();
+    moe_cp_commit();
     const uint16_t *sa = bs_smem + (q % STAGES) * SM::STAGE, *sb = sa + SM::A_ELEMS;
 #pragma unroll
     for (int ks = 0; ks < BK / 16; ks++) {
@@ -329,10 +300,10 @@ __global__ void __launch_bounds__(BS_THREADS, BN == 128 ? 2 : 1) bs_mma_kernel(B
         int m0 = wm * 64 + mi * 16;
         if (L::A_KC) {
           int row = m0 + (lane & 15), k = ks * 16 + (lane >> 4) * 8;
-          bs_ldm(af[mi], bs_smem_u32(sa + row * SM::PK + k));
+          moe_ldm_x4(af[mi], moe_smem_u32(sa + row * SM::PK + k));
         } else {
           int j = lane >> 3, k = ks * 16 + (lane & 7) + (j >> 1) * 8, m = m0 + (j & 1) * 8;
-          bs_ldm_t(af[mi], bs_smem_u32(sa + k * SM::PMA + m));
+          moe_ldm_x4_t(af[mi], moe_smem_u32(sa + k * SM::PMA + m));
         }
       }
 #pragma unroll
@@ -340,20 +311,20 @@ __global__ void __launch_bounds__(BS_THREADS, BN == 128 ? 2 : 1) bs_mma_kernel(B
         int n0 = wn * (BN / 4) + p * 16, j = lane >> 3;
         if (L::B_KC) {
           int n = n0 + (lane & 7) + (j >> 1) * 8, k = ks * 16 + (j & 1) * 8;
-          bs_ldm(bfr[p], bs_smem_u32(sb + n * SM::PK + k));
+          moe_ldm_x4(bfr[p], moe_smem_u32(sb + n * SM::PK + k));
         } else {
           int k = ks * 16 + (lane & 7) + (j & 1) * 8, n = n0 + (j >> 1) * 8;
-          bs_ldm_t(bfr[p], bs_smem_u32(sb + k * SM::PMB + n));
+          moe_ldm_x4_t(bfr[p], moe_smem_u32(sb + k * SM::PMB + n));
         }
       }
 #pragma unroll
       for (int mi = 0; mi < 4; mi++)
 #pragma unroll
         for (int ni = 0; ni < NI; ni++)
-          bs_mma(acc[mi][ni], af[mi], bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
+          moe_mma_bf16(acc[mi][ni], af[mi], bfr[ni >> 1][(ni & 1) * 2], bfr[ni >> 1][(ni & 1) * 2 + 1]);
     }
   }
-  bs_cp_wait<0>();
+  moe_cp_wait<0>();
   /* epilogue: bf16 pairs, predicated on the tile's valid rows / columns */
   __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
   const int gq = lane >> 2, tq = lane & 3;
@@ -599,7 +570,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
 #ifdef BS_WG_DEVICE
   using L = BsLayout<KIND, TRANS>;
   extern __shared__ __align__(16) uint8_t bs_wsmem[];
-  const uint32_t raw = bs_smem_u32(bs_wsmem);
+  const uint32_t raw = moe_smem_u32(bs_wsmem);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t epi_buf = base + BS_WG_STAGES * BS_WG_STAGE;
   const uint32_t bars = epi_buf + BS_WG_EPI_BYTES; /* full[S], empty[S] */

@@ -61,24 +61,30 @@ struct MoeGgDevice {
   }
 };
 
+/* cuBLAS data and compute types of the list's dtype (f32, optionally TF32; bf16). */
+static moe_status moe_gg_types(moe_ctx *ctx, const moe_gemm *g, cudaDataType_t *data,
+                               cublasComputeType_t *compute) {
+  switch (g->dtype) {
+    case MOE_F32:
+      *data = CUDA_R_32F;
+      *compute = g->tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      return MOE_OK;
+    case MOE_BF16:
+      *data = CUDA_R_16BF;
+      *compute = CUBLAS_COMPUTE_32F;
+      return MOE_OK;
+    default:
+      return moe_error(ctx, MOE_ERR_DTYPE, "cuda grouped gemm: dtype %s is not supported",
+                       moe_dtype_name(g->dtype));
+  }
+}
+
 extern "C" moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_gemm *g,
                                             int64_t count) {
   if (count < 1) return moe_error(ctx, MOE_ERR_INTERNAL, "cuda grouped gemm: no products");
-  cudaDataType_t data;
-  cublasComputeType_t compute;
-  switch (g[0].dtype) {
-    case MOE_F32:
-      data = CUDA_R_32F;
-      compute = g[0].tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-      break;
-    case MOE_BF16:
-      data = CUDA_R_16BF;
-      compute = CUBLAS_COMPUTE_32F;
-      break;
-    default:
-      return moe_error(ctx, MOE_ERR_DTYPE, "cuda grouped gemm: dtype %s is not supported",
-                       moe_dtype_name(g[0].dtype));
-  }
+  cudaDataType_t data = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  MOE_CHECK(moe_gg_types(ctx, &g[0], &data, &compute));
   size_t n = (size_t)count;
   /* host block: ops (2n), sizes and lds (6n int64), alpha/beta (2n float),
    * group sizes (n int64), then the 3n pointers to upload */
@@ -205,21 +211,9 @@ static size_t moe_gg_order_bytes(int64_t count) { return (size_t)count * sizeof(
 extern "C" moe_status moe_cuda_gemm_streams(moe_ctx *ctx, int device, const moe_gemm *g,
                                             int64_t count) {
   if (count < 1) return moe_error(ctx, MOE_ERR_INTERNAL, "cuda grouped gemm: no products");
-  cudaDataType_t data;
-  cublasComputeType_t compute;
-  switch (g[0].dtype) {
-    case MOE_F32:
-      data = CUDA_R_32F;
-      compute = g[0].tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-      break;
-    case MOE_BF16:
-      data = CUDA_R_16BF;
-      compute = CUBLAS_COMPUTE_32F;
-      break;
-    default:
-      return moe_error(ctx, MOE_ERR_DTYPE, "cuda grouped gemm: dtype %s is not supported",
-                       moe_dtype_name(g[0].dtype));
-  }
+  cudaDataType_t data = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+  MOE_CHECK(moe_gg_types(ctx, &g[0], &data, &compute));
   void *main = NULL;
   MOE_CHECK(moe_cuda_stream(ctx, device, &main));
   MoeGgSide *s = NULL;
