@@ -53,7 +53,7 @@ extern "C" {
 
 #define MOE_NODE_MAX_INPUTS 8
 #define MOE_NODE_MAX_OUTPUTS 4
-#define MOE_NODE_MAX_SAVED 8
+#define MOE_NODE_MAX_SAVED 12
 #define MOE_NODE_MAX_ARGS 8
 
 typedef struct moe_node moe_node;

@@ -9,9 +9,13 @@
  * (G = group_size; 0 means the whole row: one scale per row); the last group
  * of a row may be shorter (ragged: cols need not be a multiple of G).
  *   scale[r, g] = absmax(x[r, group g]) / qmax      (f32; qmax = 127 or 7)
- *   q = clamp(round(x / scale), -qmax, qmax)         (0 where scale is 0)
+ *   q = clamp(round(x * inv), -qmax, qmax)           (0 where scale is 0)
  *   x' = q * scale                                   (rounded to x's dtype)
- * round is to nearest even, or stochastic: floor(x / scale + u) with u
+ * with inv = 1 / scale computed once per group (x / scale itself for a
+ * subnormal scale, whose reciprocal overflows): x * inv is within 1.5 ulp
+ * of x / scale, so codes differ from a per-element division only next to a
+ * rounding tie, and each element costs a multiplication, not a division.
+ * round is to nearest even, or stochastic: floor(x * inv + u) with u
  * uniform in [0, 1) from Philox (seed and call drawn from the context's RNG,
  * one call per quantize, counter = the element's row-major index), which
  * is unbiased: E[x'] = x. The arithmetic is f32 without fused multiply-add

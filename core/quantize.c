@@ -84,8 +84,7 @@ static qz_geom qz_geom_of(int ndim, const int64_t *shape, int bits, int64_t grou
   g.cols = ndim > 0 ? shape[ndim - 1] : 1;
   g.rows = 1;
   for (int d = 0; d < ndim - 1; d++) g.rows *= shape[d];
-  g.G = group_size > 0 ? group_size : (g.cols > 0 ? g.cols : 1);
-  if (bits == 4 && g.G % 2) g.G++; /* whole odd row: an even group covers it */
+  g.G = moe_qz_group(g.cols, bits, group_size);
   g.ngroups = g.cols > 0 ? (g.cols + g.G - 1) / g.G : 0;
   g.row_bytes = bits == 8 ? g.cols : (g.cols + 1) / 2;
   return g;
@@ -145,12 +144,12 @@ static void qz_cpu_quantize(moe_dtype dt, const void *x, int64_t ld, const qz_ge
       int64_t c0 = k * g->G, c1 = c0 + g->G < g->cols ? c0 + g->G : g->cols;
       float m = 0.0f;
       for (int64_t c = c0; c < c1; c++) m = moe_qz_absmax(m, qz_load(x, dt, r * ld + c));
-      float s = moe_qz_scale(m, qmax);
+      float s = moe_qz_scale(m, qmax), inv = moe_qz_inv(s);
       scales[r * g->ngroups + k] = s;
       for (int64_t c = c0; c < c1; c++) {
         int64_t i = r * g->cols + c;
         float u = stochastic ? moe_qz_uniform(seed, call, (uint64_t)i) : 0.0f;
-        int q = moe_qz_code(qz_load(x, dt, r * ld + c), s, qmax, stochastic, u);
+        int q = moe_qz_code(qz_load(x, dt, r * ld + c), s, inv, qmax, stochastic, u);
         if (bits == 8)
           row8[c] = (int8_t)q;
         else

@@ -40,15 +40,36 @@ MOE_HD float moe_qz_absmax(float m, float x) {
   return (a > m || a != a) ? a : m;
 }
 
+/* The effective group of a row of cols elements: group_size, 0 meaning the
+ * whole row, made even for 4 bits (no byte straddles two groups). */
+MOE_HD int64_t moe_qz_group(int64_t cols, int bits, int64_t group_size) {
+  int64_t G = group_size > 0 ? group_size : (cols > 0 ? cols : 1);
+  if (bits == 4 && G % 2) G++;
+  return G;
+}
+
 /* The scale of a group from its absmax (0, NaN or inf propagate). */
 MOE_HD float moe_qz_scale(float absmax, int qmax) { return MOE_QZ_DIV(absmax, (float)qmax); }
 
-/* The integer code of x in [-qmax, qmax]; u in [0, 1) for stochastic
- * rounding. 0 when the scale is 0 or not finite (dequantize then gives 0,
- * or NaN through the scale). */
-MOE_HD int moe_qz_code(float x, float scale, int qmax, bool stochastic, float u) {
+/* The reciprocal of a group's scale, computed once per group so that each
+ * element costs a multiplication instead of an IEEE division: 0 when the
+ * scale is 0 or not finite (codes 0), and 0 too when 1 / scale overflows (a
+ * subnormal scale: moe_qz_code then divides). */
+MOE_HD float moe_qz_inv(float scale) {
+  if (!(scale > 0.0f) || scale == INFINITY) return 0.0f;
+  float inv = MOE_QZ_DIV(1.0f, scale);
+  return inv == INFINITY ? 0.0f : inv;
+}
+
+/* The integer code of x in [-qmax, qmax]: round(x * inv) with inv =
+ * moe_qz_inv(scale) (x / scale where inv is 0 for a subnormal scale); u in
+ * [0, 1) for stochastic rounding. 0 when the scale is 0 or not finite
+ * (dequantize then gives 0, or NaN through the scale). x * inv is within
+ * 1.5 ulp of x / scale: the codes differ from a division's only where
+ * x / scale is within that of a rounding tie. */
+MOE_HD int moe_qz_code(float x, float scale, float inv, int qmax, bool stochastic, float u) {
   if (!(scale > 0.0f) || scale == INFINITY) return 0;
-  float v = MOE_QZ_DIV(x, scale);
+  float v = inv > 0.0f ? MOE_QZ_MUL(x, inv) : MOE_QZ_DIV(x, scale);
   v = stochastic ? floorf(MOE_QZ_ADD(v, u)) : rintf(v);
   float q = (float)qmax;
   v = v < -q ? -q : (v > q ? q : v);

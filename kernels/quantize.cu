@@ -25,27 +25,13 @@
 #include <cuda_runtime.h>
 
 #include "common.cuh"
-#include "quantize_cuda.h"
-
-#define QZ_THREADS 256
+#include "quantize.cuh"
 
 static moe_status qz_stream(moe_ctx *ctx, int device, cudaStream_t *s) {
   void *p = nullptr;
   MOE_CHECK(moe_cuda_stream(ctx, device, &p));
   *s = (cudaStream_t)p;
   return MOE_OK;
-}
-
-template <moe_dtype DT> __device__ __forceinline__ float qz_ld(const moe_st_t<DT> *x, int64_t i) {
-  if constexpr (DT == MOE_F32) return x[i];
-  else if constexpr (DT == MOE_BF16) return moe_bf16_to_f32(moe_bf16{x[i]});
-  else return moe_f16_to_f32(moe_f16{x[i]});
-}
-
-template <moe_dtype DT> __device__ __forceinline__ moe_st_t<DT> qz_st(float v) {
-  if constexpr (DT == MOE_F32) return v;
-  else if constexpr (DT == MOE_BF16) return moe_f32_to_bf16(v).bits;
-  else return moe_f32_to_f16(v).bits;
 }
 
 /* Max over the TPG threads of one group (all of them call it). */
@@ -90,18 +76,18 @@ __global__ void qz_quantize_kernel(const moe_st_t<DT> *__restrict__ x, int64_t l
     if (c + 1 < c1) m = moe_qz_absmax(m, qz_ld<DT>(xr, c + 1));
   }
   m = qz_group_max<TPG>(m, shared);
-  float s = moe_qz_scale(m, qmax);
+  float s = moe_qz_scale(m, qmax), inv = moe_qz_inv(s);
   if (t == 0) scales[r * ngroups + k] = s;
   for (int64_t j = t; j < npairs; j += TPG) {
     int64_t c = c0 + 2 * j;
     int64_t i = r * cols + c;
     float u0 = stochastic ? moe_qz_uniform(seed, call, (uint64_t)i) : 0.0f;
-    int q0 = moe_qz_code(qz_ld<DT>(xr, c), s, qmax, stochastic, u0);
+    int q0 = moe_qz_code(qz_ld<DT>(xr, c), s, inv, qmax, stochastic, u0);
     bool two = c + 1 < c1;
     int q1 = 0;
     if (two) {
       float u1 = stochastic ? moe_qz_uniform(seed, call, (uint64_t)i + 1) : 0.0f;
-      q1 = moe_qz_code(qz_ld<DT>(xr, c + 1), s, qmax, stochastic, u1);
+      q1 = moe_qz_code(qz_ld<DT>(xr, c + 1), s, inv, qmax, stochastic, u1);
     }
     if constexpr (BITS == 8) {
       int8_t *vr = (int8_t *)values + r * row_bytes;
@@ -144,70 +130,6 @@ __global__ void qz_dequantize_kernel(const void *__restrict__ values,
 
 /* ------------------------------------------------------------ fast path */
 
-/* The float of a 16-bit element's bits. */
-template <moe_dtype DT> __device__ __forceinline__ float qz_half(uint16_t b) {
-  if constexpr (DT == MOE_BF16) return moe_bf16_to_f32(moe_bf16{b});
-  else return moe_f16_to_f32(moe_f16{b});
-}
-
-/* 8 elements kept raw in registers (16-bit types: a only, 4 registers;
- * f32: a and b): half the registers of 8 floats for bf16 / f16, so more
- * groups are in flight per SM. */
-struct qz_chunk {
-  uint4 a, b;
-};
-
-__device__ __forceinline__ uint32_t qz_word(const uint4 &u, int i) {
-  return i == 0 ? u.x : (i == 1 ? u.y : (i == 2 ? u.z : u.w));
-}
-
-/* 8 elements from p (16-byte aligned). */
-template <moe_dtype DT> __device__ __forceinline__ void qz_load8(const moe_st_t<DT> *p, qz_chunk &c) {
-  c.a = __ldg((const uint4 *)p);
-  if constexpr (DT == MOE_F32) c.b = __ldg((const uint4 *)p + 1);
-}
-
-/* Element e (0..7, a constant after unrolling) of a chunk as a float. */
-template <moe_dtype DT> __device__ __forceinline__ float qz_elem(const qz_chunk &c, int e) {
-  if constexpr (DT == MOE_F32) {
-    return __uint_as_float(e < 4 ? qz_word(c.a, e) : qz_word(c.b, e - 4));
-  } else {
-    uint32_t w = qz_word(c.a, e / 2);
-    return qz_half<DT>((uint16_t)(e & 1 ? w >> 16 : w & 0xffffu));
-  }
-}
-
-/* 8 floats rounded to DT at p (16-byte aligned). */
-template <moe_dtype DT> __device__ __forceinline__ void qz_store8(moe_st_t<DT> *p, const float v[8]) {
-  if constexpr (DT == MOE_F32) {
-    ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++)
-      w[i] = (uint32_t)qz_st<DT>(v[2 * i]) | ((uint32_t)qz_st<DT>(v[2 * i + 1]) << 16);
-    *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-/* Max over the TPG threads of one group: lanes of a warp (TPG <= 32, all 32
- * lanes call it) or the whole block (TPG = QZ_THREADS). */
-template <int TPG> __device__ __forceinline__ float qz_group_max_vec(float m, float *shared) {
-  constexpr int top = TPG < 32 ? TPG / 2 : 16;
-#pragma unroll
-  for (int o = top; o > 0; o >>= 1) m = moe_qz_absmax(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if constexpr (TPG > 32) {
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) shared[warp] = m;
-    __syncthreads();
-    m = 0.0f;
-#pragma unroll
-    for (int w = 0; w < TPG / 32; w++) m = moe_qz_absmax(m, shared[w]);
-  }
-  return m;
-}
-
 template <moe_dtype DT, int BITS, int TPG, int NV>
 __global__ void __launch_bounds__(QZ_THREADS)
 qz_quantize_vec_kernel(const moe_st_t<DT> *__restrict__ x, int64_t ld, int64_t rows, int64_t cols,
@@ -240,33 +162,13 @@ qz_quantize_vec_kernel(const moe_st_t<DT> *__restrict__ x, int64_t ld, int64_t r
   }
   m = qz_group_max_vec<TPG>(m, shared);
   if (!active) return;
-  float s = moe_qz_scale(m, qmax);
+  float s = moe_qz_scale(m, qmax), inv = moe_qz_inv(s);
   if (t == 0) scales[r * ngroups + k] = s;
 #pragma unroll
   for (int j = 0; j < NV; j++) {
     int64_t ch = t + (int64_t)j * TPG;
     if (ch < nch) {
-      int64_t c = c0 + ch * 8;
-      int q[8];
-#pragma unroll
-      for (int e = 0; e < 8; e++) {
-        float u = stochastic ? moe_qz_uniform(seed, call, (uint64_t)(r * cols + c + e)) : 0.0f;
-        q[e] = moe_qz_code(qz_elem<DT>(v[j], e), s, qmax, stochastic, u);
-      }
-      if constexpr (BITS == 8) {
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-          lo |= ((uint32_t)(uint8_t)(int8_t)q[e]) << (8 * e);
-          hi |= ((uint32_t)(uint8_t)(int8_t)q[e + 4]) << (8 * e);
-        }
-        *(uint2 *)((int8_t *)values + r * cols + c) = make_uint2(lo, hi);
-      } else {
-        uint32_t w = 0;
-#pragma unroll
-        for (int e = 0; e < 8; e++) w |= (uint32_t)(q[e] + 8) << (4 * e);
-        *(uint32_t *)((uint8_t *)values + r * (cols / 2) + c / 2) = w;
-      }
+      qz_put8<DT, BITS>(v[j], s, inv, stochastic, seed, call, r, cols, c0 + ch * 8, values);
     }
   }
 }

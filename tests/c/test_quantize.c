@@ -44,12 +44,13 @@ static float naive_group(const float *x, int64_t n, int qmax, int *codes) {
     if (a > m || a != a) m = a;
   }
   float s = m / (float)qmax;
+  float inv = 1.0f / s; /* once per group (moe_quantize.h) */
   for (int64_t i = 0; i < n; i++) {
     if (!(s > 0.0f) || isinf(s)) {
       codes[i] = 0;
       continue;
     }
-    float v = rintf(x[i] / s);
+    float v = rintf(isinf(inv) ? x[i] / s : x[i] * inv);
     if (v > (float)qmax) v = (float)qmax;
     if (v < -(float)qmax) v = -(float)qmax;
     codes[i] = (int)v;
@@ -268,6 +269,21 @@ static void test_special(moe_ctx *ctx) {
     EXPECT(y && moe_tensor_numel(y) == 0 && y->dtype == MOE_BF16 && y->shape[0] == x->shape[0]);
     moe_qtensor_clear(&q);
     moe_tensor_release(y), moe_tensor_release(x);
+  }
+  /* subnormal scales (f32 values ~1e-40): 1 / scale overflows, so these
+   * groups divide instead of multiplying by the reciprocal; codes exact */
+  {
+    double tiny[16];
+    for (int i = 0; i < 16; i++) tiny[i] = (i - 7.5) * 1e-40 * (i % 3 ? 1 : -1);
+    EXPECT_OK(moe_tensor_from_f64(ctx, tiny, 2, (const int64_t[]){2, 8}, MOE_F32, MOE_CPU, &x));
+    for (int b = 0; b < 2; b++) {
+      moe_quant_opts o = moe_quant_opts_default(b ? 4 : 8);
+      moe_qtensor q;
+      EXPECT_OK(moe_quantize(ctx, x, &o, &q));
+      if (q.values) check_against_naive(ctx, x, &q, o.group_size);
+      moe_qtensor_clear(&q);
+    }
+    moe_tensor_release(x);
   }
   EXPECT_OK(moe_tensor_full(ctx, 0, NULL, -2.5, MOE_F32, MOE_CPU, &x));
   moe_quant_opts o = moe_quant_opts_default(8);
