@@ -27,10 +27,13 @@
  *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
+#include "moe_quantize.h"
 #include "moe_routing.h"
+#include "quantize_cuda.h"
 #ifdef MOE_WITH_CUDA
 #include "experts_cuda.h"
 #endif
@@ -331,9 +334,21 @@ static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int6
 
 /* ---------------------------------------------------------- glu_experts */
 
-/* Saved slots of the node. */
-enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SAVED_H3 };
-/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 slot of a (-1) */
+/* Saved slots of the node. With quantization, slots H1 and H3 hold the codes
+ * of h1 and h3 and their scales follow (EX_SAVED_S1, EX_SAVED_S3). */
+enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SAVED_H3,
+       EX_SAVED_S1, EX_SAVED_S3 };
+/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 slot of a (-1),
+ * 4 quantization bits (0: h1 and h3 saved as they are), 5 group size */
+
+/* Whether the CUDA passes that quantize in the activation and read the codes
+ * in backward are used (MOE_GLU_QFUSED=0 turns them off: the forward then
+ * runs the activation and two moe_quantize calls, the backward dequantizes
+ * h1 and h3 first; the same bits either way, for checks and A/B timings). */
+static bool ex_qfused(void) {
+  const char *e = getenv("MOE_GLU_QFUSED");
+  return !(e && strcmp(e, "0") == 0);
+}
 
 static void ex_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
 
@@ -390,6 +405,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   moe_experts_impl impl = (moe_experts_impl)n->iargs[0];
   int act = (int)n->iargs[1];
   int gslot = (int)n->iargs[2], aslot = (int)n->iargs[3];
+  int64_t qbits = n->iargs[4];
   bool has_gates = gslot >= 0;
   if (!gout[0]) {
     for (int i = 0; i < n->n_inputs; i++)
@@ -403,20 +419,50 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   moe_tensor *x = NULL, *w1 = NULL, *w3 = NULL, *w2 = NULL, *h1s = NULL, *h3s = NULL, *h1 = NULL,
              *h3 = NULL, *a = NULL, *as = NULL, *gates = NULL, *gc = NULL,
              *g_rows = NULL, *dout_rows = NULL, *dA0 = NULL, *dh3 = NULL, *ga = NULL,
-             *dgate_rows = NULL, *xs = NULL, *t1 = NULL, *t2 = NULL, *dxs = NULL, *dg = NULL;
+             *dgate_rows = NULL, *xs = NULL, *t1 = NULL, *t2 = NULL, *dxs = NULL, *dg = NULL,
+             *s1 = NULL, *s3 = NULL;
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W1, &w1), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W3, &w3), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W2, &w2), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_H1, &h1s), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_H3, &h3s), st, done);
-  MOE_CHECK_GOTO(moe_contiguous(ctx, h1s, &h1), st, done);
-  MOE_CHECK_GOTO(moe_contiguous(ctx, h3s, &h3), st, done);
+  moe_dtype dt = n->in_dtype[0];
+  moe_device dev = n->in_device[0];
+  moe_dtype gdt = dt == MOE_F64 ? MOE_F64 : MOE_F32;
+  /* the hidden's shape: dense (R, f), sparse (nnz, b, b) */
+  int hnd;
+  int64_t hshape[3];
+  bool qdirect = false; /* CUDA reads the codes h1s, h3s with scales s1, s3 */
+  if (qbits) {
+    int64_t rows = h1s->shape[0], bs = p->block_size;
+    if (impl == MOE_EXPERTS_SPARSE) {
+      hnd = 3;
+      hshape[0] = bs > 0 ? rows / bs : 0, hshape[1] = bs, hshape[2] = bs;
+    } else {
+      hnd = 2;
+      hshape[0] = rows, hshape[1] = w1->shape[2];
+    }
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_S1, &s1), st, done);
+    MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_S3, &s3), st, done);
+    qdirect = ex_cuda(h1s) && ex_qfused();
+    if (!qdirect) {
+      moe_qtensor q = {.bits = (int)qbits, .group_size = n->iargs[5], .dtype = dt, .ndim = hnd};
+      memcpy(q.shape, hshape, sizeof(int64_t) * (size_t)hnd);
+      q.values = h1s, q.scales = s1;
+      MOE_CHECK_GOTO(moe_dequantize(ctx, &q, &h1), st, done);
+      q.values = h3s, q.scales = s3;
+      MOE_CHECK_GOTO(moe_dequantize(ctx, &q, &h3), st, done);
+    }
+  } else {
+    MOE_CHECK_GOTO(moe_contiguous(ctx, h1s, &h1), st, done);
+    MOE_CHECK_GOTO(moe_contiguous(ctx, h3s, &h3), st, done);
+    hnd = h1->ndim;
+    memcpy(hshape, h1->shape, sizeof(int64_t) * (size_t)hnd);
+  }
   if (aslot >= 0) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, aslot, &as), st, done);
     MOE_CHECK_GOTO(moe_contiguous(ctx, as, &a), st, done);
   }
-  moe_dtype dt = h1->dtype;
-  moe_dtype gdt = dt == MOE_F64 ? MOE_F64 : MOE_F32;
   /* per-row gates g_rows[r] = gates[src[r]] (0 for padding) */
   if (has_gates) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, gslot, &gates), st, done);
@@ -425,19 +471,32 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   }
   MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
   MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, h1->ndim, h1->shape, dt, h1->storage->device, &dh3), st,
-                 done);
-  if (need_w2)
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, h1->ndim, h1->shape, dt, h1->storage->device, &ga), st,
-                   done);
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dh3), st, done);
+  if (need_w2) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &ga), st, done);
   if (need_g) {
     int64_t R = p->rows;
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &R, gdt, h1->storage->device, &dgate_rows), st, done);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &R, gdt, dev, &dgate_rows), st, done);
   }
   {
     int64_t R = p->rows, bs = impl == MOE_EXPERTS_SPARSE ? p->block_size : 0;
-    int64_t f = impl == MOE_EXPERTS_SPARSE ? p->ffn_blocks * p->block_size : h1->shape[1];
-    if (ex_cuda(h1)) {
+    int64_t f = impl == MOE_EXPERTS_SPARSE ? p->ffn_blocks * p->block_size : hshape[1];
+    if (qdirect) {
+#ifdef MOE_WITH_CUDA
+      int64_t cols = hshape[hnd - 1];
+      moe_ex_qhidden qh = {(int)qbits, cols, moe_qz_group(cols, (int)qbits, n->iargs[5]),
+                           moe_tensor_data(h1s), moe_tensor_data(h3s),
+                           (const float *)moe_tensor_data(s1), (const float *)moe_tensor_data(s3)};
+      if (R > 0 && f > 0)
+        MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd_quant(
+                           ctx, dev.index, dt, act, R, f, bs, moe_tensor_data(dA0), &qh,
+                           g_rows ? (const float *)moe_tensor_data(g_rows) : NULL,
+                           moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
+                           dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
+                       st, done);
+#else
+      MOE_CHECK_GOTO(moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA"), st, done);
+#endif
+    } else if (dev.type == MOE_DEVICE_CUDA) {
 #ifdef MOE_WITH_CUDA
       if (R > 0 && f > 0)
         MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
@@ -470,6 +529,8 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   EX_DROP(h1s);
   EX_DROP(h3);
   EX_DROP(h3s);
+  EX_DROP(s1);
+  EX_DROP(s3);
   if (need_g) {
     MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[4], &dg), st, done);
     MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[4]), st, done);
@@ -516,6 +577,8 @@ done:
   moe_tensor_release(t2);
   moe_tensor_release(dxs);
   moe_tensor_release(dg);
+  moe_tensor_release(s1);
+  moe_tensor_release(s3);
   return st;
 }
 
@@ -569,16 +632,107 @@ static moe_status ex_glu_validate(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, m
   return MOE_OK;
 }
 
+moe_glu_experts_opts moe_glu_experts_opts_default(void) {
+  moe_glu_experts_opts o = {MOE_EXPERTS_GROUPED, MOE_GLU_SILU, false, 0, 0, false, 1024};
+  return o;
+}
+
 moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
                            moe_tensor *w2, struct moe_routing_plan *plan, moe_tensor *gates,
                            moe_experts_impl impl, moe_glu_activation act,
                            bool memory_optimized, moe_tensor **out) {
+  moe_glu_experts_opts o = moe_glu_experts_opts_default();
+  o.impl = impl;
+  o.act = act;
+  o.memory_optimized = memory_optimized;
+  return moe_glu_experts_ex(ctx, x, w1, w3, w2, plan, gates, &o, out);
+}
+
+/* a = act(h1) * h3 and h1, h3 quantized as opts say (codes v1, v3 and
+ * scales s1, s3, as moe_quantize gives them): one fused pass on CUDA when it
+ * applies, else the activation and two moe_quantize calls. */
+static moe_status ex_glu_fwd_quant(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3, int act,
+                                   const moe_glu_experts_opts *o, moe_tensor **a,
+                                   moe_tensor **v1, moe_tensor **s1, moe_tensor **v3,
+                                   moe_tensor **s3) {
+  moe_quant_opts qo = {o->quant_bits, o->quant_group_size, o->quant_stochastic};
+  moe_status st = MOE_OK;
+#ifdef MOE_WITH_CUDA
+  if (ex_cuda(h1) && ex_qfused()) {
+    int64_t cols = h1->shape[h1->ndim - 1], n = moe_tensor_numel(h1);
+    int64_t rows = cols > 0 ? n / cols : 0, G = moe_qz_group(cols, qo.bits, qo.group_size);
+    int64_t vshape[2] = {rows, qo.bits == 8 ? cols : (cols + 1) / 2};
+    int64_t sshape[2] = {rows, cols > 0 ? (cols + G - 1) / G : 0};
+    moe_device d = h1->storage->device;
+    moe_dtype vdt = qo.bits == 8 ? MOE_I8 : MOE_U8;
+    moe_tensor *t[5] = {0};
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, h1->ndim, h1->shape, h1->dtype, d, &t[0]), st, qfail);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, vshape, vdt, d, &t[1]), st, qfail);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, sshape, MOE_F32, d, &t[2]), st, qfail);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, vshape, vdt, d, &t[3]), st, qfail);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, sshape, MOE_F32, d, &t[4]), st, qfail);
+    moe_ex_qhidden qh = {qo.bits, cols, G, moe_tensor_data(t[1]), moe_tensor_data(t[3]),
+                         (const float *)moe_tensor_data(t[2]), (const float *)moe_tensor_data(t[4])};
+    uint64_t seed = ctx->rng_seed, call = ctx->rng_call;
+    bool done = false;
+    MOE_CHECK_GOTO(moe_cuda_experts_glu_fwd_quant(ctx, d.index, h1->dtype, act, rows, &qh,
+                                                  qo.stochastic, seed, call, call + 1,
+                                                  moe_tensor_data(h1), moe_tensor_data(h3),
+                                                  moe_tensor_data(t[0]), &done),
+                   st, qfail);
+    if (done) {
+      if (qo.stochastic) ctx->rng_call += 2; /* as two moe_quantize calls */
+      *a = t[0], *v1 = t[1], *s1 = t[2], *v3 = t[3], *s3 = t[4];
+      return MOE_OK;
+    }
+  qfail:
+    for (int i = 0; i < 5; i++) moe_tensor_release(t[i]);
+    if (st != MOE_OK) return st;
+  }
+#endif
+  moe_qtensor q1 = {0}, q3 = {0};
+  moe_tensor *ta = NULL;
+  MOE_CHECK(ex_glu_fwd(ctx, h1, h3, act, &ta));
+  MOE_CHECK_GOTO(moe_quantize(ctx, h1, &qo, &q1), st, fail);
+  MOE_CHECK_GOTO(moe_quantize(ctx, h3, &qo, &q3), st, fail);
+  *a = ta, *v1 = q1.values, *s1 = q1.scales, *v3 = q3.values, *s3 = q3.scales;
+  return MOE_OK;
+fail:
+  moe_tensor_release(ta);
+  moe_qtensor_clear(&q1);
+  moe_qtensor_clear(&q3);
+  return st;
+}
+
+moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                              moe_tensor *w2, struct moe_routing_plan *plan, moe_tensor *gates,
+                              const moe_glu_experts_opts *opts, moe_tensor **out) {
   if (!x || !w1 || !w3 || !w2 || !plan || !out)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "glu_experts: x, w1, w3, w2, plan or out is NULL");
+  moe_glu_experts_opts o = opts ? *opts : moe_glu_experts_opts_default();
+  moe_experts_impl impl = o.impl;
+  moe_glu_activation act = o.act;
   MOE_CHECK(ex_glu_validate(ctx, x, w1, w3, w2, plan, gates, impl, act));
+  if (o.quant_bits != 0) {
+    if (o.quant_bits != 8 && o.quant_bits != 4)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "glu_experts: quantize bits must be 8 or 4 (0: off), got %d", o.quant_bits);
+    if (o.quant_group_size < 0 || (o.quant_bits == 4 && o.quant_group_size % 2))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "glu_experts: quantize group_size must be >= 0 (0: a row) and even for "
+                       "4 bits, got %lld", (long long)o.quant_group_size);
+    if (o.quant_min_numel < 0)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "glu_experts: quantize min_numel must be >= 0, got %lld",
+                       (long long)o.quant_min_numel);
+    if (x->dtype == MOE_F64 && moe_tensor_device(x).type == MOE_DEVICE_CUDA)
+      return moe_error(ctx, MOE_ERR_DTYPE, "glu_experts: quantize takes f32 or bf16 on CUDA");
+  }
+  moe_tensor *in[5] = {x, w1, w3, w2, gates};
+  int n_in = gates ? 5 : 4;
+  bool want = moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in);
   moe_status st = MOE_OK;
   moe_tensor *w1c = NULL, *w3c = NULL, *w2c = NULL, *xs = NULL, *h1 = NULL, *h3 = NULL, *a = NULL,
-             *y = NULL, *r = NULL;
+             *y = NULL, *r = NULL, *v1 = NULL, *s1 = NULL, *v3 = NULL, *s3 = NULL;
   bool prev = moe_grad_set(ctx, false);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
@@ -588,14 +742,26 @@ moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tens
   MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
   moe_tensor_release(xs);
   xs = NULL;
-  MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
+  /* quantized only when backward will need them, and when large enough */
+  bool quant = o.quant_bits != 0 && want && moe_tensor_numel(h1) >= o.quant_min_numel;
+  if (quant) {
+    MOE_CHECK_GOTO(ex_glu_fwd_quant(ctx, h1, h3, (int)act, &o, &a, &v1, &s1, &v3, &s3), st, fail);
+    /* the bf16 pre-activations go now: only their codes are kept */
+    moe_tensor_release(h1);
+    moe_tensor_release(h3);
+    h1 = h3 = NULL;
+  } else {
+    MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
+  }
   MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, a, w2c, plan, false, &y), st, fail);
   MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, gates, &r), st, fail);
   moe_grad_set(ctx, prev);
-  moe_tensor *in[5] = {x, w1, w3, w2, gates};
-  int n_in = gates ? 5 : 4;
-  if (moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in)) {
+  if (want) {
     moe_node *n = NULL;
+    /* the op's own quantization applies to its saved tensors: the caller's
+     * hooks are set aside while they are saved */
+    int n_hooks = ctx->n_hooks;
+    if (quant) ctx->n_hooks = 0;
     st = moe_node_new(ctx, MOE_OP_GLU_EXPERTS, ex_glu_backward, n_in, in, &n);
     if (st == MOE_OK) {
       moe_routing_plan_retain(plan);
@@ -605,19 +771,23 @@ moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tens
       n->iargs[1] = act;
       n->iargs[2] = -1;
       n->iargs[3] = -1;
+      n->iargs[4] = quant ? o.quant_bits : 0;
+      n->iargs[5] = o.quant_group_size;
       /* the contiguous weights (w itself when already contiguous) */
-      moe_tensor *save[6] = {x, w1c, w3c, w2c, h1, h3};
-      for (int i = 0; i < 6 && st == MOE_OK; i++) st = moe_node_save(ctx, n, save[i]);
-      int slot = 6;
+      moe_tensor *save[8] = {x, w1c, w3c, w2c, quant ? v1 : h1, quant ? v3 : h3, s1, s3};
+      int n_save = quant ? 8 : 6;
+      for (int i = 0; i < n_save && st == MOE_OK; i++) st = moe_node_save(ctx, n, save[i]);
+      int slot = n_save;
       if (st == MOE_OK && gates) {
         st = moe_node_save(ctx, n, gates);
         n->iargs[2] = slot++;
       }
-      if (st == MOE_OK && !memory_optimized) {
+      if (st == MOE_OK && !quant && !o.memory_optimized) {
         st = moe_node_save(ctx, n, a);
         n->iargs[3] = slot++;
       }
     }
+    ctx->n_hooks = n_hooks;
     if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
     if (n) moe_node_release(n);
     if (st != MOE_OK) goto done;
@@ -637,5 +807,9 @@ done:
   moe_tensor_release(a);
   moe_tensor_release(y);
   moe_tensor_release(r);
+  moe_tensor_release(v1);
+  moe_tensor_release(s1);
+  moe_tensor_release(v3);
+  moe_tensor_release(s3);
   return st;
 }

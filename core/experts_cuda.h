@@ -45,6 +45,39 @@ moe_status moe_cuda_experts_glu_bwd(moe_ctx *ctx, int device, moe_dtype dt, int 
                                     const void *h3, const void *a, const float *g_rows, void *dh3,
                                     void *ga, float *dgate_rows);
 
+/* The GLU's pre-activations h1 and h3 kept quantized for backward
+ * (core/moe_quantize.h's format): the hidden's elements in memory order
+ * seen as (rows, cols), groups of G along cols (G the effective group,
+ * moe_qz_group), codes v (rows, row_bytes) i8 (8 bits) or u8 (4 bits),
+ * scales s (rows, ngroups) f32. */
+typedef struct moe_ex_qhidden {
+  int bits;
+  int64_t cols, G;
+  const void *v1, *v3;
+  const float *s1, *s3;
+} moe_ex_qhidden;
+
+/* a = act(h1) * h3 (rows * qh->cols elements, contiguous) and h1, h3
+ * quantized into qh's codes and scales (written through the const
+ * pointers: the caller owns them) in one pass; stochastic rounding draws
+ * (seed, call1) for h1 and (seed, call3) for h3, as two moe_quantize calls
+ * would. The results are the bits of moe_cuda_experts_glu_fwd followed by
+ * two moe_cuda_quantize calls. *done = false (and nothing launched) when
+ * the fast path does not apply (dtype not f32 / bf16, cols or G not a
+ * multiple of 8, misaligned buffers, groups wider than 32768). */
+moe_status moe_cuda_experts_glu_fwd_quant(moe_ctx *ctx, int device, moe_dtype dt, int act,
+                                          int64_t rows, const moe_ex_qhidden *qh, bool stochastic,
+                                          uint64_t seed, uint64_t call1, uint64_t call3,
+                                          const void *h1, const void *h3, void *a, bool *done);
+
+/* moe_cuda_experts_glu_bwd with h1 and h3 read from qh (dequantized in
+ * registers and rounded to dt, the values moe_dequantize would give) and
+ * no saved a (recomputed). */
+moe_status moe_cuda_experts_glu_bwd_quant(moe_ctx *ctx, int device, moe_dtype dt, int act,
+                                          int64_t R, int64_t f, int64_t bs, void *dA0,
+                                          const moe_ex_qhidden *qh, const float *g_rows,
+                                          void *dh3, void *ga, float *dgate_rows);
+
 /* out[i] = idx[i] >= 0 ? in[idx[i]] : 0 for i < n; in of dtype in_dt, out of
  * out_dt (f32, f64, bf16), idx i64, all contiguous. */
 moe_status moe_cuda_experts_take(moe_ctx *ctx, int device, int64_t n, const int64_t *idx,

@@ -69,6 +69,37 @@ moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tens
                            moe_experts_impl impl, moe_glu_activation act,
                            bool memory_optimized, moe_tensor **out);
 
+/* Options of moe_glu_experts_ex. */
+typedef struct moe_glu_experts_opts {
+  moe_experts_impl impl;
+  moe_glu_activation act;
+  bool memory_optimized;
+  /* Quantized saved pre-activations (issue 6, MegaBlocks'
+   * quantize_rematerialize_num_bits): with quant_bits 8 or 4, backward keeps
+   * h1 and h3 quantized as moe_quantize would (moe_quantize.h: group
+   * quant_group_size, 0 a row of the hidden's last dim; stochastic rounding
+   * when quant_stochastic) and recomputes act(h1) * h3 from them, so nothing
+   * of the hidden's size is kept in bf16 (memory_optimized is implied). On
+   * CUDA the quantization is fused into the activation's pass and backward
+   * reads the codes directly. Hiddens of fewer than quant_min_numel elements
+   * are kept unquantized. The node's tensors are saved past any saved-tensor
+   * hooks pushed by the caller: the op's own quantization is the one that
+   * applies to it. 0: off. */
+  int quant_bits;
+  int64_t quant_group_size;
+  bool quant_stochastic;
+  int64_t quant_min_numel;
+} moe_glu_experts_opts;
+
+/* impl grouped, silu, not memory-optimized, quantization off (min_numel
+ * 1024 for when it is set). */
+moe_glu_experts_opts moe_glu_experts_opts_default(void);
+
+/* moe_glu_experts with options (opts NULL: the defaults). */
+moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                              moe_tensor *w2, struct moe_routing_plan *plan, moe_tensor *gates,
+                              const moe_glu_experts_opts *opts, moe_tensor **out);
+
 #ifdef __cplusplus
 }
 #endif

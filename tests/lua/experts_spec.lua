@@ -141,6 +141,68 @@ describe("glu_experts", function()
   end)
 end)
 
+describe("glu_experts quantize", function()
+  -- the op's own quantization of h1 and h3 (issue 6) gives the bits of the
+  -- general saved-tensor route: quantize_scope around the memory-optimized
+  -- op, keeping x, the gates and the weights
+  local function grads(p, run)
+    for _, t in ipairs({ p.x, p.wr, p.w1, p.w3, p.w2 }) do t.grad = nil end
+    local gates, _, plan = route(p, { block_size = 3, ffn_hidden = f })
+    local y = run(gates, plan)
+    moe.sum(y * y):backward()
+    return y, { p.x.grad, p.wr.grad, p.w1.grad, p.w3.grad, p.w2.grad }
+  end
+  it("matches quantize_scope around the memory-optimized op, bit for bit", function()
+    local p = params(9, "f32")
+    for _, impl in ipairs({ "grouped", "sparse" }) do
+      for _, q in ipairs({ { bits = 8 }, { bits = 4, group_size = 2 }, { bits = 8, stochastic = true } }) do
+        local qo = { bits = q.bits, group_size = q.group_size, stochastic = q.stochastic, min_numel = 0 }
+        moe.manual_seed(1)
+        local y1, g1 = grads(p, function(gates, plan)
+          return moe.ops.glu_experts(p.x, p.w1, p.w3, p.w2, plan, gates, { impl = impl, quantize = qo })
+        end)
+        moe.manual_seed(1)
+        local y2, g2 = grads(p, function(gates, plan)
+          local so = { keep = { p.x, p.w1, p.w3, p.w2, gates } }
+          for kk, v in pairs(qo) do so[kk] = v end
+          return moe.ops.quantize_scope(so, moe.ops.glu_experts, p.x, p.w1, p.w3, p.w2, plan, gates,
+            { impl = impl, memory_optimized = true })
+        end)
+        local y0, g0 = grads(p, function(gates, plan)
+          return moe.ops.glu_experts(p.x, p.w1, p.w3, p.w2, plan, gates, { impl = impl })
+        end)
+        assert.are.same(y0:totable(), y1:totable()) -- the forward is not quantized
+        assert.are.same(y1:totable(), y2:totable())
+        local differs = false
+        for i = 1, #g1 do
+          assert.are.same(g2[i]:totable(), g1[i]:totable())
+          differs = differs or moe.max(moe.abs(g1[i] - g0[i])):item() > 0
+        end
+        assert.is_true(differs) -- and backward saw quantized values
+      end
+    end
+  end)
+  it("rejects bad settings with the option's name", function()
+    local p = params(10, "f32")
+    local gates, _, plan = route(p)
+    local function call(q)
+      return moe.ops.glu_experts(p.x, p.w1, p.w3, p.w2, plan, gates, { quantize = q })
+    end
+    assert.has_error(function() call({ bits = 5 }) end,
+      "bad argument #7 to 'glu_experts' (option quantize.bits must be 8 or 4, got 5)")
+    assert.has_error(function() call({ bits = 8, gruop_size = 4 }) end,
+      "bad argument #7 to 'glu_experts' (unknown option quantize.gruop_size"
+        .. " (valid options: bits, group_size, min_numel, stochastic))")
+    assert.has_error(function() call({ bits = 4, group_size = 3 }) end,
+      "bad argument #7 to 'glu_experts' (option quantize.group_size must be even for 4 bits, got 3)")
+    assert.has_error(function() call({ bits = 8, stochastic = "yes" }) end,
+      "bad argument #7 to 'glu_experts' (option quantize.stochastic must be a boolean, got string)")
+    assert.has_error(function() call(8) end,
+      "bad argument #7 to 'glu_experts' (option quantize must be a table {bits = 8 | 4, ...}, got 8)")
+    assert.is_true(moe.is_tensor(call(false)))
+  end)
+end)
+
 describe("experts bad arguments", function()
   local p = params(7)
   local gates, _, plan = route(p)

@@ -21,7 +21,12 @@ Options of both (unknown names are an error listing the valid ones):
                                   saved by the first linear(s) (the expert
                                   input), by the activation (the
                                   pre-activation) and by the combine (the
-                                  expert output rows); see docs/LAYERS.md
+                                  expert output rows); see docs/LAYERS.md.
+                                  The fused GLU (impl grouped or sparse,
+                                  a built-in activation) takes switches that
+                                  share one built-in spec as its own option:
+                                  h1 and h3 kept quantized, act(h1) * h3
+                                  recomputed (moe.ops.glu_experts quantize)
   std = 0.02, out_std = std       normal init of w1 (w3) and of w2
   dtype = "f32", device = "cpu"
 
@@ -197,15 +202,16 @@ local function glu_tail(h1, h3, w2, gates, plan, impl, act)
   return tail(glu_act(act, h1, h3), w2, plan, gates, impl, nil)
 end
 
--- The one scope spec of the fused op under quantize, or nil when the set
--- switches cannot share one: every set switch a built-in spec (8, 4 or
--- {bits =}) with the same bits, group_size, stochastic and min_numel. The
--- fused op saves x, gates, the weights (all kept: the caller holds them),
--- h1, h3 and act(h1) * h3, so the scope quantizes exactly the
--- rematerialized pre-activations and the second linear's input; it never
--- saves a permuted copy of x (it gathers again in backward), so "inputs"
--- has nothing to quantize there.
-local function fused_spec(q, self, x, gates)
+-- The quantize option of the fused op, or nil when the set switches cannot
+-- share one: every set switch a built-in spec (8, 4 or {bits =}) with the
+-- same bits, group_size, stochastic and min_numel. The fused op keeps the
+-- pre-activations h1 and h3 quantized (MegaBlocks' rematerialize switch) and
+-- recomputes act(h1) * h3 from them in backward, quantizing in the
+-- activation's own pass on CUDA; it never saves a permuted copy of x (it
+-- gathers again in backward) nor the rows it combines (the gate gradient
+-- comes from the hidden), so "inputs" and "scatter" have nothing more to
+-- quantize there and any of the three switches turns this on.
+local function fused_spec(q, self)
   if q == nil then return nil end
   local one
   for _, k in ipairs({ "inputs", "rematerialize", "scatter" }) do
@@ -221,31 +227,32 @@ local function fused_spec(q, self, x, gates)
     end
   end
   if one == nil then return nil end
-  local c = {}
-  for kk, vv in pairs(one) do c[kk] = vv end
-  c.keep = { self.w1, self.w2, self.w3, x, gates }
-  return c
+  -- validated as moe.quantize.scope would (a clear error for bad bits)
+  require("moe.quantize").spec({ bits = one.bits, group_size = one.group_size, stochastic = one.stochastic,
+    min_numel = one.min_numel }, self.__name .. ": quantize")
+  return { bits = math.tointeger(one.bits), group_size = one.group_size, stochastic = one.stochastic,
+    min_numel = one.min_numel }
 end
 
 -- Whether forward uses the fused C op (moe.ops.glu_experts): impl grouped or
 -- sparse, an activation it has, and no quantize switch set or switches that
 -- share one built-in spec (fused_spec; other settings name tensors that
 -- only the composed path saves).
-function GLU:fused(x, gates)
+function GLU:fused()
   if not (self.impl ~= "loop" and util.GLU_FUSED[self.act_name] == true and moe.ops.glu_experts ~= nil) then
     return false
   end
   if self.quantize == nil then return true end
-  return x ~= nil and fused_spec(self.quantize, self, x, gates) ~= nil
+  return fused_spec(self.quantize, self) ~= nil
 end
 
 function GLU:forward(x, plan, gates)
   self:check_input(x, plan, gates)
   local q, impl = self.quantize, self.impl
-  if self:fused(x, gates) then
+  if self:fused() then
     self.path = "fused"
-    return util.quantized(fused_spec(q, self, x, gates), moe.ops.glu_experts, x, self.w1, self.w3,
-      self.w2, plan, gates, { impl = impl, activation = self.act_name, memory_optimized = self.memory_optimized })
+    return moe.ops.glu_experts(x, self.w1, self.w3, self.w2, plan, gates, { impl = impl,
+      activation = self.act_name, memory_optimized = self.memory_optimized, quantize = fused_spec(q, self) })
   end
   self.path = "composed"
   local act = self.act
