@@ -5,6 +5,7 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
+#                           [quantize] [curves]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -82,6 +83,30 @@ for s in "${steps[@]}"; do
           note "moe_mlp mixtral $epi #$n: $(grep -E "grouped|sparse" "$out/mlp_${epi}_$n.log" | tr -s ' ' | tail -2 | tr '\n' ';')"
         done
       done ;;
+    quantize)
+      # Issue 6: the dMoE layer at the benchmark shapes with its saved pre-activations off / 8 / 4
+      # bits (the fused CUDA passes), the same with the unfused passes (MOE_GLU_QFUSED=0) as an
+      # A/B, the block-sparse experts, and the quantize kernels alone.
+      $ml bench/quantize.lua --layer dmoe --configs mixtral,qwen3 --repeats ${Q_REPEATS:-10} \
+        --json "$out/quantize.json" > "$out/quantize.log" 2>&1
+      note "quantize (fused): rc=$?"; grep -E "bits=" "$out/quantize.log"
+      MOE_GLU_QFUSED=0 $ml bench/quantize.lua --layer dmoe --configs mixtral,qwen3 --repeats ${Q_REPEATS:-10} \
+        --json "$out/quantize_unfused.json" > "$out/quantize_unfused.log" 2>&1
+      note "quantize (unfused): rc=$?"; grep -E "bits=" "$out/quantize_unfused.log"
+      $ml bench/quantize.lua --layer dmoe --impl sparse --configs qwen3,olmoe --repeats ${Q_REPEATS:-10} \
+        --json "$out/quantize_sparse.json" > "$out/quantize_sparse.log" 2>&1
+      note "quantize (sparse): rc=$?"; grep -E "bits=" "$out/quantize_sparse.log"
+      $ml bench/quantize.lua --kernels --configs mixtral,qwen3 --json "$out/quantize_kernels.json" \
+        > "$out/quantize_kernels.log" 2>&1
+      note "quantize kernels: rc=$? ($(($(date +%s) - t0)) s)" ;;
+    curves)
+      # Issue 6: the 46M dMoE's loss in modes Q_MODES (off,8,4) for each seed in Q_SEEDS,
+      # Q_STEPS steps (the preset's 300 when unset), into Q_NAME.json.
+      name=${Q_NAME:-quantize_curves_dmoe46m}
+      $ml bench/quantize_curves.lua run preset=dmoe46m device=cuda seeds=${Q_SEEDS:-1234,1,2} \
+        modes=${Q_MODES:-off,8,4} ${Q_STEPS:+steps=$Q_STEPS} out=/tmp/qc json="$out/$name.json" \
+        > "$out/$name.log" 2>&1
+      note "curves $name: rc=$? ($(($(date +%s) - t0)) s)"; grep -E "mode=" "$out/$name.log" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

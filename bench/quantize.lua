@@ -21,11 +21,16 @@ bf16) with quantization off, 8 bits and 4 bits, reporting per mode
       GB/s = bytes read + written / time.
 
 --layer dmoe: the real layer, layers.dMoE{mlp_type = "glu", activation_fn
-= "silu", mlp_impl = "grouped"} (lua/moe/layers/dmoe.lua), bf16, its three
-switches set to the same bits (quantize = {inputs =, rematerialize =,
-scatter =}); with them the GLU experts run the fused moe.ops.glu_experts
-under one scope (lua/moe/experts/mlp.lua), which quantizes h1, h3 and
-act(h1) * h3, three (T k, f) tensors.
+= "silu", mlp_impl = --impl (grouped; sparse; auto)} (lua/moe/layers/
+dmoe.lua), bf16, its three switches set to the same bits (quantize =
+{inputs =, rematerialize =, scatter =}); with them the GLU experts run the
+fused moe.ops.glu_experts with its own quantize option
+(lua/moe/experts/mlp.lua): h1 and h3, two (T k, f) tensors, kept quantized
+and act(h1) * h3 recomputed from them in backward (quantization off keeps
+all three). MOE_GLU_QFUSED=0 in the environment selects the unfused CUDA
+passes (activation + two quantize kernels; dequantize before backward) for
+an A/B; the JSON records it. Timing: --repeats steps per mode, the modes
+interleaved (off, 8, 4, off, ...), medians.
 
 The layer comes from a factory, swappable with --layer: FILE.lua returns
 function(cfg) -> layer, where cfg = {d_model, d_ff, experts, top_k, T,
@@ -45,7 +50,7 @@ local moe = require "moe"
 local quantize = require "moe.quantize"
 
 local args = { json = nil, configs = "mixtral,qwen3", device = "cuda", repeats = 5, layer = nil,
-                kernels = false }
+                kernels = false, impl = "grouped" }
 do
   local i = 1
   while i <= #arg do
@@ -56,6 +61,7 @@ do
     elseif a == "--repeats" then args.repeats = tonumber(arg[i + 1]); i = i + 2
     elseif a == "--layer" then args.layer = arg[i + 1]; i = i + 2
     elseif a == "--kernels" then args.kernels = true; i = i + 1
+    elseif a == "--impl" then args.impl = arg[i + 1]; i = i + 2
     else error("unknown argument " .. a) end
   end
 end
@@ -116,7 +122,7 @@ local function dmoe_layer(cfg)
   local layers = require "moe.layers"
   local l = layers.dMoE { hidden_size = cfg.d_model, ffn_hidden_size = cfg.d_ff,
     num_experts = cfg.experts, top_k = cfg.top_k, mlp_type = "glu", activation_fn = "silu",
-    mlp_impl = "grouped", moe_loss_weight = 0.01, dtype = cfg.dtype, device = cfg.device }
+    mlp_impl = args.impl, moe_loss_weight = 0.01, dtype = cfg.dtype, device = cfg.device }
   function l.set_quantize(self, bits)
     self.experts.quantize = bits ~= 0 and { inputs = bits, rematerialize = bits, scatter = bits } or nil
   end
@@ -127,7 +133,7 @@ local factory = standin_layer
 local layer_name = "stand-in (permute, per-expert SwiGLU matmuls, combine)"
 if args.layer == "dmoe" then
   factory = dmoe_layer
-  layer_name = "layers.dMoE (glu, silu, grouped)"
+  layer_name = "layers.dMoE (glu, silu, " .. args.impl .. ")"
 elseif args.layer then
   factory = dofile(args.layer)
   layer_name = args.layer
@@ -275,7 +281,8 @@ for name in args.configs:gmatch("[^,]+") do
   local gy = moe.randn({ cfg.T, cfg.d_model }, { dtype = "bf16", device = dev })
   local ref
   step(layer, x, gy, 0) -- warm-up: cuBLAS workspaces and the allocator's pools
-  for _, bits in ipairs({ 0, 8, 4 }) do
+  local modes, by_bits = { 0, 8, 4 }, {}
+  for _, bits in ipairs(modes) do
     zero(layer, x)
     collectgarbage()
     sync()
@@ -290,28 +297,40 @@ for name in args.configs:gmatch("[^,]+") do
       for i = 1, #g do errs[i] = rel(g[i], ref[i]) end
     end
     if bits ~= 0 then for _, t in ipairs(g) do t:free() end end
-    local times, fwd, bwd = {}, {}, {}
     step(layer, x, gy, bits) -- warm-up
-    for r = 1, args.repeats do
+    local res = { config = name, bits = bits, T = cfg.T, d_model = cfg.d_model, d_ff = cfg.d_ff,
+                  experts = cfg.experts, top_k = cfg.top_k, saved_mb = saved / MiB,
+                  peak_mb = peak / MiB, grad_err = errs, times = {}, fwd = {}, bwd = {} }
+    by_bits[bits] = res
+    results[#results + 1] = res
+  end
+  -- timed with the modes interleaved (off, 8, 4, off, 8, 4, ...): a drift
+  -- of the GPU's clocks over the run lands on every mode alike
+  for r = 1, args.repeats do
+    for _, bits in ipairs(modes) do
+      local res = by_bits[bits]
       zero(layer, x)
       collectgarbage()
       sync()
       local t0 = moe.clock()
       local _, tf, tb = step(layer, x, gy, bits)
       sync()
-      times[r] = moe.clock() - t0
-      fwd[r], bwd[r] = tf, tb
+      res.times[r] = moe.clock() - t0
+      res.fwd[r], res.bwd[r] = tf, tb
     end
-    local res = { config = name, bits = bits, T = cfg.T, d_model = cfg.d_model, d_ff = cfg.d_ff,
-                  experts = cfg.experts, top_k = cfg.top_k, saved_mb = saved / MiB,
-                  peak_mb = peak / MiB, step_ms = median(times) * 1e3, grad_err = errs,
-                  fwd_ms = median(fwd) * 1e3, bwd_ms = median(bwd) * 1e3 }
-    results[#results + 1] = res
-    local off = results[#results - (bits == 0 and 0 or (bits == 8 and 1 or 2))]
+  end
+  local off = by_bits[0]
+  for _, bits in ipairs(modes) do
+    local res = by_bits[bits]
+    res.step_ms, res.fwd_ms, res.bwd_ms = median(res.times) * 1e3, median(res.fwd) * 1e3, median(res.bwd) * 1e3
+    res.times, res.fwd, res.bwd = nil, nil, nil
+  end
+  for _, bits in ipairs(modes) do
+    local res = by_bits[bits]
     res.overhead = res.step_ms / off.step_ms - 1
     res.saved_ratio = off.saved_mb / res.saved_mb
     local es = {}
-    for i, e in ipairs(errs) do es[i] = string.format("%.4f", e) end
+    for i, e in ipairs(res.grad_err) do es[i] = string.format("%.4f", e) end
     print(string.format("%-8s bits=%d saved %9.1f MiB (%.2fx less) peak %9.1f MiB step %8.2f ms "
       .. "(%+.1f%%; fwd %.2f bwd %.2f) grad rel err [%s]", name, bits, res.saved_mb, res.saved_ratio,
       res.peak_mb, res.step_ms, 100 * res.overhead, res.fwd_ms, res.bwd_ms, table.concat(es, ", ")))
@@ -338,7 +357,9 @@ if args.json then
       r.peak_mb, r.step_ms, r.overhead, r.fwd_ms, r.bwd_ms, table.concat(es, ", "))
   end
   f:write('{"layer": "' .. layer_name .. '", "device": "' .. (cuda and moe.cuda.get_device_name(0) or "cpu")
-    .. '", "dtype": "bf16", "grad_order": "x, then layer:parameters()",\n "results": [\n  '
+    .. '", "dtype": "bf16", "grad_order": "x, then layer:parameters()", "repeats": ' .. args.repeats
+    .. ', "timing": "modes interleaved, medians", "MOE_GLU_QFUSED": "' .. (os.getenv("MOE_GLU_QFUSED") or "")
+    .. '", "date": "' .. os.date("!%Y-%m-%d") .. '",\n "results": [\n  '
     .. table.concat(parts, ",\n  ") .. "\n]}\n")
   f:close()
 end

@@ -10,6 +10,12 @@ quantize switches of every dMoE layer set to the mode's bits (quantize =
       [seconds=S]   per-mode wall-clock limit: a mode that hits it stops at
                     its last finished step (the schedule still spans steps),
                     and the comparison uses the steps every mode reached
+      [seeds=S1,S2,...]  one run per mode and seed (the seed of the initial
+                    weights and of the step RNG; the data order and split
+                    stay those of data_seed): the report then gives each
+                    seed's row and the mean over seeds per mode, so that the
+                    quantized modes are compared with the seed-to-seed
+                    spread of the unquantized run
   moe-lua bench/quantize_curves.lua report json=FILE[,FILE...] md=FILE png=FILE
       a Markdown table (final loss = mean train loss of the last 10% of the
       common steps, and the last validation loss) and a gnuplot PNG of the
@@ -102,8 +108,8 @@ local function run(a)
     for _, r in ipairs(records) do
       local vs = {}
       for i, v in ipairs(r.vals) do vs[i] = string.format("[%d, %.6f]", v[1], v[2]) end
-      parts[#parts + 1] = string.format('{"mode": "%s", "bits": %d, "steps": %d, "seconds": %.2f, '
-        .. '"losses": %s, "val": [%s]}', r.mode, r.bits, r.steps, r.seconds, json_list(r.losses, "%.5f"),
+      parts[#parts + 1] = string.format('{"mode": "%s", "bits": %d, "seed": %d, "steps": %d, "seconds": %.2f, '
+        .. '"losses": %s, "val": [%s]}', r.mode, r.bits, r.seed, r.steps, r.seconds, json_list(r.losses, "%.5f"),
         table.concat(vs, ", "))
     end
     f:write(string.format('{"preset": "%s", "device": "%s", "dtype": "%s", "steps": %d, "batch_size": %d, '
@@ -114,8 +120,14 @@ local function run(a)
     print("quantize_curves: wrote " .. json)
   end
   local records = {}
+  local seeds = {}
+  for sd in (a.seeds or tostring(base.seed)):gmatch("[^,]+") do
+    seeds[#seeds + 1] = assert(math.tointeger(tonumber(sd)), "seeds: integers expected, got " .. sd)
+  end
+  for _, seed in ipairs(seeds) do
   for mode in (a.modes or "off,8,4"):gmatch("[^,]+") do
     local bits = mode == "off" and 0 or math.tointeger(tonumber(mode))
+    base.seed = seed
     local cfg = train.config(base)
     cfg.out_dir = out .. "/" .. mode
     cfg.quiet = true
@@ -146,16 +158,17 @@ local function run(a)
     for s in pairs(res.val_losses) do vsteps[#vsteps + 1] = s end
     table.sort(vsteps)
     for _, s in ipairs(vsteps) do vals[#vals + 1] = { s, res.val_losses[s] } end
-    local r = { mode = mode, bits = bits, steps = res.step, seconds = secs, losses = losses, vals = vals,
-                layers = nq }
+    local r = { mode = mode, bits = bits, seed = seed, steps = res.step, seconds = secs, losses = losses,
+                vals = vals, layers = nq }
     records[#records + 1] = r
-    print(string.format("quantize_curves %s mode=%s (%d dMoE layers): %d steps in %.1f s, last loss %.4f%s",
-      preset, mode, nq, res.step, secs, losses[#losses] or 0 / 0,
+    print(string.format("quantize_curves %s mode=%s seed=%d (%d dMoE layers): %d steps in %.1f s, last loss %.4f%s",
+      preset, mode, seed, nq, res.step, secs, losses[#losses] or 0 / 0,
       #vals > 0 and string.format(", val %.4f at step %d", vals[#vals][2], vals[#vals][1]) or ""))
     model = nil -- luacheck: ignore
     res = nil -- luacheck: ignore
     collectgarbage()
     write_json(records)
+  end
   end
 end
 
@@ -171,38 +184,75 @@ end
 local function report(a)
   assert(a.json, "report: json=FILE[,FILE...] is required")
   local md, png = a.md, a.png
-  local lines = { "| preset | mode | steps | final train loss (mean of last 10%) | vs off | last val loss | vs off "
-                  .. "| time s |",
-                  "|---|---|---|---|---|---|---|---|" }
+  local lines = { "| preset | mode | seed | steps | final train loss (mean of last 10%) | vs off | last val loss "
+                  .. "| vs off | time s |",
+                  "|---|---|---|---|---|---|---|---|---|" }
   local plots = {}
+  local function pct(v, ref) return string.format("%+.2f%%", 100 * (v / ref - 1)) end
   for path in a.json:gmatch("[^,]+") do
     local d = read_json(path)
     local common = math.huge
     for _, r in ipairs(d.runs) do common = math.min(common, #r.losses) end
     local w = math.max(1, common // 10)
-    local off_final, off_val
+    -- runs by mode (in order) and, within a mode, by seed
+    local modes, by_mode = {}, {}
     for _, r in ipairs(d.runs) do
       local s = 0
       for i = common - w + 1, common do s = s + r.losses[i] end
-      local final = s / w
-      local val = #r.val > 0 and r.val[#r.val][2] or nil
-      if r.mode == "off" then off_final, off_val = final, val end
-      local function rel(v, ref)
-        if not v or not ref or r.mode == "off" then return "" end
-        return string.format("%+.2f%%", 100 * (v / ref - 1))
+      r.final = s / w
+      r.last_val = #r.val > 0 and r.val[#r.val][2] or nil
+      r.seed = r.seed or 0
+      if not by_mode[r.mode] then by_mode[r.mode] = {}; modes[#modes + 1] = r.mode end
+      table.insert(by_mode[r.mode], r)
+    end
+    local off_of = {} -- seed -> the off run
+    for _, r in ipairs(by_mode.off or {}) do off_of[r.seed] = r end
+    local nseeds = #(by_mode[modes[1]])
+    for _, mode in ipairs(modes) do
+      for _, r in ipairs(by_mode[mode]) do
+        local o = off_of[r.seed]
+        lines[#lines + 1] = string.format("| %s | %s | %d | %d | %.4f | %s | %s | %s | %.0f |", d.preset, mode,
+          r.seed, common, r.final, (o and mode ~= "off") and pct(r.final, o.final) or "",
+          r.last_val and string.format("%.4f", r.last_val) or "-",
+          (o and mode ~= "off" and r.last_val and o.last_val) and pct(r.last_val, o.last_val) or "", r.seconds)
       end
-      lines[#lines + 1] = string.format("| %s | %s | %d | %.4f | %s | %s | %s | %.0f |", d.preset, r.mode, common,
-        final, rel(final, off_final), val and string.format("%.4f", val) or "-", rel(val, off_val), r.seconds)
-      -- smoothed curve for gnuplot
+    end
+    -- the mean over seeds per mode, and the spread of each mode's runs
+    if nseeds > 1 then
+      local mean = {}
+      for _, mode in ipairs(modes) do
+        local sf, sv, lo, hi, n, nv = 0, 0, math.huge, -math.huge, 0, 0
+        for _, r in ipairs(by_mode[mode]) do
+          sf, n = sf + r.final, n + 1
+          lo, hi = math.min(lo, r.final), math.max(hi, r.final)
+          if r.last_val then sv, nv = sv + r.last_val, nv + 1 end
+        end
+        mean[mode] = { final = sf / n, val = nv > 0 and sv / nv or nil, lo = lo, hi = hi, n = n }
+      end
+      local mo = mean.off
+      for _, mode in ipairs(modes) do
+        local m = mean[mode]
+        lines[#lines + 1] = string.format("| %s | %s | mean of %d (train %.4f..%.4f) | %d | %.4f | %s | %s | %s | |",
+          d.preset, mode, m.n, m.lo, m.hi, common, m.final, (mo and mode ~= "off") and pct(m.final, mo.final) or "",
+          m.val and string.format("%.4f", m.val) or "-",
+          (mo and mode ~= "off" and m.val and mo.val) and pct(m.val, mo.val) or "")
+      end
+    end
+    -- smoothed curves for gnuplot: the mean over seeds of each mode
+    for _, mode in ipairs(modes) do
       local dat = os.tmpname()
       local fh = assert(io.open(dat, "w"))
+      local rs = by_mode[mode]
       for i = 1, common do
         local lo, acc = math.max(1, i - 9), 0
-        for j = lo, i do acc = acc + r.losses[j] end
-        fh:write(string.format("%d %.5f\n", i, acc / (i - lo + 1)))
+        for _, r in ipairs(rs) do
+          for j = lo, i do acc = acc + r.losses[j] end
+        end
+        fh:write(string.format("%d %.5f\n", i, acc / ((i - lo + 1) * #rs)))
       end
       fh:close()
-      plots[#plots + 1] = { preset = d.preset, mode = r.mode, file = dat }
+      plots[#plots + 1] = { preset = d.preset, mode = #rs > 1 and (mode .. " (mean of " .. #rs .. " seeds)") or mode,
+                            file = dat }
     end
   end
   local text = table.concat(lines, "\n") .. "\n"
