@@ -91,6 +91,31 @@ static int64_t run_opts(moe_ctx *ctx, const ex_case *c, const int64_t *ids, doub
   return syncs;
 }
 
+/* A case's routing (k distinct experts a token among the first E_used) and
+   its x, w1, w3, w2, gates and output gradient, weights ~ 1/sqrt(fan-in) so
+   activations stay O(1). The caller frees ids and the six arrays. */
+static void case_inputs(const ex_case *c, int64_t **ids_out, double *vals[6]) {
+  int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
+  for (int64_t t = 0; t < c->T; t++)
+    for (int64_t j = 0; j < c->k; j++) {
+      int64_t e;
+      bool dup;
+      do {
+        e = (int64_t)((urand() + 1.0) * 0.5 * (double)c->E_used) % c->E_used;
+        dup = false;
+        for (int64_t i = 0; i < j; i++) dup = dup || ids[t * c->k + i] == e;
+      } while (dup);
+      ids[t * c->k + j] = e;
+    }
+  vals[0] = rvals(c->T * c->d, 1.0);
+  vals[1] = rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d));
+  vals[2] = rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d));
+  vals[3] = rvals(c->E * c->f * c->d, 1.0 / sqrt((double)c->f));
+  vals[4] = rvals(c->T * c->k, 1.0);
+  vals[5] = rvals(c->T * c->d, 1.0);
+  *ids_out = ids;
+}
+
 static int64_t run(moe_ctx *ctx, const ex_case *c, const int64_t *ids, double *const *vals,
                    moe_device dev, moe_dtype dt, moe_experts_impl impl, moe_tensor **res) {
   return run_opts(ctx, c, ids, vals, dev, dt, impl, NULL, res);
@@ -106,23 +131,9 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
   moe_device gpu = {MOE_DEVICE_CUDA, 0};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
     const ex_case *c = &cases[ci];
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
-    for (int64_t t = 0; t < c->T; t++)
-      for (int64_t j = 0; j < c->k; j++) {
-        int64_t e;
-        bool dup;
-        do {
-          e = (int64_t)((urand() + 1.0) * 0.5 * (double)c->E_used) % c->E_used;
-          dup = false;
-          for (int64_t i = 0; i < j; i++) dup = dup || ids[t * c->k + i] == e;
-        } while (dup);
-        ids[t * c->k + j] = e;
-      }
-    /* weights ~ 1/sqrt(fan-in) so activations stay O(1) */
-    double *vals[6] = {rvals(c->T * c->d, 1.0), rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
-                       rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
-                       rvals(c->E * c->f * c->d, 1.0 / sqrt((double)c->f)),
-                       rvals(c->T * c->k, 1.0), rvals(c->T * c->d, 1.0)};
+    int64_t *ids = NULL;
+    double *vals[6];
+    case_inputs(c, &ids, vals);
     for (int dtc = 0; dtc < 2; dtc++) {
       moe_dtype dt = dtc ? MOE_BF16 : MOE_F32;
       /* the reference sees the values rounded to dt */
@@ -223,22 +234,9 @@ static void test_glu_quant_cuda(moe_ctx *ctx) {
   moe_device gpu = {MOE_DEVICE_CUDA, 0};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
     const ex_case *c = &cases[ci];
-    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
-    for (int64_t t = 0; t < c->T; t++)
-      for (int64_t j = 0; j < c->k; j++) {
-        int64_t e;
-        bool dup;
-        do {
-          e = (int64_t)((urand() + 1.0) * 0.5 * (double)c->E_used) % c->E_used;
-          dup = false;
-          for (int64_t i = 0; i < j; i++) dup = dup || ids[t * c->k + i] == e;
-        } while (dup);
-        ids[t * c->k + j] = e;
-      }
-    double *vals[6] = {rvals(c->T * c->d, 1.0), rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
-                       rvals(c->E * c->d * c->f, 1.0 / sqrt((double)c->d)),
-                       rvals(c->E * c->f * c->d, 1.0 / sqrt((double)c->f)),
-                       rvals(c->T * c->k, 1.0), rvals(c->T * c->d, 1.0)};
+    int64_t *ids = NULL;
+    double *vals[6];
+    case_inputs(c, &ids, vals);
     for (int dtc = 0; dtc < 2; dtc++) {
       moe_dtype dt = dtc ? MOE_BF16 : MOE_F32;
       for (int impl = 0; impl < (c->bs ? 2 : 1); impl++) {
