@@ -101,10 +101,10 @@ for s in "${steps[@]}"; do
       note "quantize kernels: rc=$? ($(($(date +%s) - t0)) s)" ;;
     curves)
       # Issue 6: the 46M dMoE's loss in modes Q_MODES (off,8,4) for each seed in Q_SEEDS,
-      # Q_STEPS steps (the preset's 300 when unset), into Q_NAME.json.
+      # Q_STEPS steps (the preset's 300 when unset), into Q_NAME.json; Q_MLP=glu: SwiGLU experts.
       name=${Q_NAME:-quantize_curves_dmoe46m}
       $ml bench/quantize_curves.lua run preset=dmoe46m device=cuda seeds=${Q_SEEDS:-1234,1,2} \
-        modes=${Q_MODES:-off,8,4} ${Q_STEPS:+steps=$Q_STEPS} out=/tmp/qc json="$out/$name.json" \
+        modes=${Q_MODES:-off,8,4} ${Q_STEPS:+steps=$Q_STEPS} ${Q_MLP:+mlp=$Q_MLP} out=/tmp/qc json="$out/$name.json" \
         > "$out/$name.log" 2>&1
       note "curves $name: rc=$? ($(($(date +%s) - t0)) s)"; grep -E "mode=" "$out/$name.log" ;;
     *) echo "unknown step $s"; exit 2 ;;

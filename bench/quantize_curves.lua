@@ -7,6 +7,9 @@ quantize switches of every dMoE layer set to the mode's bits (quantize =
 
   moe-lua bench/quantize_curves.lua run preset=quickstart|dmoe46m [modes=off,8,4]
       [steps=N] [device=auto] [dtype=] [batch_size=] [out=DIR] [json=FILE]
+      [mlp=mlp|glu]  glu: SwiGLU experts (the fused op quantizes its own
+                    pre-activations) instead of the preset's gelu MLP; the
+                    preset is then reported as NAME-glu
       [seconds=S]   per-mode wall-clock limit: a mode that hits it stops at
                     its last finished step (the schedule still spans steps),
                     and the comparison uses the steps every mode reached
@@ -94,6 +97,12 @@ local function run(a)
     base.eval_every = math.min(base.eval_every, base.steps)
   end
   if a.batch_size then base.batch_size = math.tointeger(tonumber(a.batch_size)) end
+  if a.mlp == "glu" then -- SwiGLU experts: the fused op with its own quantize option
+    base.model.moe.mlp_type, base.model.moe.activation = "glu", "silu"
+    preset = preset .. "-glu"
+  elseif a.mlp ~= nil and a.mlp ~= "mlp" then
+    error("bad argument mlp=" .. a.mlp .. " (mlp or glu)", 0)
+  end
   if a.device then base.device = a.device end
   if a.dtype then base.dtype = a.dtype end
   local device = train.resolve_device(base.device)
@@ -251,8 +260,9 @@ local function report(a)
         fh:write(string.format("%d %.5f\n", i, acc / ((i - lo + 1) * #rs)))
       end
       fh:close()
-      plots[#plots + 1] = { preset = d.preset, mode = #rs > 1 and (mode .. " (mean of " .. #rs .. " seeds)") or mode,
-                            file = dat }
+      local label = ("%s, %d steps"):format(mode, d.steps)
+      if #rs > 1 then label = label .. (" (mean of %d seeds)"):format(#rs) end
+      plots[#plots + 1] = { preset = d.preset, mode = label, file = dat }
     end
   end
   local text = table.concat(lines, "\n") .. "\n"
