@@ -135,6 +135,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump")
     ap.add_argument("--moe")
+    ap.add_argument("--moe-alt", help="moe's JSON with MOE_ATTN_WG=0 (the mma.sync kernels)")
     ap.add_argument("--out")
     a = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -152,18 +153,21 @@ def main():
     torch_flash = bench_torch("FLASH_ATTENTION")
     torch_cudnn = bench_torch("CUDNN_ATTENTION")
     moe = json.load(open(a.moe)) if a.moe else []
+    alt = json.load(open(a.moe_alt)) if a.moe_alt else []
     rows = []
     for i, t in enumerate(torch_default):
         m = next((r for r in moe if (r["B"], r["H"], r["T"], r["D"]) == (t["B"], t["H"], t["T"], t["D"])), None)
         row = {"B": t["B"], "H": t["H"], "T": t["T"], "D": t["D"], "causal": True, "moe": m,
-               "torch_default": t, "torch_flash": torch_flash[i], "torch_cudnn": torch_cudnn[i]}
+               "torch_default": t, "torch_flash": torch_flash[i], "torch_cudnn": torch_cudnn[i],
+               "moe_mma_sync": next((r for r in alt if (r["B"], r["H"], r["T"], r["D"]) == (t["B"], t["H"], t["T"], t["D"])), None)}
         if m:
             row["ratio_fwd"] = t["fwd_ms"] / m["fwd_ms"]
             row["ratio_fwdbwd"] = t["fwdbwd_ms"] / m["fwdbwd_ms"]
         rows.append(row)
     hdr = ("| B,H,T,D | moe fwd ms (TF/s) | torch fwd ms (TF/s) | moe f+b ms (TF/s) | torch f+b ms (TF/s) "
-           "| f+b ratio (torch/moe) | torch flash fwd / f+b ms | f+b ratio vs flash | torch cudnn fwd / f+b ms |")
-    lines = [hdr, "|" + "---|" * 9]
+           "| f+b ratio (torch/moe) | torch flash fwd / f+b ms | f+b ratio vs flash | torch cudnn fwd / f+b ms "
+           "| moe mma.sync fwd / f+b ms |")
+    lines = [hdr, "|" + "---|" * 10]
     fmt = lambda ms, tf: "%.3f (%.0f)" % (ms, tf) if ms else "n/a"
     both = lambda t: "%.3f / %.3f" % (t["fwd_ms"], t["fwdbwd_ms"]) if t["fwdbwd_ms"] else "n/a"
     # which backend the default picked, judged by timing
@@ -173,14 +177,14 @@ def main():
         r["torch_default_like"] = min(cands)[1] if cands else "?"
     for r in rows:
         m, t = r["moe"] or {}, r["torch_default"]
-        lines.append("| %d,%d,%d,%d | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %d,%d,%d,%d | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             r["B"], r["H"], r["T"], r["D"], fmt(m.get("fwd_ms"), m.get("fwd_tflops")),
             fmt(t["fwd_ms"], t["fwd_tflops"]), fmt(m.get("fwdbwd_ms"), m.get("fwdbwd_tflops")),
             fmt(t["fwdbwd_ms"], t["fwdbwd_tflops"]),
             "%.2f" % r["ratio_fwdbwd"] if "ratio_fwdbwd" in r else "n/a",
             both(r["torch_flash"]),
             "%.2f" % (r["torch_flash"]["fwdbwd_ms"] / m["fwdbwd_ms"]) if m and r["torch_flash"]["fwdbwd_ms"] else "n/a",
-            both(r["torch_cudnn"])))
+            both(r["torch_cudnn"]), both(r["moe_mma_sync"]) if r["moe_mma_sync"] else "n/a"))
     print("\n".join(lines))
     if a.out:
         json.dump({"env": env, "validation": val, "results": rows}, open(os.path.join(a.out, "attention.json"), "w"), indent=1)

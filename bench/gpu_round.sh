@@ -5,7 +5,7 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves]
+#                           [quantize] [curves] [attention]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -40,6 +40,21 @@ for s in "${steps[@]}"; do
         --command "bash bench/gpu_round.sh moe_mlp" > "$out/moe_mlp_report.log" 2>&1
       note "moe_mlp: rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "\| (grouped|sparse|torch_grouped_mm) \||NOT met|: met" "$out/moe_mlp.md" ;;
+    attention)
+      # moe's fused attention (both kernel families: MOE_ATTN_WG=0 is the mma.sync one) beside
+      # torch's SDPA backends, and one problem checked against float64 by the torch script.
+      mkdir -p "$out/attn_dump"
+      MOE_ATTN_WG=0 $ml bench/attention.lua --json "$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
+      MOE_ATTN_WG=wg $ml bench/attention.lua --json "$out/attention_moe_wg.json" > "$out/attention_moe_wg.log" 2>&1
+      python3 -c 'import json,sys
+for f in sys.argv[1:]:
+    for r in json.load(open(f)): print(f.split("/")[-1], r["B"], r["H"], r["T"], r["D"], "fwd %.3f f+b %.3f" % (r["fwd_ms"], r["fwdbwd_ms"]))' \
+        "$out/attention_moe_mma.json" "$out/attention_moe_wg.json"
+      $ml bench/attention.lua --json "$out/attention_moe.json" --dump "$out/attn_dump" > "$out/attention_moe.log" 2>&1
+      python3 bench/attention_torch.py --dump "$out/attn_dump" --moe "$out/attention_moe.json" \
+        --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1
+      note "attention: rc=$? ($(($(date +%s) - t0)) s)"; rm -rf "$out/attn_dump"
+      grep -E "^\| [0-9]|validation" "$out/attention.md" ;;
     matmul)
       $ml bench/matmul.lua --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
       python3 bench/matmul_torch.py --json "$out/matmul_torch.json" > "$out/matmul_torch.log" 2>&1

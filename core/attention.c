@@ -287,7 +287,7 @@ static moe_status attn_cuda_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k,
 #ifdef MOE_WITH_CUDA
   moe_device d = q->storage->device;
   moe_tensor *in[5] = {NULL}, *src[5] = {q, k, v, out, dout}, *g[3] = {NULL}, *delta = NULL,
-             *lc = NULL;
+             *lc = NULL, *acc = NULL;
   moe_status st = MOE_OK;
   for (int i = 0; i < 5 && st == MOE_OK; i++) st = attn_rows(ctx, src[i], &in[i]);
   if (st == MOE_OK) {
@@ -298,17 +298,20 @@ static moe_status attn_cuda_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k,
   for (int i = 0; i < 3 && st == MOE_OK; i++)
     st = moe_tensor_empty(ctx, 4, q->shape, q->dtype, d, &g[i]);
   if (st == MOE_OK) st = moe_tensor_empty(ctx, 3, q->shape, MOE_F32, d, &delta);
+  if (st == MOE_OK && moe_cuda_attention_bwd_atomic(d.index))
+    st = moe_tensor_empty(ctx, 4, q->shape, MOE_F32, d, &acc);
   if (st == MOE_OK && moe_tensor_numel(g[0]) > 0) {
     moe_kview vq = moe_kview_of(in[0]), vk = moe_kview_of(in[1]), vv = moe_kview_of(in[2]),
               vo = moe_kview_of(in[3]), vdo = moe_kview_of(in[4]), vl = moe_kview_of(lc),
               vd = moe_kview_of(delta), gq = moe_kview_of(g[0]), gk = moe_kview_of(g[1]),
-              gv = moe_kview_of(g[2]);
+              gv = moe_kview_of(g[2]), va = acc ? moe_kview_of(acc) : (moe_kview){0};
     st = moe_cuda_attention_bwd(ctx, d.index, &vq, &vk, &vv, &vo, &vl, &vdo, &vd, &gq, &gk, &gv,
-                                causal, scale);
+                                acc ? &va : NULL, causal, scale);
   }
   for (int i = 0; i < 5; i++) moe_tensor_release(in[i]);
   moe_tensor_release(lc);
   moe_tensor_release(delta);
+  moe_tensor_release(acc);
   if (st != MOE_OK) {
     for (int i = 0; i < 3; i++) moe_tensor_release(g[i]);
     return st;

@@ -33,13 +33,21 @@ moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe_kview *q,
                                   const moe_kview *k, const moe_kview *v, const moe_kview *o,
                                   const moe_kview *lse, bool causal, double scale);
 
-/* dq, dk, dv from dout; delta (B, H, T) f32 is scratch (rowsum(dout * o)). */
+/* True when the backward on `device` takes dq_acc (the wgmma kernels of
+ * compute capability 9.x: dQ summed with f32 atomics, not bit-reproducible),
+ * false when MOE_ATTN_DETERMINISTIC=1 or MOE_ATTN_WG=0 is set or the GPU is
+ * not 9.x (the deterministic mma.sync backward). */
+bool moe_cuda_attention_bwd_atomic(int device);
+
+/* dq, dk, dv from dout; delta (B, H, T) f32 is scratch (rowsum(dout * o));
+ * dq_acc (B, H, T, D) f32 contiguous is scratch when
+ * moe_cuda_attention_bwd_atomic(device), else NULL. */
 moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe_kview *q,
                                   const moe_kview *k, const moe_kview *v, const moe_kview *o,
                                   const moe_kview *lse, const moe_kview *dout,
                                   const moe_kview *delta, const moe_kview *dq,
-                                  const moe_kview *dk, const moe_kview *dv, bool causal,
-                                  double scale);
+                                  const moe_kview *dk, const moe_kview *dv,
+                                  const moe_kview *dq_acc, bool causal, double scale);
 
 #ifdef __cplusplus
 }

@@ -27,10 +27,14 @@
  * pass 2^31 (batch/head/row offsets) is int64.
  */
 #include <cuda_bf16.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "attention_cuda.h"
 #include "common.cuh"
 #include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 
 namespace {
 
@@ -533,6 +537,924 @@ __global__ void __launch_bounds__(NW * 32) attn_bwd_kernel(AttnParams p, int nbl
     attn_bwd_dkdv<D, NW, BI>(p, attn_smem, blockIdx.x, idx * B);
 }
 
+/* ------------------------------------------- Hopper: wgmma kernels */
+
+/* The sm_90a path (the default on compute capability 9.x; MOE_ATTN_WG=0
+ * selects the mma.sync kernels above). Two warpgroups per block (256
+ * threads), each owning 64 rows of the block's tile; products are
+ * warpgroup MMAs (kernels/wgmma.cuh) reading operands from shared memory
+ * in the layout wgmma's 128-byte swizzle expects, loaded by cp.async
+ * (double-buffered; any row strides, rows past T zero-filled):
+ *   a tile of R rows x D columns is D / 64 panels of R rows x 128 bytes,
+ *   row r of a panel at r * 128, its 16-byte chunk c at chunk c ^ (r % 8).
+ * The same bytes serve as a K-major operand (rows = m or n, columns = k:
+ * Q, K, V, dO in S = Q K^T and its kin) and as an M/N-major one (rows = k:
+ * V in O += P V, dO and Q in dV += P^T dO and dK += dS^T Q, K in dQ += dS
+ * K) through wgmma's transpose bits.
+ *
+ * Forward: 128 queries per block, key blocks of 128: S = Q K^T (SS), the
+ * online softmax in registers, O += P V with P from registers (RS: the f32
+ * accumulator fragment is the A fragment once packed to bf16).
+ *
+ * Backward: 128 keys per block (dK, dV in registers), query blocks of 64:
+ * S^T = K Q^T and dP^T = V dO^T (SS), P^T and dS^T in registers, dV +=
+ * P^T dO and dK += dS^T Q (RS); dS^T goes to shared memory for dQ += dS K
+ * (SS, both operands transposed), whose 64 x D partial each block adds
+ * into an f32 buffer with atomics (5 tile products per key/query pair, as
+ * FlashAttention-2/3; the order of the additions varies, so dQ is not
+ * bit-reproducible: MOE_ATTN_DETERMINISTIC=1 selects the deterministic
+ * mma.sync backward). A last kernel scales the buffer into dQ (bf16). */
+
+constexpr int WG_THREADS = 256;
+
+/* Byte offset of (row r, 16-byte chunk c) in a tile of R rows. */
+template <int R> __device__ __forceinline__ uint32_t wg_off(int r, int c) {
+  return (uint32_t)((c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+/* Rows [row0, row0 + R) of a (T, D) matrix with row stride ld into the
+ * tile at s; rows >= T are zero-filled. */
+template <int D, int R>
+__device__ __forceinline__ void wg_load_tile(uint32_t s, const uint16_t *g, int64_t ld, int row0,
+                                             int T, int tid) {
+  constexpr int CH = D / 8;
+  static_assert(R * CH % WG_THREADS == 0, "tile chunks must divide among the threads");
+#pragma unroll
+  for (int it = 0; it < R * CH / WG_THREADS; it++) {
+    const int idx = tid + it * WG_THREADS, r = idx / CH, c = idx % CH;
+    const bool ok = row0 + r < T;
+    moe_cp16(s + wg_off<R>(r, c), g + (ok ? (int64_t)(row0 + r) * ld : 0) + c * 8, ok);
+  }
+}
+
+#ifdef MOE_WG_DEVICE
+/* K-major operand: rows r0.. of an R-row tile, k columns 16 ks.. */
+template <int R> __device__ __forceinline__ uint64_t wg_dk(uint32_t s, int r0, int ks) {
+  return moe_wg_desc(s + (ks >> 2) * R * 128 + r0 * 128 + (ks & 3) * 32, 16, 1024);
+}
+/* M/N-major operand: k rows 16 ks.. of an R-row tile, m/n from panel pn
+ * (64 columns each; an N of 128 spans two, LBO apart). */
+template <int R> __device__ __forceinline__ uint64_t wg_dmn(uint32_t s, int pn, int ks) {
+  return moe_wg_desc(s + pn * R * 128 + ks * 2048, R * 128, 1024);
+}
+/* The bf16 A fragments of a 64 x N f32 accumulator (k16 slice kk). */
+template <int N>
+__device__ __forceinline__ void wg_c2a(uint32_t (&a)[N / 16][4], const float (&c)[N / 2]) {
+#pragma unroll
+  for (int kk = 0; kk < N / 16; kk++) {
+    a[kk][0] = attn_pack(c[8 * kk + 0], c[8 * kk + 1]);
+    a[kk][1] = attn_pack(c[8 * kk + 2], c[8 * kk + 3]);
+    a[kk][2] = attn_pack(c[8 * kk + 4], c[8 * kk + 5]);
+    a[kk][3] = attn_pack(c[8 * kk + 6], c[8 * kk + 7]);
+  }
+}
+#endif
+
+template <int D> struct WgFwd {
+  static constexpr int BM = 128, BN = 128;
+  /* Q; K and V double-buffered */
+  static constexpr size_t SMEM = (size_t)(BM + 4 * BN) * D * 2 + 1024;
+};
+
+#ifdef MOE_WG_DEVICE
+/* The online softmax of one 64 x BN score tile of a warpgroup (rows
+ * rbase, rbase + 8 of this thread) for key block n0: masks, updates the
+ * running max m and sum l, leaves P (f32) in s and returns the factor
+ * alpha by which O must be rescaled before P V is added. The caller packs
+ * P into bf16 A fragments once the previous P V product (which reads the
+ * old fragments) is done. */
+template <int BN, bool MASK>
+__device__ __forceinline__ void wg_softmax_t(const AttnParams &p, float (&s)[BN / 2], float (&m)[2],
+                                             float (&l)[2], float (&alpha)[2], int rbase, int n0,
+                                             int t4) {
+  /* four partial maxima and sums per row: short dependency chains */
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    const int row = rbase + 8 * r;
+    float mp[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++) {
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        float x = s[4 * n + 2 * r + c] * p.scale_log2;
+        if (MASK) { /* a select, no branch */
+          const int col = n0 + n * 8 + 2 * t4 + c;
+          x = (col >= p.T || (p.causal && col > row)) ? -INFINITY : x;
+        }
+        s[4 * n + 2 * r + c] = x;
+        mp[(n & 1) * 2 + c] = fmaxf(mp[(n & 1) * 2 + c], x);
+      }
+    }
+    float mx = fmaxf(fmaxf(mp[0], mp[1]), fmaxf(mp[2], mp[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(m[r], mx);
+    const float muse = mnew == -INFINITY ? 0.f : mnew;
+    alpha[r] = attn_exp2(m[r] - muse);
+    m[r] = mnew;
+    float sp[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++) {
+#pragma unroll
+      for (int c = 0; c < 2; c++) {
+        const float e = attn_exp2(s[4 * n + 2 * r + c] - muse);
+        s[4 * n + 2 * r + c] = e;
+        sp[(n & 1) * 2 + c] += e;
+      }
+    }
+    l[r] = l[r] * alpha[r] + ((sp[0] + sp[1]) + (sp[2] + sp[3]));
+  }
+}
+/* One branch per tile on whether it needs the mask (the diagonal and the
+ * last key block), not one per element. */
+template <int BN>
+__device__ __forceinline__ void wg_softmax(const AttnParams &p, float (&s)[BN / 2], float (&m)[2],
+                                           float (&l)[2], float (&alpha)[2], int rbase, int n0,
+                                           bool need_mask, int t4) {
+  if (need_mask) wg_softmax_t<BN, true>(p, s, m, l, alpha, rbase, n0, t4);
+  else wg_softmax_t<BN, false>(p, s, m, l, alpha, rbase, n0, t4);
+}
+#endif
+
+/* Forward, queries [m0, m0 + 128) (heaviest, i.e. last, blocks first under
+ * the causal mask). Software-pipelined within each warpgroup: step j
+ * issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, so the softmax
+ * of S_j runs while the tensor cores do the P V product; O is rescaled by
+ * alpha_j once that product is done. Loads run one block ahead: at step j
+ * V_j and K_{j+1}. */
+template <int D>
+__global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_fwd_kernel(AttnParams p) {
+#ifdef MOE_WG_DEVICE
+  constexpr int BM = WgFwd<D>::BM, BN = WgFwd<D>::BN, KB = BN * D * 2;
+  extern __shared__ __align__(128) uint8_t attn_wsmem[];
+  const uint32_t sQ = (moe_smem_u32(attn_wsmem) + 1023u) & ~1023u;
+  const uint32_t sK = sQ + BM * D * 2, sV = sK + 2 * KB;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
+  const uint16_t *qg = p.q + b * p.q_sb + h * p.q_sh;
+  const uint16_t *kg = p.k + b * p.k_sb + h * p.k_sh;
+  const uint16_t *vg = p.v + b * p.v_sb + h * p.v_sh;
+  int nkv = (T + BN - 1) / BN;
+  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+  const int rbase = m0 + wg * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
+  const int wrow0 = m0 + wg * 64;                 /* the warpgroup's first row */
+
+  wg_load_tile<D, BM>(sQ, qg, p.q_st, m0, T, tid);
+  wg_load_tile<D, BN>(sK, kg, p.k_st, 0, T, tid);
+  moe_cp_commit();
+  wg_load_tile<D, BN>(sV, vg, p.v_st, 0, T, tid);
+  if (nkv > 1) wg_load_tile<D, BN>(sK + KB, kg, p.k_st, BN, T, tid);
+  moe_cp_commit();
+  moe_cp_wait<1>();
+  moe_fence_proxy();
+  __syncthreads();
+
+  float o[D / 2], s[BN / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; e++) o[e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  uint32_t pa[BN / 16][4];
+
+  /* step 0: S_0, P_0 */
+#pragma unroll
+  for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
+  moe_wg_pin(s);
+  moe_wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+    moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, wg * 64, ks), wg_dk<BN>(sK, 0, ks));
+  moe_wg_commit();
+  moe_wg_wait<0>();
+  moe_wg_pin(s);
+  wg_softmax<BN>(p, s, m, l, alpha, rbase, 0, BN > T || (p.causal && BN - 1 > wrow0), t4);
+  wg_c2a<BN>(pa, s);
+
+  for (int j = 1; j < nkv; j++) {
+    moe_cp_wait<0>(); /* V_{j-1}, K_j */
+    moe_fence_proxy();
+    __syncthreads(); /* and every warpgroup is done with K_{j-1}, V_{j-2} */
+    wg_load_tile<D, BN>(sV + (j & 1) * KB, vg, p.v_st, j * BN, T, tid);
+    if (j + 1 < nkv) wg_load_tile<D, BN>(sK + ((j + 1) & 1) * KB, kg, p.k_st, (j + 1) * BN, T, tid);
+    moe_cp_commit();
+
+#pragma unroll
+    for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
+    moe_wg_pin(s);
+    moe_wg_pin(o);
+    moe_wg_pin(pa);
+    moe_wg_fence();
+    const uint32_t kb = sK + (j & 1) * KB, vb = sV + ((j - 1) & 1) * KB;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, wg * 64, ks), wg_dk<BN>(kb, 0, ks));
+    moe_wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(vb, 0, kk));
+    moe_wg_commit();
+    moe_wg_wait<1>(); /* S_j */
+    moe_wg_pin(s);
+    const int n0 = j * BN;
+    wg_softmax<BN>(p, s, m, l, alpha, rbase, n0,
+                   n0 + BN > T || (p.causal && n0 + BN - 1 > wrow0), t4);
+    moe_wg_wait<0>(); /* O += P_{j-1} V_{j-1} */
+    moe_wg_pin(o);
+    moe_wg_pin(pa);
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+    wg_c2a<BN>(pa, s);
+  }
+  /* O += P_last V_last */
+  moe_cp_wait<0>();
+  moe_fence_proxy();
+  __syncthreads();
+  moe_wg_pin(o);
+  moe_wg_pin(pa);
+  moe_wg_fence();
+  {
+    const uint32_t vb = sV + ((nkv - 1) & 1) * KB;
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(vb, 0, kk));
+  }
+  moe_wg_commit();
+  moe_wg_wait<0>();
+  moe_wg_pin(o);
+
+  /* O = acc / l, lse = (m + log2 l) ln 2 */
+  uint16_t *og = p.out + b * p.o_sb + h * p.o_sh;
+  float *lg = p.lse + (int64_t)bh * T;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float ls = l[r];
+    ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+    ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+    const int row = rbase + 8 * r;
+    const float inv = ls > 0 ? 1.f / ls : 0.f;
+    if (row < T) {
+      uint16_t *orow = og + (int64_t)row * p.o_st;
+#pragma unroll
+      for (int n = 0; n < D / 8; n++)
+        *reinterpret_cast<uint32_t *>(orow + n * 8 + 2 * t4) =
+            attn_pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+      if (t4 == 0) lg[row] = ls > 0 ? (m[r] + log2f(ls)) * kLn2 : -INFINITY;
+    }
+  }
+#else
+  (void)p;
+#endif
+}
+
+template <int D> struct WgBwd {
+  static constexpr int BN = 128, BQ = 64;
+  /* dQ partials staged for the bulk reductions: D 128 one plane of BQ rows
+   * (each warpgroup its 64 columns), D 64 one per warpgroup (its 64 keys);
+   * rows padded by 16 bytes against bank conflicts */
+  static constexpr int NP = D == 128 ? 1 : 2, PITCH = D * 4 + 16;
+  /* K, V; Q, dO double-buffered; dS^T; dQ staging; lse and delta double-buffered */
+  static constexpr size_t SMEM = (size_t)(2 * BN + 4 * BQ) * D * 2 + (size_t)BN * BQ * 2 +
+                                 (size_t)NP * BQ * PITCH + 4 * BQ * 4 + 1024;
+};
+
+/* dK, dV of keys [n0, n0 + 128) (n0 = 128 blockIdx.y: under the causal
+ * mask, block 0 sees the most queries, so the heaviest start first); adds
+ * this block's share of dQ / scale into dq_acc (B*H, T, D) f32 with bulk
+ * reductions (cp.reduce.async.bulk .add.f32, one per row) from shared
+ * memory. Per query block: S^T and dP^T are issued together; P^T is
+ * computed and dV += P^T dO issued while dP^T is still running; then dS^T,
+ * dK += dS^T Q, and dQ = dS K once every warpgroup's dS^T is in shared
+ * memory. */
+template <int D>
+__global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_bwd_kernel(AttnParams p, float *dq_acc) {
+#ifdef MOE_WG_DEVICE
+  constexpr int BN = WgBwd<D>::BN, BQ = WgBwd<D>::BQ, NP = WgBwd<D>::NP, PITCH = WgBwd<D>::PITCH;
+  extern __shared__ __align__(128) uint8_t attn_wsmem[];
+  const uint32_t raw = moe_smem_u32(attn_wsmem);
+  const uint32_t sK = (raw + 1023u) & ~1023u;
+  const uint32_t sV = sK + BN * D * 2, sQ = sV + BN * D * 2, sO = sQ + 2 * BQ * D * 2;
+  const uint32_t sS = sO + 2 * BQ * D * 2; /* dS^T: BN key rows x BQ queries (one panel) */
+  const uint32_t sDQ = sS + BN * BQ * 2;   /* NP x BQ rows x PITCH bytes, f32 */
+  float *sL = reinterpret_cast<float *>(attn_wsmem + (sDQ + NP * BQ * PITCH - raw));
+  float *sD = sL + 2 * BQ;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int n0 = blockIdx.y * BN;
+  const uint16_t *qg = p.q + b * p.q_sb + h * p.q_sh, *dog = p.dout + b * p.do_sb + h * p.do_sh;
+  const float *lg = p.lse + (int64_t)bh * T, *dg = p.delta + (int64_t)bh * T;
+  float *accg = dq_acc + (int64_t)bh * T * D;
+  const int i0 = p.causal ? n0 / BQ : 0, nq = (T + BQ - 1) / BQ;
+
+  wg_load_tile<D, BN>(sK, p.k + b * p.k_sb + h * p.k_sh, p.k_st, n0, T, tid);
+  wg_load_tile<D, BN>(sV, p.v + b * p.v_sb + h * p.v_sh, p.v_st, n0, T, tid);
+  auto load_q = [&](int i, int buf) {
+    wg_load_tile<D, BQ>(sQ + buf * BQ * D * 2, qg, p.q_st, i * BQ, T, tid);
+    wg_load_tile<D, BQ>(sO + buf * BQ * D * 2, dog, p.do_st, i * BQ, T, tid);
+    for (int x = tid; x < BQ; x += WG_THREADS) {
+      const int row = i * BQ + x;
+      sL[buf * BQ + x] = row < T ? lg[row] * kLog2e : INFINITY; /* P = 0 past T */
+      sD[buf * BQ + x] = row < T ? dg[row] : 0.f;
+    }
+  };
+  if (i0 < nq) load_q(i0, 0);
+  moe_cp_commit();
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
+  const int keyl = wg * 64 + warp * 16 + g; /* this thread's key rows: keyl, keyl + 8 (local) */
+  const bool reducer = tid < NP * BQ;       /* issues the bulk reduction of one staged row */
+
+  for (int i = i0; i < nq; i++) {
+    const int buf = (i - i0) & 1;
+    if (i + 1 < nq) {
+      load_q(i + 1, buf ^ 1);
+      moe_cp_commit();
+      moe_cp_wait<1>();
+    } else {
+      moe_cp_wait<0>();
+    }
+    moe_fence_proxy();
+    __syncthreads();
+    const uint32_t qb = sQ + buf * BQ * D * 2, ob = sO + buf * BQ * D * 2;
+    const float *L = sL + buf * BQ, *Dl = sD + buf * BQ;
+
+    /* S^T = K Q^T, dP^T = V dO^T (64 keys x BQ queries per warpgroup) */
+    float st[BQ / 2], dpt[BQ / 2];
+#pragma unroll
+    for (int e = 0; e < BQ / 2; e++) st[e] = dpt[e] = 0.f;
+    moe_wg_pin(st);
+    moe_wg_pin(dpt);
+    moe_wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BQ, 0, 0>(st, wg_dk<BN>(sK, wg * 64, ks), wg_dk<BQ>(qb, 0, ks));
+    moe_wg_commit();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BQ, 0, 0>(dpt, wg_dk<BN>(sV, wg * 64, ks), wg_dk<BQ>(ob, 0, ks));
+    moe_wg_commit();
+    moe_wg_wait<1>(); /* S^T */
+    moe_wg_pin(st);
+
+    /* P^T; dV += P^T dO */
+    const int q0 = i * BQ;
+    const bool need_mask = p.causal && q0 < n0 + BN;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = n * 8 + 2 * t4 + (e & 1), key = n0 + keyl + 8 * (e >> 1);
+        float pr = attn_exp2(st[4 * n + e] * p.scale_log2 - L[qc]);
+        if (need_mask && q0 + qc < key) pr = 0.f;
+        st[4 * n + e] = pr;
+      }
+    }
+    uint32_t pa[BQ / 16][4];
+    wg_c2a<BQ>(pa, st);
+    moe_wg_pin(pa);
+    moe_wg_pin(dv);
+    moe_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dv, pa[kk], wg_dmn<BQ>(ob, 0, kk));
+    moe_wg_commit();
+    moe_wg_wait<1>(); /* dP^T */
+    moe_wg_pin(dpt);
+
+    /* dS^T = P^T (dP^T - delta), to shared memory too; dK += dS^T Q */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = n * 8 + 2 * t4 + (e & 1);
+        dpt[4 * n + e] = st[4 * n + e] * (dpt[4 * n + e] - Dl[qc]);
+      }
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int r = keyl + 8 * hh;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sS + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
+                     "r"(attn_pack(dpt[4 * n + 2 * hh], dpt[4 * n + 2 * hh + 1]))
+                     : "memory");
+      }
+    }
+    uint32_t da[BQ / 16][4];
+    wg_c2a<BQ>(da, dpt);
+    moe_wg_pin(da);
+    moe_wg_pin(dk);
+    moe_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dk, da[kk], wg_dmn<BQ>(qb, 0, kk));
+    moe_wg_commit();
+
+    /* dQ (BQ x D) = dS K: D 128 splits the columns between the warpgroups
+     * (all 128 keys each), D 64 the keys (each its own 64). The staging
+     * buffer's last reductions must have read it. */
+    if (reducer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    moe_fence_proxy();
+    __syncthreads();
+    float dqp[32];
+#pragma unroll
+    for (int e = 0; e < 32; e++) dqp[e] = 0.f;
+    moe_wg_pin(dqp);
+    moe_wg_fence();
+    if constexpr (D == 128) {
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ks++)
+        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sS + ks * 2048, BN * 128, 1024), wg_dmn<BN>(sK, wg, ks));
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 4; ks++)
+        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sS + wg * 8192 + ks * 2048, BN * 128, 1024),
+                            wg_dmn<BN>(sK, 0, wg * 4 + ks));
+    }
+    moe_wg_commit();
+    moe_wg_wait<0>();
+    moe_wg_pin(dqp);
+    moe_wg_pin(dv);
+    moe_wg_pin(dk);
+    {
+      const uint32_t plane = sDQ + (D == 128 ? 0 : wg * BQ * PITCH);
+      const int c0 = D == 128 ? wg * 64 : 0;
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int r = warp * 16 + g + 8 * hh;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(plane + r * PITCH +
+                                                                    (c0 + 8 * n + 2 * t4) * 4),
+                       "f"(dqp[4 * n + 2 * hh]), "f"(dqp[4 * n + 2 * hh + 1])
+                       : "memory");
+      }
+    }
+    moe_fence_proxy();
+    __syncthreads(); /* the staged partials; every warpgroup is done with this step's tiles */
+    if (reducer) {
+      const int r = tid % BQ, pl = tid / BQ;
+      if (q0 + r < T)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                     "cp.async.bulk.commit_group;\n" ::"l"(accg + (int64_t)(q0 + r) * D),
+                     "r"(sDQ + (pl * BQ + r) * PITCH), "n"(D * 4)
+                     : "memory");
+    }
+  }
+  if (reducer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  /* dK (scaled) and dV rows */
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int key = n0 + keyl + 8 * hh;
+    if (key >= T) continue;
+    uint16_t *dkr = p.dk + b * p.dk_sb + h * p.dk_sh + (int64_t)key * p.dk_st;
+    uint16_t *dvr = p.dv + b * p.dv_sb + h * p.dv_sh + (int64_t)key * p.dv_st;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      *reinterpret_cast<uint32_t *>(dkr + n * 8 + 2 * t4) =
+          attn_pack(dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
+      *reinterpret_cast<uint32_t *>(dvr + n * 8 + 2 * t4) =
+          attn_pack(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+    }
+  }
+#else
+  (void)p, (void)dq_acc;
+#endif
+}
+
+/* ------------------------- Hopper: warp-specialised TMA + wgmma kernels */
+
+/* The default on compute capability 9.x. Three warpgroups (384 threads):
+ * warpgroup 0 is the producer (one thread issues the TMA loads of the
+ * tiles, 4-D boxes of 64 columns x R rows of the (B, H, T, D) tensors with
+ * the 128-byte swizzle, the same layout as above; rows past T are
+ * zero-filled), warpgroups 1 and 2 consume them through "full" / "empty"
+ * mbarriers, so neither waits for the other: while one computes its
+ * softmax the other's products keep the tensor cores busy. The consumer
+ * code is that of the kernels above. */
+constexpr int WS_THREADS = 384;
+
+template <int D> struct WsFwd {
+  static constexpr int BM = 128, BN = 128, KB = BN * D * 2, S = 3;
+  /* Q; K and V S stages each; mbarriers */
+  static constexpr size_t SMEM = (size_t)BM * D * 2 + 2 * S * (size_t)KB + 1024 + 16 * 8;
+};
+
+template <int D>
+__global__ void __launch_bounds__(WS_THREADS, 1)
+    attn_ws_fwd_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                       const __grid_constant__ CUtensorMap mv, AttnParams p) {
+#ifdef MOE_WG_DEVICE
+  constexpr int BM = WsFwd<D>::BM, BN = WsFwd<D>::BN, KB = WsFwd<D>::KB, S = WsFwd<D>::S;
+  extern __shared__ __align__(128) uint8_t attn_wsmem[];
+  const uint32_t sQ = (moe_smem_u32(attn_wsmem) + 1023u) & ~1023u;
+  const uint32_t sK = sQ + BM * D * 2, sV = sK + S * KB, bars = sV + S * KB;
+  /* bars: qfull, kfull[S], vfull[S], kempty[S], vempty[S] */
+  const uint32_t qfull = bars, kfull = bars + 8, vfull = kfull + 8 * S, kempty = vfull + 8 * S,
+                 vempty = kempty + 8 * S;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM; /* heaviest (last) query blocks first */
+  int nkv = (T + BN - 1) / BN;
+  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+  if (tid == 0) {
+    moe_mbar_init(qfull, 1);
+    for (int i = 0; i < S; i++) {
+      moe_mbar_init(kfull + 8 * i, 1);
+      moe_mbar_init(vfull + 8 * i, 1);
+      moe_mbar_init(kempty + 8 * i, 256);
+      moe_mbar_init(vempty + 8 * i, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) { /* producer */
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid == 0) {
+      moe_mbar_expect(qfull, BM * D * 2);
+#pragma unroll
+      for (int pn = 0; pn < D / 64; pn++) moe_tma4(sQ + pn * BM * 128, &mq, pn * 64, m0, h, b, qfull);
+      for (int j = 0; j < nkv; j++) {
+        const int st = j % S;
+        const uint32_t ph = (uint32_t)((j / S - 1) & 1);
+        if (j >= S) moe_mbar_wait(kempty + 8 * st, ph);
+        moe_mbar_expect(kfull + 8 * st, KB);
+#pragma unroll
+        for (int pn = 0; pn < D / 64; pn++)
+          moe_tma4(sK + st * KB + pn * BN * 128, &mk, pn * 64, j * BN, h, b, kfull + 8 * st);
+        if (j >= S) moe_mbar_wait(vempty + 8 * st, ph);
+        moe_mbar_expect(vfull + 8 * st, KB);
+#pragma unroll
+        for (int pn = 0; pn < D / 64; pn++)
+          moe_tma4(sV + st * KB + pn * BN * 128, &mv, pn * 64, j * BN, h, b, vfull + 8 * st);
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  const int rbase = m0 + cw * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
+  const int wrow0 = m0 + cw * 64;
+
+  float o[D / 2], s[BN / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; e++) o[e] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+  uint32_t pa[BN / 16][4];
+
+  /* step 0: S_0, P_0 */
+  moe_mbar_wait(qfull, 0);
+  moe_mbar_wait(kfull, 0);
+#pragma unroll
+  for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
+  moe_wg_pin(s);
+  moe_wg_fence();
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ks++)
+    moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, cw * 64, ks), wg_dk<BN>(sK, 0, ks));
+  moe_wg_commit();
+  moe_wg_wait<0>();
+  moe_wg_pin(s);
+  moe_mbar_arrive(kempty);
+  wg_softmax<BN>(p, s, m, l, alpha, rbase, 0, BN > T || (p.causal && BN - 1 > wrow0), t4);
+  wg_c2a<BN>(pa, s);
+
+  for (int j = 1; j < nkv; j++) {
+    const int sk = j % S, sv = (j - 1) % S;
+    moe_mbar_wait(kfull + 8 * sk, (uint32_t)((j / S) & 1));
+    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((j - 1) / S) & 1));
+#pragma unroll
+    for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
+    moe_wg_pin(s);
+    moe_wg_pin(o);
+    moe_wg_pin(pa);
+    moe_wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, cw * 64, ks), wg_dk<BN>(sK + sk * KB, 0, ks));
+    moe_wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(sV + sv * KB, 0, kk));
+    moe_wg_commit();
+    moe_wg_wait<1>(); /* S_j */
+    moe_wg_pin(s);
+    moe_mbar_arrive(kempty + 8 * sk);
+    const int n0 = j * BN;
+    wg_softmax<BN>(p, s, m, l, alpha, rbase, n0,
+                   n0 + BN > T || (p.causal && n0 + BN - 1 > wrow0), t4);
+    moe_wg_wait<0>(); /* O += P_{j-1} V_{j-1} */
+    moe_wg_pin(o);
+    moe_wg_pin(pa);
+    moe_mbar_arrive(vempty + 8 * sv);
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      o[4 * n] *= alpha[0];
+      o[4 * n + 1] *= alpha[0];
+      o[4 * n + 2] *= alpha[1];
+      o[4 * n + 3] *= alpha[1];
+    }
+    wg_c2a<BN>(pa, s);
+  }
+  /* O += P_last V_last */
+  {
+    const int sv = (nkv - 1) % S;
+    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((nkv - 1) / S) & 1));
+    moe_wg_pin(o);
+    moe_wg_pin(pa);
+    moe_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(sV + sv * KB, 0, kk));
+    moe_wg_commit();
+    moe_wg_wait<0>();
+    moe_wg_pin(o);
+  }
+
+  /* O = acc / l, lse = (m + log2 l) ln 2 */
+  uint16_t *og = p.out + b * p.o_sb + h * p.o_sh;
+  float *lg = p.lse + (int64_t)bh * T;
+#pragma unroll
+  for (int r = 0; r < 2; r++) {
+    float ls = l[r];
+    ls += __shfl_xor_sync(0xffffffffu, ls, 1);
+    ls += __shfl_xor_sync(0xffffffffu, ls, 2);
+    const int row = rbase + 8 * r;
+    const float inv = ls > 0 ? 1.f / ls : 0.f;
+    if (row < T) {
+      uint16_t *orow = og + (int64_t)row * p.o_st;
+#pragma unroll
+      for (int n = 0; n < D / 8; n++)
+        *reinterpret_cast<uint32_t *>(orow + n * 8 + 2 * t4) =
+            attn_pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
+      if (t4 == 0) lg[row] = ls > 0 ? (m[r] + log2f(ls)) * kLn2 : -INFINITY;
+    }
+  }
+#else
+  (void)mq, (void)mk, (void)mv, (void)p;
+#endif
+}
+
+template <int D> struct WsBwd {
+  static constexpr int BN = 128, BQ = 64, QB = BQ * D * 2;
+  /* dQ partials staged for the bulk reductions, one plane per warpgroup:
+   * D 128 its 64 columns of all 128 keys, D 64 all columns of its 64 keys;
+   * rows padded by 16 bytes against bank conflicts */
+  static constexpr int SC = 64, PITCH = SC * 4 + 16;
+  /* K, V; Q, dO two stages; dS^T two buffers; dQ staging (2 planes);
+   * lse, delta two stages; mbarriers */
+  static constexpr size_t SMEM = (size_t)2 * BN * D * 2 + 4 * (size_t)QB + 2 * (size_t)BN * BQ * 2 +
+                                 2 * (size_t)BQ * PITCH + 4 * BQ * 4 + 1024 + 8 * 8;
+};
+
+/* dK, dV of keys [n0, n0 + 128) (n0 = 128 blockIdx.y: under the causal
+ * mask, block 0 sees the most queries), and this block's share of dQ /
+ * scale added into dq_acc (B*H, T, D) f32 by bulk reductions
+ * (cp.reduce.async.bulk .add.f32) of staged rows. The producer's warp
+ * loads Q, dO (TMA) and lse, delta (plain loads) of each query block; the
+ * consumers compute as attn_wg_bwd_kernel, synchronising with each other
+ * only where dQ = dS K needs both halves of dS^T (D 128). */
+template <int D>
+__global__ void __launch_bounds__(WS_THREADS, 1)
+    attn_ws_bwd_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
+                       const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo,
+                       AttnParams p, float *dq_acc) {
+#ifdef MOE_WG_DEVICE
+  constexpr int BN = WsBwd<D>::BN, BQ = WsBwd<D>::BQ, QB = WsBwd<D>::QB, PITCH = WsBwd<D>::PITCH;
+  extern __shared__ __align__(128) uint8_t attn_wsmem[];
+  const uint32_t raw = moe_smem_u32(attn_wsmem);
+  const uint32_t sK = (raw + 1023u) & ~1023u;
+  const uint32_t sV = sK + BN * D * 2, sQ = sV + BN * D * 2, sO = sQ + 2 * QB;
+  const uint32_t sS = sO + 2 * QB;         /* dS^T: 2 x (BN key rows x BQ queries) */
+  const uint32_t sDQ = sS + 2 * BN * BQ * 2; /* 2 planes x BQ rows x PITCH bytes, f32 */
+  const uint32_t sLD = sDQ + 2 * BQ * PITCH; /* lse*log2e [2][BQ], delta [2][BQ] */
+  const uint32_t bars = sLD + 4 * BQ * 4;
+  /* bars: kvfull, full[2], empty[2] */
+  const uint32_t kvfull = bars, full = bars + 8, empty = bars + 24;
+  float *sL = reinterpret_cast<float *>(attn_wsmem + (sLD - raw)), *sD = sL + 2 * BQ;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
+  const int n0 = blockIdx.y * BN;
+  const int i0 = p.causal ? n0 / BQ : 0, nq = (T + BQ - 1) / BQ;
+  if (tid == 0) {
+    moe_mbar_init(kvfull, 1);
+    for (int i = 0; i < 2; i++) {
+      moe_mbar_init(full + 8 * i, 33); /* lane 0's expect-tx arrival + 32 lanes' lse/delta */
+      moe_mbar_init(empty + 8 * i, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) { /* producer: warp 0 */
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    if (tid >= 32) return;
+    const float *lg = p.lse + (int64_t)bh * T, *dg = p.delta + (int64_t)bh * T;
+    if (tid == 0) {
+      moe_mbar_expect(kvfull, 2 * BN * D * 2);
+#pragma unroll
+      for (int pn = 0; pn < D / 64; pn++) {
+        moe_tma4(sK + pn * BN * 128, &mk, pn * 64, n0, h, b, kvfull);
+        moe_tma4(sV + pn * BN * 128, &mv, pn * 64, n0, h, b, kvfull);
+      }
+    }
+    for (int i = i0; i < nq; i++) {
+      const int u = i - i0, st = u & 1;
+      if (u >= 2) moe_mbar_wait(empty + 8 * st, (uint32_t)((u / 2 - 1) & 1));
+      if (tid == 0) {
+        moe_mbar_expect(full + 8 * st, 2 * QB);
+#pragma unroll
+        for (int pn = 0; pn < D / 64; pn++) {
+          moe_tma4(sQ + st * QB + pn * BQ * 128, &mq, pn * 64, i * BQ, h, b, full + 8 * st);
+          moe_tma4(sO + st * QB + pn * BQ * 128, &mo, pn * 64, i * BQ, h, b, full + 8 * st);
+        }
+      }
+#pragma unroll
+      for (int x = tid; x < BQ; x += 32) {
+        const int row = i * BQ + x;
+        sL[st * BQ + x] = row < T ? lg[row] * kLog2e : INFINITY; /* P = 0 past T */
+        sD[st * BQ + x] = row < T ? dg[row] : 0.f;
+      }
+      moe_mbar_arrive(full + 8 * st);
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
+  const int cw = wg - 1, ct = tid - 128, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  float *accg = dq_acc + (int64_t)bh * T * D;
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
+  const int keyl = cw * 64 + warp * 16 + g; /* this thread's key rows: keyl, keyl + 8 (local) */
+  const int wt = ct & 127;                  /* thread within the warpgroup */
+  const uint32_t plane = sDQ + cw * BQ * PITCH;
+  moe_mbar_wait(kvfull, 0);
+
+  for (int i = i0; i < nq; i++) {
+    const int u = i - i0, st = u & 1;
+    moe_mbar_wait(full + 8 * st, (uint32_t)((u / 2) & 1));
+    const uint32_t qb = sQ + st * QB, ob = sO + st * QB, sb = sS + st * BN * BQ * 2;
+    const float *L = sL + st * BQ, *Dl = sD + st * BQ;
+
+    /* S^T = K Q^T, dP^T = V dO^T (64 keys x BQ queries per warpgroup) */
+    float stt[BQ / 2], dpt[BQ / 2];
+#pragma unroll
+    for (int e = 0; e < BQ / 2; e++) stt[e] = dpt[e] = 0.f;
+    moe_wg_pin(stt);
+    moe_wg_pin(dpt);
+    moe_wg_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BQ, 0, 0>(stt, wg_dk<BN>(sK, cw * 64, ks), wg_dk<BQ>(qb, 0, ks));
+    moe_wg_commit();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++)
+      moe_wg_ss<BQ, 0, 0>(dpt, wg_dk<BN>(sV, cw * 64, ks), wg_dk<BQ>(ob, 0, ks));
+    moe_wg_commit();
+    /* this thread's lse and delta (columns 8 n + 2 t4 + {0, 1}), read
+     * while the products run */
+    float2 lv[BQ / 8], dlv[BQ / 8];
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) lv[n] = *reinterpret_cast<const float2 *>(L + n * 8 + 2 * t4);
+    moe_wg_wait<1>(); /* S^T */
+    moe_wg_pin(stt);
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) dlv[n] = *reinterpret_cast<const float2 *>(Dl + n * 8 + 2 * t4);
+
+    /* P^T; dV += P^T dO */
+    const int q0 = i * BQ;
+    const bool need_mask = p.causal && q0 < n0 + BN;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const int qc = n * 8 + 2 * t4 + (e & 1), key = n0 + keyl + 8 * (e >> 1);
+        float pr = attn_exp2(stt[4 * n + e] * p.scale_log2 - ((e & 1) ? lv[n].y : lv[n].x));
+        if (need_mask && q0 + qc < key) pr = 0.f;
+        stt[4 * n + e] = pr;
+      }
+    }
+    uint32_t pa[BQ / 16][4];
+    wg_c2a<BQ>(pa, stt);
+    moe_wg_pin(pa);
+    moe_wg_pin(dv);
+    moe_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dv, pa[kk], wg_dmn<BQ>(ob, 0, kk));
+    moe_wg_commit();
+    moe_wg_wait<1>(); /* dP^T */
+    moe_wg_pin(dpt);
+
+    /* dS^T = P^T (dP^T - delta), to shared memory too; dK += dS^T Q */
+#pragma unroll
+    for (int n = 0; n < BQ / 8; n++) {
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        dpt[4 * n + e] = stt[4 * n + e] * (dpt[4 * n + e] - ((e & 1) ? dlv[n].y : dlv[n].x));
+#pragma unroll
+      for (int hh = 0; hh < 2; hh++) {
+        const int r = keyl + 8 * hh;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sb + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
+                     "r"(attn_pack(dpt[4 * n + 2 * hh], dpt[4 * n + 2 * hh + 1]))
+                     : "memory");
+      }
+    }
+    uint32_t da[BQ / 16][4];
+    wg_c2a<BQ>(da, dpt);
+    moe_wg_pin(da);
+    moe_wg_pin(dk);
+    moe_wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dk, da[kk], wg_dmn<BQ>(qb, 0, kk));
+    moe_wg_commit();
+
+    /* dQ (BQ x 64) = dS K: D 128 this warpgroup's 64 columns over all
+     * 128 keys (both halves of dS^T: the two consumers meet at named
+     * barrier 1), D 64 all columns over its own 64 keys */
+    moe_fence_proxy();
+    if constexpr (D == 128) asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    else asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    float dqp[32];
+#pragma unroll
+    for (int e = 0; e < 32; e++) dqp[e] = 0.f;
+    moe_wg_pin(dqp);
+    moe_wg_fence();
+    if constexpr (D == 128) {
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ks++)
+        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sb + ks * 2048, BN * 128, 1024), wg_dmn<BN>(sK, cw, ks));
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 4; ks++)
+        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sb + cw * 8192 + ks * 2048, BN * 128, 1024),
+                            wg_dmn<BN>(sK, 0, cw * 4 + ks));
+    }
+    moe_wg_commit();
+    moe_wg_wait<0>();
+    moe_wg_pin(dqp);
+    moe_wg_pin(dv);
+    moe_wg_pin(dk);
+    moe_mbar_arrive(empty + 8 * st); /* Q, dO, lse, delta of this stage are read */
+
+    /* stage the partial (after this warpgroup's last reductions read the
+     * plane), then one bulk reduction per row */
+    if (wt < BQ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+#pragma unroll
+    for (int hh = 0; hh < 2; hh++) {
+      const int r = warp * 16 + g + 8 * hh;
+#pragma unroll
+      for (int n = 0; n < 8; n++)
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(plane + r * PITCH + (8 * n + 2 * t4) * 4),
+                     "f"(dqp[4 * n + 2 * hh]), "f"(dqp[4 * n + 2 * hh + 1])
+                     : "memory");
+    }
+    moe_fence_proxy();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
+    if (wt < BQ && q0 + wt < T) {
+      float *dst = accg + (int64_t)(q0 + wt) * D + (D == 128 ? cw * 64 : 0);
+      asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+                   "cp.async.bulk.commit_group;\n" ::"l"(dst),
+                   "r"(plane + wt * PITCH), "n"(256)
+                   : "memory");
+    }
+  }
+  if (wt < BQ) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  /* dK (scaled) and dV rows */
+#pragma unroll
+  for (int hh = 0; hh < 2; hh++) {
+    const int key = n0 + keyl + 8 * hh;
+    if (key >= T) continue;
+    uint16_t *dkr = p.dk + b * p.dk_sb + h * p.dk_sh + (int64_t)key * p.dk_st;
+    uint16_t *dvr = p.dv + b * p.dv_sb + h * p.dv_sh + (int64_t)key * p.dv_st;
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+      *reinterpret_cast<uint32_t *>(dkr + n * 8 + 2 * t4) =
+          attn_pack(dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
+      *reinterpret_cast<uint32_t *>(dvr + n * 8 + 2 * t4) =
+          attn_pack(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
+    }
+  }
+#else
+  (void)mq, (void)mk, (void)mv, (void)mo, (void)p, (void)dq_acc;
+#endif
+}
+
+/* dQ (bf16, its strides) = scale * dq_acc; 4 elements per thread. */
+template <int D>
+__global__ void attn_dq_convert_kernel(AttnParams p, const float *dq_acc, int64_t n4) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n4) return;
+  const int64_t e = i * 4, row = e / D, c = e % D, bh = row / p.T, t = row % p.T;
+  const float4 a = *reinterpret_cast<const float4 *>(dq_acc + e);
+  uint16_t *dst = p.dq + (bh / p.H) * p.dq_sb + (bh % p.H) * p.dq_sh + t * p.dq_st + c;
+  uint2 v;
+  v.x = attn_pack(a.x * p.scale, a.y * p.scale);
+  v.y = attn_pack(a.z * p.scale, a.w * p.scale);
+  *reinterpret_cast<uint2 *>(dst) = v;
+}
+
 /* ----------------------------------------------------------- launchers */
 
 /* Tile configurations per head dim (chosen by measurement on an H100,
@@ -600,6 +1522,118 @@ moe_status attn_bwd_run(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, 
   }
 }
 
+/* The Hopper kernels: on compute capability 9.x unless MOE_ATTN_WG=0
+ * (the mma.sync kernels); MOE_ATTN_WG=wg: the cp.async wgmma kernels
+ * instead of the warp-specialised TMA ones (the default). */
+bool attn_ws_wanted() {
+  const char *e = getenv("MOE_ATTN_WG");
+  return !(e && strcmp(e, "wg") == 0);
+}
+bool attn_wg_ok(int device) {
+  const char *e = getenv("MOE_ATTN_WG");
+  if (e && strcmp(e, "0") == 0) return false;
+  int major = 0;
+  return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+             cudaSuccess &&
+         major == 9;
+}
+
+/* A TMA map over a (B, H, T, D) bf16 operand with strides (sb, sh, st, 1):
+ * dims (D, T, H, B) innermost first, boxes of 64 columns x rows rows, the
+ * 128-byte swizzle, zero fill past T. False when the driver refuses it
+ * (the caller then runs the cp.async kernels). */
+bool attn_map(CUtensorMap *m, const void *data, int64_t sb, int64_t sh, int64_t st, int64_t B,
+              int64_t H, int64_t T, int64_t D, int rows) {
+  moe_tma_encode_fn enc = moe_tma_encoder();
+  if (!enc) return false;
+  int64_t s1 = T > 1 ? st * 2 : D * 2;
+  int64_t s2 = H > 1 ? sh * 2 : s1 * T;
+  int64_t s3 = B > 1 ? sb * 2 : s2 * H;
+  cuuint64_t gd[4] = {(cuuint64_t)D, (cuuint64_t)T, (cuuint64_t)H, (cuuint64_t)B};
+  cuuint64_t gs[3] = {(cuuint64_t)s1, (cuuint64_t)s2, (cuuint64_t)s3};
+  cuuint32_t box[4] = {64, (cuuint32_t)rows, 1, 1}, es[4] = {1, 1, 1, 1};
+  return enc(m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, (void *)data, gd, gs, box, es,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+/* The warp-specialised forward; *ran false when a map was refused. */
+template <int D>
+moe_status attn_ws_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
+                              int B, bool *ran) {
+  CUtensorMap mq, mk, mv;
+  *ran = false;
+  if (!attn_map(&mq, p.q, p.q_sb, p.q_sh, p.q_st, B, p.H, p.T, D, WsFwd<D>::BM) ||
+      !attn_map(&mk, p.k, p.k_sb, p.k_sh, p.k_st, B, p.H, p.T, D, WsFwd<D>::BN) ||
+      !attn_map(&mv, p.v, p.v_sb, p.v_sh, p.v_st, B, p.H, p.T, D, WsFwd<D>::BN))
+    return MOE_OK;
+  constexpr size_t smem = WsFwd<D>::SMEM;
+  auto kern = attn_ws_fwd_kernel<D>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)BH, (unsigned)((p.T + WsFwd<D>::BM - 1) / WsFwd<D>::BM));
+  kern<<<grid, WS_THREADS, smem, stream>>>(mq, mk, mv, p);
+  MOE_KCHECK(ctx, "attention forward kernel (TMA + wgmma)");
+  *ran = true;
+  return MOE_OK;
+}
+
+template <int D>
+moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
+                              int B, float *acc, bool *ran) {
+  CUtensorMap mq, mk, mv, mo;
+  *ran = false;
+  if (!attn_map(&mq, p.q, p.q_sb, p.q_sh, p.q_st, B, p.H, p.T, D, WsBwd<D>::BQ) ||
+      !attn_map(&mo, p.dout, p.do_sb, p.do_sh, p.do_st, B, p.H, p.T, D, WsBwd<D>::BQ) ||
+      !attn_map(&mk, p.k, p.k_sb, p.k_sh, p.k_st, B, p.H, p.T, D, WsBwd<D>::BN) ||
+      !attn_map(&mv, p.v, p.v_sb, p.v_sh, p.v_st, B, p.H, p.T, D, WsBwd<D>::BN))
+    return MOE_OK;
+  const int64_t rows = (int64_t)BH * p.T;
+  attn_delta_kernel<D><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
+  MOE_KCHECK(ctx, "attention delta kernel");
+  MOE_KCUDA(ctx, cudaMemsetAsync(acc, 0, (size_t)rows * D * sizeof(float), stream));
+  constexpr size_t smem = WsBwd<D>::SMEM;
+  auto kern = attn_ws_bwd_kernel<D>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)BH, (unsigned)((p.T + WsBwd<D>::BN - 1) / WsBwd<D>::BN));
+  kern<<<grid, WS_THREADS, smem, stream>>>(mq, mk, mv, mo, p, acc);
+  MOE_KCHECK(ctx, "attention backward kernel (TMA + wgmma)");
+  const int64_t n4 = rows * D / 4;
+  attn_dq_convert_kernel<D><<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(p, acc, n4);
+  MOE_KCHECK(ctx, "attention dq kernel");
+  *ran = true;
+  return MOE_OK;
+}
+
+template <int D>
+moe_status attn_wg_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH) {
+  constexpr size_t smem = WgFwd<D>::SMEM;
+  auto kern = attn_wg_fwd_kernel<D>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)BH, (unsigned)((p.T + WgFwd<D>::BM - 1) / WgFwd<D>::BM));
+  kern<<<grid, WG_THREADS, smem, stream>>>(p);
+  MOE_KCHECK(ctx, "attention forward kernel (wgmma)");
+  return MOE_OK;
+}
+
+template <int D>
+moe_status attn_wg_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
+                              float *acc) {
+  const int64_t rows = (int64_t)BH * p.T;
+  attn_delta_kernel<D><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
+  MOE_KCHECK(ctx, "attention delta kernel");
+  MOE_KCUDA(ctx, cudaMemsetAsync(acc, 0, (size_t)rows * D * sizeof(float), stream));
+  constexpr size_t smem = WgBwd<D>::SMEM;
+  auto kern = attn_wg_bwd_kernel<D>;
+  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  dim3 grid((unsigned)BH, (unsigned)((p.T + WgBwd<D>::BN - 1) / WgBwd<D>::BN));
+  kern<<<grid, WG_THREADS, smem, stream>>>(p, acc);
+  MOE_KCHECK(ctx, "attention backward kernel (wgmma)");
+  const int64_t n4 = rows * D / 4;
+  attn_dq_convert_kernel<D><<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(p, acc, n4);
+  MOE_KCHECK(ctx, "attention dq kernel");
+  return MOE_OK;
+}
+
 void attn_strides(const moe_kview *v, int64_t *sb, int64_t *sh, int64_t *st) {
   *sb = v->stride[0];
   *sh = v->stride[1];
@@ -633,6 +1667,12 @@ extern "C" void moe_cuda_attention_tune(int fwd_variant, int bwd_variant) {
   attn_bwd_variant = bwd_variant;
 }
 
+extern "C" bool moe_cuda_attention_bwd_atomic(int device) {
+  const char *e = getenv("MOE_ATTN_DETERMINISTIC");
+  if (e && strcmp(e, "1") == 0) return false;
+  return attn_wg_ok(device);
+}
+
 extern "C" bool moe_cuda_attention_rows_ok(const moe_kview *v) {
   if (v->ndim != 4 || v->stride[3] != 1) return false;
   for (int d = 0; d < 3; d++)
@@ -663,6 +1703,17 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
   attn_strides(k, &p.k_sb, &p.k_sh, &p.k_st);
   attn_strides(v, &p.v_sb, &p.v_sh, &p.v_st);
   attn_strides(o, &p.o_sb, &p.o_sh, &p.o_st);
+  if (attn_wg_ok(device)) {
+    const int B = (int)q->shape[0];
+    bool ran = false;
+    if (attn_ws_wanted()) {
+      if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
+      else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
+      if (ran) return MOE_OK;
+    }
+    if (q->shape[3] == 64) return attn_wg_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH);
+    return attn_wg_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH);
+  }
   if (q->shape[3] == 64) return attn_fwd_run<64>(ctx, (cudaStream_t)stream, p, BH);
   return attn_fwd_run<128>(ctx, (cudaStream_t)stream, p, BH);
 }
@@ -672,7 +1723,8 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
                                              const moe_kview *o, const moe_kview *lse,
                                              const moe_kview *dout, const moe_kview *delta,
                                              const moe_kview *dq, const moe_kview *dk,
-                                             const moe_kview *dv, bool causal, double scale) {
+                                             const moe_kview *dv, const moe_kview *dq_acc,
+                                             bool causal, double scale) {
   const char *fn = "cuda attention backward";
   AttnParams p;
   int BH;
@@ -701,6 +1753,20 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
   attn_strides(dq, &p.dq_sb, &p.dq_sh, &p.dq_st);
   attn_strides(dk, &p.dk_sb, &p.dk_sh, &p.dk_st);
   attn_strides(dv, &p.dv_sb, &p.dv_sh, &p.dv_st);
+  if (dq_acc) {
+    if (dq_acc->dtype != MOE_F32 || !attn_wg_ok(device))
+      return moe_error(ctx, MOE_ERR_INTERNAL, "%s: dq_acc needs f32 and the wgmma kernels", fn);
+    float *acc = (float *)dq_acc->data;
+    const int B = (int)q->shape[0];
+    bool ran = false;
+    if (attn_ws_wanted()) {
+      if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
+      else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
+      if (ran) return MOE_OK;
+    }
+    if (q->shape[3] == 64) return attn_wg_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, acc);
+    return attn_wg_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, acc);
+  }
   if (q->shape[3] == 64) return attn_bwd_run<64>(ctx, (cudaStream_t)stream, p, BH);
   return attn_bwd_run<128>(ctx, (cudaStream_t)stream, p, BH);
 }
