@@ -689,7 +689,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_fwd_kernel(AttnParams p
   extern __shared__ __align__(128) uint8_t attn_wsmem[];
   const uint32_t sQ = (moe_smem_u32(attn_wsmem) + 1023u) & ~1023u;
   const uint32_t sK = sQ + BM * D * 2, sV = sK + 2 * KB;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
@@ -841,7 +843,9 @@ __global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_bwd_kernel(AttnParams p
   const uint32_t sDQ = sS + BN * BQ * 2;   /* NP x BQ rows x PITCH bytes, f32 */
   float *sL = reinterpret_cast<float *>(attn_wsmem + (sDQ + NP * BQ * PITCH - raw));
   float *sD = sL + 2 * BQ;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int n0 = blockIdx.y * BN;
@@ -1053,7 +1057,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   /* bars: qfull, kfull[S], vfull[S], kempty[S], vempty[S] */
   const uint32_t qfull = bars, kfull = bars + 8, vfull = kfull + 8 * S, kempty = vfull + 8 * S,
                  vempty = kempty + 8 * S;
-  const int tid = threadIdx.x, wg = tid >> 7;
+  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int m0 = (gridDim.y - 1 - blockIdx.y) * BM; /* heaviest (last) query blocks first */
   int nkv = (T + BN - 1) / BN;
@@ -1232,7 +1237,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   /* bars: kvfull, full[2], empty[2] */
   const uint32_t kvfull = bars, full = bars + 8, empty = bars + 24;
   float *sL = reinterpret_cast<float *>(attn_wsmem + (sLD - raw)), *sD = sL + 2 * BQ;
-  const int tid = threadIdx.x, wg = tid >> 7;
+  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
   const int n0 = blockIdx.y * BN;
   const int i0 = p.causal ? n0 / BQ : 0, nq = (T + BQ - 1) / BQ;
@@ -1287,7 +1293,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 #pragma unroll
   for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
   const int keyl = cw * 64 + warp * 16 + g; /* this thread's key rows: keyl, keyl + 8 (local) */
-  const int wt = ct & 127;                  /* thread within the warpgroup */
+  /* the even threads of the warpgroup (16 per warp: the warps stay even)
+   * each issue the reduction of staged row rr */
+  const bool reducer = (ct & 1) == 0;
+  const int rr = (ct & 127) >> 1;
   const uint32_t plane = sDQ + cw * BQ * PITCH;
   moe_mbar_wait(kvfull, 0);
 
@@ -1297,77 +1306,92 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     const uint32_t qb = sQ + st * QB, ob = sO + st * QB, sb = sS + st * BN * BQ * 2;
     const float *L = sL + st * BQ, *Dl = sD + st * BQ;
 
-    /* S^T = K Q^T, dP^T = V dO^T (64 keys x BQ queries per warpgroup) */
-    float stt[BQ / 2], dpt[BQ / 2];
-#pragma unroll
-    for (int e = 0; e < BQ / 2; e++) stt[e] = dpt[e] = 0.f;
-    moe_wg_pin(stt);
-    moe_wg_pin(dpt);
-    moe_wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      moe_wg_ss<BQ, 0, 0>(stt, wg_dk<BN>(sK, cw * 64, ks), wg_dk<BQ>(qb, 0, ks));
-    moe_wg_commit();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      moe_wg_ss<BQ, 0, 0>(dpt, wg_dk<BN>(sV, cw * 64, ks), wg_dk<BQ>(ob, 0, ks));
-    moe_wg_commit();
-    /* this thread's lse and delta (columns 8 n + 2 t4 + {0, 1}), read
-     * while the products run */
-    float2 lv[BQ / 8], dlv[BQ / 8];
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) lv[n] = *reinterpret_cast<const float2 *>(L + n * 8 + 2 * t4);
-    moe_wg_wait<1>(); /* S^T */
-    moe_wg_pin(stt);
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) dlv[n] = *reinterpret_cast<const float2 *>(Dl + n * 8 + 2 * t4);
-
-    /* P^T; dV += P^T dO */
     const int q0 = i * BQ;
     const bool need_mask = p.causal && q0 < n0 + BN;
+    /* under the causal mask, every query of the block before every key of
+     * this warpgroup: P = dS = 0, only dS^T's zeros are needed (for dQ) */
+    const bool dead = p.causal && q0 + BQ - 1 < n0 + cw * 64;
+    if (!dead) {
+      /* S^T = K Q^T, dP^T = V dO^T (64 keys x BQ queries per warpgroup) */
+      float stt[BQ / 2], dpt[BQ / 2];
 #pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
+      for (int e = 0; e < BQ / 2; e++) stt[e] = dpt[e] = 0.f;
+      moe_wg_pin(stt);
+      moe_wg_pin(dpt);
+      moe_wg_fence();
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = n * 8 + 2 * t4 + (e & 1), key = n0 + keyl + 8 * (e >> 1);
-        float pr = attn_exp2(stt[4 * n + e] * p.scale_log2 - ((e & 1) ? lv[n].y : lv[n].x));
-        if (need_mask && q0 + qc < key) pr = 0.f;
-        stt[4 * n + e] = pr;
-      }
-    }
-    uint32_t pa[BQ / 16][4];
-    wg_c2a<BQ>(pa, stt);
-    moe_wg_pin(pa);
-    moe_wg_pin(dv);
-    moe_wg_fence();
+      for (int ks = 0; ks < D / 16; ks++)
+        moe_wg_ss<BQ, 0, 0>(stt, wg_dk<BN>(sK, cw * 64, ks), wg_dk<BQ>(qb, 0, ks));
+      moe_wg_commit();
 #pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dv, pa[kk], wg_dmn<BQ>(ob, 0, kk));
-    moe_wg_commit();
-    moe_wg_wait<1>(); /* dP^T */
-    moe_wg_pin(dpt);
+      for (int ks = 0; ks < D / 16; ks++)
+        moe_wg_ss<BQ, 0, 0>(dpt, wg_dk<BN>(sV, cw * 64, ks), wg_dk<BQ>(ob, 0, ks));
+      moe_wg_commit();
+      /* this thread's lse and delta (columns 8 n + 2 t4 + {0, 1}), read
+       * while the products run */
+      float2 lv[BQ / 8], dlv[BQ / 8];
+#pragma unroll
+      for (int n = 0; n < BQ / 8; n++) lv[n] = *reinterpret_cast<const float2 *>(L + n * 8 + 2 * t4);
+      moe_wg_wait<1>(); /* S^T */
+      moe_wg_pin(stt);
+#pragma unroll
+      for (int n = 0; n < BQ / 8; n++) dlv[n] = *reinterpret_cast<const float2 *>(Dl + n * 8 + 2 * t4);
 
-    /* dS^T = P^T (dP^T - delta), to shared memory too; dK += dS^T Q */
+      /* P^T; dV += P^T dO */
 #pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
+      for (int n = 0; n < BQ / 8; n++) {
 #pragma unroll
-      for (int e = 0; e < 4; e++)
-        dpt[4 * n + e] = stt[4 * n + e] * (dpt[4 * n + e] - ((e & 1) ? dlv[n].y : dlv[n].x));
-#pragma unroll
-      for (int hh = 0; hh < 2; hh++) {
-        const int r = keyl + 8 * hh;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sb + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
-                     "r"(attn_pack(dpt[4 * n + 2 * hh], dpt[4 * n + 2 * hh + 1]))
-                     : "memory");
+        for (int e = 0; e < 4; e++) {
+          const int qc = n * 8 + 2 * t4 + (e & 1), key = n0 + keyl + 8 * (e >> 1);
+          float pr = attn_exp2(stt[4 * n + e] * p.scale_log2 - ((e & 1) ? lv[n].y : lv[n].x));
+          if (need_mask && q0 + qc < key) pr = 0.f;
+          stt[4 * n + e] = pr;
+        }
       }
-    }
-    uint32_t da[BQ / 16][4];
-    wg_c2a<BQ>(da, dpt);
-    moe_wg_pin(da);
-    moe_wg_pin(dk);
-    moe_wg_fence();
+      uint32_t pa[BQ / 16][4];
+      wg_c2a<BQ>(pa, stt);
+      moe_wg_pin(pa);
+      moe_wg_pin(dv);
+      moe_wg_fence();
 #pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dk, da[kk], wg_dmn<BQ>(qb, 0, kk));
-    moe_wg_commit();
+      for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dv, pa[kk], wg_dmn<BQ>(ob, 0, kk));
+      moe_wg_commit();
+      moe_wg_wait<1>(); /* dP^T */
+      moe_wg_pin(dpt);
+
+      /* dS^T = P^T (dP^T - delta), to shared memory too; dK += dS^T Q */
+#pragma unroll
+      for (int n = 0; n < BQ / 8; n++) {
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          dpt[4 * n + e] = stt[4 * n + e] * (dpt[4 * n + e] - ((e & 1) ? dlv[n].y : dlv[n].x));
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int r = keyl + 8 * hh;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sb + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
+                       "r"(attn_pack(dpt[4 * n + 2 * hh], dpt[4 * n + 2 * hh + 1]))
+                       : "memory");
+        }
+      }
+      uint32_t da[BQ / 16][4];
+      wg_c2a<BQ>(da, dpt);
+      moe_wg_pin(da);
+      moe_wg_pin(dk);
+      moe_wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dk, da[kk], wg_dmn<BQ>(qb, 0, kk));
+      moe_wg_commit();
+    } else {
+#pragma unroll
+      for (int n = 0; n < BQ / 8; n++)
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+          const int r = keyl + 8 * hh;
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sb + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
+                       "r"(0u)
+                       : "memory");
+        }
+    }
 
     /* dQ (BQ x 64) = dS K: D 128 this warpgroup's 64 columns over all
      * 128 keys (both halves of dS^T: the two consumers meet at named
@@ -1399,7 +1423,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 
     /* stage the partial (after this warpgroup's last reductions read the
      * plane), then one bulk reduction per row */
-    if (wt < BQ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    if (reducer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
 #pragma unroll
     for (int hh = 0; hh < 2; hh++) {
@@ -1412,15 +1436,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     }
     moe_fence_proxy();
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + cw) : "memory");
-    if (wt < BQ && q0 + wt < T) {
-      float *dst = accg + (int64_t)(q0 + wt) * D + (D == 128 ? cw * 64 : 0);
+    if (reducer && q0 + rr < T) {
+      float *dst = accg + (int64_t)(q0 + rr) * D + (D == 128 ? cw * 64 : 0);
       asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
                    "cp.async.bulk.commit_group;\n" ::"l"(dst),
-                   "r"(plane + wt * PITCH), "n"(256)
+                   "r"(plane + rr * PITCH), "n"(256)
                    : "memory");
     }
   }
-  if (wt < BQ) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  if (reducer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   /* dK (scaled) and dV rows */
 #pragma unroll
   for (int hh = 0; hh < 2; hh++) {
