@@ -116,6 +116,7 @@ struct AttnParams {
   float scale;      /* softmax scale */
   float scale_log2; /* scale * log2(e) */
   bool causal;
+  bool pingpong; /* warp-specialised forward: the consumers take turns issuing products */
 };
 
 /* ------------------------------------------------------------- forward */
@@ -1126,6 +1127,12 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   wg_softmax<BN>(p, s, m, l, alpha, rbase, 0, BN > T || (p.causal && BN - 1 > wrow0), t4);
   wg_c2a<BN>(pa, s);
 
+  /* Ping-pong (p.pingpong): the consumers issue their products in turn
+   * (named barriers 1 and 2: consumer c waits at 1 + c for the other's
+   * arrival), so one's softmax runs while the other's products do.
+   * Consumer 1 opens the first turn to consumer 0. */
+  const bool pp = p.pingpong && nkv > 1;
+  if (pp && cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   for (int j = 1; j < nkv; j++) {
     const int sk = j % S, sv = (j - 1) % S;
     moe_mbar_wait(kfull + 8 * sk, (uint32_t)((j / S) & 1));
@@ -1135,6 +1142,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_wg_pin(s);
     moe_wg_pin(o);
     moe_wg_pin(pa);
+    if (pp) asm volatile("bar.sync %0, 256;\n" ::"r"(1 + cw) : "memory");
     moe_wg_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ks++)
@@ -1143,6 +1151,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 #pragma unroll
     for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(sV + sv * KB, 0, kk));
     moe_wg_commit();
+    /* the other's turn (nkv - 1 turns each: consumer 1's last arrival
+     * would have no taker, so it is left out) */
+    if (pp && !(cw == 1 && j == nkv - 1)) asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - cw) : "memory");
     moe_wg_wait<1>(); /* S_j */
     moe_wg_pin(s);
     moe_mbar_arrive(kempty + 8 * sk);
@@ -1680,6 +1691,8 @@ moe_status attn_params(moe_ctx *ctx, const char *fn, const moe_kview *q, double 
   p->scale = (float)scale;
   p->scale_log2 = (float)(scale * 1.4426950408889634);
   p->causal = causal;
+  const char *pe = getenv("MOE_ATTN_PINGPONG");
+  p->pingpong = !(pe && strcmp(pe, "0") == 0);
   *BH = (int)(B * H);
   return MOE_OK;
 }
