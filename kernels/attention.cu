@@ -1504,6 +1504,8 @@ struct AttnBwdCfg {
 };
 
 int attn_fwd_variant = 0, attn_bwd_variant = 0;
+/* The kernel family the last launches ran (moe_cuda_attention_last). */
+const char *attn_last_fwd = "none", *attn_last_bwd = "none";
 
 template <int D, int NW, int WM, int BN>
 moe_status attn_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH) {
@@ -1704,6 +1706,10 @@ extern "C" void moe_cuda_attention_tune(int fwd_variant, int bwd_variant) {
   attn_bwd_variant = bwd_variant;
 }
 
+extern "C" const char *moe_cuda_attention_last(bool backward) {
+  return backward ? attn_last_bwd : attn_last_fwd;
+}
+
 extern "C" bool moe_cuda_attention_bwd_atomic(int device) {
   const char *e = getenv("MOE_ATTN_DETERMINISTIC");
   if (e && strcmp(e, "1") == 0) return false;
@@ -1723,7 +1729,7 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
                                              bool causal, double scale) {
   const char *fn = "cuda attention forward";
   AttnParams p;
-  int BH;
+  int BH = 0;
   MOE_CHECK(attn_params(ctx, fn, q, scale, causal, &p, &BH));
   const moe_kview *rows[4] = {q, k, v, o};
   for (int i = 0; i < 4; i++)
@@ -1746,11 +1752,16 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
     if (attn_ws_wanted()) {
       if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
       else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
-      if (ran) return MOE_OK;
+      if (ran) {
+        attn_last_fwd = "tma";
+        return MOE_OK;
+      }
     }
+    attn_last_fwd = "wg";
     if (q->shape[3] == 64) return attn_wg_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH);
     return attn_wg_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH);
   }
+  attn_last_fwd = "mma";
   if (q->shape[3] == 64) return attn_fwd_run<64>(ctx, (cudaStream_t)stream, p, BH);
   return attn_fwd_run<128>(ctx, (cudaStream_t)stream, p, BH);
 }
@@ -1764,7 +1775,7 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
                                              bool causal, double scale) {
   const char *fn = "cuda attention backward";
   AttnParams p;
-  int BH;
+  int BH = 0;
   MOE_CHECK(attn_params(ctx, fn, q, scale, causal, &p, &BH));
   const moe_kview *rows[8] = {q, k, v, o, dout, dq, dk, dv};
   for (int i = 0; i < 8; i++)
@@ -1799,11 +1810,16 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
     if (attn_ws_wanted()) {
       if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
       else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
-      if (ran) return MOE_OK;
+      if (ran) {
+        attn_last_bwd = "tma";
+        return MOE_OK;
+      }
     }
+    attn_last_bwd = "wg";
     if (q->shape[3] == 64) return attn_wg_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, acc);
     return attn_wg_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, acc);
   }
+  attn_last_bwd = "mma";
   if (q->shape[3] == 64) return attn_bwd_run<64>(ctx, (cudaStream_t)stream, p, BH);
   return attn_bwd_run<128>(ctx, (cudaStream_t)stream, p, BH);
 }

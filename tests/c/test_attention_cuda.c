@@ -12,6 +12,11 @@
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
+#include "attention_cuda.h" /* moe_cuda_attention_last */
+
+/* The kernel family check_config expects the GPU to run (NULL: any). */
+static const char *want_family = NULL;
+
 static moe_device gpu(void) { return (moe_device){MOE_DEVICE_CUDA, 0}; }
 
 /* A random bf16 CPU tensor of shape s, and its copy on the GPU (same values). */
@@ -101,6 +106,12 @@ static void check_config(moe_ctx *ctx, int64_t B, int64_t H, int64_t T, int64_t 
   /* backward from the GPU's own out and lse, against the CPU's from its own */
   EXPECT_OK(moe_attention_backward(ctx, qc, kc, vc, oc, lc, rc, causal, scale, &gc[0], &gc[1], &gc[2]));
   EXPECT_OK(moe_attention_backward(ctx, qg, kg, vg, og, lg, rg, causal, scale, &gg[0], &gg[1], &gg[2]));
+  if (want_family) {
+    const char *f = moe_cuda_attention_last(false), *b = moe_cuda_attention_last(true);
+    if (strcmp(f, want_family) != 0 || strcmp(b, want_family) != 0)
+      fprintf(stderr, "  kernels: forward %s, backward %s, expected %s\n", f, b, want_family);
+    EXPECT(strcmp(f, want_family) == 0 && strcmp(b, want_family) == 0);
+  }
   const char *names[3] = {"dq", "dk", "dv"};
   for (int i = 0; i < 3; i++) ok = close_to(ctx, names[i], gg[i], gc[i], 2e-2, 2e-2) && ok;
   if (!ok) fprintf(stderr, "  in %s\n", what);
@@ -170,11 +181,46 @@ static void test_autograd_determinism(moe_ctx *ctx) {
   unsetenv("MOE_ATTN_DETERMINISTIC");
 }
 
+/* The family the default runs here: "tma" on compute capability 9.x. */
+static const char *default_family(moe_ctx *ctx) {
+  int64_t s[4] = {1, 1, 64, 64};
+  moe_tensor *c, *g, *o = NULL, *l = NULL;
+  pair(ctx, s, &c, &g);
+  EXPECT_OK(moe_attention_forward(ctx, g, g, g, true, 0, &o, &l));
+  moe_tensor_release(o), moe_tensor_release(l), moe_tensor_release(c), moe_tensor_release(g);
+  return moe_cuda_attention_last(false);
+}
+
+/* Every size and layout with the default kernels (the TMA ones on an
+ * H100/H200: strided operands, transposed (B, T, H, D) buffers included,
+ * go through tensor maps too). */
+static void test_default_kernels(moe_ctx *ctx) {
+  want_family = default_family(ctx);
+  fprintf(stderr, "  default kernels: %s\n", want_family);
+  test_sizes(ctx);
+  test_layouts(ctx);
+  want_family = NULL;
+}
+
 /* The mma.sync kernels (what GPUs other than 9.x run) at every size too. */
 static void test_mma_sync_kernels(moe_ctx *ctx) {
   setenv("MOE_ATTN_WG", "0", 1);
+  want_family = "mma";
   test_sizes(ctx);
   test_layouts(ctx);
+  want_family = NULL;
+  unsetenv("MOE_ATTN_WG");
+}
+
+/* The cp.async wgmma kernels (MOE_ATTN_WG=wg; the fallback where the
+ * driver refuses a tensor map), on compute capability 9.x. */
+static void test_wg_kernels(moe_ctx *ctx) {
+  if (strcmp(default_family(ctx), "mma") == 0) return; /* not a 9.x GPU */
+  setenv("MOE_ATTN_WG", "wg", 1);
+  want_family = "wg";
+  test_sizes(ctx);
+  test_layouts(ctx);
+  want_family = NULL;
   unsetenv("MOE_ATTN_WG");
 }
 
@@ -197,10 +243,10 @@ static void test_errors(moe_ctx *ctx) {
 int main(void) {
   moe_ctx *ctx = harness_start();
   SKIP_IF_NO_GPU(ctx);
-  RUN(test_sizes);
-  RUN(test_layouts);
+  RUN(test_default_kernels);
   RUN(test_autograd_determinism);
   RUN(test_mma_sync_kernels);
+  RUN(test_wg_kernels);
   RUN(test_errors);
   return harness_end();
 }
