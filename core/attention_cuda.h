@@ -27,10 +27,9 @@ void moe_cuda_attention_tune(int fwd_variant, int bwd_variant);
 
 /* The kernel family the last forward / backward launch ran: "tma" (the
  * warp-specialised TMA + wgmma kernels, the default on compute capability
- * 9.x), "wg" (cp.async + wgmma: MOE_ATTN_WG=wg, or where the driver refuses
- * a tensor map of the operands' strides), "mma" (mma.sync: other GPUs,
- * MOE_ATTN_WG=0, and the deterministic backward), "none". For tests; not
- * thread safe. */
+ * 9.x), "mma" (mma.sync: other GPUs, MOE_ATTN_WG=0, the deterministic
+ * backward, or where the driver refuses a tensor map), "none". For tests;
+ * not thread safe. */
 const char *moe_cuda_attention_last(bool backward);
 
 /* True when a view satisfies the kernels' row layout (see above). */

@@ -1,7 +1,7 @@
 /*
  * moe_attention.h - scaled-dot-product attention, causal or not
  * (core/attention.c: validation, the CPU reference and autograd;
- * kernels/attention.cu: the fused FlashAttention-2 kernels for CUDA).
+ * kernels/attention.cu: the fused kernels for CUDA).
  * Included by moe.h. Conventions of moe.h hold: ctx first, outputs last,
  * 0-based dims, a new reference per returned tensor, differentiable ops
  * record autograd nodes (moe_autograd.h).
@@ -22,7 +22,13 @@
  *   CPU: f32, f64 and bf16. The reference computes in double and rounds the
  *        result to the dtype once (more accurate than "bf16 computed in f32").
  *   CUDA: bf16 with head dim 64 or 128, fused kernels with fp32 accumulation
- *        that never materialise the (T, T) scores. Other dtypes or head dims
+ *        that never materialise the (T, T) scores: on compute capability
+ *        9.x (H100, H200) warp-specialised TMA + wgmma kernels, elsewhere
+ *        FlashAttention-2-style mma.sync ones. Environment (read per call):
+ *        MOE_ATTN_WG=0 the mma.sync kernels on 9.x too,
+ *        MOE_ATTN_DETERMINISTIC=1 the deterministic
+ *        backward (see below), MOE_ATTN_PINGPONG=0 no turn-taking between
+ *        the forward's consumer warpgroups. Other dtypes or head dims
  *        on CUDA: MOE_ERR_NOT_SUPPORTED naming the op, dtype and head dim
  *        (there is no slower non-fused path; cast to bf16 or use the CPU).
  *
@@ -46,8 +52,11 @@ moe_status moe_attention(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor 
  * above. backward: dout (B, H, T, D) of q's dtype, any strides; out and lse
  * as the forward returned them; writes the new tensors dq, dk, dv of q's
  * shape, dtype and device (activation gradients: fresh, never accumulated).
- * On CUDA the backward is deterministic: dQ is computed by its own pass over
- * the key blocks, without atomics. */
+ * On CUDA 9.x the backward sums dQ over key blocks with f32 atomics (bulk
+ * reductions), so dQ can differ in the last bf16 bit from run to run (dK
+ * and dV do not); with MOE_ATTN_DETERMINISTIC=1, or on other GPUs, dQ has
+ * its own pass over the key blocks without atomics and every run is
+ * bit-identical. */
 moe_status moe_attention_forward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,
                                  bool causal, double scale, moe_tensor **out, moe_tensor **lse);
 moe_status moe_attention_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,

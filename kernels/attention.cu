@@ -1,15 +1,23 @@
 /*
- * attention.cu - fused scaled-dot-product attention for Hopper (sm_90),
- * bf16 in and out, fp32 accumulation, head dims 64 and 128, causal or not:
- * the FlashAttention-2 algorithm on tensor cores (mma.sync m16n8k16 bf16
- * with ldmatrix), never materialising the (T, T) scores.
+ * attention.cu - fused scaled-dot-product attention, bf16 in and out, fp32
+ * accumulation, head dims 64 and 128, causal or not, never materialising
+ * the (T, T) scores. Three kernel families:
  *
- * Forward (attn_fwd_kernel): one block per (BM query rows, head); each warp
+ *   "tma" (the default on compute capability 9.x: H100, H200):
+ *     warp-specialised Hopper kernels, TMA loads into an mbarrier-guarded
+ *     ring, warpgroup MMAs (wgmma); see "Hopper: warp-specialised TMA +
+ *     wgmma kernels" below.
+ *   "mma" (other GPUs, MOE_ATTN_WG=0, the deterministic backward, and
+ *     the fallback on 9.x should the driver refuse a tensor map):
+ *     the FlashAttention-2 algorithm on mma.sync m16n8k16 with ldmatrix,
+ *     described next.
+ *
+ * mma.sync forward (attn_fwd_kernel): one block per (BM query rows, head); each warp
  * owns WM m16 tiles of rows. K/V tiles of BN keys stream through shared
  * memory (cp.async, double-buffered); online softmax in the log2 domain;
  * writes O (bf16) and lse (f32, natural log) per row.
  *
- * Backward: attn_delta_kernel computes delta = rowsum(dO * O) (f32); then
+ * mma.sync backward: attn_delta_kernel computes delta = rowsum(dO * O) (f32); then
  * one launch of attn_bwd_kernel runs two kinds of blocks, interleaved
  * heaviest-first:
  *   dK/dV blocks: BN keys resident, loop over query blocks, recompute
@@ -19,9 +27,11 @@
  *     P and dS the same way, dQ += dS K.
  * dQ is thus computed without atomics (deterministic, bit-reproducible) at
  * the price of recomputing Q K^T and dO V^T once more (7 tile products per
- * key/query pair instead of FlashAttention-2's 5 with atomic dQ).
+ * key/query pair instead of FlashAttention-2's 5 with atomic dQ). The
+ * Hopper backwards take the 5-product route: dQ partials are summed in an
+ * f32 buffer by atomics / bulk reductions, then scaled into dQ.
  *
- * Shared-memory tiles are rows of D bf16 whose 16-byte chunks are XOR
+ * Shared-memory tiles of the mma.sync kernels are rows of D bf16 whose 16-byte chunks are XOR
  * swizzled by (row % 8), so ldmatrix reads 8 rows without bank conflicts.
  * Rows past T are zero-filled by cp.async and masked. Index math that can
  * pass 2^31 (batch/head/row offsets) is int64.
@@ -538,14 +548,18 @@ __global__ void __launch_bounds__(NW * 32) attn_bwd_kernel(AttnParams p, int nbl
     attn_bwd_dkdv<D, NW, BI>(p, attn_smem, blockIdx.x, idx * B);
 }
 
-/* ------------------------------------------- Hopper: wgmma kernels */
+/* ------------------------- Hopper: warp-specialised TMA + wgmma kernels */
 
-/* The sm_90a path (the default on compute capability 9.x; MOE_ATTN_WG=0
- * selects the mma.sync kernels above). Two warpgroups per block (256
- * threads), each owning 64 rows of the block's tile; products are
- * warpgroup MMAs (kernels/wgmma.cuh) reading operands from shared memory
- * in the layout wgmma's 128-byte swizzle expects, loaded by cp.async
- * (double-buffered; any row strides, rows past T zero-filled):
+/* The default on compute capability 9.x (MOE_ATTN_WG=0 selects the
+ * mma.sync kernels above). Three warpgroups per block (384 threads):
+ * warpgroup 0 is the producer (one thread issues the TMA loads of the
+ * tiles: 4-D boxes of 64 columns x R rows of the (B, H, T, D) operands,
+ * any strides, rows past T zero-filled), warpgroups 1 and 2 consume them
+ * through "full" / "empty" mbarriers, each owning 64 rows of the block's
+ * tile, so neither waits for the other except where a product needs both.
+ * Products are warpgroup MMAs (kernels/wgmma.cuh) reading operands from
+ * shared memory in the layout of wgmma's 128-byte swizzle, which TMA
+ * writes:
  *   a tile of R rows x D columns is D / 64 panels of R rows x 128 bytes,
  *   row r of a panel at r * 128, its 16-byte chunk c at chunk c ^ (r % 8).
  * The same bytes serve as a K-major operand (rows = m or n, columns = k:
@@ -561,32 +575,10 @@ __global__ void __launch_bounds__(NW * 32) attn_bwd_kernel(AttnParams p, int nbl
  * S^T = K Q^T and dP^T = V dO^T (SS), P^T and dS^T in registers, dV +=
  * P^T dO and dK += dS^T Q (RS); dS^T goes to shared memory for dQ += dS K
  * (SS, both operands transposed), whose 64 x D partial each block adds
- * into an f32 buffer with atomics (5 tile products per key/query pair, as
- * FlashAttention-2/3; the order of the additions varies, so dQ is not
- * bit-reproducible: MOE_ATTN_DETERMINISTIC=1 selects the deterministic
+ * into an f32 buffer with bulk reductions (5 tile products per key/query
+ * pair, as FlashAttention-2/3; the order of the additions varies, so dQ is
+ * not bit-reproducible: MOE_ATTN_DETERMINISTIC=1 selects the deterministic
  * mma.sync backward). A last kernel scales the buffer into dQ (bf16). */
-
-constexpr int WG_THREADS = 256;
-
-/* Byte offset of (row r, 16-byte chunk c) in a tile of R rows. */
-template <int R> __device__ __forceinline__ uint32_t wg_off(int r, int c) {
-  return (uint32_t)((c >> 3) * R * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
-/* Rows [row0, row0 + R) of a (T, D) matrix with row stride ld into the
- * tile at s; rows >= T are zero-filled. */
-template <int D, int R>
-__device__ __forceinline__ void wg_load_tile(uint32_t s, const uint16_t *g, int64_t ld, int row0,
-                                             int T, int tid) {
-  constexpr int CH = D / 8;
-  static_assert(R * CH % WG_THREADS == 0, "tile chunks must divide among the threads");
-#pragma unroll
-  for (int it = 0; it < R * CH / WG_THREADS; it++) {
-    const int idx = tid + it * WG_THREADS, r = idx / CH, c = idx % CH;
-    const bool ok = row0 + r < T;
-    moe_cp16(s + wg_off<R>(r, c), g + (ok ? (int64_t)(row0 + r) * ld : 0) + c * 8, ok);
-  }
-}
 
 #ifdef MOE_WG_DEVICE
 /* K-major operand: rows r0.. of an R-row tile, k columns 16 ks.. */
@@ -610,12 +602,6 @@ __device__ __forceinline__ void wg_c2a(uint32_t (&a)[N / 16][4], const float (&c
   }
 }
 #endif
-
-template <int D> struct WgFwd {
-  static constexpr int BM = 128, BN = 128;
-  /* Q; K and V double-buffered */
-  static constexpr size_t SMEM = (size_t)(BM + 4 * BN) * D * 2 + 1024;
-};
 
 #ifdef MOE_WG_DEVICE
 /* The online softmax of one 64 x BN score tile of a warpgroup (rows
@@ -677,367 +663,6 @@ __device__ __forceinline__ void wg_softmax(const AttnParams &p, float (&s)[BN / 
 }
 #endif
 
-/* Forward, queries [m0, m0 + 128) (heaviest, i.e. last, blocks first under
- * the causal mask). Software-pipelined within each warpgroup: step j
- * issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, so the softmax
- * of S_j runs while the tensor cores do the P V product; O is rescaled by
- * alpha_j once that product is done. Loads run one block ahead: at step j
- * V_j and K_{j+1}. */
-template <int D>
-__global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_fwd_kernel(AttnParams p) {
-#ifdef MOE_WG_DEVICE
-  constexpr int BM = WgFwd<D>::BM, BN = WgFwd<D>::BN, KB = BN * D * 2;
-  extern __shared__ __align__(128) uint8_t attn_wsmem[];
-  const uint32_t sQ = (moe_smem_u32(attn_wsmem) + 1023u) & ~1023u;
-  const uint32_t sK = sQ + BM * D * 2, sV = sK + 2 * KB;
-  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
-  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
-  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM;
-  const uint16_t *qg = p.q + b * p.q_sb + h * p.q_sh;
-  const uint16_t *kg = p.k + b * p.k_sb + h * p.k_sh;
-  const uint16_t *vg = p.v + b * p.v_sb + h * p.v_sh;
-  int nkv = (T + BN - 1) / BN;
-  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
-  const int rbase = m0 + wg * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
-  const int wrow0 = m0 + wg * 64;                 /* the warpgroup's first row */
-
-  wg_load_tile<D, BM>(sQ, qg, p.q_st, m0, T, tid);
-  wg_load_tile<D, BN>(sK, kg, p.k_st, 0, T, tid);
-  moe_cp_commit();
-  wg_load_tile<D, BN>(sV, vg, p.v_st, 0, T, tid);
-  if (nkv > 1) wg_load_tile<D, BN>(sK + KB, kg, p.k_st, BN, T, tid);
-  moe_cp_commit();
-  moe_cp_wait<1>();
-  moe_fence_proxy();
-  __syncthreads();
-
-  float o[D / 2], s[BN / 2];
-#pragma unroll
-  for (int e = 0; e < D / 2; e++) o[e] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-  uint32_t pa[BN / 16][4];
-
-  /* step 0: S_0, P_0 */
-#pragma unroll
-  for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
-  moe_wg_pin(s);
-  moe_wg_fence();
-#pragma unroll
-  for (int ks = 0; ks < D / 16; ks++)
-    moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, wg * 64, ks), wg_dk<BN>(sK, 0, ks));
-  moe_wg_commit();
-  moe_wg_wait<0>();
-  moe_wg_pin(s);
-  wg_softmax<BN>(p, s, m, l, alpha, rbase, 0, BN > T || (p.causal && BN - 1 > wrow0), t4);
-  wg_c2a<BN>(pa, s);
-
-  for (int j = 1; j < nkv; j++) {
-    moe_cp_wait<0>(); /* V_{j-1}, K_j */
-    moe_fence_proxy();
-    __syncthreads(); /* and every warpgroup is done with K_{j-1}, V_{j-2} */
-    wg_load_tile<D, BN>(sV + (j & 1) * KB, vg, p.v_st, j * BN, T, tid);
-    if (j + 1 < nkv) wg_load_tile<D, BN>(sK + ((j + 1) & 1) * KB, kg, p.k_st, (j + 1) * BN, T, tid);
-    moe_cp_commit();
-
-#pragma unroll
-    for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
-    moe_wg_pin(s);
-    moe_wg_pin(o);
-    moe_wg_pin(pa);
-    moe_wg_fence();
-    const uint32_t kb = sK + (j & 1) * KB, vb = sV + ((j - 1) & 1) * KB;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, wg * 64, ks), wg_dk<BN>(kb, 0, ks));
-    moe_wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(vb, 0, kk));
-    moe_wg_commit();
-    moe_wg_wait<1>(); /* S_j */
-    moe_wg_pin(s);
-    const int n0 = j * BN;
-    wg_softmax<BN>(p, s, m, l, alpha, rbase, n0,
-                   n0 + BN > T || (p.causal && n0 + BN - 1 > wrow0), t4);
-    moe_wg_wait<0>(); /* O += P_{j-1} V_{j-1} */
-    moe_wg_pin(o);
-    moe_wg_pin(pa);
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-      o[4 * n] *= alpha[0];
-      o[4 * n + 1] *= alpha[0];
-      o[4 * n + 2] *= alpha[1];
-      o[4 * n + 3] *= alpha[1];
-    }
-    wg_c2a<BN>(pa, s);
-  }
-  /* O += P_last V_last */
-  moe_cp_wait<0>();
-  moe_fence_proxy();
-  __syncthreads();
-  moe_wg_pin(o);
-  moe_wg_pin(pa);
-  moe_wg_fence();
-  {
-    const uint32_t vb = sV + ((nkv - 1) & 1) * KB;
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; kk++) moe_wg_rs<D, 1>(o, pa[kk], wg_dmn<BN>(vb, 0, kk));
-  }
-  moe_wg_commit();
-  moe_wg_wait<0>();
-  moe_wg_pin(o);
-
-  /* O = acc / l, lse = (m + log2 l) ln 2 */
-  uint16_t *og = p.out + b * p.o_sb + h * p.o_sh;
-  float *lg = p.lse + (int64_t)bh * T;
-#pragma unroll
-  for (int r = 0; r < 2; r++) {
-    float ls = l[r];
-    ls += __shfl_xor_sync(0xffffffffu, ls, 1);
-    ls += __shfl_xor_sync(0xffffffffu, ls, 2);
-    const int row = rbase + 8 * r;
-    const float inv = ls > 0 ? 1.f / ls : 0.f;
-    if (row < T) {
-      uint16_t *orow = og + (int64_t)row * p.o_st;
-#pragma unroll
-      for (int n = 0; n < D / 8; n++)
-        *reinterpret_cast<uint32_t *>(orow + n * 8 + 2 * t4) =
-            attn_pack(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv);
-      if (t4 == 0) lg[row] = ls > 0 ? (m[r] + log2f(ls)) * kLn2 : -INFINITY;
-    }
-  }
-#else
-  (void)p;
-#endif
-}
-
-template <int D> struct WgBwd {
-  static constexpr int BN = 128, BQ = 64;
-  /* dQ partials staged for the bulk reductions: D 128 one plane of BQ rows
-   * (each warpgroup its 64 columns), D 64 one per warpgroup (its 64 keys);
-   * rows padded by 16 bytes against bank conflicts */
-  static constexpr int NP = D == 128 ? 1 : 2, PITCH = D * 4 + 16;
-  /* K, V; Q, dO double-buffered; dS^T; dQ staging; lse and delta double-buffered */
-  static constexpr size_t SMEM = (size_t)(2 * BN + 4 * BQ) * D * 2 + (size_t)BN * BQ * 2 +
-                                 (size_t)NP * BQ * PITCH + 4 * BQ * 4 + 1024;
-};
-
-/* dK, dV of keys [n0, n0 + 128) (n0 = 128 blockIdx.y: under the causal
- * mask, block 0 sees the most queries, so the heaviest start first); adds
- * this block's share of dQ / scale into dq_acc (B*H, T, D) f32 with bulk
- * reductions (cp.reduce.async.bulk .add.f32, one per row) from shared
- * memory. Per query block: S^T and dP^T are issued together; P^T is
- * computed and dV += P^T dO issued while dP^T is still running; then dS^T,
- * dK += dS^T Q, and dQ = dS K once every warpgroup's dS^T is in shared
- * memory. */
-template <int D>
-__global__ void __launch_bounds__(WG_THREADS, 1) attn_wg_bwd_kernel(AttnParams p, float *dq_acc) {
-#ifdef MOE_WG_DEVICE
-  constexpr int BN = WgBwd<D>::BN, BQ = WgBwd<D>::BQ, NP = WgBwd<D>::NP, PITCH = WgBwd<D>::PITCH;
-  extern __shared__ __align__(128) uint8_t attn_wsmem[];
-  const uint32_t raw = moe_smem_u32(attn_wsmem);
-  const uint32_t sK = (raw + 1023u) & ~1023u;
-  const uint32_t sV = sK + BN * D * 2, sQ = sV + BN * D * 2, sO = sQ + 2 * BQ * D * 2;
-  const uint32_t sS = sO + 2 * BQ * D * 2; /* dS^T: BN key rows x BQ queries (one panel) */
-  const uint32_t sDQ = sS + BN * BQ * 2;   /* NP x BQ rows x PITCH bytes, f32 */
-  float *sL = reinterpret_cast<float *>(attn_wsmem + (sDQ + NP * BQ * PITCH - raw));
-  float *sD = sL + 2 * BQ;
-  /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
-  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int warp = (tid >> 5) & 3, lane = tid & 31;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
-  const int n0 = blockIdx.y * BN;
-  const uint16_t *qg = p.q + b * p.q_sb + h * p.q_sh, *dog = p.dout + b * p.do_sb + h * p.do_sh;
-  const float *lg = p.lse + (int64_t)bh * T, *dg = p.delta + (int64_t)bh * T;
-  float *accg = dq_acc + (int64_t)bh * T * D;
-  const int i0 = p.causal ? n0 / BQ : 0, nq = (T + BQ - 1) / BQ;
-
-  wg_load_tile<D, BN>(sK, p.k + b * p.k_sb + h * p.k_sh, p.k_st, n0, T, tid);
-  wg_load_tile<D, BN>(sV, p.v + b * p.v_sb + h * p.v_sh, p.v_st, n0, T, tid);
-  auto load_q = [&](int i, int buf) {
-    wg_load_tile<D, BQ>(sQ + buf * BQ * D * 2, qg, p.q_st, i * BQ, T, tid);
-    wg_load_tile<D, BQ>(sO + buf * BQ * D * 2, dog, p.do_st, i * BQ, T, tid);
-    for (int x = tid; x < BQ; x += WG_THREADS) {
-      const int row = i * BQ + x;
-      sL[buf * BQ + x] = row < T ? lg[row] * kLog2e : INFINITY; /* P = 0 past T */
-      sD[buf * BQ + x] = row < T ? dg[row] : 0.f;
-    }
-  };
-  if (i0 < nq) load_q(i0, 0);
-  moe_cp_commit();
-
-  float dk[D / 2], dv[D / 2];
-#pragma unroll
-  for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
-  const int keyl = wg * 64 + warp * 16 + g; /* this thread's key rows: keyl, keyl + 8 (local) */
-  const bool reducer = tid < NP * BQ;       /* issues the bulk reduction of one staged row */
-
-  for (int i = i0; i < nq; i++) {
-    const int buf = (i - i0) & 1;
-    if (i + 1 < nq) {
-      load_q(i + 1, buf ^ 1);
-      moe_cp_commit();
-      moe_cp_wait<1>();
-    } else {
-      moe_cp_wait<0>();
-    }
-    moe_fence_proxy();
-    __syncthreads();
-    const uint32_t qb = sQ + buf * BQ * D * 2, ob = sO + buf * BQ * D * 2;
-    const float *L = sL + buf * BQ, *Dl = sD + buf * BQ;
-
-    /* S^T = K Q^T, dP^T = V dO^T (64 keys x BQ queries per warpgroup) */
-    float st[BQ / 2], dpt[BQ / 2];
-#pragma unroll
-    for (int e = 0; e < BQ / 2; e++) st[e] = dpt[e] = 0.f;
-    moe_wg_pin(st);
-    moe_wg_pin(dpt);
-    moe_wg_fence();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      moe_wg_ss<BQ, 0, 0>(st, wg_dk<BN>(sK, wg * 64, ks), wg_dk<BQ>(qb, 0, ks));
-    moe_wg_commit();
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ks++)
-      moe_wg_ss<BQ, 0, 0>(dpt, wg_dk<BN>(sV, wg * 64, ks), wg_dk<BQ>(ob, 0, ks));
-    moe_wg_commit();
-    moe_wg_wait<1>(); /* S^T */
-    moe_wg_pin(st);
-
-    /* P^T; dV += P^T dO */
-    const int q0 = i * BQ;
-    const bool need_mask = p.causal && q0 < n0 + BN;
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = n * 8 + 2 * t4 + (e & 1), key = n0 + keyl + 8 * (e >> 1);
-        float pr = attn_exp2(st[4 * n + e] * p.scale_log2 - L[qc]);
-        if (need_mask && q0 + qc < key) pr = 0.f;
-        st[4 * n + e] = pr;
-      }
-    }
-    uint32_t pa[BQ / 16][4];
-    wg_c2a<BQ>(pa, st);
-    moe_wg_pin(pa);
-    moe_wg_pin(dv);
-    moe_wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dv, pa[kk], wg_dmn<BQ>(ob, 0, kk));
-    moe_wg_commit();
-    moe_wg_wait<1>(); /* dP^T */
-    moe_wg_pin(dpt);
-
-    /* dS^T = P^T (dP^T - delta), to shared memory too; dK += dS^T Q */
-#pragma unroll
-    for (int n = 0; n < BQ / 8; n++) {
-#pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const int qc = n * 8 + 2 * t4 + (e & 1);
-        dpt[4 * n + e] = st[4 * n + e] * (dpt[4 * n + e] - Dl[qc]);
-      }
-#pragma unroll
-      for (int hh = 0; hh < 2; hh++) {
-        const int r = keyl + 8 * hh;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sS + r * 128 + ((n ^ (r & 7)) << 4) + t4 * 4),
-                     "r"(attn_pack(dpt[4 * n + 2 * hh], dpt[4 * n + 2 * hh + 1]))
-                     : "memory");
-      }
-    }
-    uint32_t da[BQ / 16][4];
-    wg_c2a<BQ>(da, dpt);
-    moe_wg_pin(da);
-    moe_wg_pin(dk);
-    moe_wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; kk++) moe_wg_rs<D, 1>(dk, da[kk], wg_dmn<BQ>(qb, 0, kk));
-    moe_wg_commit();
-
-    /* dQ (BQ x D) = dS K: D 128 splits the columns between the warpgroups
-     * (all 128 keys each), D 64 the keys (each its own 64). The staging
-     * buffer's last reductions must have read it. */
-    if (reducer) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    moe_fence_proxy();
-    __syncthreads();
-    float dqp[32];
-#pragma unroll
-    for (int e = 0; e < 32; e++) dqp[e] = 0.f;
-    moe_wg_pin(dqp);
-    moe_wg_fence();
-    if constexpr (D == 128) {
-#pragma unroll
-      for (int ks = 0; ks < BN / 16; ks++)
-        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sS + ks * 2048, BN * 128, 1024), wg_dmn<BN>(sK, wg, ks));
-    } else {
-#pragma unroll
-      for (int ks = 0; ks < 4; ks++)
-        moe_wg_ss<64, 1, 1>(dqp, moe_wg_desc(sS + wg * 8192 + ks * 2048, BN * 128, 1024),
-                            wg_dmn<BN>(sK, 0, wg * 4 + ks));
-    }
-    moe_wg_commit();
-    moe_wg_wait<0>();
-    moe_wg_pin(dqp);
-    moe_wg_pin(dv);
-    moe_wg_pin(dk);
-    {
-      const uint32_t plane = sDQ + (D == 128 ? 0 : wg * BQ * PITCH);
-      const int c0 = D == 128 ? wg * 64 : 0;
-#pragma unroll
-      for (int hh = 0; hh < 2; hh++) {
-        const int r = warp * 16 + g + 8 * hh;
-#pragma unroll
-        for (int n = 0; n < 8; n++)
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(plane + r * PITCH +
-                                                                    (c0 + 8 * n + 2 * t4) * 4),
-                       "f"(dqp[4 * n + 2 * hh]), "f"(dqp[4 * n + 2 * hh + 1])
-                       : "memory");
-      }
-    }
-    moe_fence_proxy();
-    __syncthreads(); /* the staged partials; every warpgroup is done with this step's tiles */
-    if (reducer) {
-      const int r = tid % BQ, pl = tid / BQ;
-      if (q0 + r < T)
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                     "cp.async.bulk.commit_group;\n" ::"l"(accg + (int64_t)(q0 + r) * D),
-                     "r"(sDQ + (pl * BQ + r) * PITCH), "n"(D * 4)
-                     : "memory");
-    }
-  }
-  if (reducer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-  /* dK (scaled) and dV rows */
-#pragma unroll
-  for (int hh = 0; hh < 2; hh++) {
-    const int key = n0 + keyl + 8 * hh;
-    if (key >= T) continue;
-    uint16_t *dkr = p.dk + b * p.dk_sb + h * p.dk_sh + (int64_t)key * p.dk_st;
-    uint16_t *dvr = p.dv + b * p.dv_sb + h * p.dv_sh + (int64_t)key * p.dv_st;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-      *reinterpret_cast<uint32_t *>(dkr + n * 8 + 2 * t4) =
-          attn_pack(dk[4 * n + 2 * hh] * p.scale, dk[4 * n + 2 * hh + 1] * p.scale);
-      *reinterpret_cast<uint32_t *>(dvr + n * 8 + 2 * t4) =
-          attn_pack(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
-    }
-  }
-#else
-  (void)p, (void)dq_acc;
-#endif
-}
-
-/* ------------------------- Hopper: warp-specialised TMA + wgmma kernels */
-
-/* The default on compute capability 9.x. Three warpgroups (384 threads):
- * warpgroup 0 is the producer (one thread issues the TMA loads of the
- * tiles, 4-D boxes of 64 columns x R rows of the (B, H, T, D) tensors with
- * the 128-byte swizzle, the same layout as above; rows past T are
- * zero-filled), warpgroups 1 and 2 consume them through "full" / "empty"
- * mbarriers, so neither waits for the other: while one computes its
- * softmax the other's products keep the tensor cores busy. The consumer
- * code is that of the kernels above. */
 constexpr int WS_THREADS = 384;
 
 template <int D> struct WsFwd {
@@ -1046,6 +671,12 @@ template <int D> struct WsFwd {
   static constexpr size_t SMEM = (size_t)BM * D * 2 + 2 * S * (size_t)KB + 1024 + 16 * 8;
 };
 
+/* Forward, queries [m0, m0 + 128) (heaviest, i.e. last, blocks first under
+ * the causal mask). Software-pipelined within each warpgroup: step j
+ * issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, so the softmax
+ * of S_j runs while the tensor cores do the P V product; O is rescaled by
+ * alpha_j once that product is done. The producer keeps WsFwd::S key and value
+ * blocks in flight. */
 template <int D>
 __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_ws_fwd_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
@@ -1560,13 +1191,8 @@ moe_status attn_bwd_run(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, 
 }
 
 /* The Hopper kernels: on compute capability 9.x unless MOE_ATTN_WG=0
- * (the mma.sync kernels); MOE_ATTN_WG=wg: the cp.async wgmma kernels
- * instead of the warp-specialised TMA ones (the default). */
-bool attn_ws_wanted() {
-  const char *e = getenv("MOE_ATTN_WG");
-  return !(e && strcmp(e, "wg") == 0);
-}
-bool attn_wg_ok(int device) {
+ * (the mma.sync kernels). */
+bool attn_hopper_ok(int device) {
   const char *e = getenv("MOE_ATTN_WG");
   if (e && strcmp(e, "0") == 0) return false;
   int major = 0;
@@ -1641,36 +1267,6 @@ moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
   return MOE_OK;
 }
 
-template <int D>
-moe_status attn_wg_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH) {
-  constexpr size_t smem = WgFwd<D>::SMEM;
-  auto kern = attn_wg_fwd_kernel<D>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)BH, (unsigned)((p.T + WgFwd<D>::BM - 1) / WgFwd<D>::BM));
-  kern<<<grid, WG_THREADS, smem, stream>>>(p);
-  MOE_KCHECK(ctx, "attention forward kernel (wgmma)");
-  return MOE_OK;
-}
-
-template <int D>
-moe_status attn_wg_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
-                              float *acc) {
-  const int64_t rows = (int64_t)BH * p.T;
-  attn_delta_kernel<D><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
-  MOE_KCHECK(ctx, "attention delta kernel");
-  MOE_KCUDA(ctx, cudaMemsetAsync(acc, 0, (size_t)rows * D * sizeof(float), stream));
-  constexpr size_t smem = WgBwd<D>::SMEM;
-  auto kern = attn_wg_bwd_kernel<D>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)BH, (unsigned)((p.T + WgBwd<D>::BN - 1) / WgBwd<D>::BN));
-  kern<<<grid, WG_THREADS, smem, stream>>>(p, acc);
-  MOE_KCHECK(ctx, "attention backward kernel (wgmma)");
-  const int64_t n4 = rows * D / 4;
-  attn_dq_convert_kernel<D><<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(p, acc, n4);
-  MOE_KCHECK(ctx, "attention dq kernel");
-  return MOE_OK;
-}
-
 void attn_strides(const moe_kview *v, int64_t *sb, int64_t *sh, int64_t *st) {
   *sb = v->stride[0];
   *sh = v->stride[1];
@@ -1713,7 +1309,7 @@ extern "C" const char *moe_cuda_attention_last(bool backward) {
 extern "C" bool moe_cuda_attention_bwd_atomic(int device) {
   const char *e = getenv("MOE_ATTN_DETERMINISTIC");
   if (e && strcmp(e, "1") == 0) return false;
-  return attn_wg_ok(device);
+  return attn_hopper_ok(device);
 }
 
 extern "C" bool moe_cuda_attention_rows_ok(const moe_kview *v) {
@@ -1746,20 +1342,15 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
   attn_strides(k, &p.k_sb, &p.k_sh, &p.k_st);
   attn_strides(v, &p.v_sb, &p.v_sh, &p.v_st);
   attn_strides(o, &p.o_sb, &p.o_sh, &p.o_st);
-  if (attn_wg_ok(device)) {
+  if (attn_hopper_ok(device)) { /* where the driver refuses a map: the mma.sync kernels */
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (attn_ws_wanted()) {
-      if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
-      else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
-      if (ran) {
-        attn_last_fwd = "tma";
-        return MOE_OK;
-      }
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
+    else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
+    if (ran) {
+      attn_last_fwd = "tma";
+      return MOE_OK;
     }
-    attn_last_fwd = "wg";
-    if (q->shape[3] == 64) return attn_wg_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH);
-    return attn_wg_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH);
   }
   attn_last_fwd = "mma";
   if (q->shape[3] == 64) return attn_fwd_run<64>(ctx, (cudaStream_t)stream, p, BH);
@@ -1801,23 +1392,18 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
   attn_strides(dq, &p.dq_sb, &p.dq_sh, &p.dq_st);
   attn_strides(dk, &p.dk_sb, &p.dk_sh, &p.dk_st);
   attn_strides(dv, &p.dv_sb, &p.dv_sh, &p.dv_st);
-  if (dq_acc) {
-    if (dq_acc->dtype != MOE_F32 || !attn_wg_ok(device))
+  if (dq_acc) { /* where the driver refuses a map: the mma.sync kernels (dq_acc unused) */
+    if (dq_acc->dtype != MOE_F32 || !attn_hopper_ok(device))
       return moe_error(ctx, MOE_ERR_INTERNAL, "%s: dq_acc needs f32 and the wgmma kernels", fn);
     float *acc = (float *)dq_acc->data;
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (attn_ws_wanted()) {
-      if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
-      else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
-      if (ran) {
-        attn_last_bwd = "tma";
-        return MOE_OK;
-      }
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
+    else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
+    if (ran) {
+      attn_last_bwd = "tma";
+      return MOE_OK;
     }
-    attn_last_bwd = "wg";
-    if (q->shape[3] == 64) return attn_wg_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, acc);
-    return attn_wg_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, acc);
   }
   attn_last_bwd = "mma";
   if (q->shape[3] == 64) return attn_bwd_run<64>(ctx, (cudaStream_t)stream, p, BH);

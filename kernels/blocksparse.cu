@@ -43,6 +43,8 @@
 
 #include "blocksparse_cuda.h"
 #include "mma.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
 #include "common.cuh"
 
 namespace {
@@ -441,78 +443,6 @@ constexpr size_t BS_WG_SMEM =
 #endif
 
 #ifdef BS_WG_DEVICE
-__device__ __forceinline__ void bs_mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void bs_mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "BS_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra BS_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-__device__ __forceinline__ void bs_mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void bs_mbar_expect(uint32_t bar, uint32_t bytes) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
-      "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void bs_tma2(uint32_t dst, const CUtensorMap *map, int c0, int c1,
-                                        uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-               "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
-               : "memory");
-}
-__device__ __forceinline__ void bs_tma3(uint32_t dst, const CUtensorMap *map, int c0, int c1,
-                                        int c2, uint32_t bar) {
-  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
-               "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-               : "memory");
-}
-/* Shared-memory matrix descriptor, 128-byte swizzle (start, LBO, SBO >> 4). */
-__device__ __forceinline__ uint64_t bs_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | (uint64_t)((lbo >> 4) & 0x3FFF) << 16 |
-         (uint64_t)((sbo >> 4) & 0x3FFF) << 32 | 1ull << 62;
-}
-/* One wgmma m64n256k16 (bf16 in, f32 accumulate): d += A * B, A and B
- * from shared memory by descriptor; TA / TB: M- / N-major operands. */
-template <int TA, int TB>
-__device__ __forceinline__ void bs_wgmma(float (&d)[128], uint64_t da, uint64_t db) {
-  asm volatile(
-      "{\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-      "%128, %129, 1, 1, 1, %130, %131;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(da), "l"(db), "n"(TA), "n"(TB));
-}
-
 /* Producer: TMA copies of chunk q of the CTA's walk into stage st (A at
  * sa, B at sb), completing on mbarrier bar. Maps: ma / mb as made by
  * bs_wg_maps (the box shapes listed there). */
@@ -525,32 +455,32 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
   if (KIND == BS_SDD) {
     int64_t i = c.i0, rb = tp.row_indices[i], cb = tp.column_indices[i];
     int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
-    bs_tma2(sa, ma, kk, (int)(rb * BS_B), bar); /* x (K | R): 64 x 128 */
+    moe_tma2(sa, ma, kk, (int)(rb * BS_B), bar); /* x (K | R): 64 x 128 */
     if (!TRANS)                                 /* w (N | K | EL): 4 x (64 x 64 x 1) */
-      for (int j = 0; j < 4; j++) bs_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
     else /* w (K | N | EL): 64 x 256 x 1 */
-      bs_tma3(sb, mb, kk, n0, el, bar);
+      moe_tma3(sb, mb, kk, n0, el, bar);
   } else if (KIND == BS_DSD) {
     int64_t i = c.i0 * F + q / 2, cb = tp.column_indices[i];
     int el = (int)(cb / F), r0 = (int)(cb % F) * BS_B + (q % 2) * BS_WG_BK;
     int t0 = (int)c.t0;
-    bs_tma2(sa, ma, (q % 2) * BS_WG_BK, (int)(i * BS_B), bar); /* s (128 | nnz*128): 64 x 128 */
+    moe_tma2(sa, ma, (q % 2) * BS_WG_BK, (int)(i * BS_B), bar); /* s (128 | nnz*128): 64 x 128 */
     if (!TRANS) /* w (K | N | EL): 4 x (64 x 64 x 1) */
-      for (int j = 0; j < 4; j++) bs_tma3(sb + j * 8192, mb, t0 + j * 64, r0, el, bar);
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, t0 + j * 64, r0, el, bar);
     else /* w (N | K | EL): 64 x 256 x 1 */
-      bs_tma3(sb, mb, r0, t0, el, bar);
+      moe_tma3(sb, mb, r0, t0, el, bar);
   } else {
     int64_t it = c.i0 + q / 2, i = tp.block_offsets_t[it], rb = tp.column_indices_t[it];
     int kk = (q % 2) * BS_WG_BK, t0 = (int)c.t0;
     if (KIND == BS_DSD_T) { /* A = S_i^T: s (128 | nnz*128) 2 x (64 x 64); B = y (K | R) 4 x */
-      for (int j = 0; j < 2; j++) bs_tma2(sa + j * 8192, ma, j * 64, (int)(i * BS_B) + kk, bar);
+      for (int j = 0; j < 2; j++) moe_tma2(sa + j * 8192, ma, j * 64, (int)(i * BS_B) + kk, bar);
       for (int j = 0; j < 4; j++)
-        bs_tma2(sb + j * 8192, mb, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
+        moe_tma2(sb + j * 8192, mb, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
     } else { /* DDS: A = x^T: x (K | R) 2 x (64 x 64); B = S_i | S_i+1: s 4 x (64 x 64) */
       for (int j = 0; j < 2; j++)
-        bs_tma2(sa + j * 8192, ma, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
+        moe_tma2(sa + j * 8192, ma, t0 + j * 64, (int)(rb * BS_B) + kk, bar);
       for (int j = 0; j < 4; j++)
-        bs_tma2(sb + j * 8192, mb, (j & 1) * 64, (int)((i + (j >> 1)) * BS_B) + kk, bar);
+        moe_tma2(sb + j * 8192, mb, (j & 1) * 64, (int)((i + (j >> 1)) * BS_B) + kk, bar);
     }
   }
 }
@@ -577,8 +507,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < BS_WG_STAGES; s++) {
-      bs_mbar_init(bars + 8 * s, 1);
-      bs_mbar_init(bars + 8 * (BS_WG_STAGES + s), 256);
+      moe_mbar_init(bars + 8 * s, 1);
+      moe_mbar_init(bars + 8 * (BS_WG_STAGES + s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -592,9 +522,9 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         for (int q = 0; q < c.nq; q++, it++) {
           int s = (int)(it % BS_WG_STAGES);
           if (it >= BS_WG_STAGES)
-            bs_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
+            moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
           uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE;
-          bs_mbar_expect(full, BS_WG_STAGE);
+          moe_mbar_expect(full, BS_WG_STAGE);
           bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, sa, sa + BS_WG_A_BYTES, full);
         }
       }
@@ -612,24 +542,24 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       for (int e = 0; e < 128; e++) acc[e] = 0.f;
       for (int q = 0; q < c.nq; q++, it++) {
         int s = (int)(it % BS_WG_STAGES);
-        bs_mbar_wait(bars + 8 * s, (uint32_t)((it / BS_WG_STAGES) & 1));
+        moe_mbar_wait(bars + 8 * s, (uint32_t)((it / BS_WG_STAGES) & 1));
         uint32_t sa = base + s * BS_WG_STAGE + cw * 8192, sb = base + s * BS_WG_STAGE + BS_WG_A_BYTES;
-        asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+        moe_wg_fence();
 #pragma unroll
         for (int ks = 0; ks < BS_WG_BK / 16; ks++) {
           uint64_t da =
-              L::A_KC ? bs_desc(sa + ks * 32, 16, 1024) : bs_desc(sa + ks * 2048, lbo, sbo);
+              L::A_KC ? moe_wg_desc(sa + ks * 32, 16, 1024) : moe_wg_desc(sa + ks * 2048, lbo, sbo);
           uint64_t db =
-              L::B_KC ? bs_desc(sb + ks * 32, 16, 1024) : bs_desc(sb + ks * 2048, lbo, sbo);
-          bs_wgmma<L::A_KC ? 0 : 1, L::B_KC ? 0 : 1>(acc, da, db);
+              L::B_KC ? moe_wg_desc(sb + ks * 32, 16, 1024) : moe_wg_desc(sb + ks * 2048, lbo, sbo);
+          moe_wg_ss<256, L::A_KC ? 0 : 1, L::B_KC ? 0 : 1>(acc, da, db);
         }
-        asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-        asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
-        if (q > 0) bs_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+        moe_wg_commit();
+        moe_wg_wait<1>();
+        if (q > 0) moe_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
       }
-      asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+      moe_wg_wait<0>();
       /* the tile's last stage is free for the producer's next tile */
-      if (c.nq > 0) bs_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+      if (c.nq > 0) moe_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
       __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
@@ -703,29 +633,11 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
 
 /* cuTensorMapEncodeTiled through the runtime's driver entry point (no link
  * against libcuda). */
-typedef CUresult (*bs_encode_fn)(CUtensorMap *, CUtensorMapDataType, cuuint32_t, void *,
-                                 const cuuint64_t *, const cuuint64_t *, const cuuint32_t *,
-                                 const cuuint32_t *, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-bs_encode_fn bs_encoder() {
-  static bs_encode_fn fn = NULL;
-  if (!fn) {
-    void *p = NULL;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = (bs_encode_fn)p;
-  }
-  return fn;
-}
-
 /* A bf16 tensor map over a row-major tensor: dims innermost first (elements),
  * box in elements (innermost 64 = 128 bytes, the swizzle span). */
 moe_status bs_map(moe_ctx *ctx, CUtensorMap *m, const void *p, int rank, const int64_t *dims,
                   const uint32_t *box) {
-  bs_encode_fn enc = bs_encoder();
+  moe_tma_encode_fn enc = moe_tma_encoder();
   if (!enc) return moe_error(ctx, MOE_ERR_CUDA, "bsmm: cuTensorMapEncodeTiled is not available");
   cuuint64_t gd[3], gs[2];
   cuuint32_t bx[3], es[3] = {1, 1, 1};

@@ -58,8 +58,22 @@ __device__ __forceinline__ void moe_mbar_expect(uint32_t bar, uint32_t bytes) {
       "r"(bytes)
       : "memory");
 }
-/* A 4-D TMA box at coordinates (c0 innermost .. c3) into dst, completing
- * on mbarrier bar. */
+/* 2-, 3- and 4-D TMA boxes at coordinates (c0 innermost ..) into dst,
+ * completing on mbarrier bar. */
+__device__ __forceinline__ void moe_tma2(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                         uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(bar)
+               : "memory");
+}
+__device__ __forceinline__ void moe_tma3(uint32_t dst, const CUtensorMap *map, int c0, int c1,
+                                         int c2, uint32_t bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+               "[%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+               "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+               : "memory");
+}
 __device__ __forceinline__ void moe_tma4(uint32_t dst, const CUtensorMap *map, int c0, int c1,
                                          int c2, int c3, uint32_t bar) {
   asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes "

@@ -5,8 +5,8 @@
  * not, default and explicit scales; strided inputs read in place (transposed (B, T, H, D) buffers) and
  * copied (a last dim that is not contiguous); autograd on the GPU; the
  * deterministic backward (MOE_ATTN_DETERMINISTIC=1) is bit-identical run to
- * run; the default kernels (wgmma on compute capability 9.x) and the
- * mma.sync ones (MOE_ATTN_WG=0) both; the errors for what the kernels do
+ * run; the default kernels (TMA + wgmma on compute capability 9.x) and
+ * the mma.sync ones (MOE_ATTN_WG=0) both; the errors for what the kernels do
  * not take. Exits 77 without a GPU.
  */
 #define _POSIX_C_SOURCE 200809L /* setenv */
@@ -212,18 +212,6 @@ static void test_mma_sync_kernels(moe_ctx *ctx) {
   unsetenv("MOE_ATTN_WG");
 }
 
-/* The cp.async wgmma kernels (MOE_ATTN_WG=wg; the fallback where the
- * driver refuses a tensor map), on compute capability 9.x. */
-static void test_wg_kernels(moe_ctx *ctx) {
-  if (strcmp(default_family(ctx), "mma") == 0) return; /* not a 9.x GPU */
-  setenv("MOE_ATTN_WG", "wg", 1);
-  want_family = "wg";
-  test_sizes(ctx);
-  test_layouts(ctx);
-  want_family = NULL;
-  unsetenv("MOE_ATTN_WG");
-}
-
 static void test_errors(moe_ctx *ctx) {
   int64_t s[4] = {1, 2, 8, 32}, s64[4] = {1, 2, 8, 64};
   moe_tensor *a = NULL, *f = NULL, *o = NULL, *c = NULL;
@@ -246,7 +234,6 @@ int main(void) {
   RUN(test_default_kernels);
   RUN(test_autograd_determinism);
   RUN(test_mma_sync_kernels);
-  RUN(test_wg_kernels);
   RUN(test_errors);
   return harness_end();
 }
