@@ -33,7 +33,11 @@ Notes:
   previous one, the two consumers taking turns (ping-pong). Backward: 128 keys per
   block, query blocks of 64; dQ summed over key blocks in f32 by bulk reductions
   (cp.reduce.async.bulk), so it is not bit-reproducible; MOE_ATTN_DETERMINISTIC=1 runs
-  the deterministic mma.sync backward instead (its own dQ pass, no atomics).
+  the deterministic mma.sync backward instead (its own dQ pass, no atomics). Both
+  kernels are persistent: one block per multiprocessor loops over the tiles, heaviest
+  first, so the next tile's loads overlap the current one's last products and output
+  (MOE_ATTN_PERSISTENT=0: one block per tile; bench/gpu_round.sh prints those timings
+  and the ones without ping-pong beside these).
 - "moe mma.sync" is the FlashAttention-2-style mma.sync m16n8k16 kernels
   (MOE_ATTN_WG=0: what GPUs other than 9.x run), timed in the same run.
 - The TF/s columns count the conventional 2.5x forward for the backward.

@@ -28,7 +28,9 @@
  *        MOE_ATTN_WG=0 the mma.sync kernels on 9.x too,
  *        MOE_ATTN_DETERMINISTIC=1 the deterministic
  *        backward (see below), MOE_ATTN_PINGPONG=0 no turn-taking between
- *        the forward's consumer warpgroups. Other dtypes or head dims
+ *        the forward's consumer warpgroups, MOE_ATTN_PERSISTENT=0 one
+ *        block per tile instead of the persistent grid (one block per
+ *        multiprocessor looping over tiles; =n, at most n blocks). Other dtypes or head dims
  *        on CUDA: MOE_ERR_NOT_SUPPORTED naming the op, dtype and head dim
  *        (there is no slower non-fused path; cast to bf16 or use the CPU).
  *

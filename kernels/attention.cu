@@ -671,32 +671,43 @@ template <int D> struct WsFwd {
   static constexpr size_t SMEM = (size_t)BM * D * 2 + 2 * S * (size_t)KB + 1024 + 16 * 8;
 };
 
-/* Forward, queries [m0, m0 + 128) (heaviest, i.e. last, blocks first under
- * the causal mask). Software-pipelined within each warpgroup: step j
- * issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, so the softmax
- * of S_j runs while the tensor cores do the P V product; O is rescaled by
- * alpha_j once that product is done. The producer keeps WsFwd::S key and value
- * blocks in flight. */
+/* The persistent kernels' tile order: round r of the grid's G blocks
+ * takes tiles [r G, r G + G), block c the c-th of them in even rounds and
+ * the (G - 1 - c)-th in odd ones, so that over the tiles (sorted heaviest
+ * first) every block gets about the same work. */
+#ifdef MOE_WG_DEVICE
+__device__ __forceinline__ int attn_tile(int r, int c, int G) {
+  return r * G + ((r & 1) ? G - 1 - c : c);
+}
+#endif
+
+/* Forward, persistent: tiles of 128 queries, t = y BH + bh with query block
+ * nblk - 1 - y (heaviest, i.e. last, blocks first under the causal mask).
+ * Software-pipelined within each warpgroup: step j issues S_j = Q K_j^T and
+ * O += P_{j-1} V_{j-1} together, so the softmax of S_j runs while the
+ * tensor cores do the P V product; O is rescaled by alpha_j once that
+ * product is done. The producer keeps WsFwd::S key and value blocks in
+ * flight across tiles and loads the next tile's Q once the consumers'
+ * last S product of the current one is done (qempty), so the next tile's
+ * loads overlap this one's last P V product and its output. */
 template <int D>
 __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_ws_fwd_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
-                       const __grid_constant__ CUtensorMap mv, AttnParams p) {
+                       const __grid_constant__ CUtensorMap mv, AttnParams p, int BH) {
 #ifdef MOE_WG_DEVICE
   constexpr int BM = WsFwd<D>::BM, BN = WsFwd<D>::BN, KB = WsFwd<D>::KB, S = WsFwd<D>::S;
   extern __shared__ __align__(128) uint8_t attn_wsmem[];
   const uint32_t sQ = (moe_smem_u32(attn_wsmem) + 1023u) & ~1023u;
   const uint32_t sK = sQ + BM * D * 2, sV = sK + S * KB, bars = sV + S * KB;
-  /* bars: qfull, kfull[S], vfull[S], kempty[S], vempty[S] */
+  /* bars: qfull, kfull[S], vfull[S], kempty[S], vempty[S], qempty */
   const uint32_t qfull = bars, kfull = bars + 8, vfull = kfull + 8 * S, kempty = vfull + 8 * S,
-                 vempty = kempty + 8 * S;
+                 vempty = kempty + 8 * S, qempty = vempty + 8 * S;
   /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
-  const int m0 = (gridDim.y - 1 - blockIdx.y) * BM; /* heaviest (last) query blocks first */
-  int nkv = (T + BN - 1) / BN;
-  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+  const int T = p.T, nblk = (T + BM - 1) / BM, ntiles = nblk * BH;
   if (tid == 0) {
     moe_mbar_init(qfull, 1);
+    moe_mbar_init(qempty, 256);
     for (int i = 0; i < S; i++) {
       moe_mbar_init(kfull + 8 * i, 1);
       moe_mbar_init(vfull + 8 * i, 1);
@@ -710,28 +721,44 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   if (wg == 0) { /* producer */
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid == 0) {
-      moe_mbar_expect(qfull, BM * D * 2);
+      int kv = 0; /* key/value blocks loaded so far (the stage ring runs on across tiles) */
+      for (int rt = 0;; rt++) {
+        const int t = attn_tile(rt, blockIdx.x, gridDim.x);
+        if (t >= ntiles) break;
+        const int bh = t % BH, b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - t / BH) * BM;
+        int nkv = (T + BN - 1) / BN;
+        if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+        if (rt > 0) moe_mbar_wait(qempty, (uint32_t)((rt - 1) & 1));
+        moe_mbar_expect(qfull, BM * D * 2);
 #pragma unroll
-      for (int pn = 0; pn < D / 64; pn++) moe_tma4(sQ + pn * BM * 128, &mq, pn * 64, m0, h, b, qfull);
-      for (int j = 0; j < nkv; j++) {
-        const int st = j % S;
-        const uint32_t ph = (uint32_t)((j / S - 1) & 1);
-        if (j >= S) moe_mbar_wait(kempty + 8 * st, ph);
-        moe_mbar_expect(kfull + 8 * st, KB);
+        for (int pn = 0; pn < D / 64; pn++) moe_tma4(sQ + pn * BM * 128, &mq, pn * 64, m0, h, b, qfull);
+        for (int j = 0; j < nkv; j++, kv++) {
+          const int st = kv % S;
+          const uint32_t ph = (uint32_t)((kv / S - 1) & 1);
+          if (kv >= S) moe_mbar_wait(kempty + 8 * st, ph);
+          moe_mbar_expect(kfull + 8 * st, KB);
 #pragma unroll
-        for (int pn = 0; pn < D / 64; pn++)
-          moe_tma4(sK + st * KB + pn * BN * 128, &mk, pn * 64, j * BN, h, b, kfull + 8 * st);
-        if (j >= S) moe_mbar_wait(vempty + 8 * st, ph);
-        moe_mbar_expect(vfull + 8 * st, KB);
+          for (int pn = 0; pn < D / 64; pn++)
+            moe_tma4(sK + st * KB + pn * BN * 128, &mk, pn * 64, j * BN, h, b, kfull + 8 * st);
+          if (kv >= S) moe_mbar_wait(vempty + 8 * st, ph);
+          moe_mbar_expect(vfull + 8 * st, KB);
 #pragma unroll
-        for (int pn = 0; pn < D / 64; pn++)
-          moe_tma4(sV + st * KB + pn * BN * 128, &mv, pn * 64, j * BN, h, b, vfull + 8 * st);
+          for (int pn = 0; pn < D / 64; pn++)
+            moe_tma4(sV + st * KB + pn * BN * 128, &mv, pn * 64, j * BN, h, b, vfull + 8 * st);
+        }
       }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  int kv = 0; /* key/value blocks consumed before this tile */
+  for (int rt = 0;; rt++) {
+  const int t = attn_tile(rt, blockIdx.x, gridDim.x);
+  if (t >= ntiles) break;
+  const int bh = t % BH, b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - t / BH) * BM;
+  int nkv = (T + BN - 1) / BN;
+  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
   const int rbase = m0 + cw * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
   const int wrow0 = m0 + cw * 64;
 
@@ -742,19 +769,20 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   uint32_t pa[BN / 16][4];
 
   /* step 0: S_0, P_0 */
-  moe_mbar_wait(qfull, 0);
-  moe_mbar_wait(kfull, 0);
+  moe_mbar_wait(qfull, (uint32_t)(rt & 1));
+  moe_mbar_wait(kfull + 8 * (kv % S), (uint32_t)((kv / S) & 1));
 #pragma unroll
   for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
   moe_wg_pin(s);
   moe_wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ks++)
-    moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, cw * 64, ks), wg_dk<BN>(sK, 0, ks));
+    moe_wg_ss<BN, 0, 0>(s, wg_dk<BM>(sQ, cw * 64, ks), wg_dk<BN>(sK + (kv % S) * KB, 0, ks));
   moe_wg_commit();
   moe_wg_wait<0>();
   moe_wg_pin(s);
-  moe_mbar_arrive(kempty);
+  moe_mbar_arrive(kempty + 8 * (kv % S));
+  if (nkv == 1) moe_mbar_arrive(qempty); /* Q read for the last time */
   wg_softmax<BN>(p, s, m, l, alpha, rbase, 0, BN > T || (p.causal && BN - 1 > wrow0), t4);
   wg_c2a<BN>(pa, s);
 
@@ -765,9 +793,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   const bool pp = p.pingpong && nkv > 1;
   if (pp && cw == 1) asm volatile("bar.arrive 1, 256;\n" ::: "memory");
   for (int j = 1; j < nkv; j++) {
-    const int sk = j % S, sv = (j - 1) % S;
-    moe_mbar_wait(kfull + 8 * sk, (uint32_t)((j / S) & 1));
-    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((j - 1) / S) & 1));
+    const int sk = (kv + j) % S, sv = (kv + j - 1) % S;
+    moe_mbar_wait(kfull + 8 * sk, (uint32_t)(((kv + j) / S) & 1));
+    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((kv + j - 1) / S) & 1));
 #pragma unroll
     for (int e = 0; e < BN / 2; e++) s[e] = 0.f;
     moe_wg_pin(s);
@@ -788,6 +816,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_wg_wait<1>(); /* S_j */
     moe_wg_pin(s);
     moe_mbar_arrive(kempty + 8 * sk);
+    if (j == nkv - 1) moe_mbar_arrive(qempty); /* Q read for the last time */
     const int n0 = j * BN;
     wg_softmax<BN>(p, s, m, l, alpha, rbase, n0,
                    n0 + BN > T || (p.causal && n0 + BN - 1 > wrow0), t4);
@@ -806,8 +835,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   }
   /* O += P_last V_last */
   {
-    const int sv = (nkv - 1) % S;
-    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((nkv - 1) / S) & 1));
+    const int sv = (kv + nkv - 1) % S;
+    moe_mbar_wait(vfull + 8 * sv, (uint32_t)(((kv + nkv - 1) / S) & 1));
     moe_wg_pin(o);
     moe_wg_pin(pa);
     moe_wg_fence();
@@ -816,6 +845,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     moe_wg_commit();
     moe_wg_wait<0>();
     moe_wg_pin(o);
+    moe_wg_pin(pa);
+    moe_mbar_arrive(vempty + 8 * sv);
   }
 
   /* O = acc / l, lse = (m + log2 l) ln 2 */
@@ -837,8 +868,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       if (t4 == 0) lg[row] = ls > 0 ? (m[r] + log2f(ls)) * kLn2 : -INFINITY;
     }
   }
+  kv += nkv;
+  }
 #else
-  (void)mq, (void)mk, (void)mv, (void)p;
+  (void)mq, (void)mk, (void)mv, (void)p, (void)BH;
 #endif
 }
 
@@ -865,7 +898,7 @@ template <int D>
 __global__ void __launch_bounds__(WS_THREADS, 1)
     attn_ws_bwd_kernel(const __grid_constant__ CUtensorMap mq, const __grid_constant__ CUtensorMap mk,
                        const __grid_constant__ CUtensorMap mv, const __grid_constant__ CUtensorMap mo,
-                       AttnParams p, float *dq_acc) {
+                       AttnParams p, float *dq_acc, int BH) {
 #ifdef MOE_WG_DEVICE
   constexpr int BN = WsBwd<D>::BN, BQ = WsBwd<D>::BQ, QB = WsBwd<D>::QB, PITCH = WsBwd<D>::PITCH;
   extern __shared__ __align__(128) uint8_t attn_wsmem[];
@@ -876,16 +909,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   const uint32_t sDQ = sS + 2 * BN * BQ * 2; /* 2 planes x BQ rows x PITCH bytes, f32 */
   const uint32_t sLD = sDQ + 2 * BQ * PITCH; /* lse*log2e [2][BQ], delta [2][BQ] */
   const uint32_t bars = sLD + 4 * BQ * 4;
-  /* bars: kvfull, full[2], empty[2] */
-  const uint32_t kvfull = bars, full = bars + 8, empty = bars + 24;
+  /* bars: kvfull, full[2], empty[2], kvempty */
+  const uint32_t kvfull = bars, full = bars + 8, empty = bars + 24, kvempty = bars + 40;
   float *sL = reinterpret_cast<float *>(attn_wsmem + (sLD - raw)), *sD = sL + 2 * BQ;
   /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int bh = blockIdx.x, b = bh / p.H, h = bh % p.H, T = p.T;
-  const int n0 = blockIdx.y * BN;
-  const int i0 = p.causal ? n0 / BQ : 0, nq = (T + BQ - 1) / BQ;
+  const int T = p.T, nq = (T + BQ - 1) / BQ, ntiles = ((T + BN - 1) / BN) * BH;
   if (tid == 0) {
     moe_mbar_init(kvfull, 1);
+    moe_mbar_init(kvempty, 256);
     for (int i = 0; i < 2; i++) {
       moe_mbar_init(full + 8 * i, 33); /* lane 0's expect-tx arrival + 32 lanes' lse/delta */
       moe_mbar_init(empty + 8 * i, 256);
@@ -897,8 +929,15 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   if (wg == 0) { /* producer: warp 0 */
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid >= 32) return;
-    const float *lg = p.lse + (int64_t)bh * T, *dg = p.delta + (int64_t)bh * T;
+    int u = 0; /* query blocks loaded so far (the stages run on across tiles) */
+    for (int rt = 0;; rt++) {
+    const int t = attn_tile(rt, blockIdx.x, gridDim.x);
+    if (t >= ntiles) break;
+    const int bh = t % BH, b = bh / p.H, h = bh % p.H, n0 = (t / BH) * BN;
+    const int i0 = p.causal ? n0 / BQ : 0;
+    const int64_t lo = (int64_t)bh * T; /* lse and delta rows of this head */
     if (tid == 0) {
+      if (rt > 0) moe_mbar_wait(kvempty, (uint32_t)((rt - 1) & 1));
       moe_mbar_expect(kvfull, 2 * BN * D * 2);
 #pragma unroll
       for (int pn = 0; pn < D / 64; pn++) {
@@ -906,8 +945,8 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
         moe_tma4(sV + pn * BN * 128, &mv, pn * 64, n0, h, b, kvfull);
       }
     }
-    for (int i = i0; i < nq; i++) {
-      const int u = i - i0, st = u & 1;
+    for (int i = i0; i < nq; i++, u++) {
+      const int st = u & 1;
       if (u >= 2) moe_mbar_wait(empty + 8 * st, (uint32_t)((u / 2 - 1) & 1));
       if (tid == 0) {
         moe_mbar_expect(full + 8 * st, 2 * QB);
@@ -920,30 +959,37 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 #pragma unroll
       for (int x = tid; x < BQ; x += 32) {
         const int row = i * BQ + x;
-        sL[st * BQ + x] = row < T ? lg[row] * kLog2e : INFINITY; /* P = 0 past T */
-        sD[st * BQ + x] = row < T ? dg[row] : 0.f;
+        sL[st * BQ + x] = row < T ? p.lse[lo + row] * kLog2e : INFINITY; /* P = 0 past T */
+        sL[2 * BQ + st * BQ + x] = row < T ? p.delta[lo + row] : 0.f; /* sD */
       }
       moe_mbar_arrive(full + 8 * st);
+    }
     }
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int cw = wg - 1, ct = tid - 128, warp = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  float *accg = dq_acc + (int64_t)bh * T * D;
-  float dk[D / 2], dv[D / 2];
-#pragma unroll
-  for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
   const int keyl = cw * 64 + warp * 16 + g; /* this thread's key rows: keyl, keyl + 8 (local) */
   /* the even threads of the warpgroup (16 per warp: the warps stay even)
    * each issue the reduction of staged row rr */
   const bool reducer = (ct & 1) == 0;
   const int rr = (ct & 127) >> 1;
   const uint32_t plane = sDQ + cw * BQ * PITCH;
-  moe_mbar_wait(kvfull, 0);
+  int u = 0; /* query blocks consumed before this tile */
+  for (int rt = 0;; rt++) {
+  const int t = attn_tile(rt, blockIdx.x, gridDim.x);
+  if (t >= ntiles) break;
+  const int bh = t % BH, b = bh / p.H, h = bh % p.H, n0 = (t / BH) * BN;
+  const int i0 = p.causal ? n0 / BQ : 0;
+  float *accg = dq_acc + (int64_t)bh * T * D;
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
+  moe_mbar_wait(kvfull, (uint32_t)(rt & 1));
 
-  for (int i = i0; i < nq; i++) {
-    const int u = i - i0, st = u & 1;
+  for (int i = i0; i < nq; i++, u++) {
+    const int st = u & 1;
     moe_mbar_wait(full + 8 * st, (uint32_t)((u / 2) & 1));
     const uint32_t qb = sQ + st * QB, ob = sO + st * QB, sb = sS + st * BN * BQ * 2;
     const float *L = sL + st * BQ, *Dl = sD + st * BQ;
@@ -1086,7 +1132,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
                    : "memory");
     }
   }
-  if (reducer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  moe_mbar_arrive(kvempty); /* K and V read for the last time */
   /* dK (scaled) and dV rows */
 #pragma unroll
   for (int hh = 0; hh < 2; hh++) {
@@ -1102,8 +1148,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
           attn_pack(dv[4 * n + 2 * hh], dv[4 * n + 2 * hh + 1]);
     }
   }
+  }
+  if (reducer) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 #else
-  (void)mq, (void)mk, (void)mv, (void)mo, (void)p, (void)dq_acc;
+  (void)mq, (void)mk, (void)mv, (void)mo, (void)p, (void)dq_acc, (void)BH;
 #endif
 }
 
@@ -1201,6 +1249,25 @@ bool attn_hopper_ok(int device) {
          major == 9;
 }
 
+/* The persistent kernels' grid: one block per multiprocessor
+ * (MOE_ATTN_PERSISTENT=0: one block per tile, as a plain grid; =n > 0: at
+ * most n blocks, which the tests use to give each block many tiles). */
+int attn_nsm(int device) {
+  const char *e = getenv("MOE_ATTN_PERSISTENT");
+  if (e && *e) {
+    const long n = strtol(e, NULL, 10);
+    if (n == 0) return 1 << 30;
+    if (n > 0 && n < (1 << 30)) return (int)n;
+  }
+  static int cached[64];
+  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || n <= 0)
+    n = 132;
+  if (device >= 0 && device < 64) cached[device] = n;
+  return n;
+}
+
 /* A TMA map over a (B, H, T, D) bf16 operand with strides (sb, sh, st, 1):
  * dims (D, T, H, B) innermost first, boxes of 64 columns x rows rows, the
  * 128-byte swizzle, zero fill past T. False when the driver refuses it
@@ -1223,7 +1290,7 @@ bool attn_map(CUtensorMap *m, const void *data, int64_t sb, int64_t sh, int64_t 
 /* The warp-specialised forward; *ran false when a map was refused. */
 template <int D>
 moe_status attn_ws_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
-                              int B, bool *ran) {
+                              int B, int nsm, bool *ran) {
   CUtensorMap mq, mk, mv;
   *ran = false;
   if (!attn_map(&mq, p.q, p.q_sb, p.q_sh, p.q_st, B, p.H, p.T, D, WsFwd<D>::BM) ||
@@ -1233,8 +1300,9 @@ moe_status attn_ws_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
   constexpr size_t smem = WsFwd<D>::SMEM;
   auto kern = attn_ws_fwd_kernel<D>;
   MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)BH, (unsigned)((p.T + WsFwd<D>::BM - 1) / WsFwd<D>::BM));
-  kern<<<grid, WS_THREADS, smem, stream>>>(mq, mk, mv, p);
+  const int64_t ntiles = (int64_t)BH * ((p.T + WsFwd<D>::BM - 1) / WsFwd<D>::BM);
+  if (ntiles >= (1LL << 30)) return MOE_OK; /* tile numbers are ints */
+  kern<<<(unsigned)(ntiles < nsm ? ntiles : nsm), WS_THREADS, smem, stream>>>(mq, mk, mv, p, BH);
   MOE_KCHECK(ctx, "attention forward kernel (TMA + wgmma)");
   *ran = true;
   return MOE_OK;
@@ -1242,9 +1310,11 @@ moe_status attn_ws_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
 
 template <int D>
 moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH,
-                              int B, float *acc, bool *ran) {
+                              int B, float *acc, int nsm, bool *ran) {
   CUtensorMap mq, mk, mv, mo;
   *ran = false;
+  const int64_t ntiles = (int64_t)BH * ((p.T + WsBwd<D>::BN - 1) / WsBwd<D>::BN);
+  if (ntiles >= (1LL << 30)) return MOE_OK; /* tile numbers are ints */
   if (!attn_map(&mq, p.q, p.q_sb, p.q_sh, p.q_st, B, p.H, p.T, D, WsBwd<D>::BQ) ||
       !attn_map(&mo, p.dout, p.do_sb, p.do_sh, p.do_st, B, p.H, p.T, D, WsBwd<D>::BQ) ||
       !attn_map(&mk, p.k, p.k_sb, p.k_sh, p.k_st, B, p.H, p.T, D, WsBwd<D>::BN) ||
@@ -1257,8 +1327,7 @@ moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
   constexpr size_t smem = WsBwd<D>::SMEM;
   auto kern = attn_ws_bwd_kernel<D>;
   MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  dim3 grid((unsigned)BH, (unsigned)((p.T + WsBwd<D>::BN - 1) / WsBwd<D>::BN));
-  kern<<<grid, WS_THREADS, smem, stream>>>(mq, mk, mv, mo, p, acc);
+  kern<<<(unsigned)(ntiles < nsm ? ntiles : nsm), WS_THREADS, smem, stream>>>(mq, mk, mv, mo, p, acc, BH);
   MOE_KCHECK(ctx, "attention backward kernel (TMA + wgmma)");
   const int64_t n4 = rows * D / 4;
   attn_dq_convert_kernel<D><<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(p, acc, n4);
@@ -1345,8 +1414,8 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
   if (attn_hopper_ok(device)) { /* where the driver refuses a map: the mma.sync kernels */
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
-    else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, &ran));
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(device), &ran));
+    else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(device), &ran));
     if (ran) {
       attn_last_fwd = "tma";
       return MOE_OK;
@@ -1398,8 +1467,8 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
     float *acc = (float *)dq_acc->data;
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
-    else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, &ran));
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(device), &ran));
+    else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(device), &ran));
     if (ran) {
       attn_last_bwd = "tma";
       return MOE_OK;

@@ -212,6 +212,20 @@ static void test_mma_sync_kernels(moe_ctx *ctx) {
   unsetenv("MOE_ATTN_WG");
 }
 
+/* The persistent TMA kernels with a grid of 3 blocks (MOE_ATTN_PERSISTENT=3):
+ * every block runs many tiles, so the stage rings wrap across tiles. */
+static void test_persistent_small_grid(moe_ctx *ctx) {
+  want_family = default_family(ctx);
+  setenv("MOE_ATTN_PERSISTENT", "3", 1);
+  moe_rng_seed(ctx, 14);
+  check_config(ctx, 2, 3, 77, 64, true, 1, 0);
+  check_config(ctx, 2, 3, 1000, 128, true, 0, 0);
+  check_config(ctx, 3, 2, 520, 64, true, 2, 0);
+  check_config(ctx, 2, 2, 300, 128, false, 0, 0);
+  unsetenv("MOE_ATTN_PERSISTENT");
+  want_family = NULL;
+}
+
 static void test_errors(moe_ctx *ctx) {
   int64_t s[4] = {1, 2, 8, 32}, s64[4] = {1, 2, 8, 64};
   moe_tensor *a = NULL, *f = NULL, *o = NULL, *c = NULL;
@@ -232,6 +246,7 @@ int main(void) {
   moe_ctx *ctx = harness_start();
   SKIP_IF_NO_GPU(ctx);
   RUN(test_default_kernels);
+  RUN(test_persistent_small_grid);
   RUN(test_autograd_determinism);
   RUN(test_mma_sync_kernels);
   RUN(test_errors);
