@@ -136,7 +136,7 @@ local function check_cfg(cfg)
   pos("seq_len", cfg.seq_len); pos("batch_size", cfg.batch_size); pos("grad_accum", cfg.grad_accum)
   pos("steps", cfg.steps, true); pos("eval_every", cfg.eval_every, true); pos("eval_iters", cfg.eval_iters, true)
   pos("log_every", cfg.log_every); pos("save_every", cfg.save_every, true); pos("keep_last", cfg.keep_last, true)
-  pos("stop_at", cfg.stop_at, true)
+  pos("stop_at", cfg.stop_at, true); pos("warmup", cfg.warmup, true)
   local function one_of(key, v, list)
     for _, x in ipairs(list) do if v == x then return end end
     error(("train: %s must be one of %s, got '%s'"):format(key, table.concat(list, ", "), tostring(v)), 0)
@@ -147,6 +147,11 @@ local function check_cfg(cfg)
   one_of("decay", cfg.decay, { "cosine", "linear", "constant" })
   one_of("model.ffn", cfg.model.ffn, { "moe", "dense" })
   one_of("model.moe.kind", cfg.model.moe.kind, { "dmoe", "moe" })
+  if cfg.decay ~= "constant" and cfg.steps < cfg.warmup then
+    error(("train: warmup=%d is longer than steps=%d, so the %s decay would never start: " ..
+      "pass warmup=<n> with n <= %d, or decay=constant"):format(cfg.warmup, cfg.steps,
+      tostring(cfg.decay), cfg.steps), 0)
+  end
 end
 
 --- resolve_device(name) -> "cpu" or "cuda" ("auto": cuda when available).
