@@ -5,7 +5,7 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves] [attention]
+#                           [quantize] [curves] [attention] [sanitize]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -57,9 +57,17 @@ for f in sys.argv[1:]:
         --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1
       note "attention: rc=$? ($(($(date +%s) - t0)) s)"; rm -rf "$out/attn_dump"
       grep -E "^\| [0-9]|validation" "$out/attention.md" ;;
+    sanitize)
+      # compute-sanitizer over the attention kernels on odd shapes, the persistent grid cut
+      # to 3 blocks so that each block runs many tiles
+      for tool in memcheck racecheck synccheck; do
+        MOE_ATTN_PERSISTENT=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $ml bench/attention_sanitize.lua \
+          > "$out/sanitize_$tool.log" 2>&1
+        note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$out/sanitize_$tool.log" | tail -1)"
+      done ;;
     matmul)
-      $ml bench/matmul.lua --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
-      python3 bench/matmul_torch.py --json "$out/matmul_torch.json" > "$out/matmul_torch.log" 2>&1
+      $ml bench/matmul.lua --cooldown 2 --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
+      python3 bench/matmul_torch.py --cooldown 2 --json "$out/matmul_torch.json" > "$out/matmul_torch.log" 2>&1
       python3 bench/matmul_report.py "$out/matmul_moe.json" "$out/matmul_torch.json" "$out" \
         --command "bash bench/gpu_round.sh matmul" > "$out/matmul_report.log" 2>&1
       note "matmul: rc=$? ($(($(date +%s) - t0)) s)" ;;

@@ -9,7 +9,12 @@ backward runs them), the whole layer forward and backward through autograd
 cuBLASLt's candidate algorithms (kernels/matmul.cu); the warm-up absorbs it. The same cases
 run with torch in bench/matmul_torch.py; bench/matmul_report.py joins both.
 
-  moe-lua bench/matmul.lua [--json FILE] [--repeats N]
+  moe-lua bench/matmul.lua [--json FILE] [--repeats N] [--cooldown SECONDS]
+
+--cooldown S idles the GPU S seconds before each case and before the
+breakdown (bench/matmul_torch.py takes the same option): at ~700 W an H100's
+clock depends on how long it has been busy, so without it a case's timing
+depends on what ran just before it, on either side.
 
 Before timing, each layout (NN, NT via linear, TN) is checked against the
 CPU on a small bf16 problem: the CPU multiplies the same bf16 values in f32.
@@ -19,13 +24,14 @@ are random normal (never zeros). FLOPs: 2 M N K per GEMM.
 ]]
 local moe = require "moe"
 
-local args = { json = nil, repeats = 20 }
+local args = { json = nil, repeats = 20, cooldown = 0 }
 do
   local i = 1
   while i <= #arg do
     local a = arg[i]
     if a == "--json" then args.json = arg[i + 1]; i = i + 2
     elseif a == "--repeats" then args.repeats = tonumber(arg[i + 1]); i = i + 2
+    elseif a == "--cooldown" then args.cooldown = tonumber(arg[i + 1]); i = i + 2
     else error("unknown argument " .. a) end
   end
 end
@@ -35,6 +41,12 @@ assert(not moe.matmul_tf32(), "TF32 must be off by default")
 
 local function randn(shape, dtype)
   return moe.randn(shape, { dtype = dtype or "bf16", device = "cuda" })
+end
+
+-- Idle the GPU args.cooldown seconds (nothing queued: synchronised first).
+local function cooldown()
+  moe.cuda.synchronize()
+  if args.cooldown and args.cooldown > 0 then os.execute(("sleep %g"):format(args.cooldown)) end
 end
 
 local function median(t)
@@ -155,6 +167,7 @@ local results = {}
 print(string.format("%-26s %-6s %10s %10s", "case", "dtype", "ms", "TFLOP/s"))
 for _, c in ipairs(cases) do
   local f, keep = c.setup()
+  cooldown()
   local flops = 2 * c.M * c.N * c.K * c.gemms
   local iters = math.max(3, math.min(200, math.floor(2e13 / flops))) -- 10-30 ms a sample
   local t = time(f, iters, args.repeats)
@@ -196,16 +209,13 @@ do
     moe.matmul(dyt, xd):free()
     moe.sum(dy, 0):free()
   end
+  cooldown()
   for _ = 1, 3 do step() end
   moe.cuda.synchronize()
+  breakdown.step_events_ms = time(step, 3, args.repeats) * 1e3 -- as the table row
   local e0, e1, e2 = moe.Event("cuda"), moe.Event("cuda"), moe.Event("cuda")
-  local ev, fwd, bwd = {}, {}, {}
-  for r = 1, args.repeats do
-    e0:record()
-    for _ = 1, 3 do step() end
-    e1:record(); e1:synchronize()
-    ev[r] = e0:elapsed(e1) / 3
-  end
+  local fwd, bwd = {}, {}
+  cooldown() -- each part of the breakdown after its own idle (the torch side likewise)
   local s0 = moe.memory_stats("cuda")
   for r = 1, args.repeats do
     e0:record()
@@ -218,10 +228,10 @@ do
     x.grad = nil; w.grad = nil; b.grad = nil
   end
   local s1 = moe.memory_stats("cuda")
-  breakdown.step_events_ms = median(ev)
   breakdown.fwd_ms, breakdown.bwd_ms = median(fwd), median(bwd)
   breakdown.allocs_per_step = (s1.alloc_count - s0.alloc_count) / args.repeats
   breakdown.system_allocs_per_step = (s1.system_allocs - s0.system_allocs) / args.repeats
+  cooldown()
   breakdown.by_hand_ms = time(by_hand, 3, args.repeats) * 1e3
   for _, t in ipairs({ e0, e1, e2 }) do t:free() end
   for _, t in ipairs({ x, w, b, dy, xd, wd, bd, dyt }) do t:free() end
@@ -252,11 +262,11 @@ if args.json then
   local f = assert(io.open(args.json, "w"))
   f:write(string.format(
     '{"tool": "moe-lua %s", "device": "%s", "cuda_runtime": %d, "cuda_driver": %d, "cublas": %d,\n' ..
-    ' "date": "%s", "repeats": %d, "tf32": false,\n "validation": [%s],\n "results": [%s],\n' ..
+    ' "date": "%s", "repeats": %d, "cooldown_s": %g, "tf32": false,\n "validation": [%s],\n "results": [%s],\n' ..
     ' "breakdown": {"step_events_ms": %.5f, "fwd_ms": %.5f, "bwd_ms": %.5f, "by_hand_ms": %.5f,' ..
     ' "allocs_per_step": %.2f, "system_allocs_per_step": %.2f}}\n',
     info.version, gpu.name or "?", info.cuda_runtime, info.cuda_driver, info.cublas,
-    os.date("!%Y-%m-%dT%H:%M:%SZ"), args.repeats, table.concat(vparts, ", "),
+    os.date("!%Y-%m-%dT%H:%M:%SZ"), args.repeats, args.cooldown, table.concat(vparts, ", "),
     table.concat(parts, ",\n  "), breakdown.step_events_ms, breakdown.fwd_ms, breakdown.bwd_ms,
     breakdown.by_hand_ms, breakdown.allocs_per_step, breakdown.system_allocs_per_step))
   f:close()

@@ -39,8 +39,8 @@ def main():
                         "cuda_runtime": moe["cuda_runtime"], "cuda_driver": moe["cuda_driver"],
                         "cublas": moe["cublas"]},
            "method": "median of %d samples per case; both sides: CUDA events around the "
-                     "same iterations per sample"
-                     % moe["repeats"],
+                     "same iterations per sample; the GPU idle %g s before each case (cooldown)"
+                     % (moe["repeats"], moe.get("cooldown_s", 0)),
            "command": command, "validation": moe["validation"], "cases": rows,
            "target_bf16_within_5pct": all(r["within_5pct"] for r in target),
            "target_bf16_single_gemms_within_5pct":

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,14 @@ def blas_library():
         return None
 
 
-def fused_breakdown(repeats, randn):
+def cooldown(seconds):
+    """Idles the GPU (synchronised first), as bench/matmul.lua --cooldown."""
+    torch.cuda.synchronize()
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def fused_breakdown(repeats, randn, cool=0.0):
     """The fused step's phases, as bench/matmul.lua's breakdown: fwd_ms and
     bwd_ms between CUDA events one step per sync (medians); by_hand_ms the
     same GPU work without autograd (F.linear + bias, dY W, dY^T X, dY.sum(0));
@@ -65,9 +73,13 @@ def fused_breakdown(repeats, randn):
         torch.matmul(dy.t(), xd)
         dy.sum(0)
 
+    # the same order as bench/matmul.lua, each part after its own idle
+    cooldown(cool)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    step_ms = time_cuda(step, 3, repeats) * 1e3
+    cooldown(cool)
     e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     fwd, bwd = [], []
     for _ in range(repeats):
@@ -83,7 +95,8 @@ def fused_breakdown(repeats, randn):
         x.grad = None
         w.grad = None
         b.grad = None
-    out = {"step_events_ms": time_cuda(step, 3, repeats) * 1e3,
+    cooldown(cool)
+    out = {"step_events_ms": step_ms,
            "fwd_ms": statistics.median(fwd), "bwd_ms": statistics.median(bwd),
            "by_hand_ms": time_cuda(by_hand, 3, repeats) * 1e3}
     del x, w, b, dy, xd, wd, bd
@@ -95,6 +108,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--cooldown", type=float, default=0.0,
+                    help="idle seconds before each case and the breakdown (as bench/matmul.lua)")
     args = ap.parse_args()
     assert torch.cuda.is_available()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -146,6 +161,7 @@ def main():
     for name, M, N, K, dtype, setup, *rest in cases:
         gemms = rest[0] if rest else 1  # M x N x K GEMMs per call
         f = setup()
+        cooldown(args.cooldown)
         flops = 2 * M * N * K * gemms
         iters = max(3, min(200, int(2e13 // flops)))
         t = time_cuda(f, iters, args.repeats)
@@ -155,7 +171,7 @@ def main():
         print(f"{name:26s} {dtype:6s} {r['ms']:10.4f} {r['tflops']:10.1f}")
         del f
         torch.cuda.empty_cache()
-    breakdown = fused_breakdown(args.repeats, randn)
+    breakdown = fused_breakdown(args.repeats, randn, args.cooldown)
     clock = next(r["ms"] for r in results if r["name"] == "linear fwd+bwd (autograd)")
     print(f"breakdown of the fused step: events {breakdown['step_events_ms']:.4f} ms "
           f"(table {clock:.4f}), fwd {breakdown['fwd_ms']:.4f}, bwd {breakdown['bwd_ms']:.4f}, "
@@ -169,6 +185,7 @@ def main():
                 "blas_library": blas_library(),
                 "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                 "repeats": args.repeats,
+                "cooldown_s": args.cooldown,
                 "tf32": False,
                 "results": results,
                 "breakdown": breakdown,
