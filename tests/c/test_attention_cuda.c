@@ -12,7 +12,20 @@
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
 
+#ifdef MOE_WITH_CUDA
 #include "attention_cuda.h" /* moe_cuda_attention_last */
+#endif
+
+/* The kernel family the last launch ran ("none" in a build without CUDA,
+ * where every test here is skipped). */
+static const char *last_family(bool backward) {
+#ifdef MOE_WITH_CUDA
+  return moe_cuda_attention_last(backward);
+#else
+  (void)backward;
+  return "none";
+#endif
+}
 
 /* The kernel family check_config expects the GPU to run (NULL: any). */
 static const char *want_family = NULL;
@@ -107,7 +120,7 @@ static void check_config(moe_ctx *ctx, int64_t B, int64_t H, int64_t T, int64_t 
   EXPECT_OK(moe_attention_backward(ctx, qc, kc, vc, oc, lc, rc, causal, scale, &gc[0], &gc[1], &gc[2]));
   EXPECT_OK(moe_attention_backward(ctx, qg, kg, vg, og, lg, rg, causal, scale, &gg[0], &gg[1], &gg[2]));
   if (want_family) {
-    const char *f = moe_cuda_attention_last(false), *b = moe_cuda_attention_last(true);
+    const char *f = last_family(false), *b = last_family(true);
     if (strcmp(f, want_family) != 0 || strcmp(b, want_family) != 0)
       fprintf(stderr, "  kernels: forward %s, backward %s, expected %s\n", f, b, want_family);
     EXPECT(strcmp(f, want_family) == 0 && strcmp(b, want_family) == 0);
@@ -188,7 +201,7 @@ static const char *default_family(moe_ctx *ctx) {
   pair(ctx, s, &c, &g);
   EXPECT_OK(moe_attention_forward(ctx, g, g, g, true, 0, &o, &l));
   moe_tensor_release(o), moe_tensor_release(l), moe_tensor_release(c), moe_tensor_release(g);
-  return moe_cuda_attention_last(false);
+  return last_family(false);
 }
 
 /* Every size and layout with the default kernels (the TMA ones on an

@@ -203,6 +203,53 @@ static void test_gradcheck_arith(moe_ctx *ctx) {
   moe_tensor_release(base);
 }
 
+/* Every scalar form, both orders: ((((a + 1.5) - 0.25) * -1.75) / 1.3) then
+ * (2 - .), (3 * .), (0.7 / .) and (. - 0.1), summed with the input so each
+ * path carries its own gradient. */
+static moe_status f_scalars(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
+  (void)ud;
+  const moe_op ops[8] = {MOE_OP_ADD, MOE_OP_SUB, MOE_OP_MUL, MOE_OP_DIV,
+                         MOE_OP_SUB, MOE_OP_MUL, MOE_OP_DIV, MOE_OP_SUB};
+  const double sv[8] = {1.5, 0.25, -1.75, 1.3, 2.0, 3.0, 0.7, 0.1};
+  const bool rev[8] = {false, false, false, false, true, true, true, false};
+  moe_tensor *t[9] = {NULL};
+  moe_status st = MOE_OK;
+  const moe_tensor *x = in[0];
+  for (int k = 0; k < 8 && st == MOE_OK; k++) {
+    st = moe_binary_scalar(ctx, ops[k], x, sv[k], rev[k], &t[k]);
+    x = t[k];
+  }
+  if (st == MOE_OK) st = moe_binary(ctx, MOE_OP_ADD, t[7], in[0], out);
+  for (int k = 0; k < 9; k++) moe_tensor_release(t[k]);
+  return st;
+}
+
+/* A round trip through a narrower dtype: f64 -> ud's dtype -> f64, times x. */
+static moe_status f_cast(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
+  moe_tensor *n = NULL, *w = NULL;
+  moe_status st = moe_to(ctx, in[0], *(const moe_dtype *)ud, MOE_CPU, &n);
+  if (st == MOE_OK) st = moe_to(ctx, n, MOE_F64, MOE_CPU, &w);
+  if (st == MOE_OK) st = moe_binary(ctx, MOE_OP_MUL, w, in[0], out);
+  moe_tensor_release(n);
+  moe_tensor_release(w);
+  return st;
+}
+
+static void test_gradcheck_scalars_casts(moe_ctx *ctx) {
+  moe_tensor *c = leaf_f64(ctx, SHAPE(2, 5), 0.3), *t = leaf_transposed(ctx, 3, 4, 0.6);
+  moe_tensor *ins[2] = {c, t};
+  for (int i = 0; i < 2; i++) {
+    EXPECT(gradcheck(ctx, f_scalars, 1, &ins[i], NULL, 1e-6, 1e-6));
+    /* the cast rounds (f32 to 2^-24, bf16 to 2^-9 relative, on values of
+     * magnitude 0.5 to 1.5): steps wide against that, tolerance to match */
+    moe_dtype f32 = MOE_F32, bf16 = MOE_BF16;
+    EXPECT(gradcheck(ctx, f_cast, 1, &ins[i], &f32, 1e-2, 1e-4));
+    EXPECT(gradcheck(ctx, f_cast, 1, &ins[i], &bf16, 0.5, 3e-2));
+  }
+  moe_tensor_release(c);
+  moe_tensor_release(t);
+}
+
 /* Views of the inputs inside the function: the gradient flows back through
  * them to the leaves. */
 static moe_status f_views(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
@@ -613,6 +660,7 @@ int main(void) {
   RUN(test_arith_values);
   RUN(test_broadcast_values);
   RUN(test_gradcheck_arith);
+  RUN(test_gradcheck_scalars_casts);
   RUN(test_gradcheck_views);
   RUN(test_gradcheck_diamond);
   RUN(test_copy_backward);

@@ -217,7 +217,12 @@ static void test_index_select_add(moe_ctx *ctx) {
   moe_tensor *sg = leaf(ctx, rnd(ctx, MOE_F64, 3, SH(3, 2, 3)));
   moe_tensor *in[2] = {xt, sg};
   EXPECT(gradcheck(ctx, f_index_add, 2, in, &a, 1e-6, 1e-6));
-  moe_tensor *ts[] = {x, i, i2, src, i2d, oob, xg, xt, sg};
+  /* contiguous x with a non-contiguous src */
+  moe_tensor *xc = leaf(ctx, rnd(ctx, MOE_F64, 3, SH(3, 2, 2)));
+  moe_tensor *st = tleaf(ctx, 3, SH(2, 3, 3)); /* (3, 2, 3) */
+  moe_tensor *in2[2] = {xc, st};
+  EXPECT(gradcheck(ctx, f_index_add, 2, in2, &a, 1e-6, 1e-6));
+  moe_tensor *ts[] = {x, i, i2, src, i2d, oob, xg, xt, sg, xc, st};
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
 }
 
@@ -363,6 +368,13 @@ static void test_sort(moe_ctx *ctx) {
   a.k = 1;
   a.mode = 0;
   EXPECT(gradcheck(ctx, f_sort, 1, &xt, &a, 1e-6, 1e-6));
+  /* topk on the contiguous input, sort on the transposed one */
+  args c = {NULL, -1, 2, 1};
+  EXPECT(gradcheck(ctx, f_sort, 1, &xg, &c, 1e-6, 1e-6));
+  c.dim = 1;
+  c.k = -1;
+  c.mode = 0;
+  EXPECT(gradcheck(ctx, f_sort, 1, &xt, &c, 1e-6, 1e-6));
   moe_tensor *ts[] = {x, xi, b, xg, xt};
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
 }
@@ -464,7 +476,12 @@ static void test_join(moe_ctx *ctx) {
   as.mode = 1;
   as.dim = 1;
   EXPECT(gradcheck(ctx, f_split, 1, &xs, &as, 1e-6, 1e-6));
-  moe_tensor *ts[] = {a, b, c, x, g1, g2, g3, xs};
+  moe_tensor *xsc = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(5, 3))); /* contiguous */
+  EXPECT(gradcheck(ctx, f_split, 1, &xsc, &as, 1e-6, 1e-6));
+  as.mode = 0;
+  as.dim = 0;
+  EXPECT(gradcheck(ctx, f_split, 1, &xsc, &as, 1e-6, 1e-6));
+  moe_tensor *ts[] = {a, b, c, x, g1, g2, g3, xs, xsc};
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
   for (int i = 0; i < 10; i++) moe_tensor_release(many[i]);
 }

@@ -476,6 +476,18 @@ static moe_status f_rms_norm(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor
   return moe_rms_norm(ctx, in[0], k >= 1 ? in[1] : NULL, 1e-5, out);
 }
 
+/* A stride-2 1-D leaf of n elements drawn from U(lo, hi). */
+static moe_tensor *leaf_strided(moe_ctx *ctx, int64_t n, double lo, double hi) {
+  moe_tensor *base = NULL, *v = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 1, (int64_t[]){2 * n}, MOE_F64, MOE_CPU, &base));
+  EXPECT_OK(moe_uniform_(ctx, base, lo, hi));
+  EXPECT_OK(moe_slice(ctx, base, 0, 0, 2 * n, 2, &v));
+  EXPECT(v && !moe_tensor_is_contiguous(v));
+  EXPECT_OK(moe_set_requires_grad(ctx, v, true));
+  moe_tensor_release(base);
+  return v;
+}
+
 static void test_norms_grads(moe_ctx *ctx) {
   moe_tensor *in[3];
   in[1] = leaf(ctx, SHAPE(6), 0.5, 1.5);
@@ -492,6 +504,15 @@ static void test_norms_grads(moe_ctx *ctx) {
   }
   moe_tensor_release(in[1]);
   moe_tensor_release(in[2]);
+  /* strided weight and bias, with a transposed input */
+  in[0] = leaf_view(ctx, SHAPE(2, 3, 6), -2, 2);
+  in[1] = leaf_strided(ctx, 6, 0.5, 1.5);
+  in[2] = leaf_strided(ctx, 6, -1, 1);
+  for (int k = 1; k <= 2; k++) {
+    EXPECT(gradcheck(ctx, f_layer_norm, 1 + k, in, &k, 1e-6, 1e-6));
+    if (k == 1) EXPECT(gradcheck(ctx, f_rms_norm, 2, in, &k, 1e-6, 1e-6));
+  }
+  for (int j = 0; j < 3; j++) moe_tensor_release(in[j]);
 }
 
 /* ------------------------------------------------------------ cross_entropy */
