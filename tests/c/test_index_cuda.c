@@ -398,6 +398,184 @@ static void test_backward_cuda(moe_ctx *ctx) {
   }
 }
 
+/* Backward of the ops with several differentiable inputs (and of
+ * index_select, sort, split/chunk and where): each input a leaf on both
+ * devices, some of them transposed views; every input's gradient compared.
+ * Tolerances: moves and selections (scatter, sort, cat, stack, split,
+ * chunk, where's a) exact; sums (index_select's and scatter_add's grads)
+ * as the header: f32 1e-6 relative, bf16 2^-8; where's broadcast b (a
+ * reduction in another order on each device) f32 1e-6, bf16 2^-7. */
+typedef moe_status (*multi_fn)(moe_ctx *ctx, moe_tensor **xs, void *ud, moe_tensor **out);
+
+/* A leaf on device d holding base's values (base on the CPU), transposed
+ * (dims 0 and 1) when tr. */
+static moe_tensor *leaf_on(moe_ctx *ctx, moe_tensor *base, moe_device d, bool tr) {
+  moe_tensor *c = NULL, *v = NULL, *l = NULL;
+  EXPECT_OK(moe_to(ctx, base, base->dtype, d, &c));
+  if (tr) {
+    EXPECT_OK(moe_transpose(ctx, c, 0, 1, &v));
+  } else {
+    v = c;
+    moe_tensor_retain(v);
+  }
+  EXPECT_OK(moe_detach(ctx, v, &l));
+  EXPECT_OK(moe_set_requires_grad(ctx, l, true));
+  moe_tensor_release(v);
+  moe_tensor_release(c);
+  return l;
+}
+
+static void grad_multi(moe_ctx *ctx, int n, moe_tensor **base, const bool *tr, multi_fn f, void *ud,
+                       double tol, const char *what) {
+  moe_tensor *xc[4] = {NULL}, *xg[4] = {NULL}, *oc = NULL, *og = NULL, *g = NULL, *gg = NULL;
+  for (int i = 0; i < n; i++) {
+    xc[i] = leaf_on(ctx, base[i], MOE_CPU, tr[i]);
+    xg[i] = leaf_on(ctx, base[i], GPU, tr[i]);
+  }
+  EXPECT_OK(f(ctx, xc, ud, &oc));
+  EXPECT_OK(f(ctx, xg, ud, &og));
+  if (oc && og) {
+    g = rnd(ctx, oc->dtype, MOE_CPU, oc->ndim, oc->shape);
+    gg = gpu(ctx, g);
+    EXPECT_OK(moe_backward(ctx, oc, g, false));
+    EXPECT_OK(moe_backward(ctx, og, gg, false));
+    for (int i = 0; i < n; i++) {
+      char w[128];
+      snprintf(w, sizeof w, "%s: grad of input %d", what, i);
+      moe_tensor *a = moe_tensor_grad(xg[i]), *b = moe_tensor_grad(xc[i]);
+      EXPECT(a && b);
+      if (a && b) SAME(a, b, tol, w);
+    }
+  }
+  for (int i = 0; i < n; i++) rel3(xc[i], xg[i], NULL);
+  rel3(oc, og, NULL);
+  rel3(g, gg, NULL);
+}
+
+static moe_status m_index_select(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_index_select(ctx, x[0], ((pair_ud *)ud)->dim, ud_index(ud, x[0]), out);
+}
+static moe_status m_scatter(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_scatter(ctx, x[0], ((pair_ud *)ud)->dim, ud_index(ud, x[0]), x[1], out);
+}
+static moe_status m_scatter_add(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_scatter_add(ctx, x[0], ((pair_ud *)ud)->dim, ud_index(ud, x[0]), x[1], out);
+}
+static moe_status m_index_add(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_index_add(ctx, x[0], ((pair_ud *)ud)->dim, ud_index(ud, x[0]), x[1], out);
+}
+static moe_status m_where(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_where(ctx, ud_index(ud, x[0]), x[0], x[1], out); /* the "index" is the condition */
+}
+static moe_status m_sort(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  moe_tensor *i = NULL;
+  moe_status st = moe_sort(ctx, x[0], ((pair_ud *)ud)->dim, true, out, &i);
+  moe_tensor_release(i);
+  return st;
+}
+static moe_status m_cat(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_cat(ctx, 3, x, ((pair_ud *)ud)->dim, out);
+}
+static moe_status m_stack(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  return moe_stack(ctx, 2, x, ((pair_ud *)ud)->dim, out);
+}
+/* the second piece: split by k (k > 0) or chunk into -k (k < 0) */
+static moe_status m_piece(moe_ctx *ctx, moe_tensor **x, void *ud, moe_tensor **out) {
+  pair_ud *u = ud;
+  moe_tensor *p[16] = {NULL};
+  int n = 0;
+  moe_status st = u->k > 0 ? moe_split(ctx, x[0], u->k, u->dim, 16, p, &n)
+                           : moe_chunk(ctx, x[0], -u->k, u->dim, 16, p, &n);
+  if (st != MOE_OK) return st;
+  if (n < 2) {
+    for (int i = 0; i < n; i++) moe_tensor_release(p[i]);
+    return moe_error(ctx, MOE_ERR_INTERNAL, "m_piece: only %d piece(s)", n);
+  }
+  *out = p[1];
+  for (int i = 0; i < n; i++)
+    if (i != 1) moe_tensor_release(p[i]);
+  return MOE_OK;
+}
+
+static void test_backward_multi_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  const double tol[] = {1e-6, 1.0 / 256};
+  const bool no[4] = {false, false, false, false}, tr0[4] = {true, false, false, false};
+  const bool tr1[4] = {false, true, false, false};
+  for (int k = 0; k < 2; k++) {
+    moe_dtype dt = dts[k];
+    /* index_select of a transposed (61, 33) along dim 0, 1000 ids with repeats */
+    moe_tensor *b61 = rnd(ctx, dt, MOE_CPU, 2, SH(33, 61));
+    moe_tensor *ids = rint_(ctx, MOE_I64, 61, 1, SH(1000));
+    pair_ud u = {ids, gpu(ctx, ids), 0, 0};
+    grad_multi(ctx, 1, &b61, tr0, m_index_select, &u, tol[k], "index_select backward");
+    /* sort values along dim 0 and dim 1 of the transposed (61, 33) */
+    pair_ud su = {NULL, NULL, 0, 0};
+    grad_multi(ctx, 1, &b61, tr0, m_sort, &su, 0, "sort backward dim 0");
+    su.dim = 1;
+    grad_multi(ctx, 1, &b61, tr0, m_sort, &su, 0, "sort backward dim 1");
+    /* split by 20 along dim 0 and chunk into 3 along dim 1: the second piece */
+    pair_ud pu = {NULL, NULL, 0, 20};
+    grad_multi(ctx, 1, &b61, tr0, m_piece, &pu, 0, "split backward");
+    pu.dim = 1;
+    pu.k = -3;
+    grad_multi(ctx, 1, &b61, tr0, m_piece, &pu, 0, "chunk backward");
+    rel3(u.gpu, ids, NULL);
+
+    /* scatter along dim 0 of (31, 65) with 20 distinct rows per column (a
+     * prefix of a permutation: no position written twice) */
+    moe_tensor *x = rnd(ctx, dt, MOE_CPU, 2, SH(31, 65)), *key = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(31, 65));
+    moe_tensor *perm = NULL, *pre = NULL, *idx = NULL;
+    EXPECT_OK(moe_argsort(ctx, key, 0, false, &perm));
+    EXPECT_OK(moe_narrow(ctx, perm, 0, 0, 20, &pre));
+    EXPECT_OK(moe_contiguous(ctx, pre, &idx));
+    moe_tensor *src = rnd(ctx, dt, MOE_CPU, 2, SH(20, 65));
+    pair_ud sc = {idx, gpu(ctx, idx), 0, 0};
+    moe_tensor *xs[2] = {x, src};
+    grad_multi(ctx, 2, xs, no, m_scatter, &sc, 0, "scatter backward");
+    rel3(sc.gpu, perm, pre);
+    rel3(idx, src, key);
+    /* scatter_add with many repeats: 257 rows into 31 */
+    moe_tensor *ra = rint_(ctx, MOE_I64, 31, 2, SH(257, 65));
+    moe_tensor *srca = rnd(ctx, dt, MOE_CPU, 2, SH(257, 65));
+    pair_ud sa = {ra, gpu(ctx, ra), 0, 0};
+    xs[1] = srca;
+    grad_multi(ctx, 2, xs, no, m_scatter_add, &sa, tol[k], "scatter_add backward");
+    rel3(sa.gpu, ra, srca);
+    /* index_add along dim 1 of a transposed (31, 65), src (31, 1000) transposed too */
+    moe_tensor *xb = rnd(ctx, dt, MOE_CPU, 2, SH(65, 31)), *sb = rnd(ctx, dt, MOE_CPU, 2, SH(1000, 31));
+    moe_tensor *ia = rint_(ctx, MOE_I32, 65, 1, SH(1000));
+    pair_ud ua = {ia, gpu(ctx, ia), 1, 0};
+    const bool both[4] = {true, true, false, false};
+    moe_tensor *xa[2] = {xb, sb};
+    grad_multi(ctx, 2, xa, both, m_index_add, &ua, tol[k], "index_add backward");
+    rel3(ua.gpu, ia, xb);
+    moe_tensor_release(sb);
+    /* where(cond, a, b): a (37, 129) transposed, b (129) broadcast (its
+     * gradient sums over the 37 rows) */
+    moe_tensor *ab = rnd(ctx, dt, MOE_CPU, 2, SH(129, 37)), *bb = rnd(ctx, dt, MOE_CPU, 1, SH(129));
+    moe_tensor *cr = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(37, 129)), *cond = NULL;
+    EXPECT_OK(moe_compare_scalar(ctx, MOE_OP_GT, cr, 0.0, &cond));
+    pair_ud wu = {cond, gpu(ctx, cond), 0, 0};
+    moe_tensor *wx[2] = {ab, bb};
+    /* b's gradient is a sum over rows, in another order on each device: one bf16 ulp */
+    grad_multi(ctx, 2, wx, tr0, m_where, &wu, k ? 1.0 / 128 : 1e-6, "where backward");
+    rel3(wu.gpu, cond, cr);
+    rel3(ab, bb, NULL);
+    /* cat of (7, 33), a transposed (7, 33) and (1, 33) along dim 0; stack of
+     * two (7, 33) along dim 1 */
+    moe_tensor *c0 = rnd(ctx, dt, MOE_CPU, 2, SH(7, 33)), *c1 = rnd(ctx, dt, MOE_CPU, 2, SH(33, 7));
+    moe_tensor *c2 = rnd(ctx, dt, MOE_CPU, 2, SH(1, 33));
+    moe_tensor *cx[3] = {c0, c1, c2};
+    pair_ud cu = {NULL, NULL, 0, 0};
+    grad_multi(ctx, 3, cx, tr1, m_cat, &cu, 0, "cat backward");
+    cu.dim = 1;
+    grad_multi(ctx, 2, cx, tr1, m_stack, &cu, 0, "stack backward");
+    rel3(c0, c1, c2);
+    rel3(x, b61, NULL);
+  }
+}
+
 /* ------------------------------------------------------- multinomial */
 
 static void test_multinomial_cuda(moe_ctx *ctx) {
@@ -516,6 +694,7 @@ int main(void) {
   RUN(test_join_cuda);
   RUN(test_rope_cuda);
   RUN(test_backward_cuda);
+  RUN(test_backward_multi_cuda);
   RUN(test_multinomial_cuda);
   if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
   return harness_end();
