@@ -635,6 +635,15 @@ static void test_errors(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_exp(ctx, i, &y), MOE_ERR_DTYPE, "exp: x has dtype i64");
   EXPECT_ERR_MSG(moe_gelu(ctx, bl, &y), MOE_ERR_DTYPE, "gelu");
   EXPECT_ERR_MSG(moe_abs(ctx, bl, &y), MOE_ERR_DTYPE, "abs: x has dtype bool");
+  /* every float-only activation names itself and the dtype */
+  EXPECT_ERR_MSG(moe_log(ctx, i, &y), MOE_ERR_DTYPE, "log: x has dtype i64; log takes float tensors");
+  EXPECT_ERR_MSG(moe_sqrt(ctx, i, &y), MOE_ERR_DTYPE, "sqrt: x has dtype i64");
+  EXPECT_ERR_MSG(moe_rsqrt(ctx, bl, &y), MOE_ERR_DTYPE, "rsqrt: x has dtype bool");
+  EXPECT_ERR_MSG(moe_relu(ctx, i, &y), MOE_ERR_DTYPE, "relu: x has dtype i64");
+  EXPECT_ERR_MSG(moe_gelu_tanh(ctx, i, &y), MOE_ERR_DTYPE, "gelu_tanh: x has dtype i64");
+  EXPECT_ERR_MSG(moe_silu(ctx, i, &y), MOE_ERR_DTYPE, "silu: x has dtype i64");
+  EXPECT_ERR_MSG(moe_sigmoid(ctx, bl, &y), MOE_ERR_DTYPE, "sigmoid: x has dtype bool");
+  EXPECT_ERR_MSG(moe_tanh(ctx, i, &y), MOE_ERR_DTYPE, "tanh: x has dtype i64");
   EXPECT_ERR_MSG(moe_pow(ctx, f, i, &y), MOE_ERR_DTYPE, "pow: b has dtype i64");
   EXPECT_ERR_MSG(moe_pow(ctx, f, g, &y), MOE_ERR_SHAPE, "pow: shapes [2, 3], [4] cannot be broadcast");
   EXPECT_ERR_MSG(moe_maximum(ctx, f, g, &y), MOE_ERR_SHAPE, "maximum");

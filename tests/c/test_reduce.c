@@ -238,6 +238,20 @@ static void test_mean_var_norm_lse(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_mean(ctx, i, 0, NULL, false, &r), MOE_ERR_DTYPE, "mean: expected a float tensor");
   EXPECT_ERR_MSG(moe_norm(ctx, i, 0, 0, NULL, false, &r), MOE_ERR_INVALID_ARG, "norm: p must be > 0");
   EXPECT_ERR_MSG(moe_var(ctx, i, 0, NULL, -1, false, &r), MOE_ERR_INVALID_ARG, "var: correction");
+  r = NULL;
+  EXPECT_ERR_MSG(moe_logsumexp(ctx, i, 0, NULL, false, &r), MOE_ERR_DTYPE,
+                 "logsumexp: expected a float tensor (f32, f64, bf16, f16), got i64");
+  moe_tensor *f2 = vals(ctx, MOE_F32, SHAPE(2, 3), (double[]){1, 2, 3, 4, 5, 6});
+  EXPECT_ERR_MSG(moe_logsumexp(ctx, f2, DIMS(5), false, &r), MOE_ERR_INVALID_ARG,
+                 "logsumexp: dim 5 is out of range for a tensor of 2 dims (expected -2 to 1)");
+  EXPECT_ERR_MSG(moe_log_softmax(ctx, i, 0, &r), MOE_ERR_DTYPE, "log_softmax: expected a float tensor");
+  EXPECT_ERR_MSG(moe_log_softmax(ctx, f2, 2, &r), MOE_ERR_INVALID_ARG, "log_softmax: dim 2 is out of range");
+  EXPECT_ERR_MSG(moe_cumsum(ctx, f2, -3, &r), MOE_ERR_INVALID_ARG, "cumsum: dim -3 is out of range");
+  EXPECT_ERR_MSG(moe_argmax(ctx, f2, 2, false, false, &r), MOE_ERR_INVALID_ARG, "argmax: dim 2 is out of range");
+  moe_tensor *mv = NULL, *mi = NULL;
+  EXPECT_ERR_MSG(moe_min(ctx, f2, 3, false, &mv, &mi), MOE_ERR_INVALID_ARG, "min: dim 3 is out of range");
+  EXPECT(r == NULL && mv == NULL && mi == NULL);
+  moe_tensor_release(f2);
   moe_tensor_release(i);
 }
 
