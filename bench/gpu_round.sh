@@ -42,16 +42,19 @@ for s in "${steps[@]}"; do
       grep -E "\| (grouped|sparse|torch_grouped_mm) \||NOT met|: met" "$out/moe_mlp.md" ;;
     attention)
       # moe's fused attention (both kernel families: MOE_ATTN_WG=0 is the mma.sync one; the
-      # TMA kernels without ping-pong and without the persistent grid too) beside
+      # TMA kernels without ping-pong, without the persistent grid and in head-major tile
+      # order too) beside
       # torch's SDPA backends, and one problem checked against float64 by the torch script.
       mkdir -p "$out/attn_dump"
       MOE_ATTN_WG=0 $ml bench/attention.lua --json "$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
       MOE_ATTN_PINGPONG=0 $ml bench/attention.lua --json "$out/attention_moe_nopp.json" > "$out/attention_moe_nopp.log" 2>&1
       MOE_ATTN_PERSISTENT=0 $ml bench/attention.lua --json "$out/attention_moe_grid.json" > "$out/attention_moe_grid.log" 2>&1
+      MOE_ATTN_ORDER=head $ml bench/attention.lua --json "$out/attention_moe_head.json" > "$out/attention_moe_head.log" 2>&1
       python3 -c 'import json,sys
 for f in sys.argv[1:]:
     for r in json.load(open(f)): print(f.split("/")[-1], r["B"], r["H"], r["T"], r["D"], "fwd %.3f f+b %.3f" % (r["fwd_ms"], r["fwdbwd_ms"]))' \
-        "$out/attention_moe_mma.json" "$out/attention_moe_nopp.json" "$out/attention_moe_grid.json"
+        "$out/attention_moe_mma.json" "$out/attention_moe_nopp.json" "$out/attention_moe_grid.json" \
+        "$out/attention_moe_head.json"
       $ml bench/attention.lua --json "$out/attention_moe.json" --dump "$out/attn_dump" > "$out/attention_moe.log" 2>&1
       python3 bench/attention_torch.py --dump "$out/attn_dump" --moe "$out/attention_moe.json" \
         --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1
@@ -60,10 +63,12 @@ for f in sys.argv[1:]:
     sanitize)
       # compute-sanitizer over the attention kernels on odd shapes, the persistent grid cut
       # to 3 blocks so that each block runs many tiles
-      for tool in memcheck racecheck synccheck; do
-        MOE_ATTN_PERSISTENT=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 $ml bench/attention_sanitize.lua \
-          > "$out/sanitize_$tool.log" 2>&1
-        note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY' "$out/sanitize_$tool.log" | tail -1)"
+      for order in block head; do
+        for tool in memcheck racecheck synccheck; do
+          MOE_ATTN_ORDER=$order MOE_ATTN_PERSISTENT=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
+            $ml bench/attention_sanitize.lua > "$out/sanitize_${tool}_$order.log" 2>&1
+          note "sanitize $tool ($order order): rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$order.log" | tail -1)"
+        done
       done ;;
     matmul)
       $ml bench/matmul.lua --cooldown 2 --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1

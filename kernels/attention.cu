@@ -127,6 +127,7 @@ struct AttnParams {
   float scale_log2; /* scale * log2(e) */
   bool causal;
   bool pingpong; /* warp-specialised forward: the consumers take turns issuing products */
+  bool head_major; /* TMA kernels' tile order: a head's blocks together (MOE_ATTN_ORDER=head) */
 };
 
 /* ------------------------------------------------------------- forward */
@@ -679,6 +680,21 @@ template <int D> struct WsFwd {
 __device__ __forceinline__ int attn_tile(int r, int c, int G) {
   return r * G + ((r & 1) ? G - 1 - c : c);
 }
+/* Tile t's head bh and block rank y (0: the heaviest block of its head).
+ * Block-major (the default): t = y BH + bh, every head's heaviest block
+ * first. Head-major (p.head_major): t = bh nblk + y, a head's blocks
+ * together, so the blocks running at once share their head's K and V (Q
+ * and dO, dQ's sums, backward) in L2; an experiment until measured. */
+__device__ __forceinline__ void attn_tile_decode(const AttnParams &p, int t, int BH, int nblk,
+                                                 int *bh, int *y) {
+  if (p.head_major) {
+    *bh = t / nblk;
+    *y = t - *bh * nblk;
+  } else {
+    *y = t / BH;
+    *bh = t - *y * BH;
+  }
+}
 #endif
 
 /* Forward, persistent: tiles of 128 queries, t = y BH + bh with query block
@@ -725,7 +741,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
       for (int rt = 0;; rt++) {
         const int t = attn_tile(rt, blockIdx.x, gridDim.x);
         if (t >= ntiles) break;
-        const int bh = t % BH, b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - t / BH) * BM;
+        int bh, y;
+        attn_tile_decode(p, t, BH, nblk, &bh, &y);
+        const int b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - y) * BM;
         int nkv = (T + BN - 1) / BN;
         if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
         if (rt > 0) moe_mbar_wait(qempty, (uint32_t)((rt - 1) & 1));
@@ -756,7 +774,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   for (int rt = 0;; rt++) {
   const int t = attn_tile(rt, blockIdx.x, gridDim.x);
   if (t >= ntiles) break;
-  const int bh = t % BH, b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - t / BH) * BM;
+  int bh, y;
+  attn_tile_decode(p, t, BH, nblk, &bh, &y);
+  const int b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - y) * BM;
   int nkv = (T + BN - 1) / BN;
   if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
   const int rbase = m0 + cw * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
@@ -914,7 +934,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   float *sL = reinterpret_cast<float *>(attn_wsmem + (sLD - raw)), *sD = sL + 2 * BQ;
   /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int T = p.T, nq = (T + BQ - 1) / BQ, ntiles = ((T + BN - 1) / BN) * BH;
+  const int T = p.T, nq = (T + BQ - 1) / BQ, nkb = (T + BN - 1) / BN, ntiles = nkb * BH;
   if (tid == 0) {
     moe_mbar_init(kvfull, 1);
     moe_mbar_init(kvempty, 256);
@@ -933,7 +953,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     for (int rt = 0;; rt++) {
     const int t = attn_tile(rt, blockIdx.x, gridDim.x);
     if (t >= ntiles) break;
-    const int bh = t % BH, b = bh / p.H, h = bh % p.H, n0 = (t / BH) * BN;
+    int bh, y;
+    attn_tile_decode(p, t, BH, nkb, &bh, &y);
+    const int b = bh / p.H, h = bh % p.H, n0 = y * BN;
     const int i0 = p.causal ? n0 / BQ : 0;
     const int64_t lo = (int64_t)bh * T; /* lse and delta rows of this head */
     if (tid == 0) {
@@ -980,7 +1002,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   for (int rt = 0;; rt++) {
   const int t = attn_tile(rt, blockIdx.x, gridDim.x);
   if (t >= ntiles) break;
-  const int bh = t % BH, b = bh / p.H, h = bh % p.H, n0 = (t / BH) * BN;
+  int bh, y;
+  attn_tile_decode(p, t, BH, nkb, &bh, &y);
+  const int b = bh / p.H, h = bh % p.H, n0 = y * BN;
   const int i0 = p.causal ? n0 / BQ : 0;
   float *accg = dq_acc + (int64_t)bh * T * D;
   float dk[D / 2], dv[D / 2];
@@ -1360,6 +1384,8 @@ moe_status attn_params(moe_ctx *ctx, const char *fn, const moe_kview *q, double 
   p->causal = causal;
   const char *pe = getenv("MOE_ATTN_PINGPONG");
   p->pingpong = !(pe && strcmp(pe, "0") == 0);
+  const char *oe = getenv("MOE_ATTN_ORDER");
+  p->head_major = oe && strcmp(oe, "head") == 0;
   *BH = (int)(B * H);
   return MOE_OK;
 }
