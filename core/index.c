@@ -240,7 +240,7 @@ static moe_status ix_gs_check(moe_ctx *ctx, const char *fn, const moe_tensor *x,
   if (src) MOE_CHECK(ix_same_device(ctx, fn, x, "x", src, "src"));
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
-  MOE_CHECK(moe_dim_normalize(ctx, dim, x->ndim, false, d_out));
+  MOE_CHECK(moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d_out));
   if (index->ndim != x->ndim || (src && src->ndim != x->ndim))
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x %s, index %s%s%s must have the same number of dims",
                      fn, moe_shape_str(x->ndim, x->shape, sx, sizeof sx),
@@ -456,7 +456,7 @@ static moe_status ix_select_check(moe_ctx *ctx, const char *fn, const moe_tensor
   MOE_CHECK(ix_same_device(ctx, fn, x, "x", index, "index"));
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
-  MOE_CHECK(moe_dim_normalize(ctx, dim, x->ndim, false, d_out));
+  MOE_CHECK(moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d_out));
   if (index->ndim != 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: index must be 1-D, got %s", fn,
                      moe_shape_str(index->ndim, index->shape, si, sizeof si));
@@ -911,7 +911,7 @@ static moe_status ix_sort_check(moe_ctx *ctx, const char *fn, const moe_tensor *
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: bool tensors are not sorted (convert with to)", fn);
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
-  MOE_CHECK(moe_dim_normalize(ctx, dim, x->ndim, false, d));
+  MOE_CHECK(moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d));
   return moe_device_check(ctx, x->storage->device);
 }
 
@@ -1086,7 +1086,7 @@ moe_status moe_cat(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, moe_
   if (xs[0]->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: scalars cannot be concatenated (use stack)", fn);
   int d;
-  MOE_CHECK(moe_dim_normalize(ctx, dim, xs[0]->ndim, false, &d));
+  MOE_CHECK(moe_dim_normalize_fn(ctx, "cat", dim, xs[0]->ndim, false, &d));
   int64_t shape[MOE_MAX_DIMS];
   memcpy(shape, xs[0]->shape, sizeof shape);
   shape[d] = 0;
@@ -1129,7 +1129,7 @@ moe_status moe_stack(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, mo
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: stacking %d-dim tensors gives more than %d dims", fn,
                      nd, MOE_MAX_DIMS);
   int d;
-  MOE_CHECK(moe_dim_normalize(ctx, dim, nd, true, &d));
+  MOE_CHECK(moe_dim_normalize_fn(ctx, "stack", dim, nd, true, &d));
   for (int i = 1; i < n; i++)
     for (int k = 0; k < nd; k++)
       if (xs[i]->shape[k] != xs[0]->shape[k])
@@ -1168,7 +1168,7 @@ static moe_status ix_split_check(moe_ctx *ctx, const char *fn, const moe_tensor 
   MOE_CHECK(ix_null(ctx, fn, "x", x));
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
-  return moe_dim_normalize(ctx, dim, x->ndim, false, d);
+  return moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d);
 }
 
 moe_status moe_split_count(moe_ctx *ctx, const moe_tensor *x, int64_t split_size, int64_t dim,

@@ -75,6 +75,10 @@ double moe_load_f64(const void *p, moe_dtype dt);
 int64_t moe_load_i64(const void *p, moe_dtype dt);
 void moe_store_f64(void *p, moe_dtype dt, double v);
 void moe_store_i64(void *p, moe_dtype dt, int64_t v);
+/* moe_dim_normalize with the op's name leading the message ("gather: dim 2
+ * is out of range ..."); core/tensor.c. */
+moe_status moe_dim_normalize_fn(moe_ctx *ctx, const char *fn, int64_t dim, int ndim,
+                                bool for_insert, int *out);
 
 /* ----------------------------------------------------- CUDA runtime glue */
 /* In core/cuda_runtime.c (built with CUDA) or core/nocuda.c (without). */

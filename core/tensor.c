@@ -131,6 +131,16 @@ static moe_status dim_normalize(moe_ctx *ctx, const char *fn, int64_t dim, int n
   return MOE_OK;
 }
 
+moe_status moe_dim_normalize_fn(moe_ctx *ctx, const char *fn, int64_t dim, int ndim,
+                                bool for_insert, int *out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  MOE_CHECK(check_arg(ctx, fn, out, "out"));
+  if (ndim < 0 || ndim > MOE_MAX_DIMS)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: ndim %d is not in [0, %d]", fn, ndim,
+                     MOE_MAX_DIMS);
+  return dim_normalize(ctx, fn, dim, ndim, for_insert, out);
+}
+
 moe_status moe_dim_normalize(moe_ctx *ctx, int64_t dim, int ndim, bool for_insert, int *out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_arg(ctx, "dim_normalize", out, "out"));
@@ -410,7 +420,7 @@ static moe_status view_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
 static moe_status view_new(moe_ctx *ctx, const char *fn, moe_tensor *t, int ndim,
                            const int64_t *shape, const int64_t *stride, int64_t offset,
                            const view_grad *vg, moe_tensor **out) {
-  moe_tensor *r;
+  moe_tensor *r = NULL;
   MOE_CHECK(tensor_wrap(ctx, fn, t->storage, t->dtype, ndim, shape, stride, offset, &r));
   if (vg && moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
     moe_node *n;
@@ -532,7 +542,7 @@ moe_status moe_reshape(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *sha
 moe_status moe_transpose(moe_ctx *ctx, moe_tensor *t, int64_t dim0, int64_t dim1,
                          moe_tensor **out) {
   MOE_CHECK(view_args(ctx, "transpose", t, out));
-  int d0, d1;
+  int d0 = 0, d1 = 0;
   MOE_CHECK(dim_normalize(ctx, "transpose", dim0, t->ndim, false, &d0));
   MOE_CHECK(dim_normalize(ctx, "transpose", dim1, t->ndim, false, &d1));
   int64_t shape[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
@@ -571,7 +581,7 @@ moe_status moe_permute(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *dim
 moe_status moe_narrow(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, int64_t length,
                       moe_tensor **out) {
   MOE_CHECK(view_args(ctx, "narrow", t, out));
-  int d;
+  int d = 0;
   MOE_CHECK(dim_normalize(ctx, "narrow", dim, t->ndim, false, &d));
   int64_t size = t->shape[d];
   if (start < -size || start > size)
@@ -595,7 +605,7 @@ moe_status moe_narrow(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, i
 moe_status moe_slice(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, int64_t stop,
                      int64_t step, moe_tensor **out) {
   MOE_CHECK(view_args(ctx, "slice", t, out));
-  int d;
+  int d = 0;
   MOE_CHECK(dim_normalize(ctx, "slice", dim, t->ndim, false, &d));
   if (step < 1)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "slice: step %lld must be >= 1", (long long)step);
@@ -616,7 +626,7 @@ moe_status moe_slice(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t start, in
 
 moe_status moe_select(moe_ctx *ctx, moe_tensor *t, int64_t dim, int64_t index, moe_tensor **out) {
   MOE_CHECK(view_args(ctx, "select", t, out));
-  int d;
+  int d = 0;
   MOE_CHECK(dim_normalize(ctx, "select", dim, t->ndim, false, &d));
   int64_t size = t->shape[d];
   if (index < -size || index >= size)
@@ -701,7 +711,7 @@ moe_status moe_unsqueeze(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **
   if (t->ndim >= MOE_MAX_DIMS)
     return moe_error(ctx, MOE_ERR_SHAPE, "unsqueeze: ndim %d exceeds the maximum of %d",
                      t->ndim + 1, MOE_MAX_DIMS);
-  int d;
+  int d = 0;
   MOE_CHECK(dim_normalize(ctx, "unsqueeze", dim, t->ndim, true, &d));
   int64_t shape[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
   for (int i = 0, j = 0; i <= t->ndim; i++) {

@@ -87,8 +87,9 @@ static void test_gather(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_gather(ctx, x, 1, big, &o), MOE_ERR_SHAPE, "larger than x");
   moe_tensor *fi = mk(ctx, MOE_F32, 2, SH(1, 1), VALS(0));
   EXPECT_ERR_MSG(moe_gather(ctx, x, 0, fi, &o), MOE_ERR_DTYPE, "i64 or i32");
-  EXPECT_ERR(moe_gather(ctx, x, 2, i0, &o), MOE_ERR_INVALID_ARG);
-  EXPECT_ERR(moe_gather(ctx, NULL, 0, i0, &o), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_gather(ctx, x, 2, i0, &o), MOE_ERR_INVALID_ARG,
+                 "gather: dim 2 is out of range for a tensor of 2 dims (expected -2 to 1)");
+  EXPECT_ERR_MSG(moe_gather(ctx, NULL, 0, i0, &o), MOE_ERR_INVALID_ARG, "gather: x is NULL");
   /* gradients: repeated indices accumulate */
   moe_tensor *xg = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(3, 4)));
   moe_tensor *ig = mk(ctx, MOE_I64, 2, SH(2, 4), VALS(2, 0, 0, 1, 2, 2, 1, 1));
@@ -150,7 +151,8 @@ static void test_scatter(moe_ctx *ctx) {
   moe_tensor *oob = mk(ctx, MOE_I64, 2, SH(1, 1), VALS(5));
   EXPECT_ERR_MSG(moe_scatter_add(ctx, x, 1, oob, src, &o), MOE_ERR_INVALID_ARG, "outside [0, 3)");
   moe_tensor *bx = mk(ctx, MOE_BOOL, 1, SH(2), VALS(0, 1));
-  EXPECT_ERR(moe_scatter_add(ctx, bx, 0, ib, bx, &o), MOE_ERR_DTYPE);
+  EXPECT_ERR_MSG(moe_scatter_add(ctx, bx, 0, ib, bx, &o), MOE_ERR_DTYPE,
+                 "scatter_add: bool tensors cannot be added");
   /* gradients; scatter with distinct targets per column, src larger than index */
   moe_tensor *xg = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(4, 3)));
   moe_tensor *sg = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(3, 3)));
@@ -281,7 +283,8 @@ static void test_one_hot(moe_ctx *ctx) {
   EXPECT_VALUES(o, 0, 1, 0, 0, 0, 0, 1, 0, 1, 0, 0, 0, 1);
   moe_tensor_release(o);
   EXPECT_ERR_MSG(moe_one_hot(ctx, ids, 2, &o), MOE_ERR_INVALID_ARG, "outside [0, 2)");
-  EXPECT_ERR(moe_one_hot(ctx, ids, -2, &o), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_one_hot(ctx, ids, -2, &o), MOE_ERR_INVALID_ARG,
+                 "one_hot: num_classes must be >= 0 (or -1 to infer), got -2");
   moe_tensor *e = NULL;
   EXPECT_OK(moe_tensor_empty(ctx, 1, SH(0), MOE_I64, MOE_CPU, &e));
   EXPECT_ERR_MSG(moe_one_hot(ctx, e, -1, &o), MOE_ERR_INVALID_ARG, "empty");
@@ -289,7 +292,7 @@ static void test_one_hot(moe_ctx *ctx) {
   EXPECT(o->shape[0] == 0 && o->shape[1] == 5);
   moe_tensor_release(o);
   moe_tensor *f = mk(ctx, MOE_F32, 1, SH(1), VALS(0));
-  EXPECT_ERR(moe_one_hot(ctx, f, 2, &o), MOE_ERR_DTYPE);
+  EXPECT_ERR_MSG(moe_one_hot(ctx, f, 2, &o), MOE_ERR_DTYPE, "one_hot: ids must be i64 or i32, got f32");
   moe_tensor_release(ids);
   moe_tensor_release(e);
   moe_tensor_release(f);
@@ -348,10 +351,11 @@ static void test_sort(moe_ctx *ctx) {
   moe_tensor_release(v);
   moe_tensor_release(i);
   EXPECT_ERR_MSG(moe_topk(ctx, x, 6, 1, true, &v, &i), MOE_ERR_INVALID_ARG, "outside [0, 5]");
-  EXPECT_ERR(moe_topk(ctx, x, -1, 1, true, &v, &i), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_topk(ctx, x, -1, 1, true, &v, &i), MOE_ERR_INVALID_ARG,
+                 "topk: k = -1 is outside [0, 5] for x [2, 5] and dim 1");
   moe_tensor *b = mk(ctx, MOE_BOOL, 1, SH(2), VALS(1, 0));
-  EXPECT_ERR(moe_sort(ctx, b, 0, false, &v, &i), MOE_ERR_DTYPE);
-  EXPECT_ERR(moe_sort(ctx, x, 3, false, &v, &i), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_sort(ctx, b, 0, false, &v, &i), MOE_ERR_DTYPE, "sort: bool tensors are not sorted");
+  EXPECT_ERR_MSG(moe_sort(ctx, x, 3, false, &v, &i), MOE_ERR_INVALID_ARG, "sort: dim 3 is out of range");
   /* gradients through values */
   moe_tensor *xg = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(3, 5)));
   args a = {NULL, 1, -1, 1};
@@ -420,7 +424,11 @@ static void test_join(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_stack(ctx, 2, (moe_tensor *[]){a, b}, 0, &o), MOE_ERR_SHAPE, "differ in shape");
   moe_tensor *c = mk(ctx, MOE_F64, 2, SH(2, 1), VALS(5, 6));
   EXPECT_ERR_MSG(moe_cat(ctx, 2, (moe_tensor *[]){a, c}, 1, &o), MOE_ERR_DTYPE, "tensor 1 is f64");
-  EXPECT_ERR(moe_cat(ctx, 0, (moe_tensor *[]){a}, 0, &o), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_cat(ctx, 0, (moe_tensor *[]){a}, 0, &o), MOE_ERR_INVALID_ARG,
+                 "cat: needs at least one tensor, got 0");
+  EXPECT_ERR_MSG(moe_cat(ctx, 2, (moe_tensor *[]){a, a}, 2, &o), MOE_ERR_INVALID_ARG, "cat: dim 2 is out of range");
+  EXPECT_ERR_MSG(moe_stack(ctx, 2, (moe_tensor *[]){a, a}, 3, &o), MOE_ERR_INVALID_ARG,
+                 "stack: dim 3 is out of range for a tensor of 2 dims (expected -3 to 2)");
   /* split and chunk */
   moe_tensor *x = mk(ctx, MOE_F32, 2, SH(5, 2), VALS(0, 1, 2, 3, 4, 5, 6, 7, 8, 9));
   moe_tensor *p[8] = {0};
@@ -448,8 +456,9 @@ static void test_join(moe_ctx *ctx) {
   EXPECT(cnt == 2);
   EXPECT_ERR_MSG(moe_split(ctx, x, 1, 0, 4, p, &n), MOE_ERR_INVALID_ARG, "room for 4");
   EXPECT_ERR_MSG(moe_split_sizes(ctx, x, 2, SH(1, 3), 0, p), MOE_ERR_SHAPE, "sum to 4");
-  EXPECT_ERR(moe_split(ctx, x, 0, 0, 8, p, &n), MOE_ERR_INVALID_ARG);
-  EXPECT_ERR(moe_chunk(ctx, x, 0, 0, 8, p, &n), MOE_ERR_INVALID_ARG);
+  EXPECT_ERR_MSG(moe_split(ctx, x, 0, 0, 8, p, &n), MOE_ERR_INVALID_ARG, "split: split_size must be >= 1, got 0");
+  EXPECT_ERR_MSG(moe_split(ctx, x, 1, 2, 8, p, &n), MOE_ERR_INVALID_ARG, "split: dim 2 is out of range");
+  EXPECT_ERR_MSG(moe_chunk(ctx, x, 0, 0, 8, p, &n), MOE_ERR_INVALID_ARG, "chunk: chunks must be >= 1, got 0");
   /* gradients: cat of 3 (one non-contiguous), stack, 10 inputs (grouped nodes) */
   moe_tensor *g1 = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(2, 3)));
   moe_tensor *g2 = tleaf(ctx, 2, SH(3, 2)); /* (2, 3) */
@@ -549,9 +558,12 @@ static void test_rope(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_rope(ctx, x3, c, s, MOE_ROPE_BTHD, &o), MOE_ERR_SHAPE, "4-D");
   EXPECT_ERR_MSG(moe_rope(ctx, x, c, s, MOE_ROPE_BHTD, &o), MOE_ERR_SHAPE, "(T, D/2)");
   EXPECT_ERR_MSG(moe_rope(ctx, x32, c, s, MOE_ROPE_BTHD, &o), MOE_ERR_DTYPE, "x's dtype");
-  EXPECT_ERR(moe_rope(ctx, x, c, s, (moe_rope_layout)7, &o), MOE_ERR_INVALID_ARG);
-  EXPECT_ERR(moe_rope_cache(ctx, 3, 5, 10000, MOE_F32, MOE_CPU, &c32, &s32), MOE_ERR_INVALID_ARG);
-  EXPECT_ERR(moe_rope_cache(ctx, 3, 4, 10000, MOE_I64, MOE_CPU, &c32, &s32), MOE_ERR_DTYPE);
+  EXPECT_ERR_MSG(moe_rope(ctx, x, c, s, (moe_rope_layout)7, &o), MOE_ERR_INVALID_ARG,
+                 "rope: unknown layout 7 (BTHD or BHTD)");
+  EXPECT_ERR_MSG(moe_rope_cache(ctx, 3, 5, 10000, MOE_F32, MOE_CPU, &c32, &s32), MOE_ERR_INVALID_ARG,
+                 "rope_cache: T must be >= 0 and D even and > 0, got T = 3, D = 5");
+  EXPECT_ERR_MSG(moe_rope_cache(ctx, 3, 4, 10000, MOE_I64, MOE_CPU, &c32, &s32), MOE_ERR_DTYPE,
+                 "rope_cache: dtype must be a float dtype, got i64");
   moe_tensor *cg = leaf(ctx, rnd(ctx, MOE_F64, 2, SH(T, h)));
   EXPECT_ERR_MSG(moe_rope(ctx, x, cg, s, MOE_ROPE_BTHD, &o), MOE_ERR_NOT_SUPPORTED, "constants");
   /* gradients: contiguous and a non-contiguous (B, H, T, D) view */
@@ -632,9 +644,11 @@ static void test_multinomial(moe_ctx *ctx) {
   moe_tensor *z = mk(ctx, MOE_F32, 1, SH(2), VALS(0, 0));
   EXPECT_ERR_MSG(moe_multinomial(ctx, z, 1, true, &o), MOE_ERR_INVALID_ARG, "fewer than one");
   moe_tensor *ip = mk(ctx, MOE_I64, 1, SH(2), VALS(1, 1));
-  EXPECT_ERR(moe_multinomial(ctx, ip, 1, true, &o), MOE_ERR_DTYPE);
+  EXPECT_ERR_MSG(moe_multinomial(ctx, ip, 1, true, &o), MOE_ERR_DTYPE,
+                 "multinomial: probs must be f32, f64, bf16 or f16, got i64");
   moe_tensor *p3 = rnd(ctx, MOE_F32, 3, SH(1, 1, 2));
-  EXPECT_ERR(moe_multinomial(ctx, p3, 1, true, &o), MOE_ERR_SHAPE);
+  EXPECT_ERR_MSG(moe_multinomial(ctx, p3, 1, true, &o), MOE_ERR_SHAPE,
+                 "multinomial: probs must be (N, C) or (C) with C >= 1, got [1, 1, 2]");
   moe_tensor *ts[] = {p, q, pb, neg, z, ip, p3};
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
 }
