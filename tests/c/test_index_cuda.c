@@ -576,6 +576,29 @@ static void test_backward_multi_cuda(moe_ctx *ctx) {
   }
 }
 
+/* Operands on two devices: an error naming the op and both devices, no output. */
+static void test_device_mismatch_cuda(moe_ctx *ctx) {
+  moe_tensor *x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(5, 7)), *xg = gpu(ctx, x);
+  moe_tensor *i = rint_(ctx, MOE_I64, 5, 2, SH(3, 7)), *ig = gpu(ctx, i);
+  moe_tensor *src = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(3, 7));
+  moe_tensor *v = rint_(ctx, MOE_I64, 5, 1, SH(4)), *vg = gpu(ctx, v);
+  moe_tensor *src4 = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(4, 7));
+  moe_tensor *o = NULL;
+  EXPECT_ERR_MSG(moe_gather(ctx, xg, 0, i, &o), MOE_ERR_DEVICE, "gather: x is on cuda:0 but index is on cpu");
+  EXPECT_ERR_MSG(moe_scatter(ctx, xg, 0, ig, src, &o), MOE_ERR_DEVICE, "scatter: x is on cuda:0 but src is on cpu");
+  EXPECT_ERR_MSG(moe_scatter_add(ctx, xg, 0, i, src, &o), MOE_ERR_DEVICE, "scatter_add: x is on cuda:0 but index is on cpu");
+  EXPECT_ERR_MSG(moe_index_select(ctx, xg, 0, v, &o), MOE_ERR_DEVICE, "index_select: x is on cuda:0 but index is on cpu");
+  EXPECT_ERR_MSG(moe_index_add(ctx, xg, 0, vg, src4, &o), MOE_ERR_DEVICE, "index_add: x is on cuda:0 but src is on cpu");
+  EXPECT_ERR_MSG(moe_stack(ctx, 2, (moe_tensor *[]){xg, x}, 0, &o), MOE_ERR_DEVICE, "stack: tensor 1 is on cpu");
+  EXPECT_ERR_MSG(moe_cat(ctx, 2, (moe_tensor *[]){xg, x}, 0, &o), MOE_ERR_DEVICE, "cat: tensor 1 is on cpu");
+  moe_tensor *c = NULL, *sn = NULL, *r = rnd(ctx, MOE_F32, MOE_CPU, 4, SH(1, 3, 2, 8)), *rg = gpu(ctx, r);
+  EXPECT_OK(moe_rope_cache(ctx, 3, 8, 10000, MOE_F32, MOE_CPU, &c, &sn));
+  EXPECT_ERR_MSG(moe_rope(ctx, rg, c, sn, MOE_ROPE_BTHD, &o), MOE_ERR_DEVICE, "rope: x is on cuda:0 but cos is on cpu");
+  EXPECT(o == NULL);
+  moe_tensor *ts[] = {x, xg, i, ig, src, v, vg, src4, c, sn, r, rg};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
 /* ------------------------------------------------------- multinomial */
 
 static void test_multinomial_cuda(moe_ctx *ctx) {
@@ -695,6 +718,7 @@ int main(void) {
   RUN(test_rope_cuda);
   RUN(test_backward_cuda);
   RUN(test_backward_multi_cuda);
+  RUN(test_device_mismatch_cuda);
   RUN(test_multinomial_cuda);
   if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
   return harness_end();

@@ -475,10 +475,15 @@ static void test_errors(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_linear(ctx, a, b, NULL, &r), MOE_ERR_DEVICE, "linear: the input is on cuda:0");
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(3, 2), 1, MOE_I32, CUDA0, &ai));
   EXPECT_ERR_MSG(moe_matmul(ctx, a, ai, &r), MOE_ERR_DTYPE, "dtype i32");
+  moe_tensor *ba = rnd_dev(ctx, MOE_F32, CUDA0, SHAPE(2, 3, 4)), *bb = rnd_dev(ctx, MOE_F32, MOE_CPU, SHAPE(2, 4, 5));
+  EXPECT_ERR_MSG(moe_bmm(ctx, ba, bb, &r), MOE_ERR_DEVICE,
+                 "bmm: the first operand is on cuda:0 but the second operand is on cpu");
   EXPECT(r == NULL);
   moe_tensor_release(a);
   moe_tensor_release(b);
   moe_tensor_release(ai);
+  moe_tensor_release(ba);
+  moe_tensor_release(bb);
 }
 
 int main(void) {

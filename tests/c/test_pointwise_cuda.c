@@ -382,7 +382,11 @@ static void test_errors_gpu(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_pow(ctx, c, g, &y), MOE_ERR_DEVICE, "pow: a is on cpu but b is on cuda:0");
   EXPECT_ERR_MSG(moe_swiglu(ctx, g, c, &y), MOE_ERR_DEVICE, "swiglu: gate is on cuda:0");
   EXPECT_ERR_MSG(moe_compare(ctx, MOE_OP_EQ, g, c, &y), MOE_ERR_DEVICE, "eq");
+  moe_tensor *cond = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, SHAPE(3), 1, MOE_BOOL, gpu0(), &cond));
+  EXPECT_ERR_MSG(moe_where(ctx, cond, g, c, &y), MOE_ERR_DEVICE, "where: cond is on cuda:0 but b is on cpu");
   EXPECT(y == NULL);
+  moe_tensor_release(cond);
   moe_tensor_release(g);
   moe_tensor_release(c);
 }

@@ -391,8 +391,17 @@ static void test_gpu_errors(moe_ctx *ctx) {
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2, 3), 1.0, MOE_F32, GPU, &x));
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(3), 1.0, MOE_F32, MOE_CPU, &w));
   EXPECT_ERR_MSG(moe_layer_norm(ctx, x, w, NULL, 1e-5, &r), MOE_ERR_DEVICE, "layer_norm: weight is on cpu but input is on cuda:0");
+  moe_tensor *wg = NULL, *t = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, SHAPE(3), 1.0, MOE_F32, GPU, &wg));
+  EXPECT_ERR_MSG(moe_layer_norm(ctx, x, wg, w, 1e-5, &r), MOE_ERR_DEVICE, "layer_norm: bias is on cpu but input is on cuda:0");
+  EXPECT_ERR_MSG(moe_rms_norm(ctx, x, w, 1e-5, &r), MOE_ERR_DEVICE, "rms_norm: weight is on cpu but input is on cuda:0");
+  EXPECT_OK(moe_tensor_full(ctx, SHAPE(2), 0, MOE_I64, MOE_CPU, &t));
+  EXPECT_ERR_MSG(moe_cross_entropy(ctx, x, t, -100, 0.0, MOE_REDUCTION_MEAN, &r), MOE_ERR_DEVICE,
+                 "cross_entropy: logits on cuda:0 but target on cpu");
   EXPECT(r == NULL);
   moe_tensor_release(w);
+  moe_tensor_release(wg);
+  moe_tensor_release(t);
   moe_tensor_release(x);
 }
 
