@@ -695,6 +695,25 @@ __device__ __forceinline__ void attn_tile_decode(const AttnParams &p, int t, int
     *bh = t - *y * BH;
   }
 }
+struct AttnTile {
+  int bh, b, h, y; /* head (batch b, head h) and block rank */
+};
+/* This block's tile of round rt (of BH heads x nblk blocks); false past the last. */
+__device__ __forceinline__ bool attn_round_tile(const AttnParams &p, int rt, int BH, int nblk,
+                                                AttnTile *w) {
+  const int t = attn_tile(rt, blockIdx.x, gridDim.x);
+  if (t >= nblk * BH) return false;
+  attn_tile_decode(p, t, BH, nblk, &w->bh, &w->y);
+  w->b = w->bh / p.H;
+  w->h = w->bh - w->b * p.H;
+  return true;
+}
+/* Key blocks a forward tile of queries [m0, m0 + BM) visits. */
+template <int BM, int BN>
+__device__ __forceinline__ int ws_fwd_nkv(const AttnParams &p, int m0) {
+  const int n = (p.T + BN - 1) / BN;
+  return p.causal ? min(n, (m0 + BM + BN - 1) / BN) : n;
+}
 #endif
 
 /* Forward, persistent: tiles of 128 queries, t = y BH + bh with query block
@@ -720,7 +739,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
                  vempty = kempty + 8 * S, qempty = vempty + 8 * S;
   /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int T = p.T, nblk = (T + BM - 1) / BM, ntiles = nblk * BH;
+  const int T = p.T, nblk = (T + BM - 1) / BM;
   if (tid == 0) {
     moe_mbar_init(qfull, 1);
     moe_mbar_init(qempty, 256);
@@ -738,14 +757,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid == 0) {
       int kv = 0; /* key/value blocks loaded so far (the stage ring runs on across tiles) */
-      for (int rt = 0;; rt++) {
-        const int t = attn_tile(rt, blockIdx.x, gridDim.x);
-        if (t >= ntiles) break;
-        int bh, y;
-        attn_tile_decode(p, t, BH, nblk, &bh, &y);
-        const int b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - y) * BM;
-        int nkv = (T + BN - 1) / BN;
-        if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+      AttnTile w;
+      for (int rt = 0; attn_round_tile(p, rt, BH, nblk, &w); rt++) {
+        const int b = w.b, h = w.h, m0 = (nblk - 1 - w.y) * BM, nkv = ws_fwd_nkv<BM, BN>(p, m0);
         if (rt > 0) moe_mbar_wait(qempty, (uint32_t)((rt - 1) & 1));
         moe_mbar_expect(qfull, BM * D * 2);
 #pragma unroll
@@ -771,14 +785,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   asm volatile("setmaxnreg.inc.sync.aligned.u32 240;\n");
   const int cw = wg - 1, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   int kv = 0; /* key/value blocks consumed before this tile */
-  for (int rt = 0;; rt++) {
-  const int t = attn_tile(rt, blockIdx.x, gridDim.x);
-  if (t >= ntiles) break;
-  int bh, y;
-  attn_tile_decode(p, t, BH, nblk, &bh, &y);
-  const int b = bh / p.H, h = bh % p.H, m0 = (nblk - 1 - y) * BM;
-  int nkv = (T + BN - 1) / BN;
-  if (p.causal) nkv = min(nkv, (m0 + BM + BN - 1) / BN);
+  AttnTile w;
+  for (int rt = 0; attn_round_tile(p, rt, BH, nblk, &w); rt++) {
+  const int bh = w.bh, b = w.b, h = w.h, m0 = (nblk - 1 - w.y) * BM, nkv = ws_fwd_nkv<BM, BN>(p, m0);
   const int rbase = m0 + cw * 64 + warp * 16 + g; /* this thread's rows: rbase, rbase + 8 */
   const int wrow0 = m0 + cw * 64;
 
@@ -934,7 +943,7 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   float *sL = reinterpret_cast<float *>(attn_wsmem + (sLD - raw)), *sD = sL + 2 * BQ;
   /* wg from lane 0: warp-uniform to the compiler (descriptors in uniform registers) */
   const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
-  const int T = p.T, nq = (T + BQ - 1) / BQ, nkb = (T + BN - 1) / BN, ntiles = nkb * BH;
+  const int T = p.T, nq = (T + BQ - 1) / BQ, nkb = (T + BN - 1) / BN;
   if (tid == 0) {
     moe_mbar_init(kvfull, 1);
     moe_mbar_init(kvempty, 256);
@@ -950,14 +959,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (tid >= 32) return;
     int u = 0; /* query blocks loaded so far (the stages run on across tiles) */
-    for (int rt = 0;; rt++) {
-    const int t = attn_tile(rt, blockIdx.x, gridDim.x);
-    if (t >= ntiles) break;
-    int bh, y;
-    attn_tile_decode(p, t, BH, nkb, &bh, &y);
-    const int b = bh / p.H, h = bh % p.H, n0 = y * BN;
-    const int i0 = p.causal ? n0 / BQ : 0;
-    const int64_t lo = (int64_t)bh * T; /* lse and delta rows of this head */
+    AttnTile w;
+    for (int rt = 0; attn_round_tile(p, rt, BH, nkb, &w); rt++) {
+    const int b = w.b, h = w.h, n0 = w.y * BN, i0 = p.causal ? n0 / BQ : 0;
+    const int64_t lo = (int64_t)w.bh * T; /* lse and delta rows of this head */
     if (tid == 0) {
       if (rt > 0) moe_mbar_wait(kvempty, (uint32_t)((rt - 1) & 1));
       moe_mbar_expect(kvfull, 2 * BN * D * 2);
@@ -999,14 +1004,10 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
   const int rr = (ct & 127) >> 1;
   const uint32_t plane = sDQ + cw * BQ * PITCH;
   int u = 0; /* query blocks consumed before this tile */
-  for (int rt = 0;; rt++) {
-  const int t = attn_tile(rt, blockIdx.x, gridDim.x);
-  if (t >= ntiles) break;
-  int bh, y;
-  attn_tile_decode(p, t, BH, nkb, &bh, &y);
-  const int b = bh / p.H, h = bh % p.H, n0 = y * BN;
-  const int i0 = p.causal ? n0 / BQ : 0;
-  float *accg = dq_acc + (int64_t)bh * T * D;
+  AttnTile w;
+  for (int rt = 0; attn_round_tile(p, rt, BH, nkb, &w); rt++) {
+  const int b = w.b, h = w.h, n0 = w.y * BN, i0 = p.causal ? n0 / BQ : 0;
+  float *accg = dq_acc + (int64_t)w.bh * T * D;
   float dk[D / 2], dv[D / 2];
 #pragma unroll
   for (int e = 0; e < D / 2; e++) dk[e] = dv[e] = 0.f;
