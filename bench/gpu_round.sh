@@ -43,8 +43,8 @@ for s in "${steps[@]}"; do
     attention)
       # moe's fused attention (both kernel families: MOE_ATTN_WG=0 is the mma.sync one; the
       # TMA kernels without ping-pong, without the persistent grid and in head-major tile
-      # order too) beside
-      # torch's SDPA backends, and one problem checked against float64 by the torch script.
+      # order too) beside torch's SDPA backends, and one problem checked against float64 by
+      # the torch script.
       mkdir -p "$out/attn_dump"
       MOE_ATTN_WG=0 $ml bench/attention.lua --json "$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
       MOE_ATTN_PINGPONG=0 $ml bench/attention.lua --json "$out/attention_moe_nopp.json" > "$out/attention_moe_nopp.log" 2>&1
