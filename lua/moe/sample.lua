@@ -8,11 +8,15 @@ moe.manual_seed for a reproducible sample).
                                                 top_k = 40, seq_len = 128, device = "cpu"})
   local text = sample.text(model, tokenizer, "In the beginning", {max_new_tokens = 200})
 
-model: forward(idx (1, S) i64) -> logits (1, S, V) (nn.TransformerLM). The
-context is cut to the last seq_len tokens (no KV cache: each new token runs
-the model over the window). temperature = 0 is greedy (argmax); top_k = 0 or
-nil keeps the whole vocabulary. Runs under moe.no_grad in eval mode and puts
-the model back in the mode it was in.
+model: forward(idx (1, S) i64) -> logits (1, S, V) (nn.TransformerLM). A model
+with new_cache() (nn.TransformerLM) decodes incrementally: the prompt runs once,
+then each new token runs alone against the cached keys and values of every
+layer (opts.kv_cache = false turns that off). Once the context outgrows seq_len
+it is cut to the last seq_len tokens and each new token runs the model over
+that window, as without a cache (the positions move with the window).
+temperature = 0 is greedy (argmax); top_k = 0 or nil keeps the whole
+vocabulary. Runs under moe.no_grad in eval mode and puts the model back in the
+mode it was in.
 ]]
 local moe = require "moe"
 
@@ -45,30 +49,41 @@ end
 
 --- generate(model, prompt_ids (Lua array, non-empty), opts) -> array of the new ids.
 --- opts: max_new_tokens=100, temperature=1, top_k=nil, seq_len=(required unless the model
---- has seq_len), device="cpu", stop=nil (an id that ends generation, not included).
+--- has seq_len or cfg.seq_len, as nn.TransformerLM), device="cpu", stop=nil (an id that ends generation, not included),
+--- kv_cache=true (used when the model has new_cache()).
 function M.generate(model, prompt, opts)
   opts = opts or {}
   if type(prompt) ~= "table" or #prompt == 0 then
     error("bad argument #2 to 'sample.generate' (non-empty array of token ids expected)", 2)
   end
-  local seq_len = opts.seq_len or model.seq_len
+  local seq_len = opts.seq_len or model.seq_len or (type(model.cfg) == "table" and model.cfg.seq_len or nil)
   if math.type(seq_len) ~= "integer" or seq_len <= 0 then
     error("sample.generate: opts.seq_len must be a positive integer (the model's context length)", 2)
   end
   local n = opts.max_new_tokens or 100
   local device = opts.device or "cpu"
+  if opts.kv_cache ~= nil and type(opts.kv_cache) ~= "boolean" then
+    error("sample.generate: opts.kv_cache must be a boolean, got " .. type(opts.kv_cache), 2)
+  end
   local ctx = {}
   for i, id in ipairs(prompt) do ctx[i] = id end
   local out = {}
   local was_training = model.training
-  moe.no_grad(function()
+  local cache = opts.kv_cache ~= false and type(model.new_cache) == "function" and model:new_cache() or nil
+  local ok, err = pcall(moe.no_grad, function()
     if model.eval then model:eval() end
     for _ = 1, n do
-      local first = math.max(1, #ctx - seq_len + 1)
-      local window = table.move(ctx, first, #ctx, 1, {})
-      local idx = moe.tensor({ window }, { dtype = "i64", device = device })
-      local logits = model:forward(idx) -- (1, S, V)
-      local last = logits:select(0, 0):select(0, #window - 1)
+      local logits, rows
+      if cache and #ctx > seq_len then cache:free(); cache = nil end -- the window moves on
+      if cache then -- the tokens the cache has not seen (the prompt, then one at a time)
+        local new = table.move(ctx, cache.pos + 1, #ctx, 1, {})
+        logits, rows = model:forward(moe.tensor({ new }, { dtype = "i64", device = device }), cache), #new
+      else
+        local first = math.max(1, #ctx - seq_len + 1)
+        local window = table.move(ctx, first, #ctx, 1, {})
+        logits, rows = model:forward(moe.tensor({ window }, { dtype = "i64", device = device })), #window
+      end
+      local last = logits:select(0, 0):select(0, rows - 1) -- (1, S, V) -> the last row
       local id = M.pick(last, opts)
       if opts.stop ~= nil and id == opts.stop then break end
       ctx[#ctx + 1] = id
@@ -78,7 +93,9 @@ function M.generate(model, prompt, opts)
       collectgarbage()
     end
   end)
+  if cache then cache:free() end
   if was_training and model.train then model:train() end
+  if not ok then error(err, 0) end
   return out
 end
 

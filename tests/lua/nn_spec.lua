@@ -365,6 +365,67 @@ describe("nn.TransformerLM", function()
     assert.is_true(math.abs(first - math.log(16)) < 0.1, "first loss " .. first)
     assert.is_true(last < first - 0.5, string.format("loss %g -> %g", first, last))
   end)
+
+  it("decodes with a KV cache to the logits of the full forward", function()
+    local layers = require "moe.layers"
+    for _, o in ipairs({
+      { pos = "rope" }, { pos = "learned" }, { pos = "rope", norm = "rmsnorm" },
+      { pos = "rope", d_model = 16, n_heads = 2, ffn = function() -- a dropless MoE layer
+        return layers.dMoE({ hidden_size = 16, ffn_hidden_size = 16, num_experts = 4, top_k = 2, init_std = 0.5 })
+      end },
+    }) do
+      moe.manual_seed(21)
+      o.init_std = 0.5 -- logits that move with every position and key
+      local lm = tiny_lm(o)
+      lm:eval()
+      local ids = { 3, 1, 4, 1, 5, 9 }
+      moe.no_grad(function()
+        local full = lm:forward(moe.tensor({ ids }))
+        local cache = lm:new_cache()
+        -- the prompt, one token, then two at once (a chunk after the cache: masked)
+        local a = lm:forward(moe.tensor({ { 3, 1, 4 } }), cache)
+        local b = lm:forward(moe.tensor({ { 1 } }), cache)
+        local c = lm:forward(moe.tensor({ { 5, 9 } }), cache)
+        assert.are.equal(6, cache.pos)
+        assert.are.equal(6, cache.layers[1].k:size(2)) -- (B, H, 6, D)
+        local got = moe.cat({ a, b, c }, 1)
+        local err = max_diff(got, full)
+        assert.is_true(err < 1e-5, string.format("%s: cached logits differ by %g", o.pos, err))
+        cache:free()
+        assert.is_nil(cache.layers[1].k)
+        assert.are.equal(0, cache.pos)
+      end)
+    end
+    local lm = tiny_lm({ pos = "learned" })
+    local cache = lm:new_cache()
+    moe.no_grad(function()
+      lm:forward(moe.tensor({ { 1, 2, 3, 4 } }), cache)
+      assert.error_matches(function() lm:forward(moe.tensor({ { 1, 2, 3 } }), cache) end,
+        "sequence length 7 exceeds seq_len 6")
+      assert.error_matches(function() lm:forward(moe.tensor({ { 1 } }), {}) end,
+        "cache must come from new_cache%(%), got table")
+    end)
+    cache:free()
+  end)
+
+  it("generates the same tokens with and without the KV cache", function()
+    local sample = require "moe.sample"
+    moe.manual_seed(22)
+    local lm = tiny_lm({ d_model = 16, n_heads = 2, seq_len = 8, init_std = 0.5 }) -- no near-ties
+    -- 3 + 12 tokens: past seq_len, where the cache gives way to the moving window
+    local with = sample.generate(lm, { 1, 2, 3 }, { max_new_tokens = 12, temperature = 0 })
+    local without = sample.generate(lm, { 1, 2, 3 }, { max_new_tokens = 12, temperature = 0, kv_cache = false })
+    assert.are.equal(12, #with)
+    assert.are.same(without, with)
+    moe.manual_seed(5)
+    local s1 = sample.generate(lm, { 4 }, { max_new_tokens = 6, top_k = 4 })
+    moe.manual_seed(5)
+    local s2 = sample.generate(lm, { 4 }, { max_new_tokens = 6, top_k = 4, kv_cache = false })
+    assert.are.same(s2, s1)
+    assert.is_true(lm.training) -- mode restored
+    assert.error_matches(function() sample.generate(lm, { 1 }, { kv_cache = "yes" }) end,
+      "opts.kv_cache must be a boolean, got string")
+  end)
 end)
 
 if gpu then

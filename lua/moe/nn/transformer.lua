@@ -74,16 +74,22 @@ function Attention:init(o)
   self._rope = nil -- {S, dtype, device, cos, sin}
 end
 
--- cos, sin (S, head_dim / 2) for x's dtype and device, cached.
-function Attention:rope_tables(S, dtype, device)
+-- cos, sin (S, head_dim / 2) for x's dtype and device, cached (views of the cached
+-- tables when they are longer: free those with release(t, self._rope.cos)). A table
+-- that must grow is built for max(S, cap) rows (decoding asks for twice its length,
+-- so it is not rebuilt at every token).
+function Attention:rope_tables(S, dtype, device, cap)
   local c = self._rope
   if c and c.S >= S and c.dtype == dtype and c.device == device then
     if c.S == S then return c.cos, c.sin end
     return c.cos:narrow(0, 0, S), c.sin:narrow(0, 0, S)
   end
-  local cos, sin = moe.rope_cache(S, self.head_dim, self.rope_base, { dtype = dtype, device = device })
-  self._rope = { S = S, dtype = dtype, device = device, cos = cos, sin = sin }
-  return cos, sin
+  if c then c.cos:free(); c.sin:free() end
+  local n = math.max(S, cap or 0)
+  local cos, sin = moe.rope_cache(n, self.head_dim, self.rope_base, { dtype = dtype, device = device })
+  self._rope = { S = n, dtype = dtype, device = device, cos = cos, sin = sin }
+  if n == S then return cos, sin end
+  return cos:narrow(0, 0, S), sin:narrow(0, 0, S)
 end
 
 -- The fused CUDA attention kernels take bf16 with head dim 64 or 128 (core/attention.c); the
@@ -129,33 +135,87 @@ function Attention:attention_math(q, k, v)
   return o
 end
 
-function Attention:forward(x)
+-- Attention of S new queries at positions P .. P+S-1 over all P+S keys of a KV cache:
+-- q (B, H, S, D), k, v (B, H, P+S, D) -> (B, H, S, D). Query i sees keys 0 .. P+i.
+function Attention:attention_cached(q, k, v, P)
+  local S, D = q:size(2), q:size(3)
+  local kt = k:transpose(2, 3) -- (B, H, D, P+S)
+  local s = moe.matmul(q, kt) -- (B, H, S, P+S)
+  release(kt)
+  local scaled = s * (1 / math.sqrt(D))
+  release(s)
+  if S > 1 then -- later keys hidden from earlier queries of this chunk
+    local rows, ninf = {}, -math.huge
+    for i = 1, S do
+      local r = {}
+      for j = 1, P + S do r[j] = j > P + i and ninf or 0 end
+      rows[i] = r
+    end
+    local m = moe.tensor(rows, { dtype = q.dtype, device = q.device })
+    local masked = scaled + m
+    release(m); release(scaled)
+    scaled = masked
+  end
+  local p = moe.softmax(scaled, -1)
+  release(scaled)
+  local o = moe.matmul(p, v)
+  release(p)
+  return o
+end
+
+-- forward(x (B, S, d) [, cache]) -> (B, S, d). With a cache (a table, from
+-- TransformerLM:new_cache: cache.pos tokens already seen), x holds the next S
+-- tokens: their keys and values are appended to cache.k, cache.v (B, H, pos+S, D)
+-- and their queries attend to every cached key before them.
+function Attention:forward(x, cache)
   if x:dim() ~= 3 or x:size(2) ~= self.d_model then
     error(string.format("CausalSelfAttention: x must be (B, S, %d), got (%s)", self.d_model,
       table.concat(x.shape, ", ")), 2)
   end
   local B, S = x:size(0), x:size(1)
   local H, D = self.n_heads, self.head_dim
+  local P = cache and cache.pos or 0
   local h = self.qkv(x) -- (B, S, 3 d)
   local qkv = h:view({ B, S, 3, H, D })
   release(h)
   local q, k, v = qkv:select(2, 0), qkv:select(2, 1), qkv:select(2, 2) -- (B, S, H, D)
   release(qkv)
   if self.pos == "rope" then
-    local cos, sin = self:rope_tables(S, x.dtype, x.device)
+    local cos, sin = self:rope_tables(P + S, x.dtype, x.device, cache and 2 * (P + S) or nil)
+    if P > 0 then -- rows P .. P+S-1
+      local c2, s2 = cos:narrow(0, P, S), sin:narrow(0, P, S)
+      release(cos, self._rope.cos); release(sin, self._rope.sin)
+      cos, sin = c2, s2
+    end
     local qr, kr = moe.rope(q, cos, sin, "bthd"), moe.rope(k, cos, sin, "bthd")
+    release(cos, self._rope.cos); release(sin, self._rope.sin)
     release(q); release(k)
     q, k = qr, kr
   end
   local qt, kt, vt = q:transpose(1, 2), k:transpose(1, 2), v:transpose(1, 2) -- (B, H, S, D)
   release(q); release(k); release(v)
+  if cache then
+    local kc, vc
+    if cache.k then
+      kc, vc = moe.cat({ cache.k, kt }, 2), moe.cat({ cache.v, vt }, 2)
+      release(cache.k); release(cache.v)
+    else
+      kc, vc = kt:contiguous(), vt:contiguous()
+    end
+    release(kt, kc); release(vt, vc)
+    kt, vt = kc, vc
+    cache.k, cache.v = kc, vc
+  end
   local o -- (B, H, S, D)
-  if self.math_attention or not fused_attention_ok(qt) then
+  if P > 0 then
+    o = self:attention_cached(qt, kt, vt, P)
+  elseif self.math_attention or not fused_attention_ok(qt) then
     o = self:attention_math(qt, kt, vt)
   else
     o = moe.scaled_dot_product_attention(qt, kt, vt, { causal = true })
   end
-  release(qt); release(kt); release(vt)
+  release(qt)
+  if not cache then release(kt); release(vt) end
   local ot = o:transpose(1, 2)
   release(o)
   local oc = ot:reshape({ B, S, self.d_model })
@@ -199,9 +259,9 @@ function Block:init(o)
   if o.dtype or o.device then self:to(o.device, o.dtype) end
 end
 
-function Block:forward(x)
+function Block:forward(x, cache)
   local a = self.ln1(x)
-  local b = self.attn(a)
+  local b = self.attn(a, cache)
   release(a, x, b)
   local x1 = x + b
   release(b, x)
@@ -284,21 +344,45 @@ function LM:init(o)
   if o.dtype or o.device then self:to(o.device, o.dtype) end
 end
 
--- idx (B, S) i64 -> logits (B, S, V)
-function LM:forward(idx)
+-- A key/value cache for incremental decoding (forward(idx, cache)): the keys
+-- and values of every layer for the cache.pos tokens seen so far. cache:free()
+-- releases them at once (device memory does not wait for the collector).
+local Cache = {}
+Cache.__index = Cache
+function Cache:free()
+  for _, c in pairs(self.layers) do
+    if c.k then c.k:free(); c.v:free() end
+    c.k, c.v = nil, nil
+  end
+  self.pos = 0
+end
+
+function LM:new_cache()
+  return setmetatable({ pos = 0, layers = {} }, Cache)
+end
+
+-- forward(idx (B, S) i64 [, cache]) -> logits (B, S, V). With a cache
+-- (new_cache()), idx holds the next S tokens after the cache.pos already seen
+-- (positions cache.pos .. cache.pos+S-1); their keys and values join the cache.
+function LM:forward(idx, cache)
   if not moe.is_tensor(idx) or idx:dim() ~= 2 then
     error("TransformerLM:forward: idx must be a (B, S) integer tensor", 2)
   end
+  if cache ~= nil and getmetatable(cache) ~= Cache then
+    error("TransformerLM:forward: cache must come from new_cache(), got " .. type(cache), 2)
+  end
   local S = idx:size(1)
-  if S > self.cfg.seq_len and self.cfg.pos == "learned" then
-    error(string.format("TransformerLM:forward: sequence length %d exceeds seq_len %d", S, self.cfg.seq_len), 2)
+  local P = cache and cache.pos or 0
+  if P + S > self.cfg.seq_len and self.cfg.pos == "learned" then
+    error(string.format("TransformerLM:forward: sequence length %d exceeds seq_len %d", P + S,
+      self.cfg.seq_len), 2)
   end
   local dev = self.wte.weight.device
   local ids = idx.device ~= dev and idx:to(dev) or idx
   local x = self.wte(ids)
   release(ids, idx)
   if self.wpe then
-    local pos = moe.arange(S, { dtype = "i64", device = dev })
+    local pos = moe.arange(P, P + S, { dtype = "i64", device = dev })
     local pe = self.wpe(pos)
     local xp = x + pe
     release(pos); release(pe); release(x)
@@ -308,10 +392,16 @@ function LM:forward(idx)
   release(x, y)
   x = y
   for i = 0, self.blocks.n - 1 do
-    y = self.blocks:at(i)(x)
+    local lc
+    if cache then
+      lc = cache.layers[i + 1] or {}
+      cache.layers[i + 1], lc.pos = lc, P
+    end
+    y = self.blocks:at(i)(x, lc)
     release(x, y)
     x = y
   end
+  if cache then cache.pos = P + S end
   y = self.ln_f(x)
   release(x, y)
   local logits
