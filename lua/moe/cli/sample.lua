@@ -9,11 +9,11 @@ in its state.json; the byte tokenizer of moe.data decodes it).
 local M = {
   summary = "generate text from a training checkpoint (ckpt= or out_dir=, prompt=, tokens=, ...)",
   usage = "usage: moe-lua sample [ckpt=DIR | out_dir=DIR] [prompt=TEXT] [tokens=N] [temperature=T] " ..
-    "[top_k=K] [seed=S] [device=auto|cpu|cuda]",
+    "[top_k=K] [seed=S] [device=auto|cpu|cuda] [kv_cache=true|false]",
 }
 
 local defaults = { ckpt = "", out_dir = "out", prompt = "", tokens = 200, temperature = 0.8, top_k = 40,
-  seed = 0, device = "auto" }
+  seed = 0, device = "auto", kv_cache = true }
 
 function M.main(...)
   local moe = require "moe"
@@ -35,7 +35,8 @@ function M.main(...)
   local tokenizer = require("moe.data").ByteTokenizer()
   moe.manual_seed(cfg.seed)
   io.write(sample.text(model, tokenizer, cfg.prompt, { max_new_tokens = cfg.tokens,
-    temperature = cfg.temperature, top_k = cfg.top_k, seq_len = tcfg.seq_len, device = device }), "\n")
+    temperature = cfg.temperature, top_k = cfg.top_k, seq_len = tcfg.seq_len, device = device,
+    kv_cache = cfg.kv_cache }), "\n")
   return 0
 end
 
