@@ -100,60 +100,40 @@ local function fused_attention_ok(q)
   return q.dtype == "bf16" and (D == 64 or D == 128)
 end
 
--- (S, S) additive causal mask (0 on and below the diagonal, -inf above) in dtype on device, cached.
-function Attention:causal_mask(S, dtype, device)
+-- (S, P+S) additive causal mask for S queries at positions P .. P+S-1 (0 where query i
+-- may see key j, i.e. j <= P + i; -inf after) in dtype on device, cached (P = 0: the
+-- square mask of a full sequence).
+function Attention:causal_mask(S, dtype, device, P)
+  P = P or 0
   local c = self._mask
-  if c and c.S == S and c.dtype == dtype and c.device == device then return c.mask end
+  if c and c.S == S and c.P == P and c.dtype == dtype and c.device == device then return c.mask end
   local rows, ninf = {}, -math.huge
   for i = 1, S do
     local r = {}
-    for j = 1, S do r[j] = j > i and ninf or 0 end
+    for j = 1, P + S do r[j] = j > P + i and ninf or 0 end
     rows[i] = r
   end
-  local m = moe.tensor(rows, { dtype = "f32" })
-  if dtype ~= "f32" then m = m:to(dtype) end
-  if device:sub(1, 3) ~= "cpu" then m = m:to(device) end
-  self._mask = { S = S, dtype = dtype, device = device, mask = m }
+  local m = moe.tensor(rows, { dtype = dtype, device = device })
+  if c then c.mask:free() end
+  self._mask = { S = S, P = P, dtype = dtype, device = device, mask = m }
   return m
 end
 
--- Causal attention from matmul, softmax and an additive mask: q, k, v (B, H, S, D) -> (B, H, S, D).
--- Used where the fused kernel does not apply (CUDA with f32, or a head dim other than 64 / 128).
-function Attention:attention_math(q, k, v)
-  local S, D = q:size(2), q:size(3)
-  local kt = k:transpose(2, 3) -- (B, H, D, S)
-  local s = moe.matmul(q, kt) -- (B, H, S, S)
-  release(kt)
-  local scaled = s * (1 / math.sqrt(D))
-  release(s)
-  local masked = scaled + self:causal_mask(S, q.dtype, q.device)
-  release(scaled)
-  local p = moe.softmax(masked, -1)
-  release(masked)
-  local o = moe.matmul(p, v)
-  release(p)
-  return o
-end
-
--- Attention of S new queries at positions P .. P+S-1 over all P+S keys of a KV cache:
--- q (B, H, S, D), k, v (B, H, P+S, D) -> (B, H, S, D). Query i sees keys 0 .. P+i.
-function Attention:attention_cached(q, k, v, P)
+-- Causal attention from matmul, softmax and an additive mask: q (B, H, S, D) at
+-- positions P .. P+S-1 (P = 0 unless decoding with a KV cache), k, v (B, H, P+S, D)
+-- -> (B, H, S, D); query i sees keys 0 .. P+i. Used where the fused kernel does not
+-- apply (CUDA with f32, a head dim other than 64 / 128, or queries after a cache).
+function Attention:attention_math(q, k, v, P)
+  P = P or 0
   local S, D = q:size(2), q:size(3)
   local kt = k:transpose(2, 3) -- (B, H, D, P+S)
   local s = moe.matmul(q, kt) -- (B, H, S, P+S)
   release(kt)
   local scaled = s * (1 / math.sqrt(D))
   release(s)
-  if S > 1 then -- later keys hidden from earlier queries of this chunk
-    local rows, ninf = {}, -math.huge
-    for i = 1, S do
-      local r = {}
-      for j = 1, P + S do r[j] = j > P + i and ninf or 0 end
-      rows[i] = r
-    end
-    local m = moe.tensor(rows, { dtype = q.dtype, device = q.device })
-    local masked = scaled + m
-    release(m); release(scaled)
+  if S > 1 then -- one query sees every key: no mask
+    local masked = scaled + self:causal_mask(S, q.dtype, q.device, P)
+    release(scaled)
     scaled = masked
   end
   local p = moe.softmax(scaled, -1)
@@ -207,10 +187,8 @@ function Attention:forward(x, cache)
     cache.k, cache.v = kc, vc
   end
   local o -- (B, H, S, D)
-  if P > 0 then
-    o = self:attention_cached(qt, kt, vt, P)
-  elseif self.math_attention or not fused_attention_ok(qt) then
-    o = self:attention_math(qt, kt, vt)
+  if P > 0 or self.math_attention or not fused_attention_ok(qt) then
+    o = self:attention_math(qt, kt, vt, P)
   else
     o = moe.scaled_dot_product_attention(qt, kt, vt, { causal = true })
   end
