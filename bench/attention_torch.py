@@ -34,10 +34,12 @@ Notes:
   block, query blocks of 64; dQ summed over key blocks in f32 by bulk reductions
   (cp.reduce.async.bulk), so it is not bit-reproducible; MOE_ATTN_DETERMINISTIC=1 runs
   the deterministic mma.sync backward instead (its own dQ pass, no atomics). Both
-  kernels are persistent: one block per multiprocessor loops over the tiles, heaviest
-  first, so the next tile's loads overlap the current one's last products and output
-  (MOE_ATTN_PERSISTENT=0: one block per tile; bench/gpu_round.sh prints those timings
-  and the ones without ping-pong beside these).
+  kernels are persistent: one block per multiprocessor loops over the tiles, a head's
+  tiles together (heaviest first within the head) so that the blocks running at once
+  share that head's K, V, Q and dO in L2, and the next tile's loads overlap the current
+  one's last products and output (MOE_ATTN_PERSISTENT=0: one block per tile;
+  MOE_ATTN_ORDER=block: every head's heaviest tile first; bench/gpu_round.sh prints
+  those timings and the ones without ping-pong beside these).
 - "moe mma.sync" is the FlashAttention-2-style mma.sync m16n8k16 kernels
   (MOE_ATTN_WG=0: what GPUs other than 9.x run), timed in the same run.
 - The TF/s columns count the conventional 2.5x forward for the backward.
@@ -211,9 +213,11 @@ def main():
             tgt = [r for r in rows if r["D"] == 128 and "ratio_fwdbwd" in r]
             met = [r["T"] for r in tgt if r["ratio_fwdbwd"] >= 0.8]
             miss = [r["T"] for r in tgt if r["ratio_fwdbwd"] < 0.8]
+            verdict = "met at T = %s" % (", ".join(map(str, met)) or "none")
+            if miss:
+                verdict += "; NOT met at T = %s" % ", ".join(map(str, miss))
             f.write("\nTarget (issue 3: forward+backward >= 0.8x torch's default SDPA, head dim 128, "
-                    "T 1024-4096): met at T = %s; NOT met at T = %s.\n"
-                    % (", ".join(map(str, met)) or "none", ", ".join(map(str, miss)) or "none"))
+                    "T 1024-4096): %s.\n" % verdict)
             if val:
                 f.write("\nValidation against float64 (B,H,T,D = %s, max abs error): \n\n" % (val["shape"],))
                 f.write("| tensor | max abs ref | moe vs f64 | torch vs f64 | moe vs torch |\n|---|---|---|---|---|\n")

@@ -42,19 +42,19 @@ for s in "${steps[@]}"; do
       grep -E "\| (grouped|sparse|torch_grouped_mm) \||NOT met|: met" "$out/moe_mlp.md" ;;
     attention)
       # moe's fused attention (both kernel families: MOE_ATTN_WG=0 is the mma.sync one; the
-      # TMA kernels without ping-pong, without the persistent grid and in head-major tile
+      # TMA kernels without ping-pong, without the persistent grid and in block-major tile
       # order too) beside torch's SDPA backends, and one problem checked against float64 by
       # the torch script.
       mkdir -p "$out/attn_dump"
       MOE_ATTN_WG=0 $ml bench/attention.lua --json "$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
       MOE_ATTN_PINGPONG=0 $ml bench/attention.lua --json "$out/attention_moe_nopp.json" > "$out/attention_moe_nopp.log" 2>&1
       MOE_ATTN_PERSISTENT=0 $ml bench/attention.lua --json "$out/attention_moe_grid.json" > "$out/attention_moe_grid.log" 2>&1
-      MOE_ATTN_ORDER=head $ml bench/attention.lua --json "$out/attention_moe_head.json" > "$out/attention_moe_head.log" 2>&1
+      MOE_ATTN_ORDER=block $ml bench/attention.lua --json "$out/attention_moe_block.json" > "$out/attention_moe_block.log" 2>&1
       python3 -c 'import json,sys
 for f in sys.argv[1:]:
     for r in json.load(open(f)): print(f.split("/")[-1], r["B"], r["H"], r["T"], r["D"], "fwd %.3f f+b %.3f" % (r["fwd_ms"], r["fwdbwd_ms"]))' \
         "$out/attention_moe_mma.json" "$out/attention_moe_nopp.json" "$out/attention_moe_grid.json" \
-        "$out/attention_moe_head.json"
+        "$out/attention_moe_block.json"
       $ml bench/attention.lua --json "$out/attention_moe.json" --dump "$out/attn_dump" > "$out/attention_moe.log" 2>&1
       python3 bench/attention_torch.py --dump "$out/attn_dump" --moe "$out/attention_moe.json" \
         --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1

@@ -31,9 +31,9 @@
  *        the forward's consumer warpgroups, MOE_ATTN_PERSISTENT=0 one
  *        block per tile instead of the persistent grid (one block per
  *        multiprocessor looping over tiles; =n, at most n blocks),
- *        MOE_ATTN_ORDER=head the tiles of one head together (an experiment
- *        for L2 reuse at many heads; the default takes every head's heaviest
- *        block first). Other dtypes or head dims
+ *        MOE_ATTN_ORDER=block every head's heaviest block first instead of
+ *        the default head-major order (the tiles of one head together, so
+ *        that concurrent blocks share K and V in L2). Other dtypes or head dims
  *        on CUDA: MOE_ERR_NOT_SUPPORTED naming the op, dtype and head dim
  *        (there is no slower non-fused path; cast to bf16 or use the CPU).
  *

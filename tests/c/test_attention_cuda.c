@@ -235,9 +235,9 @@ static void test_persistent_small_grid(moe_ctx *ctx) {
   check_config(ctx, 2, 3, 1000, 128, true, 0, 0);
   check_config(ctx, 3, 2, 520, 64, true, 2, 0);
   check_config(ctx, 2, 2, 300, 128, false, 0, 0);
-  /* the head-major tile order (MOE_ATTN_ORDER=head), on 3 blocks and on
-   * the full grid */
-  setenv("MOE_ATTN_ORDER", "head", 1);
+  /* the block-major tile order (MOE_ATTN_ORDER=block; head-major is the
+   * default), on 3 blocks and on the full grid */
+  setenv("MOE_ATTN_ORDER", "block", 1);
   check_config(ctx, 2, 3, 1000, 128, true, 0, 0);
   check_config(ctx, 3, 2, 520, 64, true, 2, 0);
   unsetenv("MOE_ATTN_PERSISTENT");
