@@ -294,24 +294,33 @@ __global__ void __launch_bounds__(NW * 32) attn_fwd_kernel(AttnParams p) {
 
 /* ------------------------------------------------------------ backward */
 
-/* delta[bh, i] = sum_d dO[i, d] O[i, d]; one warp per row. */
-template <int D> __global__ void attn_delta_kernel(AttnParams p, int64_t rows) {
-  const int64_t row = (int64_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
+/* delta[bh, i] = sum_d dO[i, d] O[i, d]: D / 8 threads per row, 16 bytes
+ * of O and of dO each; where acc is given (the Hopper backward's dQ sums,
+ * (rows, D) f32) the same threads zero the row's D floats of it. */
+template <int D> __global__ void attn_delta_kernel(AttnParams p, int64_t rows, float *acc) {
+  constexpr int R = D / 8; /* threads per row, a power of two dividing 32 */
+  const int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / R;
+  const int c = (threadIdx.x & (R - 1)) * 8;
+  if (row >= rows) return; /* whole rows leave together: the shuffles below stay within R lanes */
   const int64_t bh = row / p.T, i = row % p.T, b = bh / p.H, h = bh % p.H;
-  const uint16_t *o = p.o + b * p.o_sb + h * p.o_sh + i * p.o_st;
-  const uint16_t *d = p.dout + b * p.do_sb + h * p.do_sh + i * p.do_st;
+  const uint4 x = *reinterpret_cast<const uint4 *>(p.o + b * p.o_sb + h * p.o_sh + i * p.o_st + c);
+  const uint4 y = *reinterpret_cast<const uint4 *>(p.dout + b * p.do_sb + h * p.do_sh + i * p.do_st + c);
+  if (acc) {
+    float4 *a = reinterpret_cast<float4 *>(acc + row * D + c);
+    a[0] = a[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const uint32_t xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
   float s = 0;
 #pragma unroll
-  for (int c = lane * 2; c < D; c += 64) {
-    const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162 *>(o + c);
-    const __nv_bfloat162 y = *reinterpret_cast<const __nv_bfloat162 *>(d + c);
-    s += __bfloat162float(x.x) * __bfloat162float(y.x) + __bfloat162float(x.y) * __bfloat162float(y.y);
+  for (int e = 0; e < 4; e++) {
+    const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&xs[e]));
+    const float2 yf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&ys[e]));
+    s += xf.x * yf.x + xf.y * yf.y;
   }
+  const unsigned mask = R == 32 ? 0xffffffffu : ((1u << R) - 1u) << (threadIdx.x & 31 & ~(R - 1));
 #pragma unroll
-  for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xffffffffu, s, m);
-  if (lane == 0) p.delta[row] = s;
+  for (int m = R / 2; m > 0; m >>= 1) s += __shfl_xor_sync(mask, s, m);
+  if (c == 0) p.delta[row] = s;
 }
 
 /* Writes a (16, D) f32 accumulator of one warp (rows row0..) as bf16 rows. */
@@ -979,6 +988,14 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
     }
     for (int i = i0; i < nq; i++, u++) {
       const int st = u & 1;
+      /* this lane's lse and delta rows, loaded while the stage drains */
+      float lr[BQ / 32], dr[BQ / 32];
+#pragma unroll
+      for (int x = 0; x < BQ / 32; x++) {
+        const int row = i * BQ + tid + 32 * x;
+        lr[x] = row < T ? p.lse[lo + row] * kLog2e : INFINITY; /* P = 0 past T */
+        dr[x] = row < T ? p.delta[lo + row] : 0.f;
+      }
       if (u >= 2) moe_mbar_wait(empty + 8 * st, (uint32_t)((u / 2 - 1) & 1));
       if (tid == 0) {
         moe_mbar_expect(full + 8 * st, 2 * QB);
@@ -989,10 +1006,9 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
         }
       }
 #pragma unroll
-      for (int x = tid; x < BQ; x += 32) {
-        const int row = i * BQ + x;
-        sL[st * BQ + x] = row < T ? p.lse[lo + row] * kLog2e : INFINITY; /* P = 0 past T */
-        sL[2 * BQ + st * BQ + x] = row < T ? p.delta[lo + row] : 0.f; /* sD */
+      for (int x = 0; x < BQ / 32; x++) {
+        sL[st * BQ + tid + 32 * x] = lr[x];
+        sL[2 * BQ + st * BQ + tid + 32 * x] = dr[x]; /* sD */
       }
       moe_mbar_arrive(full + 8 * st);
     }
@@ -1185,18 +1201,21 @@ __global__ void __launch_bounds__(WS_THREADS, 1)
 #endif
 }
 
-/* dQ (bf16, its strides) = scale * dq_acc; 4 elements per thread. */
+/* dQ (bf16, its strides) = scale * dq_acc; 8 elements per thread. */
 template <int D>
-__global__ void attn_dq_convert_kernel(AttnParams p, const float *dq_acc, int64_t n4) {
+__global__ void attn_dq_convert_kernel(AttnParams p, const float *dq_acc, int64_t n8) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n4) return;
-  const int64_t e = i * 4, row = e / D, c = e % D, bh = row / p.T, t = row % p.T;
+  if (i >= n8) return;
+  const int64_t e = i * 8, row = e / D, c = e % D, bh = row / p.T, t = row % p.T;
   const float4 a = *reinterpret_cast<const float4 *>(dq_acc + e);
+  const float4 a2 = *reinterpret_cast<const float4 *>(dq_acc + e + 4);
   uint16_t *dst = p.dq + (bh / p.H) * p.dq_sb + (bh % p.H) * p.dq_sh + t * p.dq_st + c;
-  uint2 v;
+  uint4 v;
   v.x = attn_pack(a.x * p.scale, a.y * p.scale);
   v.y = attn_pack(a.z * p.scale, a.w * p.scale);
-  *reinterpret_cast<uint2 *>(dst) = v;
+  v.z = attn_pack(a2.x * p.scale, a2.y * p.scale);
+  v.w = attn_pack(a2.z * p.scale, a2.w * p.scale);
+  *reinterpret_cast<uint4 *>(dst) = v;
 }
 
 /* ----------------------------------------------------------- launchers */
@@ -1257,7 +1276,7 @@ moe_status attn_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &
 template <int D>
 moe_status attn_bwd_run(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH) {
   const int64_t rows = (int64_t)BH * p.T;
-  attn_delta_kernel<D><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
+  attn_delta_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(p, rows, nullptr);
   MOE_KCHECK(ctx, "attention delta kernel");
   switch (attn_bwd_variant) {
     case 1: return attn_bwd_launch<D, 4, 64>(ctx, stream, p, BH);
@@ -1351,16 +1370,15 @@ moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
       !attn_map(&mv, p.v, p.v_sb, p.v_sh, p.v_st, B, p.H, p.T, D, WsBwd<D>::BN))
     return MOE_OK;
   const int64_t rows = (int64_t)BH * p.T;
-  attn_delta_kernel<D><<<(unsigned)((rows + 7) / 8), 256, 0, stream>>>(p, rows);
+  attn_delta_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(p, rows, acc);
   MOE_KCHECK(ctx, "attention delta kernel");
-  MOE_KCUDA(ctx, cudaMemsetAsync(acc, 0, (size_t)rows * D * sizeof(float), stream));
   constexpr size_t smem = WsBwd<D>::SMEM;
   auto kern = attn_ws_bwd_kernel<D>;
   MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<(unsigned)(ntiles < nsm ? ntiles : nsm), WS_THREADS, smem, stream>>>(mq, mk, mv, mo, p, acc, BH);
   MOE_KCHECK(ctx, "attention backward kernel (TMA + wgmma)");
-  const int64_t n4 = rows * D / 4;
-  attn_dq_convert_kernel<D><<<(unsigned)((n4 + 255) / 256), 256, 0, stream>>>(p, acc, n4);
+  const int64_t n8 = rows * D / 8;
+  attn_dq_convert_kernel<D><<<(unsigned)((n8 + 255) / 256), 256, 0, stream>>>(p, acc, n8);
   MOE_KCHECK(ctx, "attention dq kernel");
   *ran = true;
   return MOE_OK;
