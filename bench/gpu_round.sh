@@ -5,7 +5,7 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves] [attention] [sanitize]
+#                           [quantize] [curves] [attention] [sanitize] [ops]
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -70,6 +70,12 @@ for f in sys.argv[1:]:
           note "sanitize $tool ($order order): rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$order.log" | tail -1)"
         done
       done ;;
+    ops)
+      # issue 3's list of ops forward and backward against PyTorch on the same GPU
+      rm -rf /tmp/moe_cmp && $ml bench/torch_compare.lua device=cuda dir=/tmp/moe_cmp > "$out/torch_compare_moe.log" 2>&1 &&
+        python3 bench/torch_compare.py /tmp/moe_cmp --json "$out/torch_compare.json" \
+          --md "$out/torch_compare_table.md" > "$out/torch_compare.log" 2>&1
+      note "ops vs torch: rc=$? $(tail -1 "$out/torch_compare.log")" ;;
     matmul)
       $ml bench/matmul.lua --cooldown 2 --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
       python3 bench/matmul_torch.py --cooldown 2 --json "$out/matmul_torch.json" > "$out/matmul_torch.log" 2>&1
