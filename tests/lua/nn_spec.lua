@@ -454,5 +454,42 @@ if gpu then
       local scale = moe.max(moe.abs(g_cpu)):item()
       assert.is_true(moe.max(moe.abs(g - g_cpu)):item() < 0.05 * scale)
     end)
+
+    it("decodes with a KV cache on the GPU to the full forward's logits and tokens", function()
+      local sample = require "moe.sample"
+      for _, o in ipairs({
+        -- f32: attention by matmul/softmax on both paths
+        { dtype = "f32", d_model = 16, n_heads = 2, tol = 1e-4 },
+        -- bf16, head dim 64: the full forward on the fused kernel, the cached one by matmul/softmax
+        { dtype = "bf16", d_model = 128, n_heads = 2, tol = 0.05 },
+      }) do
+        moe.manual_seed(23)
+        local lm = tiny_lm({ d_model = o.d_model, n_heads = o.n_heads, seq_len = 8, init_std = 0.5, dtype = o.dtype })
+        lm:to("cuda")
+        lm:eval()
+        moe.no_grad(function()
+          local ids = moe.tensor({ { 3, 1, 4, 1, 5, 9, 2 } }, { dtype = "i64" }):cuda()
+          local full = lm:forward(ids):float():cpu()
+          local cache = lm:new_cache()
+          local a = lm:forward(ids:narrow(1, 0, 4), cache)
+          local b = lm:forward(ids:narrow(1, 4, 1), cache)
+          local c = lm:forward(ids:narrow(1, 5, 2), cache)
+          assert.matches("^cuda", cache.layers[1].k.device)
+          assert.are.equal(7, cache.pos)
+          local got = moe.cat({ a, b, c }, 1):float():cpu()
+          local scale = moe.max(moe.abs(full)):item()
+          local err = max_diff(got, full)
+          assert.is_true(err < o.tol * scale,
+            string.format("%s: cached logits differ by %g (scale %g)", o.dtype, err, scale))
+          cache:free()
+        end)
+        if o.dtype == "f32" then
+          -- greedy tokens past seq_len (the cache gives way to the moving window)
+          local with = sample.generate(lm, { 1, 2, 3 }, { max_new_tokens = 10, temperature = 0 })
+          local without = sample.generate(lm, { 1, 2, 3 }, { max_new_tokens = 10, temperature = 0, kv_cache = false })
+          assert.are.same(without, with)
+        end
+      end
+    end)
   end)
 end
