@@ -928,6 +928,14 @@ template <int D> struct WsBwd {
                                  2 * (size_t)BQ * PITCH + 4 * BQ * 4 + 1024 + 8 * 8;
 };
 
+/* Tried on an H100 (2026-11-25, A/B in one call, f+b ms) and left out:
+ * - dQ partials straight to dq_acc by red.global.add.v2.f32 (atomicAdd of
+ *   float2) instead of staging + bulk reductions: slower, 1.27 vs 1.22 at
+ *   (2,16,4096,128), 0.544 vs 0.478 at (4,16,2048,64);
+ * - that plus a third Q/dO stage in the freed staging memory: no better;
+ * - dK issued after dQ so that dQ's staging overlaps it (the empty
+ *   barrier then waits for dK): within noise at D 128, slower at D 64. */
+
 /* dK, dV of keys [n0, n0 + 128) (n0 = 128 blockIdx.y: under the causal
  * mask, block 0 sees the most queries), and this block's share of dQ /
  * scale added into dq_acc (B*H, T, D) f32 by bulk reductions
