@@ -408,6 +408,60 @@ describe("nn.TransformerLM", function()
     cache:free()
   end)
 
+  it("grows the KV cache's buffers past their first size and keeps gradients where autograd records", function()
+    moe.manual_seed(24)
+    local lm = tiny_lm({ seq_len = 8, init_std = 0.5 }) -- rope: positions past seq_len are fine
+    lm:eval()
+    local n, ids = 40, {}
+    for i = 1, n do ids[i] = (i * 7) % 11 end
+    local idx = moe.tensor({ ids }, { dtype = "i64" })
+    moe.no_grad(function()
+      local full = lm:forward(idx)
+      local cache, outs = lm:new_cache(), {}
+      for i = 0, n - 1 do outs[#outs + 1] = lm:forward(idx:narrow(1, i, 1), cache) end
+      -- one position at a time: the buffers grew 16 -> 34 -> 70 positions
+      assert.are.equal(70, cache.layers[1].kbuf:size(2))
+      assert.are.equal(n, cache.layers[2].v:size(2))
+      local err = max_diff(moe.cat(outs, 1), full)
+      assert.is_true(err < 1e-5, "cached logits differ by " .. err)
+      -- a cache is for one batch shape
+      assert.error_matches(function() lm:forward(moe.tensor({ { 1 }, { 2 } }, { dtype = "i64" }), cache) end,
+        "the KV cache holds keys of shape %(1, 2, 40, 4%), the new ones are %(2, 2, 1, 4%)")
+      cache:free()
+      assert.is_nil(cache.layers[1].kbuf)
+    end)
+    -- with gradients: the cached chunks give the full forward's gradients
+    local function grads(f)
+      lm:zero_grad()
+      local loss = f()
+      loss:backward()
+      local g = lm.blocks:at(0).attn.qkv.weight.grad:clone()
+      loss:free()
+      return g
+    end
+    local short = idx:narrow(1, 0, 7)
+    local g_full = grads(function() return moe.sum(lm:forward(short)) end)
+    local cache = lm:new_cache()
+    moe.no_grad(function() lm:forward(short:narrow(1, 0, 2), cache) end) -- buffers first
+    local g_cached = grads(function()
+      -- the first two positions came from the buffers without gradients; give them
+      -- their own forward with gradients so that the sum covers all seven
+      local c2 = lm:new_cache()
+      local a = lm:forward(short:narrow(1, 0, 3), c2)
+      local b = lm:forward(short:narrow(1, 3, 4), c2)
+      c2:free()
+      return moe.sum(a) + moe.sum(b)
+    end)
+    assert.is_true(max_diff(g_cached, g_full) < 1e-5, "gradients through the cache differ")
+    -- the cache that began without gradients goes on with them
+    local c = lm:forward(short:narrow(1, 2, 5), cache)
+    assert.is_true(c.requires_grad)
+    assert.is_nil(cache.layers[1].kbuf)
+    assert.are.equal(7, cache.layers[1].k:size(2))
+    c:free()
+    cache:free()
+  end)
+
   it("generates the same tokens with and without the KV cache", function()
     local sample = require "moe.sample"
     moe.manual_seed(22)

@@ -143,6 +143,57 @@ function Attention:attention_math(q, k, v, P)
   return o
 end
 
+-- Appends kt, vt (B, H, S, D) after the cache's P positions and returns the
+-- cache's keys and values (B, H, P+S, D), also left in cache.k, cache.v.
+-- Without gradients (moe.no_grad, or inputs that need none) they are views of
+-- buffers that grow by doubling (cache.kbuf, cache.vbuf), so a decoding step
+-- copies only its own S positions; where autograd records (keys that need
+-- gradients) they are a differentiable moe.cat of the old ones and the new.
+local function cache_append(cache, kt, vt, P)
+  local B, H, S, D = kt:size(0), kt:size(1), kt:size(2), kt:size(3)
+  if cache.k and (cache.k:size(0) ~= B or cache.k:size(1) ~= H or cache.k:size(3) ~= D) then
+    error(string.format("CausalSelfAttention: the KV cache holds keys of shape (%s), " ..
+      "the new ones are (%s); use one cache per batch", table.concat(cache.k.shape, ", "),
+      table.concat(kt.shape, ", ")), 3)
+  end
+  local kc, vc
+  if moe.is_grad_enabled() and (kt.requires_grad or vt.requires_grad) then
+    if cache.k then
+      kc, vc = moe.cat({ cache.k, kt }, 2), moe.cat({ cache.v, vt }, 2)
+    else
+      kc, vc = kt:contiguous(), vt:contiguous()
+    end
+    -- the buffers, if any, no longer back cache.k: the next step without
+    -- gradients starts new ones from these
+    release(cache.kbuf); release(cache.vbuf)
+    cache.kbuf, cache.vbuf = nil, nil
+  else
+    local need = P + S
+    if not cache.kbuf or cache.kbuf:size(2) < need then
+      local cap, opts = math.max(2 * need, 16), { dtype = kt.dtype, device = kt.device }
+      local kb, vb = moe.empty({ B, H, cap, D }, opts), moe.empty({ B, H, cap, D }, opts)
+      if P > 0 then
+        for _, pair in ipairs({ { kb, cache.k }, { vb, cache.v } }) do
+          local dst = pair[1]:narrow(2, 0, P)
+          dst:copy_(pair[2])
+          release(dst)
+        end
+      end
+      release(cache.kbuf); release(cache.vbuf)
+      cache.kbuf, cache.vbuf = kb, vb
+    end
+    for _, pair in ipairs({ { cache.kbuf, kt }, { cache.vbuf, vt } }) do
+      local dst = pair[1]:narrow(2, P, S)
+      dst:copy_(pair[2])
+      release(dst)
+    end
+    kc, vc = cache.kbuf:narrow(2, 0, need), cache.vbuf:narrow(2, 0, need)
+  end
+  release(cache.k); release(cache.v)
+  cache.k, cache.v = kc, vc
+  return kc, vc
+end
+
 -- forward(x (B, S, d) [, cache]) -> (B, S, d). With a cache (a table, from
 -- TransformerLM:new_cache: cache.pos tokens already seen), x holds the next S
 -- tokens: their keys and values are appended to cache.k, cache.v (B, H, pos+S, D)
@@ -175,16 +226,9 @@ function Attention:forward(x, cache)
   local qt, kt, vt = q:transpose(1, 2), k:transpose(1, 2), v:transpose(1, 2) -- (B, H, S, D)
   release(q); release(k); release(v)
   if cache then
-    local kc, vc
-    if cache.k then
-      kc, vc = moe.cat({ cache.k, kt }, 2), moe.cat({ cache.v, vt }, 2)
-      release(cache.k); release(cache.v)
-    else
-      kc, vc = kt:contiguous(), vt:contiguous()
-    end
+    local kc, vc = cache_append(cache, kt, vt, P)
     release(kt, kc); release(vt, vc)
     kt, vt = kc, vc
-    cache.k, cache.v = kc, vc
   end
   local o -- (B, H, S, D)
   if P > 0 or self.math_attention or not fused_attention_ok(qt) then
@@ -329,8 +373,10 @@ local Cache = {}
 Cache.__index = Cache
 function Cache:free()
   for _, c in pairs(self.layers) do
-    if c.k then c.k:free(); c.v:free() end
-    c.k, c.v = nil, nil
+    for _, name in ipairs({ "k", "v", "kbuf", "vbuf" }) do
+      if c[name] then c[name]:free() end
+      c[name] = nil
+    end
   end
   self.pos = 0
 end
