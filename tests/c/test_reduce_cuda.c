@@ -169,8 +169,9 @@ static void test_reductions(moe_ctx *ctx) {
         {1, 1, {nd - 1}, false, 0},  {1, 0, {0}, true, 0},   {2, 1, {0}, false, 2},
         {2, 0, {0}, false, 1},       {2, 1, {-1}, false, 3}, {2, 1, {-1}, false, INFINITY},
         {3, 1, {-1}, false, 0},      {3, 1, {0}, true, 0},   {4, 1, {-1}, false, 1},
-        {4, 0, {0}, false, 0},       {0, 2, {0, 2}, false, 0}};
-    int nc = nd == 3 ? 14 : 13;
+        {4, 0, {0}, false, 0},       {4, 1, {0}, true, 0},   {2, 1, {0}, true, 2},
+        {2, 1, {-1}, true, 1},       {0, 2, {0, 2}, false, 0}};
+    int nc = nd == 3 ? 17 : 16; /* the last case reduces two of three dims */
     for (int c = 0; c < nc; c++) {
       char what[64];
       snprintf(what, sizeof(what), "%s case %d shape %d", names[cases[c].kind], c, s);
@@ -256,6 +257,24 @@ static void test_minmax(moe_ctx *ctx) {
       EXPECT(rel_diff(ctx, b, a) == 0);
       moe_tensor_release(a);
       moe_tensor_release(b);
+      /* argmax along each dim, with and without keepdim, and on the
+       * transposed view where there are two dims or more */
+      for (int tr = 0; tr < (shapes[s].ndim >= 2 ? 2 : 1); tr++) {
+        moe_tensor *yc = place(ctx, x, dt ? MOE_BF16 : MOE_F32, MOE_CPU, tr, false);
+        moe_tensor *yg = place(ctx, x, dt ? MOE_BF16 : MOE_F32, GPU, tr, false);
+        for (int64_t d = 0; d < shapes[s].ndim; d++)
+          for (int kd = 0; kd < 2; kd++) {
+            a = b = NULL;
+            EXPECT_OK(moe_argmax(ctx, yc, d, false, kd, &a));
+            EXPECT_OK(moe_argmax(ctx, yg, d, false, kd, &b));
+            EXPECT(a && b && a->ndim == b->ndim && rel_diff(ctx, b, a) == 0);
+            if (kd) EXPECT(b && b->ndim == shapes[s].ndim && b->shape[d] == 1);
+            moe_tensor_release(a);
+            moe_tensor_release(b);
+          }
+        moe_tensor_release(yc);
+        moe_tensor_release(yg);
+      }
       moe_tensor_release(xc);
       moe_tensor_release(xg);
     }
