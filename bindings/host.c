@@ -12,7 +12,9 @@
  *     even a memory error while handling arguments is reported, not fatal;
  *     every chunk runs under a message handler that appends a traceback; an
  *     error prints "moe-lua: message" and the traceback to stderr and the
- *     exit status is 1.
+ *     exit status is 1. Changed: a message without a "source:line:" position
+ *     (error(m, 0), the library's messages for the user) goes without the
+ *     traceback unless MOE_TRACEBACK=1.
  *   - The global `arg` table: arg[0] is the script, arg[1..] its arguments,
  *     negative indices the interpreter and its options (arg[0] is the
  *     interpreter when there is no script).
@@ -94,13 +96,31 @@ static void print_usage(const char *badoption) {
   fflush(stderr);
 }
 
-/* The message handler of every call: the message plus a traceback. */
+/* Whether the first line of msg holds "<source>:<line>:", as the errors
+ * Lua positions do (error(m) at level 1 or more, runtime errors, luaL_error). */
+static int has_position(const char *msg) {
+  for (const char *c = msg; *c && *c != '\n'; c++) {
+    if (c[0] != ':' || c[1] < '0' || c[1] > '9') continue;
+    const char *d = c + 1;
+    while (*d >= '0' && *d <= '9') d++;
+    if (*d == ':') return 1;
+  }
+  return 0;
+}
+
+/* The message handler of every call: the message plus a traceback. A
+ * message without a position (error(m, 0): what the library raises for a bad
+ * config key, a missing dataset, a bad command-line value) is meant for the
+ * user as it stands and goes alone; MOE_TRACEBACK=1 adds the traceback to
+ * those too. */
 static int msghandler(lua_State *L) {
   const char *msg = lua_tostring(L, 1);
   if (msg == NULL) {
     if (luaL_callmeta(L, 1, "__tostring") && lua_type(L, -1) == LUA_TSTRING) return 1;
     msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
   }
+  const char *always = getenv("MOE_TRACEBACK");
+  if (!has_position(msg) && !(always && strcmp(always, "1") == 0)) return 1;
   luaL_traceback(L, L, msg, 1);
   return 1;
 }

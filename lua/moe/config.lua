@@ -245,9 +245,10 @@ function M.config(defaults, argv)
       rest[#rest + 1] = a
     else
       local t, name, default = locate(cfg, defaults, key)
-      if t == nil then error("moe.config: " .. name, 2) end
+      -- level 0: a message for the user, printed by moe-lua without a traceback
+      if t == nil then error("moe.config: " .. name, 0) end
       local v, err = parse_value(key, default, text)
-      if v == nil then error("moe.config: " .. err, 2) end
+      if v == nil then error("moe.config: " .. err, 0) end
       t[name] = v
     end
   end

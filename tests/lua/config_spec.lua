@@ -172,6 +172,8 @@ print("rest", table.concat(rest, " "))
     assert.are.equal(1, rc)
     assert.truthy(out:find("moe.config: unknown key 'stpes' (valid keys: lr, model.experts, model.hidden, steps, tag)",
       1, true), out)
-    assert.truthy(out:find(":2: moe.config", 1, true), out) -- points at the script's line
+    -- a message for the user: no position, no traceback (MOE_TRACEBACK=1 adds it)
+    assert.truthy(out:find("moe-lua: moe.config: unknown key", 1, true), out)
+    assert.falsy(out:find("stack traceback", 1, true), out)
   end)
 end)
