@@ -5,7 +5,9 @@
  *
  * Owns `struct moe_cuda_state` (ctx->cuda, created on first use): per device
  * one non-blocking stream (created on first use), a cuBLAS handle (created on
- * first use of moe_cuda_cublas), and a caching allocator with its statistics.
+ * first use of moe_cuda_cublas), a caching allocator with its statistics, and
+ * the word in mapped host memory where kernels report bad input (kerr.h),
+ * read after every synchronisation and copy to the host.
  *
  * The caching allocator follows PyTorch's CUDACachingAllocator:
  *   - requests of at most 1 MiB are rounded up to a multiple of 512 bytes and
@@ -38,6 +40,7 @@
 #include <nccl.h>
 
 #include "internal.h"
+#include "kerr.h"
 
 /* ---------------------------------------------------------------- errors */
 
@@ -104,10 +107,14 @@ typedef struct moe_cuda_device {
   size_t live_cap;           /* power of two; 0 before the first allocation */
   size_t live_n;
   moe_memory_stats stats;
+  moe_kerr *kerr;            /* mapped pinned host memory the kernels report bad input in */
 } moe_cuda_device;
 
+#define MOE_KERR_TAGS 64
 struct moe_cuda_state {
   moe_cuda_device dev[MOE_MAX_CUDA_DEVICES];
+  const char *kerr_names[MOE_KERR_TAGS]; /* ops that asked for the error word (static strings) */
+  int kerr_n;
 };
 
 static moe_status moe_cuda_state_get(moe_ctx *ctx, moe_cuda_state **out) {
@@ -197,6 +204,13 @@ moe_status moe_cuda_stream(moe_ctx *ctx, int device, void **stream) {
     MOE_CUDA_CHECK(ctx, cudaStreamCreateWithFlags(&dev->stream, cudaStreamNonBlocking));
     dev->total_mem = total_b;
     dev->ready = true;
+    /* the error word: without it (no mapped memory) kernels skip the report */
+    void *h = NULL;
+    if (cudaHostAlloc(&h, sizeof(moe_kerr), cudaHostAllocMapped) == cudaSuccess) {
+      memset(h, 0, sizeof(moe_kerr));
+      dev->kerr = (moe_kerr *)h;
+    }
+    (void)cudaGetLastError();
   }
   *stream = (void *)dev->stream;
   return MOE_OK;
@@ -223,13 +237,52 @@ moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle) {
   return MOE_OK;
 }
 
+/* ------------------------------------------------- errors kernels report */
+
+void *moe_cuda_kerr(moe_ctx *ctx, int device, const char *fn, int *tag) {
+  *tag = 0;
+  if (!ctx || !ctx->cuda || device < 0 || device >= MOE_MAX_CUDA_DEVICES) return NULL;
+  moe_cuda_state *st = ctx->cuda;
+  moe_cuda_device *dev = &st->dev[device];
+  if (!dev->kerr) return NULL;
+  int t = 0;
+  while (t < st->kerr_n && strcmp(st->kerr_names[t], fn) != 0) t++;
+  if (t == st->kerr_n) {
+    if (t == MOE_KERR_TAGS) t = MOE_KERR_TAGS - 1; /* full: the last name stands for the rest */
+    else st->kerr_names[st->kerr_n++] = fn;
+  }
+  *tag = t;
+  void *dptr = NULL;
+  if (cudaHostGetDevicePointer(&dptr, dev->kerr, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return NULL;
+  }
+  return dptr;
+}
+
+/* After a synchronisation of `device`: what its kernels found, as an error
+ * (and the word cleared for the next one). */
+static moe_status moe_cuda_kerr_check(moe_ctx *ctx, int device) {
+  moe_cuda_device *dev = &ctx->cuda->dev[device];
+  moe_kerr *e = dev->kerr;
+  if (!e || !e->set) return MOE_OK;
+  moe_kerr k = *e;
+  memset(e, 0, sizeof *e);
+  const char *fn = k.tag >= 0 && k.tag < ctx->cuda->kerr_n ? ctx->cuda->kerr_names[k.tag] : "a kernel";
+  return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                   "%s: index %lld is out of range [0, %lld) on cuda:%d (found by the kernel, "
+                   "reported at this synchronisation: the op was queued earlier and its "
+                   "result is not valid)",
+                   fn, k.value, k.limit, device);
+}
+
 moe_status moe_cuda_synchronize(moe_ctx *ctx, moe_device d) {
   if (d.type != MOE_DEVICE_CUDA) return MOE_OK; /* the CPU runs synchronously */
   MOE_CHECK(moe_cuda_device_valid(ctx, d.index));
   if (!ctx->cuda || !ctx->cuda->dev[d.index].ready) return MOE_OK; /* nothing was queued */
   MOE_CUDA_CHECK(ctx, cudaSetDevice(d.index));
   MOE_CUDA_CHECK(ctx, cudaStreamSynchronize(ctx->cuda->dev[d.index].stream));
-  return MOE_OK;
+  return moe_cuda_kerr_check(ctx, d.index);
 }
 
 /* ---------------------------------------------------------------- events */
@@ -580,7 +633,7 @@ moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *s
     MOE_CUDA_CHECK(ctx, cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost,
                                         (cudaStream_t)stream));
     MOE_CUDA_CHECK(ctx, cudaStreamSynchronize((cudaStream_t)stream));
-    return MOE_OK;
+    return moe_cuda_kerr_check(ctx, sd.index);
   }
   if (dd.index == sd.index) {
     MOE_CHECK(moe_cuda_stream(ctx, dd.index, &stream));
@@ -639,6 +692,7 @@ void moe_cuda_state_free(moe_ctx *ctx) {
       }
     }
     free(dev->live);
+    if (dev->kerr && cudaFreeHost(dev->kerr) != cudaSuccess) (void)cudaGetLastError();
     if (dev->cublas) cublasDestroy(dev->cublas);
     if (dev->ready && cudaStreamDestroy(dev->stream) != cudaSuccess) (void)cudaGetLastError();
   }

@@ -138,7 +138,7 @@ static moe_status ix_gather_run(moe_ctx *ctx, const char *fn, const moe_tensor *
   if (n > 0 && ix_cuda(x)) {
 #ifdef MOE_WITH_CUDA
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x), vi = moe_kview_of(index);
-    st = moe_cuda_gather(ctx, x->storage->device.index, &vo, &vx, dim, &vi);
+    st = moe_cuda_gather(ctx, x->storage->device.index, fn, &vo, &vx, dim, &vi);
 #else
     st = ix_not_built(ctx, fn);
 #endif
@@ -180,7 +180,7 @@ static moe_status ix_scatter_into(moe_ctx *ctx, const char *fn, moe_scatter_mode
 #ifdef MOE_WITH_CUDA
     moe_kview vo = moe_kview_of(out), vi = moe_kview_of(index), vs = moe_kview_of(src);
     memcpy(vs.shape, index->shape, sizeof vs.shape); /* the region index covers */
-    return moe_cuda_scatter(ctx, out->storage->device.index, mode, &vo, dim, &vi, &vs);
+    return moe_cuda_scatter(ctx, out->storage->device.index, fn, mode, &vo, dim, &vi, &vs);
 #else
     return ix_not_built(ctx, fn);
 #endif
@@ -490,7 +490,7 @@ static moe_status ix_index_add_into(moe_ctx *ctx, const char *fn, moe_tensor *ou
     moe_status st = moe_contiguous(ctx, src, &sc);
     if (st == MOE_OK) st = moe_contiguous(ctx, index, &ic);
     if (st == MOE_OK)
-      st = moe_cuda_index_add(ctx, out->storage->device.index, moe_tensor_data(out),
+      st = moe_cuda_index_add(ctx, out->storage->device.index, fn, moe_tensor_data(out),
                               moe_tensor_data(sc), out->dtype, moe_tensor_data(ic), ic->dtype,
                               outer, out->shape[dim], index->shape[0], inner);
     moe_tensor_release(sc);
@@ -741,7 +741,7 @@ moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_t
         moe_tensor *fc = NULL;
         st = moe_contiguous(ctx, flat, &fc);
         if (st == MOE_OK)
-          st = moe_cuda_one_hot(ctx, ids->storage->device.index, (int64_t *)moe_tensor_data(r),
+          st = moe_cuda_one_hot(ctx, ids->storage->device.index, fn, (int64_t *)moe_tensor_data(r),
                                 moe_tensor_data(fc), fc->dtype, m, num_classes);
         moe_tensor_release(fc);
       }

@@ -19,28 +19,32 @@ extern "C" {
 
 typedef enum moe_scatter_mode { MOE_SCATTER_REPLACE = 0, MOE_SCATTER_ADD = 1 } moe_scatter_mode;
 
-/* out (contiguous, index's shape, x's dtype) = x gathered along dim:
+/* The index launchers take the op's name (fn, a static string): an index
+ * out of range is reported under it at the next synchronisation (kerr.h).
+ *
+ * out (contiguous, index's shape, x's dtype) = x gathered along dim:
  * out[p] = x[p with coordinate dim replaced by index[p]]. */
-moe_status moe_cuda_gather(moe_ctx *ctx, int device, const moe_kview *out, const moe_kview *x,
-                           int dim, const moe_kview *index);
+moe_status moe_cuda_gather(moe_ctx *ctx, int device, const char *fn, const moe_kview *out,
+                           const moe_kview *x, int dim, const moe_kview *index);
 
 /* out (contiguous, already holding the base values): for every element p of
  * index (src has index's shape here, src's strides), the target t = p with
  * coordinate dim replaced by index[p] gets src[p] (REPLACE: the last p in
  * row-major order wins) or += src[p] (ADD, in row-major order of p). A
  * stable radix sort of the targets gives each target one owning thread. */
-moe_status moe_cuda_scatter(moe_ctx *ctx, int device, moe_scatter_mode mode, const moe_kview *out,
-                            int dim, const moe_kview *index, const moe_kview *src);
+moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn, moe_scatter_mode mode,
+                            const moe_kview *out, int dim, const moe_kview *index,
+                            const moe_kview *src);
 
 /* out (contiguous (outer, X, inner), already holding x) and src (contiguous
  * (outer, n, inner)), index contiguous (n): out[o, index[i], e] += src[o, i, e]
  * in order of i, by sorting the n indices (deterministic, no atomics). */
-moe_status moe_cuda_index_add(moe_ctx *ctx, int device, void *out, const void *src, moe_dtype dt,
+moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *fn, void *out, const void *src, moe_dtype dt,
                               const void *index, moe_dtype index_dt, int64_t outer, int64_t X,
                               int64_t n, int64_t inner);
 
 /* out (m, num_classes) i64 contiguous; ids contiguous (m) i64 or i32. */
-moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, int64_t *out, const void *ids,
+moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn, int64_t *out, const void *ids,
                             moe_dtype ids_dt, int64_t m, int64_t num_classes);
 
 /* x, values (rows, cols) contiguous of dtype dt, indices (rows, cols) i64:

@@ -102,6 +102,12 @@ moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle);
 moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *src,
                            moe_device sd, size_t nbytes);
 void moe_cuda_state_free(moe_ctx *ctx);
+/* The device address of `device`'s error word (a moe_kerr, kerr.h) for a
+ * kernel of op `fn` (a string with static storage) to report bad input in,
+ * and the tag naming fn; NULL (report nothing) where there is none. The
+ * report comes back as MOE_ERR_INVALID_ARG naming fn, the value and the
+ * range from the next moe_cuda_synchronize or copy to the host. */
+void *moe_cuda_kerr(moe_ctx *ctx, int device, const char *fn, int *tag);
 /* CUDA events (cudaEvent_t behind void *), for core/event.c. */
 moe_status moe_cuda_event_create(moe_ctx *ctx, int device, void **ev);
 moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev);

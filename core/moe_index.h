@@ -10,11 +10,16 @@
  *
  * Out-of-range indices: on the CPU every op checks them and fails with
  * MOE_ERR_INVALID_ARG naming the value, its position and the valid range.
- * On CUDA they are NOT checked (a check costs a host synchronisation); the
- * kernels stay inside memory: a read through a bad index (gather,
- * index_select, embedding) gives 0, a write through one (scatter,
- * scatter_add, index_add, embedding's backward) is dropped, and one_hot gives
- * an all-zero row.
+ * On CUDA the launch cannot check them (that would cost a host
+ * synchronisation); the kernels stay inside memory (a read through a bad
+ * index (gather, index_select, embedding) gives 0, a write through one
+ * (scatter, scatter_add, index_add, embedding's backward) is dropped, and
+ * one_hot gives an all-zero row) and record the first bad index, and the next
+ * synchronisation of that device (moe_cuda_synchronize, a copy to the host
+ * such as item()) fails with MOE_ERR_INVALID_ARG naming the op, the value
+ * and the range, e.g. "embedding: index 12 is out of range [0, 10) on
+ * cuda:0 (found by the kernel, reported at this synchronisation ...)". The
+ * context goes on afterwards.
  *
  * Determinism: nothing here uses floating-point atomics. On CUDA the ops that
  * accumulate (scatter_add, index_add, the backward of gather, index_select

@@ -93,8 +93,9 @@ bool moe_reduction_parse(const char *name, moe_reduction *out);
  * smoothing in [0, 1]. Rows whose target is ignore_index count for nothing
  * (mean: divided by the count of the other rows; all ignored: NaN, as
  * PyTorch). A target outside [0, C) other than ignore_index is an error on
- * the CPU; on the GPU the kernel does not stop: that row's loss is NaN (a
- * check would cost a host sync). Output: a scalar (mean, sum) or (N) (none),
+ * the CPU; on the GPU the kernel does not stop: that row's loss is NaN and
+ * the next synchronisation of the device (or copy to the host, item())
+ * fails naming "cross_entropy (target)", the value and C (moe_index.h). Output: a scalar (mean, sum) or (N) (none),
  * logits' dtype. Differentiable in logits; the fused backward writes
  * (softmax - (1 - s) onehot - s / C) * grad directly. */
 moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *target,

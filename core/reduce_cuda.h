@@ -104,7 +104,8 @@ moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms, const void
 
 /* Fused cross entropy over contiguous logits (rows, n), target (rows) i64.
  * loss (rows) f32: per-row loss, 0 for ignored rows, NaN for a target out of
- * range; lse (rows) f32 saved for backward. */
+ * range (also reported at the next synchronisation, kerr.h); lse (rows) f32
+ * saved for backward. */
 moe_status moe_cuda_cross_entropy(moe_ctx *ctx, int device, const void *logits,
                                   const int64_t *target, float *loss, float *lse, moe_dtype dt,
                                   int64_t rows, int64_t n, int64_t ignore_index, double smoothing);

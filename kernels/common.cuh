@@ -24,6 +24,18 @@
 #include <type_traits>
 
 #include "internal.h"
+#include "kerr.h"
+
+/* A kernel that finds bad input (value outside [0, limit)) records the
+ * first such find for the host (kerr.h; e from moe_cuda_kerr, may be NULL). */
+__device__ __forceinline__ void moe_kerr_report(moe_kerr *e, int tag, int64_t value, int64_t limit) {
+  if (e && atomicCAS(&e->set, 0u, 1u) == 0u) {
+    e->tag = tag;
+    e->value = value;
+    e->limit = limit;
+    __threadfence_system();
+  }
+}
 
 /* ------------------------------------------------------------ host errors */
 

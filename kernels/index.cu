@@ -9,7 +9,8 @@
  * sources in the order of the index tensor (the CPU's order). Sums run in
  * f32 for f32/bf16/f16 (f64 for f64, i64 for integers) with the _rn
  * intrinsics, so nothing is fused. Index math is int64; out-of-range indices
- * read 0 and drop writes (moe_index.h). Nothing here synchronises with the
+ * read 0 and drop writes, and the first one is reported in the device's
+ * error word (kerr.h), an error at the next synchronisation (moe_index.h). Nothing here synchronises with the
  * host; scratch memory comes from the context's caching allocator and goes
  * back to it after the launches are queued (one stream: safe).
  */
@@ -77,6 +78,8 @@ template <typename F> static moe_status ix_size_dispatch(size_t es, F &&f) {
 struct IxGeom {
   int ndim, dim;
   int64_t dimsize; /* valid index range [0, dimsize) */
+  moe_kerr *kerr;  /* where an index outside it is reported (NULL: nowhere) */
+  int kerr_tag;
   int64_t shape[MOE_MAX_DIMS];
   int64_t s0[MOE_MAX_DIMS], s1[MOE_MAX_DIMS], s2[MOE_MAX_DIMS];
 };
@@ -97,11 +100,13 @@ __global__ void __launch_bounds__(MOE_THREADS)
       if (d != g.dim) xo += c * g.s1[d];
     }
     int64_t v = ix_load_index(index, i32, io);
-    out[p] = (v >= 0 && v < g.dimsize) ? x[xo + v * g.s1[g.dim]] : (T)0;
+    const bool ok = v >= 0 && v < g.dimsize;
+    if (!ok) moe_kerr_report(g.kerr, g.kerr_tag, v, g.dimsize);
+    out[p] = ok ? x[xo + v * g.s1[g.dim]] : (T)0;
   }
 }
 
-extern "C" moe_status moe_cuda_gather(moe_ctx *ctx, int device, const moe_kview *out,
+extern "C" moe_status moe_cuda_gather(moe_ctx *ctx, int device, const char *fn, const moe_kview *out,
                                       const moe_kview *x, int dim, const moe_kview *index) {
   int64_t n = 1;
   for (int d = 0; d < index->ndim; d++) n *= index->shape[d];
@@ -113,6 +118,7 @@ extern "C" moe_status moe_cuda_gather(moe_ctx *ctx, int device, const moe_kview 
   g.ndim = index->ndim;
   g.dim = dim;
   g.dimsize = x->shape[dim];
+  g.kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &g.kerr_tag);
   for (int d = 0; d < g.ndim; d++) {
     g.shape[d] = index->shape[d];
     g.s0[d] = index->stride[d];
@@ -147,7 +153,9 @@ __global__ void __launch_bounds__(MOE_THREADS)
       if (d != g.dim) to += c * g.s2[d];
     }
     int64_t v = ix_load_index(index, i32, io);
-    keys[p] = (v >= 0 && v < g.dimsize) ? (uint64_t)(to + v * g.s2[g.dim]) : oob;
+    const bool ok = v >= 0 && v < g.dimsize;
+    if (!ok) moe_kerr_report(g.kerr, g.kerr_tag, v, g.dimsize);
+    keys[p] = ok ? (uint64_t)(to + v * g.s2[g.dim]) : oob;
     vals[p] = p;
   }
 }
@@ -196,9 +204,9 @@ static moe_status ix_sort_pairs(moe_ctx *ctx, int device, cudaStream_t s, const 
   return MOE_OK;
 }
 
-extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, moe_scatter_mode mode,
-                                       const moe_kview *out, int dim, const moe_kview *index,
-                                       const moe_kview *src) {
+extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn,
+                                       moe_scatter_mode mode, const moe_kview *out, int dim,
+                                       const moe_kview *index, const moe_kview *src) {
   int64_t n = 1, on = 1;
   for (int d = 0; d < index->ndim; d++) n *= index->shape[d];
   for (int d = 0; d < out->ndim; d++) on *= out->shape[d];
@@ -211,6 +219,7 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, moe_scatter_mod
   g.ndim = index->ndim;
   g.dim = dim;
   g.dimsize = out->shape[dim];
+  g.kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &g.kerr_tag);
   for (int d = 0; d < g.ndim; d++) {
     g.shape[d] = index->shape[d];
     g.s0[d] = index->stride[d];
@@ -243,11 +252,13 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, moe_scatter_mod
 
 __global__ void __launch_bounds__(MOE_THREADS)
     ix_index_keys_kernel(int64_t n, uint64_t *keys, int64_t *vals, const void *index, bool i32,
-                         int64_t X) {
+                         int64_t X, moe_kerr *kerr, int kerr_tag) {
   int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += nthreads) {
     int64_t v = ix_load_index(index, i32, i);
-    keys[i] = (v >= 0 && v < X) ? (uint64_t)v : (uint64_t)X;
+    const bool ok = v >= 0 && v < X;
+    if (!ok) moe_kerr_report(kerr, kerr_tag, v, X);
+    keys[i] = ok ? (uint64_t)v : (uint64_t)X;
     vals[i] = i;
   }
 }
@@ -276,7 +287,7 @@ __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
-extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, void *out, const void *src,
+extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *fn, void *out, const void *src,
                                          moe_dtype dt, const void *index, moe_dtype index_dt,
                                          int64_t outer, int64_t X, int64_t n, int64_t inner) {
   if (n == 0 || outer == 0 || inner == 0 || X == 0) return MOE_OK;
@@ -289,8 +300,10 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, void *out, co
   char *b = (char *)buf.ptr;
   uint64_t *kin = (uint64_t *)b, *kout = (uint64_t *)(b + kb);
   int64_t *vin = (int64_t *)(b + 2 * kb), *vout = (int64_t *)(b + 3 * kb);
+  int tag = 0;
+  moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &tag);
   ix_index_keys_kernel<<<moe_blocks(n), MOE_THREADS, 0, s>>>(n, kin, vin, index,
-                                                             index_dt == MOE_I32, X);
+                                                             index_dt == MOE_I32, X, kerr, tag);
   MOE_KCHECK(ctx, "index_add keys kernel");
   MOE_CHECK(ix_sort_pairs(ctx, device, s, kin, kout, vin, vout, n, ix_key_bits((uint64_t)X)));
   int64_t total = outer * n * inner;
@@ -307,21 +320,26 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, void *out, co
 /* --------------------------------------------------------------- one_hot */
 
 __global__ void __launch_bounds__(MOE_THREADS)
-    ix_one_hot_kernel(int64_t m, int64_t *out, const void *ids, bool i32, int64_t C) {
+    ix_one_hot_kernel(int64_t m, int64_t *out, const void *ids, bool i32, int64_t C, moe_kerr *kerr,
+                      int kerr_tag) {
   int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < m; i += nthreads) {
     int64_t v = ix_load_index(ids, i32, i);
     if (v >= 0 && v < C) out[i * C + v] = 1;
+    else moe_kerr_report(kerr, kerr_tag, v, C);
   }
 }
 
-extern "C" moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, int64_t *out, const void *ids,
-                                       moe_dtype ids_dt, int64_t m, int64_t num_classes) {
+extern "C" moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn, int64_t *out,
+                                       const void *ids, moe_dtype ids_dt, int64_t m,
+                                       int64_t num_classes) {
   if (m == 0 || num_classes == 0) return MOE_OK;
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  int tag = 0;
+  moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &tag);
   ix_one_hot_kernel<<<moe_blocks(m), MOE_THREADS, 0, (cudaStream_t)stream>>>(
-      m, out, ids, ids_dt == MOE_I32, num_classes);
+      m, out, ids, ids_dt == MOE_I32, num_classes, kerr, tag);
   MOE_KCHECK(ctx, "one_hot kernel");
   return MOE_OK;
 }

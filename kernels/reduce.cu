@@ -941,7 +941,7 @@ template <moe_dtype DT, int NV>
 __global__ void __launch_bounds__(MOE_REG_FWD_THREADS)
     moe_ce_fwd_reg_kernel(const void *__restrict__ logits, const int64_t *__restrict__ target,
                           float *__restrict__ loss, float *__restrict__ lse, int64_t nvec,
-                          int64_t ignore, float smooth) {
+                          int64_t ignore, float smooth, moe_kerr *kerr, int kerr_tag) {
   using T = moe_st_t<DT>;
   constexpr int VW = MoeRow<DT>::VW;
   __shared__ float sh[32];
@@ -973,8 +973,10 @@ __global__ void __launch_bounds__(MOE_REG_FWD_THREADS)
     int64_t t = target[row];
     float out = 0.f;
     if (t != ignore) {
-      if (t < 0 || t >= n) out = NAN; /* out of range: documented NaN, no host sync */
-      else out = l - (1.f - smooth) * moe_load_as<float, DT>(xr[t]) - smooth * tsx / (float)n;
+      if (t < 0 || t >= n) { /* out of range: NaN, and an error at the next sync */
+        out = NAN;
+        moe_kerr_report(kerr, kerr_tag, t, n);
+      } else out = l - (1.f - smooth) * moe_load_as<float, DT>(xr[t]) - smooth * tsx / (float)n;
     }
     loss[row] = out;
     lse[row] = l;
@@ -1454,7 +1456,8 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
 template <moe_dtype DT>
 __global__ void moe_ce_fwd_kernel(const void *__restrict__ logits, const int64_t *__restrict__ target,
                                   float *__restrict__ loss, float *__restrict__ lse, int64_t n,
-                                  int64_t ignore, float smooth, bool vec) {
+                                  int64_t ignore, float smooth, bool vec, moe_kerr *kerr,
+                                  int kerr_tag) {
   using T = moe_st_t<DT>;
   __shared__ float sh[64];
   int64_t row = blockIdx.x;
@@ -1471,8 +1474,10 @@ __global__ void moe_ce_fwd_kernel(const void *__restrict__ logits, const int64_t
     int64_t t = target[row];
     float out = 0.f;
     if (t != ignore) {
-      if (t < 0 || t >= n) out = NAN; /* out of range: documented NaN, no host sync */
-      else out = l - (1.f - smooth) * moe_load_as<float, DT>(xr[t]) - smooth * tsx / (float)n;
+      if (t < 0 || t >= n) { /* out of range: NaN, and an error at the next sync */
+        out = NAN;
+        moe_kerr_report(kerr, kerr_tag, t, n);
+      } else out = l - (1.f - smooth) * moe_load_as<float, DT>(xr[t]) - smooth * tsx / (float)n;
     }
     loss[row] = out;
     lse[row] = l;
@@ -1488,6 +1493,8 @@ extern "C" moe_status moe_cuda_cross_entropy(moe_ctx *ctx, int device, const voi
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t s = (cudaStream_t)stream;
+  int ktag = 0;
+  moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, "cross_entropy (target)", &ktag);
   return moe_row_dispatch(ctx, dt, "cuda cross_entropy", [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
     bool vec = moe_row_vec<DT>(logits, n);
@@ -1497,14 +1504,14 @@ extern "C" moe_status moe_cuda_cross_entropy(moe_ctx *ctx, int device, const voi
     if (nv > 0)
       return moe_reg_nv(nv, [&](auto nvt) -> moe_status {
         constexpr int NV = decltype(nvt)::value;
-        moe_ce_fwd_reg_kernel<DT, NV><<<(unsigned)rows, th, 0, s>>>(logits, target, loss, lse, nvec,
-                                                                    ignore_index, (float)smoothing);
+        moe_ce_fwd_reg_kernel<DT, NV><<<(unsigned)rows, th, 0, s>>>(
+            logits, target, loss, lse, nvec, ignore_index, (float)smoothing, kerr, ktag);
         MOE_KCHECK(ctx, "cuda cross_entropy kernel");
         return MOE_OK;
       });
     th = moe_row_threads<DT>(n, vec);
     moe_ce_fwd_kernel<DT><<<(unsigned)rows, th, 0, s>>>(logits, target, loss, lse, n, ignore_index,
-                                                        (float)smoothing, vec);
+                                                        (float)smoothing, vec, kerr, ktag);
     MOE_KCHECK(ctx, "cuda cross_entropy kernel");
     return MOE_OK;
   });

@@ -599,6 +599,112 @@ static void test_device_mismatch_cuda(moe_ctx *ctx) {
   for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
 }
 
+/* ------------------------------------------- bad indices on the device */
+
+static moe_tensor *ids_gpu(moe_ctx *ctx, int n, const int64_t *v) {
+  moe_tensor *t = NULL;
+  if (moe_tensor_empty(ctx, 1, (const int64_t[]){n}, MOE_I64, MOE_CPU, &t) != MOE_OK) exit(1);
+  memcpy(moe_tensor_data(t), v, (size_t)n * sizeof(int64_t));
+  moe_tensor *g = gpu(ctx, t);
+  moe_tensor_release(t);
+  return g;
+}
+
+/* An index out of range on CUDA: the launch returns (no host sync), the
+ * kernel stays inside memory, and the next synchronisation or copy to the
+ * host fails naming the op, the value and the range; once reported, the
+ * context goes on as before. */
+static void test_bad_index_reported_cuda(moe_ctx *ctx) {
+  moe_tensor *x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(5, 7)), *xg = gpu(ctx, x);
+  moe_tensor *bad = ids_gpu(ctx, 3, (const int64_t[]){1, 9, 2});
+  moe_tensor *neg = ids_gpu(ctx, 2, (const int64_t[]){-1, 0});
+  moe_tensor *good = ids_gpu(ctx, 2, (const int64_t[]){4, 0});
+  moe_tensor *o = NULL, *h = NULL;
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU)); /* nothing pending */
+
+  EXPECT_OK(moe_index_select(ctx, xg, 0, bad, &o));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "index_select: index 9 is out of range [0, 5) on cuda:0");
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU)); /* reported once */
+  /* the documented result: the bad row reads 0, the others are right */
+  EXPECT_OK(moe_to(ctx, o, MOE_F32, MOE_CPU, &h));
+  if (h) {
+    const float *hv = moe_tensor_data(h), *xv = moe_tensor_data(x);
+    int ok = 1;
+    for (int j = 0; j < 7; j++) ok &= hv[j] == xv[7 + j] && hv[7 + j] == 0.f && hv[14 + j] == xv[14 + j];
+    EXPECT(ok);
+  }
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+
+  /* found by the copy to the host */
+  moe_tensor *i2 = NULL;
+  EXPECT_OK(moe_reshape(ctx, neg, 2, SH(2, 1), &i2));
+  EXPECT_OK(moe_gather(ctx, xg, 0, i2, &o));
+  h = NULL;
+  EXPECT_ERR_MSG(moe_to(ctx, o, MOE_F32, MOE_CPU, &h), MOE_ERR_INVALID_ARG,
+                 "gather: index -1 is out of range [0, 5)");
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  moe_tensor_release(i2);
+
+  /* the first bad index wins until it is reported */
+  moe_tensor *src = rnd(ctx, MOE_F32, GPU, 2, SH(3, 7));
+  EXPECT_OK(moe_index_add(ctx, xg, 0, bad, src, &o));
+  moe_tensor *o2 = NULL;
+  EXPECT_OK(moe_one_hot(ctx, good, 3, &o2));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "index_add: index 9 is out of range [0, 5)");
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_tensor_release(o);
+  moe_tensor_release(o2);
+  moe_tensor_release(src);
+
+  src = rnd(ctx, MOE_F32, GPU, 2, SH(2, 7));
+  EXPECT_OK(moe_reshape(ctx, good, 2, SH(2, 1), &i2));
+  moe_tensor *i3 = NULL;
+  EXPECT_OK(moe_expand(ctx, i2, 2, SH(2, 7), &i3));
+  EXPECT_OK(moe_scatter_add(ctx, xg, 1, i3, src, &o)); /* dim 1 has 7: index 4 fits, 0 fits */
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_tensor_release(o);
+  EXPECT_OK(moe_scatter_add(ctx, src, 0, i3, src, &o)); /* dim 0 of src has 2: index 4 does not */
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "scatter_add: index 4 is out of range [0, 2)");
+  moe_tensor_release(o);
+  moe_tensor_release(i2);
+  moe_tensor_release(i3);
+  moe_tensor_release(src);
+
+  EXPECT_OK(moe_one_hot(ctx, good, 3, &o));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG, "one_hot: index 4 is out of range [0, 3)");
+  moe_tensor_release(o);
+
+  /* cross_entropy: a target out of range (NaN row, as before, and now the
+   * error); ignore_index is not one */
+  moe_tensor *logits = rnd(ctx, MOE_F32, GPU, 2, SH(3, 4));
+  moe_tensor *t_bad = ids_gpu(ctx, 3, (const int64_t[]){1, 7, 0});
+  moe_tensor *t_ign = ids_gpu(ctx, 3, (const int64_t[]){1, -100, 3});
+  EXPECT_OK(moe_cross_entropy(ctx, logits, t_ign, -100, 0.0, MOE_REDUCTION_MEAN, &o));
+  h = NULL;
+  EXPECT_OK(moe_to(ctx, o, MOE_F32, MOE_CPU, &h));
+  EXPECT(h && isfinite(*(const float *)moe_tensor_data(h)));
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  EXPECT_OK(moe_cross_entropy(ctx, logits, t_bad, -100, 0.0, MOE_REDUCTION_MEAN, &o));
+  h = NULL;
+  EXPECT_ERR_MSG(moe_to(ctx, o, MOE_F32, MOE_CPU, &h), MOE_ERR_INVALID_ARG,
+                 "cross_entropy (target): index 7 is out of range [0, 4)");
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+
+  /* the context goes on */
+  EXPECT_OK(moe_index_select(ctx, xg, 0, good, &o));
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_tensor_release(o);
+  moe_tensor *ts[] = {x, xg, bad, neg, good, logits, t_bad, t_ign};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
 /* ------------------------------------------------------- multinomial */
 
 static void test_multinomial_cuda(moe_ctx *ctx) {
@@ -719,6 +825,7 @@ int main(void) {
   RUN(test_backward_cuda);
   RUN(test_backward_multi_cuda);
   RUN(test_device_mismatch_cuda);
+  RUN(test_bad_index_reported_cuda);
   RUN(test_multinomial_cuda);
   if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
   return harness_end();

@@ -388,11 +388,14 @@ static void test_cross_entropy(moe_ctx *ctx) {
     moe_tensor_release(in[0]);
     moe_tensor_release(in[1]);
   }
-  /* a target out of range on the GPU: that row's loss is NaN (documented) */
+  /* a target out of range on the GPU: that row's loss is NaN and the next
+   * synchronisation reports it (documented) */
   moe_tensor *x = NULL, *t = NULL, *l = NULL;
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2, 3), 0.0, MOE_F32, GPU, &x));
   EXPECT_OK(moe_tensor_from_f64(ctx, (double[]){1, 9}, SHAPE(2), MOE_I64, GPU, &t));
   EXPECT_OK(moe_cross_entropy(ctx, x, t, -100, 0, MOE_REDUCTION_NONE, &l));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "cross_entropy (target): index 9 is out of range [0, 3)");
   double v[2] = {0, 0};
   if (l) EXPECT_OK(moe_tensor_to_f64(ctx, l, v));
   EXPECT_NEAR(v[0], log(3.0), 1e-5);

@@ -175,6 +175,24 @@ describe("tensors on cuda", function()
     x:free()
   end)
 
+  gpu_it("report an index out of range at the next synchronisation, then go on", function()
+    local w = moe.randn({ 10, 4 }, { device = "cuda" })
+    local ids = moe.tensor({ 1, 12, 3 }, { dtype = "i64" }):cuda()
+    local e = moe.embedding(w, ids) -- queued: the launch cannot know
+    local ok, msg = pcall(moe.cuda.synchronize)
+    assert.is_false(ok)
+    assert.matches("embedding: index 12 is out of range %[0, 10%) on cuda:0", msg)
+    assert.is_true(pcall(moe.cuda.synchronize)) -- reported once
+    e:free()
+    local logits = moe.randn({ 2, 5 }, { device = "cuda" })
+    local loss = moe.cross_entropy(logits, moe.tensor({ 2, 5 }, { dtype = "i64" }):cuda())
+    ok, msg = pcall(loss.item, loss)
+    assert.is_false(ok)
+    assert.matches("cross_entropy %(target%): index 5 is out of range %[0, 5%)", msg)
+    local fine = moe.cross_entropy(logits, moe.tensor({ 2, 4 }, { dtype = "i64" }):cuda())
+    assert.is_true(fine:item() == fine:item()) -- a number, not NaN
+  end)
+
   it("reject a negative gc step", function()
     assert.has_error(function() moe.cuda.set_gc_step(-1) end,
       "bad argument #1 to 'set_gc_step' (MiB must be in [0, 2^40], got -1)")
