@@ -108,6 +108,7 @@ typedef struct moe_cuda_device {
   size_t live_n;
   moe_memory_stats stats;
   moe_kerr *kerr;            /* mapped pinned host memory the kernels report bad input in */
+  void *kerr_dev;            /* its device address */
 } moe_cuda_device;
 
 #define MOE_KERR_TAGS 64
@@ -205,10 +206,15 @@ moe_status moe_cuda_stream(moe_ctx *ctx, int device, void **stream) {
     dev->total_mem = total_b;
     dev->ready = true;
     /* the error word: without it (no mapped memory) kernels skip the report */
-    void *h = NULL;
+    void *h = NULL, *hd = NULL;
     if (cudaHostAlloc(&h, sizeof(moe_kerr), cudaHostAllocMapped) == cudaSuccess) {
       memset(h, 0, sizeof(moe_kerr));
-      dev->kerr = (moe_kerr *)h;
+      if (cudaHostGetDevicePointer(&hd, h, 0) == cudaSuccess) {
+        dev->kerr = (moe_kerr *)h;
+        dev->kerr_dev = hd;
+      } else {
+        (void)cudaFreeHost(h);
+      }
     }
     (void)cudaGetLastError();
   }
@@ -252,12 +258,7 @@ void *moe_cuda_kerr(moe_ctx *ctx, int device, const char *fn, int *tag) {
     else st->kerr_names[st->kerr_n++] = fn;
   }
   *tag = t;
-  void *dptr = NULL;
-  if (cudaHostGetDevicePointer(&dptr, dev->kerr, 0) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return NULL;
-  }
-  return dptr;
+  return dev->kerr_dev;
 }
 
 /* After a synchronisation of `device`: what its kernels found, as an error
