@@ -107,13 +107,14 @@ function Attention:causal_mask(S, dtype, device, P)
   P = P or 0
   local c = self._mask
   if c and c.S == S and c.P == P and c.dtype == dtype and c.device == device then return c.mask end
-  local rows, ninf = {}, -math.huge
-  for i = 1, S do
-    local r = {}
-    for j = 1, P + S do r[j] = j > P + i and ninf or 0 end
-    rows[i] = r
-  end
-  local m = moe.tensor(rows, { dtype = dtype, device = device })
+  -- from tensor ops on the device (a Lua table of S (P+S) numbers cost ~5 ms a layer at S 300)
+  local qpos = moe.arange(P, P + S, { dtype = "i64", device = device })
+  local kpos = moe.arange(0, P + S, { dtype = "i64", device = device })
+  local qv, kv = qpos:view({ S, 1 }), kpos:view({ 1, P + S })
+  local allowed = moe.le(kv, qv) -- (S, P+S): key j <= position of query i
+  local zero = moe.zeros({ S, P + S }, { dtype = dtype, device = device })
+  local m = zero:where(allowed, -math.huge)
+  for _, t in ipairs({ qpos, kpos, qv, kv, allowed, zero }) do t:free() end
   if c then c.mask:free() end
   self._mask = { S = S, P = P, dtype = dtype, device = device, mask = m }
   return m
