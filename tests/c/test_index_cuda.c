@@ -603,7 +603,10 @@ static void test_device_mismatch_cuda(moe_ctx *ctx) {
 
 static moe_tensor *ids_gpu(moe_ctx *ctx, int n, const int64_t *v) {
   moe_tensor *t = NULL;
-  if (moe_tensor_empty(ctx, 1, (const int64_t[]){n}, MOE_I64, MOE_CPU, &t) != MOE_OK) exit(1);
+  if (moe_tensor_empty(ctx, 1, (const int64_t[]){n}, MOE_I64, MOE_CPU, &t) != MOE_OK) {
+    fprintf(stderr, "ids_gpu: %s\n", moe_ctx_error(ctx));
+    exit(1);
+  }
   memcpy(moe_tensor_data(t), v, (size_t)n * sizeof(int64_t));
   moe_tensor *g = gpu(ctx, t);
   moe_tensor_release(t);

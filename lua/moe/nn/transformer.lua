@@ -150,6 +150,13 @@ end
 -- buffers that grow by doubling (cache.kbuf, cache.vbuf), so a decoding step
 -- copies only its own S positions; where autograd records (keys that need
 -- gradients) they are a differentiable moe.cat of the old ones and the new.
+-- buf[:, :, pos .. pos + n) = src (B, H, n, D)
+local function put(buf, pos, src)
+  local dst = buf:narrow(2, pos, src:size(2))
+  dst:copy_(src)
+  release(dst)
+end
+
 local function cache_append(cache, kt, vt, P)
   local B, H, S, D = kt:size(0), kt:size(1), kt:size(2), kt:size(3)
   if cache.k and (cache.k:size(0) ~= B or cache.k:size(1) ~= H or cache.k:size(3) ~= D) then
@@ -173,21 +180,11 @@ local function cache_append(cache, kt, vt, P)
     if not cache.kbuf or cache.kbuf:size(2) < need then
       local cap, opts = math.max(2 * need, 16), { dtype = kt.dtype, device = kt.device }
       local kb, vb = moe.empty({ B, H, cap, D }, opts), moe.empty({ B, H, cap, D }, opts)
-      if P > 0 then
-        for _, pair in ipairs({ { kb, cache.k }, { vb, cache.v } }) do
-          local dst = pair[1]:narrow(2, 0, P)
-          dst:copy_(pair[2])
-          release(dst)
-        end
-      end
+      if P > 0 then put(kb, 0, cache.k); put(vb, 0, cache.v) end
       release(cache.kbuf); release(cache.vbuf)
       cache.kbuf, cache.vbuf = kb, vb
     end
-    for _, pair in ipairs({ { cache.kbuf, kt }, { cache.vbuf, vt } }) do
-      local dst = pair[1]:narrow(2, P, S)
-      dst:copy_(pair[2])
-      release(dst)
-    end
+    put(cache.kbuf, P, kt); put(cache.vbuf, P, vt)
     kc, vc = cache.kbuf:narrow(2, 0, need), cache.vbuf:narrow(2, 0, need)
   end
   release(cache.k); release(cache.v)
