@@ -264,6 +264,66 @@ moe_status moe_node_new(moe_ctx *ctx, moe_op op, moe_backward_fn backward, int n
   return MOE_OK;
 }
 
+moe_status moe_record(moe_ctx *ctx, const moe_record_spec *spec, int n_out, moe_tensor **outs) {
+  moe_status st = MOE_OK;
+  moe_node *n = NULL;
+  if (!ctx || !spec || n_out < 1 || n_out > MOE_NODE_MAX_OUTPUTS || !outs) {
+    st = ctx ? moe_error(ctx, MOE_ERR_INVALID_ARG, "record: bad spec or outputs") : MOE_ERR_INVALID_ARG;
+    goto fail;
+  }
+  if (!moe_grad_wanted(ctx, spec->n_in, (const moe_tensor *const *)spec->in)) {
+    if (spec->user_free) spec->user_free(spec->user);
+    return MOE_OK;
+  }
+  if (spec->n_save < 0 || spec->n_save > MOE_NODE_MAX_SAVED) {
+    st = moe_error(ctx, MOE_ERR_INVALID_ARG, "record (%s): %d saved tensors (at most %d)",
+                   moe_op_name(spec->op), spec->n_save, MOE_NODE_MAX_SAVED);
+    goto fail;
+  }
+  MOE_CHECK_GOTO(moe_node_new(ctx, spec->op, spec->backward, spec->n_in, spec->in, &n), st, fail);
+  n->user = spec->user;
+  n->user_free = spec->user_free;
+  n->name = spec->name;
+  memcpy(n->iargs, spec->iargs, sizeof n->iargs);
+  memcpy(n->dargs, spec->dargs, sizeof n->dargs);
+  for (int i = 0; i < spec->n_save; i++) MOE_CHECK_GOTO(moe_node_save(ctx, n, spec->save[i]), st, fail_node);
+  for (int k = 0; k < n_out; k++) MOE_CHECK_GOTO(moe_node_set_output(ctx, n, k, outs[k]), st, fail_node);
+  moe_node_release(n); /* the outputs hold it now */
+  return MOE_OK;
+fail_node:
+  moe_node_release(n); /* frees user through user_free */
+  goto release_outs;
+fail:
+  if (spec && spec->user_free) spec->user_free(spec->user);
+release_outs:
+  if (outs)
+    for (int k = 0; k < n_out && k < MOE_NODE_MAX_OUTPUTS; k++) {
+      moe_tensor_release(outs[k]);
+      outs[k] = NULL;
+    }
+  return st;
+}
+
+moe_status moe_node_zeros_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
+  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
+                         out);
+}
+
+moe_status moe_node_zero_grads(moe_ctx *ctx, const moe_node *n, moe_tensor **gin) {
+  for (int i = 0; i < n->n_inputs; i++) {
+    if (!moe_node_needs_grad(n, i)) continue;
+    moe_status st = moe_node_zeros_input(ctx, n, i, &gin[i]);
+    if (st != MOE_OK) {
+      for (int j = 0; j < i; j++) {
+        moe_tensor_release(gin[j]);
+        gin[j] = NULL;
+      }
+      return st;
+    }
+  }
+  return MOE_OK;
+}
+
 void moe_node_retain(moe_node *n) {
   if (n) n->refcount++;
 }

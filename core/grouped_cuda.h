@@ -18,7 +18,6 @@
 extern "C" {
 #endif
 
-#ifdef MOE_WITH_CUDA
 /* Runs the count products g[0..count) on `device` on the context's stream
  * with ONE cublasGemmGroupedBatchedEx_64 call (each product its own cuBLAS
  * group of size 1). f32 (full precision, or TF32 when g[0].tf32) and bf16
@@ -35,8 +34,6 @@ moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_gemm *g, in
  * (an event) and joined back (the context's stream waits on one event per
  * side stream). */
 moe_status moe_cuda_gemm_streams(moe_ctx *ctx, int device, const moe_gemm *g, int64_t count);
-#endif
-
 #ifdef __cplusplus
 }
 #endif

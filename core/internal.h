@@ -80,6 +80,81 @@ void moe_store_i64(void *p, moe_dtype dt, int64_t v);
 moe_status moe_dim_normalize_fn(moe_ctx *ctx, const char *fn, int64_t dim, int ndim,
                                 bool for_insert, int *out);
 
+/* ------------------------------------------------------- the op kit */
+/*
+ * What every op family uses to validate, name and record: one shape-string
+ * size, one wording of the device and dtype mismatch errors, one record
+ * function with one failure contract and one zero-gradient helper
+ * (core/autograd.c and core/tensor.c).
+ */
+
+/* Room for the longest shape moe_shape_str writes: MOE_MAX_DIMS sizes of up
+ * to 20 characters, their separators, the brackets and the NUL. */
+#define MOE_SHAPE_STR 200
+#ifndef __cplusplus
+_Static_assert(MOE_SHAPE_STR >= MOE_MAX_DIMS * (20 + 2) + 3, "MOE_SHAPE_STR too small");
+#endif
+/* Room for moe_device_str ("cuda:15"). */
+#define MOE_DEVICE_STR 32
+
+/* A shape or device as a string for an error message, in a buffer that lives
+ * to the end of the enclosing block: moe_error(ctx, ..., "%s", MOE_SHAPE(t)). */
+#define MOE_SHAPE(t) moe_shape_str((t)->ndim, (t)->shape, (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
+#define MOE_SHAPE_OF(ndim, shape) \
+  moe_shape_str((ndim), (shape), (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
+#define MOE_DEVICE(d) moe_device_str((d), (char[MOE_DEVICE_STR]){0}, MOE_DEVICE_STR)
+
+/* MOE_ERR_DEVICE unless ad == bd: "fn: a is on cuda:0 but b is on cpu".
+ * an and bn name the operands as the user knows them ("weight", "the plan"). */
+moe_status moe_check_same_device(moe_ctx *ctx, const char *fn, const char *an, moe_device ad,
+                                 const char *bn, moe_device bd);
+/* MOE_ERR_DTYPE unless adt == bdt: "fn: a is bf16 but b is f32". */
+moe_status moe_check_same_dtype(moe_ctx *ctx, const char *fn, const char *an, moe_dtype adt,
+                                const char *bn, moe_dtype bdt);
+
+/*
+ * Recording an op's node (core/autograd.c). Fill a spec with designated
+ * initializers and call moe_record after computing the outputs:
+ *
+ *   MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+ *       .op = MOE_OP_MUL, .backward = mul_backward,
+ *       .n_in = 2, .in = {a, b}, .n_save = 2, .save = {a, b},
+ *       .iargs = {dim}, .dargs = {scale}}, 1, &out));
+ *
+ * When grad mode is off or no input requires grad it does nothing. Otherwise
+ * it makes the node over in[0, n_in) (NULL entries: absent optional inputs),
+ * saves save[0, n_save) in that order (a NULL entry saves an empty slot, read
+ * back as NULL), copies iargs and dargs, hands user to the node and makes
+ * outs[k] its k-th output.
+ *
+ * The one failure contract: on failure every outs[k] is released and set to
+ * NULL, and user is freed with user_free; the status is returned. On success
+ * the node owns user. Either way the caller no longer owns user: a payload
+ * the caller keeps using is retained before the call.
+ */
+typedef struct moe_record_spec {
+  moe_op op;
+  moe_backward_fn backward;
+  int n_in;
+  moe_tensor *in[MOE_NODE_MAX_INPUTS];   /* (n_in) */
+  int n_save;
+  moe_tensor *save[MOE_NODE_MAX_SAVED];  /* (n_save) */
+  int64_t iargs[MOE_NODE_MAX_ARGS];
+  double dargs[MOE_NODE_MAX_ARGS];
+  void *user;                            /* payload for backward, or NULL */
+  void (*user_free)(void *user);
+  const char *name;                      /* overrides moe_op_name(op) when set */
+} moe_record_spec;
+
+moe_status moe_record(moe_ctx *ctx, const moe_record_spec *spec, int n_out, moe_tensor **outs);
+
+/* Zeros of input i's shape, dtype and device (the gradient of an input when
+ * nothing flowed into the node's outputs). */
+moe_status moe_node_zeros_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out);
+/* moe_node_zeros_input for every input that needs grad; on failure the
+ * entries already set are released and NULL again. */
+moe_status moe_node_zero_grads(moe_ctx *ctx, const moe_node *n, moe_tensor **gin);
+
 /* ----------------------------------------------------- CUDA runtime glue */
 /* In core/cuda_runtime.c (built with CUDA) or core/nocuda.c (without). */
 

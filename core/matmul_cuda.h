@@ -36,7 +36,6 @@ typedef struct moe_gemm {
   bool tf32;                   /* f32 may use TF32 tensor cores */
 } moe_gemm;
 
-#ifdef MOE_WITH_CUDA
 /* Runs g on `device` on the context's stream (cuBLASLt; cublasGemmStridedBatchedEx
  * when Lt offers no algorithm). f32, f64, bf16, f16; 16-bit types accumulate
  * in f32. */
@@ -48,8 +47,6 @@ moe_status moe_cuda_gemm(moe_ctx *ctx, int device, const moe_gemm *g);
  * >= 1; dst packed, of src's dtype. */
 moe_status moe_cuda_colsum(moe_ctx *ctx, int device, moe_dtype dtype, const void *src,
                            int64_t rows, int64_t cols, int64_t ld, void *dst);
-#endif
-
 #ifdef __cplusplus
 }
 #endif

@@ -16,18 +16,15 @@
  *   - Backward functions run with grad mode off (no double backward yet).
  *   - A gradient has its input's shape, dtype and device; the engine checks.
  *
- * Writing a differentiable op (forward, in the op's .c file):
+ * Writing a differentiable op (forward, in the op's .c file): compute the
+ * output, then record it with the core's one record function (internal.h,
+ * where the spec's fields and the failure contract are written):
  *
  *   MOE_CHECK(compute out ...);
- *   if (moe_grad_wanted(ctx, 2, (const moe_tensor *[]){a, b})) {
- *     moe_node *n;
- *     st = moe_node_new(ctx, MOE_OP_MUL, mul_backward, 2, (moe_tensor *[]){a, b}, &n);
- *     if (st == MOE_OK) st = moe_node_save(ctx, n, a);  // saved slot 0
- *     if (st == MOE_OK) st = moe_node_save(ctx, n, b);  // saved slot 1
- *     if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
- *     moe_node_release(n);                  // out now holds the node
- *     if (st != MOE_OK) { moe_tensor_release(out); return st; }
- *   }
+ *   MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+ *       .op = MOE_OP_MUL, .backward = mul_backward,
+ *       .n_in = 2, .in = {a, b}, .n_save = 2, .save = {a, b}}, 1, &out));
+ *   // on failure out was released; on success out holds the node
  *
  * and its backward:
  *
@@ -41,8 +38,12 @@
  *   }
  *
  * gout[k] is the gradient of output k, or NULL when nothing flowed into it
- * (treat as zeros). Gradients of broadcast inputs are reduced with
+ * (treat as zeros; moe_node_zero_grads gives every input that needs one its
+ * zeros). Gradients of broadcast inputs are reduced with
  * moe_sum_to_shape.
+ *
+ * Code outside the core (the Lua bindings' custom functions) builds nodes
+ * with moe_node_new / moe_node_save / moe_node_set_output below.
  */
 #ifndef MOE_AUTOGRAD_H
 #define MOE_AUTOGRAD_H

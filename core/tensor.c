@@ -99,6 +99,20 @@ const char *moe_shape_str(int ndim, const int64_t *shape, char *buf, size_t len)
   return buf;
 }
 
+moe_status moe_check_same_device(moe_ctx *ctx, const char *fn, const char *an, moe_device ad,
+                                 const char *bn, moe_device bd) {
+  if (moe_device_equal(ad, bd)) return MOE_OK;
+  return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but %s is on %s", fn, an, MOE_DEVICE(ad),
+                   bn, MOE_DEVICE(bd));
+}
+
+moe_status moe_check_same_dtype(moe_ctx *ctx, const char *fn, const char *an, moe_dtype adt,
+                                const char *bn, moe_dtype bdt) {
+  if (adt == bdt) return MOE_OK;
+  return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but %s is %s", fn, an, moe_dtype_name(adt), bn,
+                   moe_dtype_name(bdt));
+}
+
 #define SHAPE_BUF 200 /* eight 20-digit sizes with separators */
 
 static moe_status check_arg(moe_ctx *ctx, const char *fn, const void *p, const char *what) {
