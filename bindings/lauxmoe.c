@@ -163,7 +163,7 @@ static int64_t lm_size_at(lua_State *L, int idx, int arg, const char *fname, int
  * (2, 3). -1 is accepted where `infer` (view/reshape infer it, expand keeps
  * the size). Returns the index of the first argument after the shape. */
 int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndim,
-                         int64_t *shape) {
+                  int64_t *shape) {
   if (lua_type(L, arg) == LUA_TTABLE) {
     lua_Unsigned n = lua_rawlen(L, arg);
     if (n > MOE_MAX_DIMS)
@@ -191,7 +191,7 @@ int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndi
 
 /* A list of dims (permute), as one table or as numbers from `arg` on. */
 int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndim, int *n,
-                        int64_t *dims) {
+                 int64_t *dims) {
   if (lua_type(L, arg) == LUA_TTABLE) {
     lua_Unsigned len = lua_rawlen(L, arg);
     if (len > MOE_MAX_DIMS)
@@ -262,7 +262,7 @@ static const char *lm_opt_names(unsigned allowed) {
 }
 
 void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed,
-                         lm_opts *o) {
+                  lm_opts *o) {
   o->dtype = MOE_F32;
   o->device = MOE_CPU;
   o->has_dtype = o->has_device = false;
