@@ -1,7 +1,6 @@
 /*
  * lblocksparse.c - Lua bindings of the block-sparse family
- * (core/moe_blocksparse.h), under the `moe.ops` sub-table (created here
- * when absent):
+ * (core/moe_blocksparse.h), under the `moe.ops` sub-table:
  *
  *   moe.ops.bsmm_sdd(x, w, plan [, {trans_w = false}])  -- (nnz, b, b)
  *   moe.ops.bsmm_dsd(s, w, plan [, {trans_w = false}])  -- (R, K)
@@ -84,15 +83,6 @@ static const luaL_Reg lm_blocksparse_functions[] = {{"bsmm_sdd", lm_bsmm_sdd},
                                                     {"bsmm_from_dense", lm_bsmm_from_dense},
                                                     {NULL, NULL}};
 
-void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
-  sentinel = lua_absindex(L, sentinel);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_blocksparse_functions, NULL);
-  lua_pop(L, 1);
+void lm_open_blocksparse(lua_State *L, int ops, int methods, int sentinel) {
+  lm_register(L, ops, methods, sentinel, lm_blocksparse_functions, NULL);
 }

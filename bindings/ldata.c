@@ -1,6 +1,6 @@
 /*
  * ldata.c - Lua bindings of the data family (core/moe_data.h): Megatron-LM
- * indexed datasets, under the `moe.ops` sub-table (created when absent):
+ * indexed datasets, under the `moe.ops` sub-table:
  *
  *   local ds = moe.ops.indexed_dataset(prefix)   -- opens prefix.bin/.idx
  *   #ds, ds:num_sequences(), ds:num_documents(), ds:num_tokens(), ds:dtype()
@@ -322,8 +322,7 @@ static const luaL_Reg lm_data_functions[] = {{"indexed_dataset", lm_dataset_open
                                              {"indexed_builder", lm_builder_open},
                                              {NULL, NULL}};
 
-void lm_open_data(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
+void lm_open_data(lua_State *L, int ops, int methods, int sentinel) {
   sentinel = lua_absindex(L, sentinel);
   lm_data_metatable(L, LM_DATASET, lm_dataset_close, lm_dataset_methods, sentinel);
   lua_pushcfunction(L, lm_dataset_len);
@@ -333,12 +332,5 @@ void lm_open_data(lua_State *L, int mod, int methods, int sentinel) {
   lua_pop(L, 1);
   lm_data_metatable(L, LM_BUILDER, lm_builder_free, lm_builder_methods, sentinel);
   lua_pop(L, 1);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_data_functions, NULL);
-  lua_pop(L, 1);
+  lm_register(L, ops, methods, sentinel, lm_data_functions, NULL);
 }

@@ -175,16 +175,6 @@ static const luaL_Reg lm_experts_functions[] = {{"parallel_linear", lm_parallel_
                                                 {"glu_experts", lm_glu_experts},
                                                 {NULL, NULL}};
 
-void lm_open_experts(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
-  methods = lua_absindex(L, methods);
-  sentinel = lua_absindex(L, sentinel);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) { /* moe.ops, created when absent */
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_experts_functions, NULL);
-  lua_pop(L, 1);
+void lm_open_experts(lua_State *L, int ops, int methods, int sentinel) {
+  lm_register(L, ops, methods, sentinel, lm_experts_functions, NULL);
 }

@@ -1,6 +1,6 @@
 /*
  * lgrouped.c - Lua bindings of the grouped GEMM family (core/moe_grouped.h)
- * under the `moe.ops` sub-table (created here when absent):
+ * under the `moe.ops` sub-table:
  *
  *   local y  = moe.ops.grouped_mm(x, w, offsets, {trans_w = false})
  *   local dw = moe.ops.grouped_mm_wgrad(a, b, offsets, {trans_out = false})
@@ -161,15 +161,6 @@ static const luaL_Reg lm_grouped_functions[] = {{"grouped_mm", lm_grouped_mm},
                                                 {"grouped_backends", lm_grouped_backends},
                                                 {NULL, NULL}};
 
-void lm_open_grouped(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
-  sentinel = lua_absindex(L, sentinel);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) { /* moe.ops, created when absent */
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_grouped_functions, NULL);
-  lua_pop(L, 1);
+void lm_open_grouped(lua_State *L, int ops, int methods, int sentinel) {
+  lm_register(L, ops, methods, sentinel, lm_grouped_functions, NULL);
 }

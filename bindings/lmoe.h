@@ -1,5 +1,5 @@
 /*
- * lmoe.h - the entry point of the `moe` Lua module (bindings/lmoe.c).
+ * lmoe.h - the entry point of the `moe` Lua module (bindings/linit.c).
  *
  * The module is compiled twice: into build/moe.so for stock lua5.4 (and
  * busted), and into the moe-lua host, which registers luaopen_moe in

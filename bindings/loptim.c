@@ -1,6 +1,6 @@
 /*
  * loptim.c - Lua bindings of the optimiser family (core/moe_optim.h), under
- * the `moe.ops` sub-table (created here when absent):
+ * the `moe.ops` sub-table:
  *
  *   moe.ops.adamw_step(param, grad, exp_avg, exp_avg_sq, master_or_nil,
  *       {lr =, beta1 =, beta2 =, eps =, weight_decay =, step =})
@@ -90,14 +90,6 @@ static int lm_sgd_step(lua_State *L) {
 static const luaL_Reg lm_optim_functions[] = {
     {"adamw_step", lm_adamw_step}, {"sgd_step", lm_sgd_step}, {NULL, NULL}};
 
-void lm_open_optim(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_optim_functions, NULL);
-  lua_pop(L, 1);
+void lm_open_optim(lua_State *L, int ops, int methods, int sentinel) {
+  lm_register(L, ops, methods, sentinel, lm_optim_functions, NULL);
 }

@@ -1,6 +1,6 @@
 /*
  * lquantize.c - Lua bindings of the quantize family (core/moe_quantize.h),
- * under the `moe.ops` sub-table (created here when absent):
+ * under the `moe.ops` sub-table:
  *
  *   local q = moe.ops.quantize(x, {bits = 8 | 4, group_size =, stochastic =})
  *       -- a plain table {values =, scales =, bits =, group_size =,
@@ -190,15 +190,6 @@ static const luaL_Reg lm_quantize_functions[] = {{"quantize", lm_quantize},
                                                  {"quantize_scope", lm_quantize_scope},
                                                  {NULL, NULL}};
 
-void lm_open_quantize(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
-  sentinel = lua_absindex(L, sentinel);
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_quantize_functions, NULL);
-  lua_pop(L, 1);
+void lm_open_quantize(lua_State *L, int ops, int methods, int sentinel) {
+  lm_register(L, ops, methods, sentinel, lm_quantize_functions, NULL);
 }

@@ -1,6 +1,6 @@
 /*
  * lrouting.c - Lua bindings of the routing family (core/moe_routing.h),
- * under the `moe.ops` sub-table (created here when absent):
+ * under the `moe.ops` sub-table:
  *
  *   local plan = moe.ops.routing_plan(ids, E, {block_size =, ffn_hidden =,
  *       capacity_factor =, drop_policy = "position" | "score", scores =,
@@ -293,8 +293,7 @@ static const luaL_Reg lm_routing_functions[] = {{"routing_plan", lm_routing_plan
                                                 {"combine", lm_ops_combine},
                                                 {NULL, NULL}};
 
-void lm_open_routing(lua_State *L, int mod, int methods, int sentinel) {
-  mod = lua_absindex(L, mod);
+void lm_open_routing(lua_State *L, int ops, int methods, int sentinel) {
   sentinel = lua_absindex(L, sentinel);
   if (luaL_newmetatable(L, LM_PLAN)) {
     lua_pushcfunction(L, lm_plan_release);
@@ -312,13 +311,5 @@ void lm_open_routing(lua_State *L, int mod, int methods, int sentinel) {
     lua_setfield(L, -2, "__index");
   }
   lua_pop(L, 1);
-  /* moe.ops, created when absent */
-  if (lua_getfield(L, mod, "ops") != LUA_TTABLE) {
-    lua_pop(L, 1);
-    lua_newtable(L);
-    lua_pushvalue(L, -1);
-    lua_setfield(L, mod, "ops");
-  }
-  lm_register(L, lua_gettop(L), methods, sentinel, lm_routing_functions, NULL);
-  lua_pop(L, 1);
+  lm_register(L, ops, methods, sentinel, lm_routing_functions, NULL);
 }

@@ -1,346 +1,46 @@
 /*
- * lmoe.c - the `moe` Lua module: tensors as userdata over the C core (moe.h).
+ * ltensor.c - moe.Tensor: tensors as userdata over the C core (moe.h), as
+ * liolib.c makes files userdata.
  *
  *   local moe = require "moe"
  *   local x = moe.randn({2, 3}, {dtype = "f32", device = "cpu"})
  *   local y = (x * 2 + 1):transpose(0, 1)
  *   print(y, y.shape[1], y:size(-1))
  *
- * Conventions (the same as moe.h):
- *   - Dims and indices are 0-based; a negative dim counts from the end.
- *     Tables we return (t.shape, t:stride(), t:totable()) are ordinary Lua
- *     sequences starting at 1: t.shape[1] is the size of dim 0.
- *   - Errors: "bad argument #N to 'f' (problem)" when one argument is at fault,
- *     "f: problem" otherwise (operands that do not fit together, a failed
- *     CUDA call, no memory). Arguments are numbered as in a plain call, with
- *     self as #1: t:view(4, 7) reports its shape as argument #2.
+ * Dims and indices are 0-based (as in moe.h); a negative dim counts from the
+ * end. Tables we return (t.shape, t:stride(), t:totable()) are ordinary Lua
+ * sequences starting at 1: t.shape[1] is the size of dim 0.
  *
- * Every binding has one shape (STYLE.md point 3): check all Lua arguments,
- * push the owning userdata (empty, metatable attached), call the core, and on
- * failure release what the userdata owns, then raise as the last statement.
- * No Lua error is raised while C code holds malloc'd memory: scratch space is
- * a userdata (collected if an error unwinds past it), and the one malloc'd
- * result of the core (the text of moe_tensor_format) is parked in a
- * "moe.Scratch" box whose __gc frees it.
+ * Owns the tensor userdata (lm_tensor), its metatable "moe.Tensor" and the
+ * method table moe.Tensor (both created once per Lua state by
+ * lm_push_methods; the op families add their methods to it), and the
+ * functions of the class: constructors (moe.empty, zeros, ..., tensor),
+ * fields, reading, views, conversions, fills, arithmetic, printing.
  *
- * Ownership and the lifetime of the context
- *   One moe_ctx per Lua state, created by the first luaopen_moe and kept in
- *   the registry (key "moe.state") inside a sentinel userdata. Each tensor
- *   userdata owns one reference to its moe_tensor and one reference to the
- *   lm_state holding the ctx; the sentinel owns one more. The ctx is freed
- *   when the last of these references goes, so the order in which lua_close
- *   runs finalizers does not matter (it is the reverse order of marking, which
- *   would already put the sentinel last, but a finalizer that creates tensors
- *   could defeat that). Tensors are freed by t:free(), by a to-be-closed
- *   variable (local t <close> = ...) or by __gc, all through lm_release, which
- *   is idempotent; any other use of a freed tensor raises "attempt to use a
- *   freed tensor". Lua's collector sees a small handle, not the storage
- *   behind it: an allocation that fails for lack of memory is retried once
- *   after a full collection (STYLE.md point 6).
+ * Lifecycle (STYLE.md point 5). A tensor userdata owns one reference to its
+ * moe_tensor and one to the lm_state holding the context (linit.c). A
+ * binding pushes the owning userdata empty (lm_push_empty) before it calls
+ * the core; lm_result then adopts the core's fresh tensor (lm_adopt) or
+ * raises the core's error, the userdata owning nothing yet. Tensors are
+ * freed by t:free(), by a to-be-closed variable (local t <close> = ...) or
+ * by __gc, all through lm_release, which is idempotent; any other use of a
+ * freed tensor raises "attempt to use a freed tensor". Lua's collector sees
+ * a small handle, not the storage behind it (STYLE.md point 6): lm_result
+ * runs a full collection every gc_step bytes of fresh CUDA storage handed to
+ * Lua (lm_gc_pressure), and an allocation that fails for lack of memory is
+ * retried once after a full collection (LM_CALL).
  */
 #include <limits.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "lauxlib.h"
-#include "lua.h"
-#include "lualib.h"
-
-#include "lmoe.h"
 #include "lmoe_internal.h"
 
-#define MOE_GC_MIB ((int64_t)1 << 20)
-#include "moe.h"
-
-void lm_state_unref(lm_state *S) {
-  if (--S->refs == 0) {
-    if (S->ctx) moe_ctx_free(S->ctx);
-    free(S);
-  }
-}
-
-static int lm_sentinel_gc(lua_State *L) {
-  lm_sentinel *b = (lm_sentinel *)luaL_checkudata(L, 1, LM_SENTINEL);
-  lm_state *S = b->S;
-  b->S = NULL;
-  if (S) lm_state_unref(S);
-  return 0;
-}
-
-/* Every function of the module has the sentinel as upvalue 1. */
-lm_state *lm_S(lua_State *L) {
-  lm_sentinel *b = (lm_sentinel *)lua_touserdata(L, lua_upvalueindex(1));
-  if (b == NULL || b->S == NULL) luaL_error(L, "moe: the module's context is closed");
-  return b->S;
-}
-
-/* A box for one malloc'd block, freed by __gc unless taken back before. */
-static int lm_scratch_gc(lua_State *L) {
-  void **box = (void **)luaL_checkudata(L, 1, LM_SCRATCH);
-  free(*box);
-  *box = NULL;
-  return 0;
-}
-
-void **lm_push_scratch(lua_State *L) {
-  void **box = (void **)lua_newuserdatauv(L, sizeof(void *), 0);
-  *box = NULL;
-  luaL_setmetatable(L, LM_SCRATCH);
-  return box;
-}
-
-/* ------------------------------------------------------------ errors */
-
-/* "bad argument #arg to 'fname' (...)"; never returns. */
-int lm_argerror(lua_State *L, int arg, const char *fname, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  const char *msg = lua_pushvfstring(L, fmt, ap);
-  va_end(ap);
-  return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
-}
-
-/* The core failed: its message, attributed to argument `arg` when > 0.
- * The core names its function first ("view: ..."); when that is our name
- * too it is not repeated. Called with nothing left to free; never returns. */
-int lm_corefail(lua_State *L, lm_state *S, const char *fname, int arg) {
-  const char *msg = moe_ctx_error(S->ctx);
-  size_t n = strlen(fname);
-  if (msg == NULL || msg[0] == '\0') msg = "unknown error";
-  if (strncmp(msg, fname, n) == 0 && msg[n] == ':' && msg[n + 1] == ' ') msg += n + 2;
-  if (arg > 0) return luaL_error(L, "bad argument #%d to '%s' (%s)", arg, fname, msg);
-  return luaL_error(L, "%s: %s", fname, msg);
-}
-
-
-/* What a value is, for messages: "tensor", "freed tensor", a number's
- * value, or the type name. Pushes nothing that outlives the error. */
-const char *lm_describe(lua_State *L, int idx) {
-  switch (lua_type(L, idx)) {
-    case LUA_TNUMBER:
-      if (lua_isinteger(L, idx)) return lua_pushfstring(L, "%I", (LUAI_UACINT)lua_tointeger(L, idx));
-      return lua_pushfstring(L, "%f", (LUAI_UACNUMBER)lua_tonumber(L, idx));
-    case LUA_TUSERDATA: {
-      lm_tensor *u = (lm_tensor *)luaL_testudata(L, idx, LM_TENSOR);
-      if (u) return u->t ? "tensor" : "freed tensor";
-      return luaL_typename(L, idx);
-    }
-    case LUA_TNONE: return "no value";
-    default: return luaL_typename(L, idx);
-  }
-}
-
-const char *lm_typename(lua_State *L, int idx) {
-  if (lua_type(L, idx) == LUA_TUSERDATA && luaL_testudata(L, idx, LM_TENSOR)) return "tensor";
-  return luaL_typename(L, idx);
-}
-
-/* --------------------------------------------------- argument readers */
-
-/* An integer (a float with an exact integer value is accepted, a string
- * is not). `what` names the value in the message. */
-int64_t lm_checkint(lua_State *L, int arg, const char *fname, const char *what) {
-  int isint = 0;
-  lua_Integer v = 0;
-  if (lua_type(L, arg) == LUA_TNUMBER) v = lua_tointegerx(L, arg, &isint);
-  if (!isint) lm_argerror(L, arg, fname, "%s must be an integer, got %s", what, lm_describe(L, arg));
-  return (int64_t)v;
-}
-
-int64_t lm_optint(lua_State *L, int arg, const char *fname, const char *what, int64_t def) {
-  return lua_isnoneornil(L, arg) ? def : lm_checkint(L, arg, fname, what);
-}
-
-double lm_checknum(lua_State *L, int arg, const char *fname, const char *what) {
-  if (lua_type(L, arg) != LUA_TNUMBER)
-    lm_argerror(L, arg, fname, "%s must be a number, got %s", what, lm_typename(L, arg));
-  return (double)lua_tonumber(L, arg);
-}
-
-double lm_optnum(lua_State *L, int arg, const char *fname, const char *what, double def) {
-  return lua_isnoneornil(L, arg) ? def : lm_checknum(L, arg, fname, what);
-}
-
-/* A fill value: a number, or a boolean (1 or 0). */
-double lm_checkvalue(lua_State *L, int arg, const char *fname) {
-  if (lua_type(L, arg) == LUA_TBOOLEAN) return lua_toboolean(L, arg) ? 1.0 : 0.0;
-  if (lua_type(L, arg) != LUA_TNUMBER)
-    lm_argerror(L, arg, fname, "value must be a number or a boolean, got %s", lm_typename(L, arg));
-  return (double)lua_tonumber(L, arg);
-}
-
-/* No argument past `last`. */
-void lm_checkend(lua_State *L, int last, const char *fname) {
-  int top = lua_gettop(L);
-  while (top > last && lua_isnil(L, top)) top--;
-  if (top > last)
-    lm_argerror(L, last + 1, fname, "unexpected extra argument (%s)", lm_describe(L, last + 1));
-}
-
-/* A dim of a tensor of ndim dims (ndim + 1 positions when `insert`),
- * normalised to 0..ndim-1. */
-int lm_checkdim(lua_State *L, lm_state *S, int arg, const char *fname, int ndim, bool insert) {
-  int64_t d = lm_checkint(L, arg, fname, "dim");
-  int out = 0;
-  if (moe_dim_normalize(S->ctx, d, ndim, insert, &out) != MOE_OK) lm_corefail(L, S, fname, arg);
-  return out;
-}
-
-/* One size of a shape at stack index idx (argument `arg` in messages). */
-static int64_t lm_size_at(lua_State *L, int idx, int arg, const char *fname, int dim, bool infer) {
-  int isint = 0;
-  lua_Integer v = 0;
-  if (lua_type(L, idx) == LUA_TNUMBER) v = lua_tointegerx(L, idx, &isint);
-  if (!isint || v < -1 || (v == -1 && !infer))
-    lm_argerror(L, arg, fname, "size of dim %d must be a non-negative integer%s, got %s", dim,
-                infer ? " (or -1)" : "", lm_describe(L, idx));
-  return (int64_t)v;
-}
-
-/* A shape given as one table ({2, 3}) at `arg`, or as numbers from `arg` on
- * (2, 3). -1 is accepted where `infer` (view/reshape infer it, expand keeps
- * the size). Returns the index of the first argument after the shape. */
-int lm_checkshape(lua_State *L, int arg, const char *fname, bool infer, int *ndim,
-                         int64_t *shape) {
-  if (lua_type(L, arg) == LUA_TTABLE) {
-    lua_Unsigned n = lua_rawlen(L, arg);
-    if (n > MOE_MAX_DIMS)
-      lm_argerror(L, arg, fname, "a shape has at most %d dims, got %d", MOE_MAX_DIMS, (int)(n > 999 ? 999 : n));
-    for (int i = 0; i < (int)n; i++) {
-      lua_rawgeti(L, arg, i + 1);
-      shape[i] = lm_size_at(L, -1, arg, fname, i, infer);
-      lua_pop(L, 1);
-    }
-    *ndim = (int)n;
-    return arg + 1;
-  }
-  if (lua_type(L, arg) != LUA_TNUMBER)
-    lm_argerror(L, arg, fname, "shape expected (a table of sizes, or sizes as numbers), got %s",
-                lm_typename(L, arg));
-  int n = 0;
-  while (lua_type(L, arg + n) == LUA_TNUMBER) {
-    if (n == MOE_MAX_DIMS) lm_argerror(L, arg + n, fname, "a shape has at most %d dims", MOE_MAX_DIMS);
-    shape[n] = lm_size_at(L, arg + n, arg + n, fname, n, infer);
-    n++;
-  }
-  *ndim = n;
-  return arg + n;
-}
-
-/* A list of dims (permute), as one table or as numbers from `arg` on. */
-int lm_checkdims(lua_State *L, lm_state *S, int arg, const char *fname, int tndim, int *n,
-                        int64_t *dims) {
-  if (lua_type(L, arg) == LUA_TTABLE) {
-    lua_Unsigned len = lua_rawlen(L, arg);
-    if (len > MOE_MAX_DIMS)
-      lm_argerror(L, arg, fname, "at most %d dims expected, got %d", MOE_MAX_DIMS, (int)(len > 999 ? 999 : len));
-    for (int i = 0; i < (int)len; i++) {
-      lua_rawgeti(L, arg, i + 1);
-      int isint = 0;
-      lua_Integer v = lua_type(L, -1) == LUA_TNUMBER ? lua_tointegerx(L, -1, &isint) : 0;
-      if (!isint) lm_argerror(L, arg, fname, "dims[%d] must be an integer, got %s", i + 1, lm_describe(L, -1));
-      int d = 0;
-      if (moe_dim_normalize(S->ctx, v, tndim, false, &d) != MOE_OK) lm_corefail(L, S, fname, arg);
-      dims[i] = d;
-      lua_pop(L, 1);
-    }
-    *n = (int)len;
-    return arg + 1;
-  }
-  if (lua_type(L, arg) != LUA_TNUMBER)
-    lm_argerror(L, arg, fname, "dims expected (a table, or dims as numbers), got %s", lm_typename(L, arg));
-  int k = 0;
-  while (lua_type(L, arg + k) == LUA_TNUMBER) {
-    if (k == MOE_MAX_DIMS) lm_argerror(L, arg + k, fname, "at most %d dims expected", MOE_MAX_DIMS);
-    dims[k] = lm_checkdim(L, S, arg + k, fname, tndim, false);
-    k++;
-  }
-  *n = k;
-  return arg + k;
-}
-
-/* "f32, f64, ..." for messages. */
-static const char *lm_dtype_list(char *buf, size_t len) {
-  size_t used = 0;
-  buf[0] = '\0';
-  for (int i = 0; i < MOE_DTYPE_COUNT && used < len; i++)
-    used += (size_t)snprintf(buf + used, len - used, "%s%s", i ? ", " : "", moe_dtype_name((moe_dtype)i));
-  return buf;
-}
-
-moe_dtype lm_checkdtype_at(lua_State *L, int idx, int arg, const char *fname) {
-  moe_dtype dt = MOE_F32;
-  char list[128];
-  if (lua_type(L, idx) != LUA_TSTRING)
-    lm_argerror(L, arg, fname, "dtype must be a string, got %s", lm_typename(L, idx));
-  if (!moe_dtype_parse(lua_tostring(L, idx), &dt))
-    lm_argerror(L, arg, fname, "unknown dtype '%s' (valid: %s)", lua_tostring(L, idx),
-                lm_dtype_list(list, sizeof list));
-  return dt;
-}
-
-moe_device lm_checkdevice_at(lua_State *L, lm_state *S, int idx, int arg, const char *fname) {
-  moe_device d = MOE_CPU;
-  if (lua_type(L, idx) != LUA_TSTRING)
-    lm_argerror(L, arg, fname, "device must be a string ('cpu', 'cuda', 'cuda:N'), got %s",
-                lm_typename(L, idx));
-  if (moe_device_parse(S->ctx, lua_tostring(L, idx), &d) != MOE_OK)
-    lm_argerror(L, arg, fname, "device '%s': %s", lua_tostring(L, idx), moe_ctx_error(S->ctx));
-  return d;
-}
-
-/* The options table of constructors and of t:to(). */
-
-static const char *lm_opt_names(unsigned allowed) {
-  switch (allowed) {
-    case LM_OPT_DTYPE | LM_OPT_DEVICE: return "dtype, device";
-    case LM_OPT_DEVICE | LM_OPT_GRAD: return "device, requires_grad";
-    default: return "dtype, device, requires_grad";
-  }
-}
-
-void lm_checkopts(lua_State *L, lm_state *S, int arg, const char *fname, unsigned allowed,
-                         lm_opts *o) {
-  o->dtype = MOE_F32;
-  o->device = MOE_CPU;
-  o->has_dtype = o->has_device = false;
-  o->requires_grad = false;
-  if (lua_isnoneornil(L, arg)) return;
-  if (lua_type(L, arg) != LUA_TTABLE)
-    lm_argerror(L, arg, fname, "options table expected ({%s}), got %s", lm_opt_names(allowed),
-                lm_typename(L, arg));
-  arg = lua_absindex(L, arg);
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    const char *k = lua_type(L, -2) == LUA_TSTRING ? lua_tostring(L, -2) : NULL;
-    int top = lua_gettop(L);
-    if (k == NULL)
-      lm_argerror(L, arg, fname, "options are given by name ({%s}), got a %s key",
-                  lm_opt_names(allowed), luaL_typename(L, -2));
-    if ((allowed & LM_OPT_DTYPE) && strcmp(k, "dtype") == 0) {
-      o->dtype = lm_checkdtype_at(L, top, arg, fname);
-      o->has_dtype = true;
-    } else if ((allowed & LM_OPT_DEVICE) && strcmp(k, "device") == 0) {
-      o->device = lm_checkdevice_at(L, S, top, arg, fname);
-      o->has_device = true;
-    } else if ((allowed & LM_OPT_GRAD) && strcmp(k, "requires_grad") == 0) {
-      if (lua_type(L, top) != LUA_TBOOLEAN)
-        lm_argerror(L, arg, fname, "requires_grad must be a boolean, got %s", lm_typename(L, top));
-      o->requires_grad = lua_toboolean(L, top);
-    } else {
-      lm_argerror(L, arg, fname, "unknown option '%s' (valid options: %s)", k, lm_opt_names(allowed));
-    }
-    lua_settop(L, top - 1);
-  }
-}
-
-/* ------------------------------------------------------ tensor userdata */
+/* ------------------------------ tensor userdata: creation, adoption, free */
 
 lm_tensor *lm_push_empty(lua_State *L) {
   lm_tensor *u = (lm_tensor *)lua_newuserdatauv(L, sizeof *u, 0);
@@ -377,47 +77,6 @@ moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
   return u->t;
 }
 
-/* The common tail of a binding whose result is the tensor userdata `r` at
- * the top of the stack: adopt `out`, or raise the core's error (r owns
- * nothing yet, so nothing is left to free). */
-/* Raises "unknown option 'k' (valid options: a, b, ...)" for the first key
- * of the table at arg that is not one of known (NULL-terminated). */
-void lm_checkkeys(lua_State *L, int arg, const char *fname, const char *const *known) {
-  arg = lua_absindex(L, arg);
-  lua_pushnil(L);
-  while (lua_next(L, arg)) {
-    bool ok = false;
-    if (lua_type(L, -2) == LUA_TSTRING)
-      for (int i = 0; known[i] && !ok; i++) ok = strcmp(lua_tostring(L, -2), known[i]) == 0;
-    if (!ok) {
-      luaL_Buffer b;
-      luaL_buffinit(L, &b);
-      for (int i = 0; known[i]; i++) {
-        if (i) luaL_addstring(&b, ", ");
-        luaL_addstring(&b, known[i]);
-      }
-      luaL_pushresult(&b);
-      const char *list = lua_tostring(L, -1); /* stays on the stack */
-      if (lua_type(L, -3) == LUA_TSTRING)
-        lm_argerror(L, arg, fname, "unknown option '%s' (valid options: %s)", lua_tostring(L, -3), list);
-      lm_argerror(L, arg, fname, "unknown option %s (valid options: %s)", lm_describe(L, -3), list);
-    }
-    lua_pop(L, 1);
-  }
-}
-
-/* The boolean field key of the options table at arg; def when absent. */
-bool lm_field_bool(lua_State *L, int arg, const char *fname, const char *key, bool def) {
-  bool v = def;
-  if (lua_getfield(L, arg, key) != LUA_TNIL) {
-    if (!lua_isboolean(L, -1))
-      lm_argerror(L, arg, fname, "option %s must be a boolean, got %s", key, lm_describe(L, -1));
-    v = lua_toboolean(L, -1);
-  }
-  lua_pop(L, 1);
-  return v;
-}
-
 /* Counts a result's fresh CUDA storage (a view shares its base's storage and
  * is not counted) and runs a full collection when gc_step bytes have passed
  * since the last. The result is on the stack, so it survives the cycle. */
@@ -432,17 +91,15 @@ static void lm_gc_pressure(lua_State *L, lm_state *S, const moe_tensor *t) {
   lua_gc(L, LUA_GCCOLLECT);
 }
 
+/* The common tail of a binding whose result is the tensor userdata `r` at
+ * the top of the stack: adopt `out`, or raise the core's error (r owns
+ * nothing yet, so nothing is left to free). */
 int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor *out,
                      const char *fname, int arg) {
   if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
   lm_adopt(r, S, out);
   lm_gc_pressure(L, S, out);
   return 1;
-}
-
-void lm_push_device(lua_State *L, moe_device d) {
-  char buf[32];
-  lua_pushstring(L, moe_device_str(d, buf, sizeof buf));
 }
 
 /* ---------------------------------------------------------- constructors */
@@ -737,14 +394,6 @@ static int lm_tensor_new(lua_State *L) {
 }
 
 /* ------------------------------------------------------ fields, reading */
-
-void lm_push_ints(lua_State *L, int n, const int64_t *v) {
-  lua_createtable(L, n, 0);
-  for (int i = 0; i < n; i++) {
-    lua_pushinteger(L, (lua_Integer)v[i]);
-    lua_rawseti(L, -2, i + 1);
-  }
-}
 
 /* Pushes a new handle on t (retained), or nil for NULL. */
 static void lm_push_handle(lua_State *L, lm_state *S, moe_tensor *t) {
@@ -1346,261 +995,7 @@ static int lm_is_tensor(lua_State *L) {
   return 1;
 }
 
-/* ------------------------------------------------------------------ random */
-
-static int lm_manual_seed(lua_State *L) {
-  lm_state *S = lm_S(L);
-  int64_t seed = lm_checkint(L, 1, "manual_seed", "seed");
-  lm_checkend(L, 1, "manual_seed");
-  moe_rng_seed(S->ctx, (uint64_t)seed);
-  return 0;
-}
-
-/* {seed = , call = }: the whole state of the counter-based generator. */
-static int lm_get_rng_state(lua_State *L) {
-  lm_state *S = lm_S(L);
-  uint64_t seed = 0, call = 0;
-  moe_rng_get_state(S->ctx, &seed, &call);
-  lua_createtable(L, 0, 2);
-  lua_pushinteger(L, (lua_Integer)seed);
-  lua_setfield(L, -2, "seed");
-  lua_pushinteger(L, (lua_Integer)call);
-  lua_setfield(L, -2, "call");
-  return 1;
-}
-
-static int lm_set_rng_state(lua_State *L) {
-  lm_state *S = lm_S(L);
-  if (lua_type(L, 1) != LUA_TTABLE)
-    lm_argerror(L, 1, "set_rng_state", "state table ({seed=, call=}) expected, got %s", lm_typename(L, 1));
-  lm_checkend(L, 1, "set_rng_state");
-  lua_getfield(L, 1, "seed"); /* 2 */
-  lua_getfield(L, 1, "call"); /* 3 */
-  int isint1 = 0, isint2 = 0;
-  lua_Integer seed = lua_type(L, 2) == LUA_TNUMBER ? lua_tointegerx(L, 2, &isint1) : 0;
-  lua_Integer call = lua_type(L, 3) == LUA_TNUMBER ? lua_tointegerx(L, 3, &isint2) : 0;
-  if (!isint1 || !isint2)
-    lm_argerror(L, 1, "set_rng_state", "state.seed and state.call must be integers, got %s and %s",
-                lm_describe(L, 2), lm_describe(L, 3));
-  moe_rng_set_state(S->ctx, (uint64_t)seed, (uint64_t)call);
-  return 0;
-}
-
-/* ------------------------------------------------------------------ memory */
-
-/* An optional device argument; the default is cuda:0 when a GPU is
- * visible, the CPU otherwise. */
-static moe_device lm_optdevice(lua_State *L, lm_state *S, int arg, const char *fname) {
-  if (lua_isnoneornil(L, arg)) {
-    moe_device d = MOE_CPU;
-    if (moe_cuda_device_count(S->ctx) > 0) d.type = MOE_DEVICE_CUDA;
-    return d;
-  }
-  return lm_checkdevice_at(L, S, arg, arg, fname);
-}
-
-static void lm_setint(lua_State *L, const char *k, int64_t v) {
-  lua_pushinteger(L, (lua_Integer)v);
-  lua_setfield(L, -2, k);
-}
-
-static int lm_memory_stats(lua_State *L) {
-  lm_state *S = lm_S(L);
-  moe_device d = lm_optdevice(L, S, 1, "memory_stats");
-  lm_checkend(L, 1, "memory_stats");
-  moe_memory_stats m;
-  if (moe_memory_stats_get(S->ctx, d, &m) != MOE_OK) return lm_corefail(L, S, "memory_stats", 1);
-  lua_createtable(L, 0, 10);
-  lm_setint(L, "allocated", m.allocated);
-  lm_setint(L, "peak_allocated", m.peak_allocated);
-  lm_setint(L, "reserved", m.reserved);
-  lm_setint(L, "peak_reserved", m.peak_reserved);
-  lm_setint(L, "alloc_count", m.alloc_count);
-  lm_setint(L, "free_count", m.free_count);
-  lm_setint(L, "live_storages", m.live_storages);
-  lm_setint(L, "system_allocs", m.system_allocs);
-  lm_setint(L, "system_frees", m.system_frees);
-  lm_push_device(L, d);
-  lua_setfield(L, -2, "device");
-  return 1;
-}
-
-static int lm_reset_peak_memory_stats(lua_State *L) {
-  lm_state *S = lm_S(L);
-  moe_device d = lm_optdevice(L, S, 1, "reset_peak_memory_stats");
-  lm_checkend(L, 1, "reset_peak_memory_stats");
-  if (moe_memory_reset_peak(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "reset_peak_memory_stats", 1);
-  return 0;
-}
-
-static int lm_empty_cache(lua_State *L) {
-  lm_state *S = lm_S(L);
-  moe_device d = lm_optdevice(L, S, 1, "empty_cache");
-  lm_checkend(L, 1, "empty_cache");
-  if (moe_memory_empty_cache(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "empty_cache", 1);
-  return 0;
-}
-
-/* -------------------------------------------------------------------- CUDA */
-
-static int lm_cuda_is_available(lua_State *L) {
-  lua_pushboolean(L, moe_cuda_device_count(lm_S(L)->ctx) > 0);
-  return 1;
-}
-
-static int lm_cuda_device_count(lua_State *L) {
-  lua_pushinteger(L, moe_cuda_device_count(lm_S(L)->ctx));
-  return 1;
-}
-
-/* A CUDA device given as an index (0) or a string ("cuda:1"); default 0. */
-static moe_device lm_cuda_device_arg(lua_State *L, lm_state *S, int arg, const char *fname) {
-  moe_device d = {MOE_DEVICE_CUDA, 0};
-  if (lua_type(L, arg) == LUA_TSTRING) {
-    d = lm_checkdevice_at(L, S, arg, arg, fname);
-    if (d.type != MOE_DEVICE_CUDA) lm_argerror(L, arg, fname, "a CUDA device expected, got '%s'", lua_tostring(L, arg));
-    return d;
-  }
-  int64_t i = lm_optint(L, arg, fname, "device index", 0);
-  if (i < 0 || i > INT_MAX) lm_argerror(L, arg, fname, "device index must be non-negative, got %I", (LUAI_UACINT)i);
-  d.index = (int)i;
-  if (moe_device_check(S->ctx, d) != MOE_OK) lm_corefail(L, S, fname, arg);
-  return d;
-}
-
-static int lm_cuda_synchronize(lua_State *L) {
-  lm_state *S = lm_S(L);
-  moe_device d = lm_cuda_device_arg(L, S, 1, "synchronize");
-  lm_checkend(L, 1, "synchronize");
-  if (moe_cuda_synchronize(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "synchronize", 0);
-  return 0;
-}
-
-/* moe.cuda.set_gc_step(mb): a full Lua collection every mb MiB of new CUDA
- * storage handed to Lua (0: never); returns the previous value and the number
- * of such collections so far. */
-static int lm_cuda_set_gc_step(lua_State *L) {
-  lm_state *S = lm_S(L);
-  int64_t old = S->gc_step / MOE_GC_MIB;
-  if (!lua_isnoneornil(L, 1)) {
-    int64_t mb = lm_optint(L, 1, "set_gc_step", "MiB", 0);
-    lm_checkend(L, 1, "set_gc_step");
-    if (mb < 0 || mb > ((int64_t)1 << 40)) lm_argerror(L, 1, "set_gc_step", "MiB must be in [0, 2^40], got %I", (LUAI_UACINT)mb);
-    S->gc_step = mb * MOE_GC_MIB;
-    S->gc_debt = 0;
-  }
-  lua_pushinteger(L, (lua_Integer)old);
-  lua_pushinteger(L, (lua_Integer)S->gc_cycles);
-  return 2;
-}
-
-static int lm_cuda_get_device_name(lua_State *L) {
-  lm_state *S = lm_S(L);
-  moe_device d = lm_cuda_device_arg(L, S, 1, "get_device_name");
-  lm_checkend(L, 1, "get_device_name");
-  char name[256];
-  int cc = 0;
-  size_t mem = 0;
-  if (moe_cuda_device_info(S->ctx, d.index, name, sizeof name, &cc, &mem) != MOE_OK)
-    return lm_corefail(L, S, "get_device_name", 1);
-  lua_pushstring(L, name);
-  return 1;
-}
-
-/* "13.0" from 13000; "2.28.3" from 22803; "13.1.0" from 130100. */
-static const char *lm_fmt_cuda(char *buf, size_t len, int v) {
-  snprintf(buf, len, "%d.%d", v / 1000, (v % 1000) / 10);
-  return buf;
-}
-
-static const char *lm_fmt_mmp(char *buf, size_t len, int v, int major_div) {
-  snprintf(buf, len, "%d.%d.%d", v / major_div, (v % major_div) / 100, v % 100);
-  return buf;
-}
-
-/* moe.build_info(): what this build and machine have, as a table. */
-static int lm_build_info(lua_State *L) {
-  lm_state *S = lm_S(L);
-  int rt = 0, drv = 0, cublas = 0, nccl = 0;
-  moe_cuda_versions(&rt, &drv, &cublas, &nccl);
-  lua_createtable(L, 0, 10);
-  lua_pushliteral(L, MOE_VERSION);
-  lua_setfield(L, -2, "version");
-  lua_pushliteral(L, LUA_RELEASE);
-  lua_setfield(L, -2, "lua");
-  lua_pushboolean(L, moe_cuda_built());
-  lua_setfield(L, -2, "cuda");
-  lm_setint(L, "cuda_runtime", rt);
-  lm_setint(L, "cuda_driver", drv);
-  lm_setint(L, "cublas", cublas);
-  lm_setint(L, "nccl", nccl);
-  int n = moe_cuda_device_count(S->ctx);
-  lua_createtable(L, n > 0 ? n : 0, 0);
-  for (int i = 0; i < n; i++) {
-    char name[256], cc_s[16];
-    int cc = 0;
-    size_t mem = 0;
-    if (moe_cuda_device_info(S->ctx, i, name, sizeof name, &cc, &mem) != MOE_OK) continue;
-    lua_createtable(L, 0, 4);
-    lua_pushstring(L, name);
-    lua_setfield(L, -2, "name");
-    snprintf(cc_s, sizeof cc_s, "%d.%d", cc / 10, cc % 10);
-    lua_pushstring(L, cc_s);
-    lua_setfield(L, -2, "cc");
-    lm_setint(L, "memory", (int64_t)mem);
-    lm_setint(L, "index", i);
-    lua_rawseti(L, -2, (lua_Integer)lua_rawlen(L, -2) + 1);
-  }
-  lua_setfield(L, -2, "gpus");
-  return 1;
-}
-
-/* moe.version_report(): the text of `moe-lua --version`, one fact a line. */
-static int lm_version_report(lua_State *L) {
-  lm_state *S = lm_S(L);
-  int rt = 0, drv = 0, cublas = 0, nccl = 0;
-  char a[32], b[32], c[32], d[32];
-  luaL_Buffer B;
-  moe_cuda_versions(&rt, &drv, &cublas, &nccl);
-  int n = moe_cuda_device_count(S->ctx);
-  luaL_buffinit(L, &B);
-  lua_pushfstring(L, "moe-lua %s\n%s\n", MOE_VERSION, LUA_COPYRIGHT);
-  luaL_addvalue(&B);
-  if (moe_cuda_built())
-    lua_pushfstring(L, "CUDA: built in; runtime %s, driver %s, cuBLAS %s, NCCL %s\n",
-                    rt ? lm_fmt_cuda(a, sizeof a, rt) : "unknown", drv ? lm_fmt_cuda(b, sizeof b, drv) : "none",
-                    cublas ? lm_fmt_mmp(c, sizeof c, cublas, 10000) : "unknown",
-                    nccl ? lm_fmt_mmp(d, sizeof d, nccl, 10000) : "unknown");
-  else
-    lua_pushliteral(L, "CUDA: not built in (CPU only)\n");
-  luaL_addvalue(&B);
-  if (n <= 0) luaL_addstring(&B, "no CUDA GPU visible\n");
-  for (int i = 0; i < n; i++) {
-    char name[256];
-    int cc = 0;
-    size_t mem = 0;
-    if (moe_cuda_device_info(S->ctx, i, name, sizeof name, &cc, &mem) != MOE_OK)
-      lua_pushfstring(L, "GPU %d: %s\n", i, moe_ctx_error(S->ctx));
-    else {
-      snprintf(a, sizeof a, "%.1f GiB", (double)mem / (1024.0 * 1024.0 * 1024.0));
-      lua_pushfstring(L, "GPU %d: %s, compute capability %d.%d, %s\n", i, name, cc / 10, cc % 10, a);
-    }
-    luaL_addvalue(&B);
-  }
-  luaL_pushresult(&B);
-  return 1;
-}
-
-/* ------------------------------------------------------------------ opening */
-
-/* moe.clock(): seconds from a monotonic clock, for timing (with
- * moe.cuda.synchronize() around GPU work). */
-static int lm_clock(lua_State *L) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
-  return 1;
-}
+/* ---------------------------------------------------------------- opening */
 
 static const luaL_Reg lm_tensor_methods[] = {
     {"numel", lm_t_numel},         {"size", lm_t_size},
@@ -1630,7 +1025,7 @@ static const luaL_Reg lm_tensor_meta[] = {
     {"__add", lm_add}, {"__sub", lm_sub},  {"__mul", lm_mul},           {"__div", lm_div},
     {"__unm", lm_unm}, {"__newindex", lm_newindex}, {NULL, NULL}};
 
-static const luaL_Reg lm_functions[] = {
+static const luaL_Reg lm_tensor_functions[] = {
     {"empty", lm_empty},
     {"zeros", lm_zeros},
     {"ones", lm_ones},
@@ -1642,78 +1037,12 @@ static const luaL_Reg lm_functions[] = {
     {"linspace", lm_linspace},
     {"tensor", lm_tensor_new},
     {"is_tensor", lm_is_tensor},
-    {"manual_seed", lm_manual_seed},
-    {"get_rng_state", lm_get_rng_state},
-    {"set_rng_state", lm_set_rng_state},
-    {"memory_stats", lm_memory_stats},
-    {"reset_peak_memory_stats", lm_reset_peak_memory_stats},
-    {"empty_cache", lm_empty_cache},
     {"set_printoptions", lm_set_printoptions},
     {"get_printoptions", lm_get_printoptions},
-    {"build_info", lm_build_info},
-    {"version_report", lm_version_report},
-    {"clock", lm_clock},
     {NULL, NULL}};
-
-static const luaL_Reg lm_cuda_functions[] = {
-    {"is_available", lm_cuda_is_available},
-    {"device_count", lm_cuda_device_count},
-    {"synchronize", lm_cuda_synchronize},
-    {"get_device_name", lm_cuda_get_device_name},
-    {"set_gc_step", lm_cuda_set_gc_step},
-    {NULL, NULL}};
-
-/* 1 GiB unless MOE_GC_STEP_MB says otherwise (0 turns it off; -1 for a
- * malformed value). A full cycle over the Lua heap of a training script took
- * 0.1 ms on a 2-core CPU (docs/ARCHITECTURE.md). */
-static int64_t lm_gc_step_default(void) {
-  const char *e = getenv("MOE_GC_STEP_MB");
-  if (e && *e) {
-    char *end = NULL;
-    long long v = strtoll(e, &end, 10);
-    if (end && *end == '\0' && v >= 0 && v <= ((long long)1 << 40)) return (int64_t)v * MOE_GC_MIB;
-    return -1;
-  }
-  return (int64_t)1024 * MOE_GC_MIB;
-}
-
-/* Pushes the sentinel of this Lua state, creating it (and the context) on
- * the first call. */
-static void lm_push_sentinel(lua_State *L) {
-  if (lua_getfield(L, LUA_REGISTRYINDEX, LM_STATE_KEY) == LUA_TUSERDATA) return;
-  lua_pop(L, 1);
-  if (luaL_newmetatable(L, LM_SCRATCH)) {
-    lua_pushcfunction(L, lm_scratch_gc);
-    lua_setfield(L, -2, "__gc");
-  }
-  lua_pop(L, 1);
-  lm_sentinel *b = (lm_sentinel *)lua_newuserdatauv(L, sizeof *b, 0);
-  b->S = NULL;
-  if (luaL_newmetatable(L, LM_SENTINEL)) {
-    lua_pushcfunction(L, lm_sentinel_gc);
-    lua_setfield(L, -2, "__gc");
-  }
-  lua_setmetatable(L, -2);
-  lm_state *S = (lm_state *)malloc(sizeof *S);
-  if (S == NULL) luaL_error(L, "moe: not enough memory");
-  S->ctx = NULL;
-  S->refs = 1;
-  S->print = moe_print_options_default();
-  S->gc_step = lm_gc_step_default();
-  S->gc_debt = 0;
-  S->gc_cycles = 0;
-  b->S = S;
-  if (S->gc_step < 0)
-    luaL_error(L, "moe: MOE_GC_STEP_MB must be a whole number of MiB in [0, 2^40], got '%s'",
-               getenv("MOE_GC_STEP_MB")); /* from here the sentinel's __gc frees S */
-  moe_status st = moe_ctx_init(&S->ctx);
-  if (st != MOE_OK) luaL_error(L, "moe: cannot create the context (%s)", moe_status_name(st));
-  lua_pushvalue(L, -1);
-  lua_setfield(L, LUA_REGISTRYINDEX, LM_STATE_KEY);
-}
 
 /* The tensor metatable, created once per Lua state; pushes the method table. */
-static void lm_push_methods(lua_State *L, int sentinel) {
+void lm_push_methods(lua_State *L, int sentinel) {
   if (lua_getfield(L, LUA_REGISTRYINDEX, LM_METHODS_KEY) == LUA_TTABLE) return;
   lua_pop(L, 1);
   luaL_newmetatable(L, LM_TENSOR);
@@ -1731,106 +1060,12 @@ static void lm_push_methods(lua_State *L, int sentinel) {
   lua_setfield(L, LUA_REGISTRYINDEX, LM_METHODS_KEY);
 }
 
-#ifdef MOE_LUA_DIR
-/* Appends the repository's lua/ folder to package.path, so that moe.lib,
- * moe.config, ... load from stock lua5.4 too (moe-lua puts it first). */
-static void lm_add_lua_dir(lua_State *L) {
-  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
-  if (lua_getfield(L, -1, LUA_LOADLIBNAME) == LUA_TTABLE) {
-    lua_getfield(L, -1, "path");
-    const char *path = lua_tostring(L, -1);
-    if (path && strstr(path, MOE_LUA_DIR "/?.lua") == NULL) {
-      size_t n = strlen(path);
-      lua_pushfstring(L, "%s%s" MOE_LUA_DIR "/?.lua;" MOE_LUA_DIR "/?/init.lua", path,
-                      (n == 0 || path[n - 1] == ';') ? "" : ";");
-      lua_setfield(L, -3, "path");
-    }
-    lua_pop(L, 1);
-  }
-  lua_pop(L, 2);
-}
-#endif
-
-void lm_register(lua_State *L, int mod, int methods, int sentinel, const luaL_Reg *functions,
-                 const luaL_Reg *tensor_methods) {
+/* The constructors and printing functions into the module, and the method
+ * table as moe.Tensor. */
+void lm_open_tensor(lua_State *L, int mod, int methods, int sentinel) {
   mod = lua_absindex(L, mod);
   methods = lua_absindex(L, methods);
-  sentinel = lua_absindex(L, sentinel);
-  for (const luaL_Reg *r = functions; r && r->name; r++) {
-    lua_pushvalue(L, sentinel);
-    lua_pushcclosure(L, r->func, 1);
-    lua_setfield(L, mod, r->name);
-  }
-  for (const luaL_Reg *r = tensor_methods; r && r->name; r++) {
-    lua_pushvalue(L, sentinel);
-    lua_pushcclosure(L, r->func, 1);
-    lua_setfield(L, methods, r->name);
-  }
-}
-
-LUAMOD_API int luaopen_moe(lua_State *L) {
-  luaL_checkversion(L);
-  lm_push_sentinel(L);
-  int sentinel = lua_gettop(L);
-  lm_push_methods(L, sentinel);
-  int methods = lua_gettop(L);
-
-  luaL_newlibtable(L, lm_functions);
-  lua_pushvalue(L, sentinel);
-  luaL_setfuncs(L, lm_functions, 1);
-  luaL_newlibtable(L, lm_cuda_functions);
-  lua_pushvalue(L, sentinel);
-  luaL_setfuncs(L, lm_cuda_functions, 1);
-  lua_setfield(L, -2, "cuda");
+  lm_register(L, mod, methods, sentinel, lm_tensor_functions, NULL);
   lua_pushvalue(L, methods);
-  lua_setfield(L, -2, "Tensor");
-  lua_pushliteral(L, MOE_VERSION);
-  lua_setfield(L, -2, "version");
-  lua_createtable(L, MOE_DTYPE_COUNT, 0);
-  for (int i = 0; i < MOE_DTYPE_COUNT; i++) {
-    lua_pushstring(L, moe_dtype_name((moe_dtype)i));
-    lua_rawseti(L, -2, i + 1);
-  }
-  lua_setfield(L, -2, "dtypes");
-
-  /* The families of ops, one binding file each. */
-  int mod = lua_gettop(L);
-  lm_open_autograd(L, mod, methods, sentinel);
-  lm_open_pointwise(L, mod, methods, sentinel);
-  lm_open_reduce(L, mod, methods, sentinel);
-  lm_open_index(L, mod, methods, sentinel);
-  lm_open_matmul(L, mod, methods, sentinel);
-  lm_open_attention(L, mod, methods, sentinel);
-  lm_open_event(L, mod, methods, sentinel);
-  lm_open_io(L, mod, methods, sentinel);
-  lm_open_routing(L, mod, methods, sentinel);
-  lm_open_quantize(L, mod, methods, sentinel);
-  lm_open_grouped(L, mod, methods, sentinel);
-  lm_open_experts(L, mod, methods, sentinel);
-  lm_open_optim(L, mod, methods, sentinel);
-  lm_open_data(L, mod, methods, sentinel);
-  lm_open_blocksparse(L, mod, methods, sentinel);
-
-#ifdef MOE_LUA_DIR
-  lm_add_lua_dir(L);
-#endif
-  /* package.loaded.moe = the module, so that moe.lib can require it. */
-  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_LOADED_TABLE);
-  lua_pushvalue(L, -2);
-  lua_setfield(L, -2, "moe");
-  lua_pop(L, 1);
-
-  /* The parts written in Lua (moe.config, ...). */
-  lua_getglobal(L, "require");
-  lua_pushliteral(L, "moe.lib");
-  if (lua_pcall(L, 1, 0, 0) != LUA_OK) {
-    const char *msg = lua_tostring(L, -1);
-#ifdef MOE_LUA_DIR
-    return luaL_error(L, "moe: cannot load moe.lib, the Lua part of the module (expected in %s): %s",
-                      MOE_LUA_DIR, msg ? msg : "(no message)");
-#else
-    return luaL_error(L, "moe: cannot load moe.lib, the Lua part of the module: %s", msg ? msg : "(no message)");
-#endif
-  }
-  return 1;
+  lua_setfield(L, mod, "Tensor");
 }
