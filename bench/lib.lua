@@ -42,7 +42,7 @@ local json = require("moe.metrics").json
 local M = {}
 
 -- The keys every benchmark takes, with their defaults.
-M.COMMON = { json = "", md = "", repeats = 10, warmup = 3, cooldown = 0 }
+M.COMMON = { json = "", md = "", repeats = 10, warmup = 3, cooldown = 0.0 }
 
 -- ------------------------------------------------------------ arguments
 
@@ -318,18 +318,22 @@ local MD_ONLY = { title = true, columns = true, notes = true, rows = true }
 -- from), reference (what the numbers are compared with), columns (the
 -- markdown table's columns, { header, key or function(row), format }),
 -- rows (the table's rows; default r.results), notes (lines under the
--- facts). The environment's fields, the timing method and cfg's repeats,
--- warmup and cooldown are added where r does not set them.
+-- facts). The environment's fields, and, when cfg has repeats (a
+-- benchmark's cfg from bench.config; a check reads its own with
+-- moe.config), the timing method and cfg's repeats, warmup and cooldown
+-- are added where r does not set them.
 function M.report(cfg, r)
   cfg = cfg or {}
   local obj = {}
   for k, v in pairs(r) do if not MD_ONLY[k] then obj[k] = v end end
   local env = M.environment(r.device or cfg.device, M.argv)
   for k, v in pairs(env) do if obj[k] == nil then obj[k] = v end end
-  if obj.timing == nil then obj.timing = M.method(r.device or cfg.device) end
-  if obj.repeats == nil then obj.repeats = cfg.repeats end
-  if obj.warmup == nil then obj.warmup = cfg.warmup end
-  if obj.cooldown_s == nil then obj.cooldown_s = cfg.cooldown end
+  if cfg.repeats ~= nil then -- a benchmark (a check's cfg has no repeats)
+    if obj.timing == nil then obj.timing = M.method(r.device or cfg.device) end
+    if obj.repeats == nil then obj.repeats = cfg.repeats end
+    if obj.warmup == nil then obj.warmup = cfg.warmup end
+    if obj.cooldown_s == nil then obj.cooldown_s = cfg.cooldown end
+  end
 
   local v = obj.versions or env.versions
   local md = { "# " .. (r.title or "Benchmark"), "",
