@@ -186,6 +186,7 @@ end
 local function kernels_bench()
   local out = {}
   local function timed(fn)
+    bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
     fn() -- warm-up
     sync()
     local ts = {}
@@ -281,6 +282,7 @@ for _, name in ipairs(args.configs) do
   end
   -- timed with the modes interleaved (off, 8, 4, off, 8, 4, ...): a drift
   -- of the GPU's clocks over the run lands on every mode alike
+  bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
   for r = 1, args.repeats do
     for _, bits in ipairs(modes) do
       local res = by_bits[bits]
