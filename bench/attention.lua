@@ -75,7 +75,8 @@ for _, s in ipairs(shapes) do
   results[#results + 1] = r
   print(string.format("%-24s %10.3f %10.1f %10.3f %10.1f%s", string.format("%d,%d,%d,%d", s.B, s.H,
     s.T, s.D), r.fwd_ms, r.fwd_tflops, r.fwdbwd_ms, r.fwdbwd_tflops,
-    ok_ag and string.format("   (autograd f+b %.3f ms)", r.autograd_fwdbwd_ms) or ("   (autograd: " .. tostring(tag) .. ")")))
+    ok_ag and string.format("   (autograd f+b %.3f ms)", r.autograd_fwdbwd_ms)
+      or ("   (autograd: " .. tostring(tag) .. ")")))
   for _, t in ipairs({ q, k, v, dout, qa, ka, va }) do t:free() end
   collectgarbage()
 end

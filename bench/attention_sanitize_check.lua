@@ -6,6 +6,7 @@ shapes, for compute-sanitizer (a driver, not a benchmark):
   (bench/gpu_round.sh sanitize runs memcheck, racecheck and synccheck)
 ]]
 local moe = require "moe"
+moe.config {} -- no keys: --help says so and key=value is refused
 assert(moe.cuda.is_available(), "bench/attention_sanitize_check.lua needs a CUDA GPU")
 for _, s in ipairs { { 2, 3, 300, 128 }, { 3, 2, 200, 64 }, { 1, 2, 77, 128 } } do
   local function r() return moe.randn(s, { dtype = "bf16", device = "cuda" }) end

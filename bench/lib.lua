@@ -197,7 +197,9 @@ end
 
 -- "13.0" from 13000 (CUDA); "13.1.0" from 130100 (cuBLAS), as moe-lua --version.
 local function fmt_cuda(v) return v and v > 0 and ("%d.%d"):format(v // 1000, (v % 1000) // 10) or "none" end
-local function fmt_mmp(v) return v and v > 0 and ("%d.%d.%d"):format(v // 10000, (v % 10000) // 100, v % 100) or "none" end
+local function fmt_mmp(v)
+  return v and v > 0 and ("%d.%d.%d"):format(v // 10000, (v % 10000) // 100, v % 100) or "none"
+end
 
 local function sh_quote(s)
   s = tostring(s)

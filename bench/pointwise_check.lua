@@ -38,7 +38,8 @@ for _, op in ipairs(ops) do
   if not ok then failed = failed + 1 end
   validation[#validation + 1] = { name = name, max_rel_err = worst, ok = ok }
   print(string.format("check %-20s max err %.2e%s %s", name, worst,
-    ok and "" or string.format(" (element %d: device %g cpu %g)", where, gt[where], ct[where]), ok and "ok" or "FAILED"))
+    ok and "" or string.format(" (element %d: device %g cpu %g)", where, gt[where], ct[where]),
+    ok and "ok" or "FAILED"))
 end
 bench.write(cfg, { title = "Pointwise ops against the CPU", device = cfg.device, n = cfg.n,
   reference = "the CPU on the same bf16 values", validation = validation, rows = validation,

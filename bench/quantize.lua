@@ -334,6 +334,7 @@ bench.write(args, {
   results = rows,
   columns = { { "config", "config" }, { "bits", "bits" }, { "saved MiB", "saved_mib", "%.1f" },
               { "x less", "saved_ratio", "%.2f" }, { "peak MiB", "peak_mib", "%.1f" },
-              { "step ms", "step_ms", "%.2f" }, { "overhead", function(r) return ("%+.1f%%"):format(100 * r.overhead) end },
+              { "step ms", "step_ms", "%.2f" },
+              { "overhead", function(r) return ("%+.1f%%"):format(100 * r.overhead) end },
               { "fwd ms", "fwd_ms", "%.2f" }, { "bwd ms", "bwd_ms", "%.2f" } },
 })

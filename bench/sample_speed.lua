@@ -45,6 +45,7 @@ bench.write(cfg, {
   dtype = cfg.dtype, d_model = cfg.d_model, n_layers = cfg.n_layers, n_heads = cfg.n_heads, prompt = cfg.prompt,
   new_tokens = cfg.new, kv_cache_s = t_cache, no_cache_s = t_full, kv_cache_tokens_per_s = cfg.new / t_cache,
   no_cache_tokens_per_s = cfg.new / t_full, same_tokens = same,
-  rows = { { mode = "KV cache", s = t_cache, tps = cfg.new / t_cache }, { mode = "no cache", s = t_full, tps = cfg.new / t_full } },
+  rows = { { mode = "KV cache", s = t_cache, tps = cfg.new / t_cache },
+           { mode = "no cache", s = t_full, tps = cfg.new / t_full } },
   columns = { { "mode", "mode" }, { "s", "s", "%.3f" }, { "tokens/s", "tps", "%.1f" } },
 })

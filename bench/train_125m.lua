@@ -128,7 +128,8 @@ out.reference = "bench/train_torch.py (PyTorch on the exported weights and batch
 out.rows = { out }
 out.columns = { { "steps", "steps" }, { "tokens/s", "tokens_per_s", "%.0f" }, { "ms/step", "ms_per_step", "%.1f" },
                 { "MFU", function(r) return r.mfu and ("%.1f%%"):format(100 * r.mfu) end },
-                { "peak GiB", function(r) return r.peak_allocated_bytes and r.peak_allocated_bytes / 2 ^ 30 end, "%.2f" },
+                { "peak GiB", function(r) return r.peak_allocated_bytes and r.peak_allocated_bytes / 2 ^ 30 end,
+                  "%.2f" },
                 { "loss", function(r) return ("%.4f -> %.4f"):format(r.first_train_loss or 0, r.last_loss or 0) end } }
 -- o has no repeats: the figures are train.run's own (tokens/s over the logged intervals)
 bench.write({ json = o.json, md = "" }, out)
