@@ -317,7 +317,7 @@ local MD_ONLY = { title = true, columns = true, notes = true, rows = true }
 --- bench.report(cfg, r) -> the JSON object, the markdown text.
 -- r: the script's fields (results, validation, ...: written as they are)
 -- plus title (markdown heading), device (the device the numbers come
--- from), reference (what the numbers are compared with), columns (the
+-- from, "cuda" or "cpu"; written as its name), reference (what the numbers are compared with), columns (the
 -- markdown table's columns, { header, key or function(row), format }),
 -- rows (the table's rows; default r.results), notes (lines under the
 -- facts). The environment's fields, and, when cfg has repeats (a
@@ -330,6 +330,7 @@ function M.report(cfg, r)
   for k, v in pairs(r) do if not MD_ONLY[k] then obj[k] = v end end
   local env = M.environment(r.device or cfg.device, M.argv)
   for k, v in pairs(env) do if obj[k] == nil then obj[k] = v end end
+  obj.device = env.device -- the device's name, not the "cuda" the script ran on
   if cfg.repeats ~= nil then -- a benchmark (a check's cfg has no repeats)
     if obj.timing == nil then obj.timing = M.method(r.device or cfg.device) end
     if obj.repeats == nil then obj.repeats = cfg.repeats end

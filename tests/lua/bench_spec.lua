@@ -165,6 +165,19 @@ describe("bench.write", function()
     os.remove((path:gsub("%.json$", ".md")))
   end)
 
+  it("writes the GPU's name, not the device kind", function()
+    local real = moe.cuda.get_device_name
+    moe.cuda.get_device_name = function(i) return "Fake GPU " .. i end
+    local ok, obj, md = pcall(bench.report, { repeats = 3, warmup = 1, cooldown = 0.0 },
+      { title = "T", device = "cuda", results = {} })
+    moe.cuda.get_device_name = real
+    assert.is_true(ok, obj)
+    assert.are.equal("Fake GPU 0", obj.device)
+    assert.are.equal("CUDA events", obj.timing)
+    assert.matches("%- device: Fake GPU 0\n", md)
+    assert.matches("%- timing: CUDA events, median of 3 repeats after 1 warm%-up calls\n", md)
+  end)
+
   it("puts MOE_* variables of the environment in front of the command", function()
     local f = io.open("/proc/self/environ")
     if not f then return end -- not Linux
