@@ -1,6 +1,6 @@
 """bench/attention_torch.py - PyTorch's side of the attention benchmark.
 
-1. --dump DIR: checks the problem bench/attention.lua dumped (q, k, v, dout and
+1. --dump DIR: checks the problem bench/attention_check.lua dumped (q, k, v, dout and
    moe's out, lse, dq, dk, dv as raw f32 of bf16 values) against
    torch.nn.functional.scaled_dot_product_attention(is_causal=True) in bf16
    and against a float64 reference of the same inputs; prints the errors of
@@ -144,6 +144,15 @@ def bench_torch(backend=None):
     return res
 
 
+def moe_results(path):
+    """The rows of a bench/attention.lua JSON: its "results" (a bare list in files written
+    before bench/lib.lua)."""
+    if not path:
+        return []
+    j = json.load(open(path))
+    return j["results"] if isinstance(j, dict) else j
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump")
@@ -165,8 +174,8 @@ def main():
     torch_default = bench_torch()
     torch_flash = bench_torch("FLASH_ATTENTION")
     torch_cudnn = bench_torch("CUDNN_ATTENTION")
-    moe = json.load(open(a.moe)) if a.moe else []
-    alt = json.load(open(a.moe_alt)) if a.moe_alt else []
+    moe = moe_results(a.moe)
+    alt = moe_results(a.moe_alt)
     rows = []
     for i, t in enumerate(torch_default):
         m = next((r for r in moe if (r["B"], r["H"], r["T"], r["D"]) == (t["B"], t["H"], t["T"], t["D"])), None)

@@ -5,7 +5,10 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves] [attention] [sanitize] [ops]
+#                           [quantize] [curves] [attention] [sanitize] [ops] [checks]
+#
+# Scripts ending in _check.lua validate (no timing); the other bench/*.lua time,
+# through bench/lib.lua: key=value arguments (json=FILE, repeats=N, cooldown=S, ...).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -30,11 +33,11 @@ for s in "${steps[@]}"; do
       note "quickstart(cuda): rc=$? $(grep -E 'validation loss' "$out/quickstart.log" | tail -1) ($(($(date +%s) - t0)) s)"
       tail -5 "$out/quickstart.log" ;;
     glu_check)
-      mkdir -p "$out/glu" && $ml bench/moe_glu_check.lua --dir "$out/glu" > "$out/glu_check.log" 2>&1 &&
+      mkdir -p "$out/glu" && $ml bench/moe_glu_check.lua dir="$out/glu" > "$out/glu_check.log" 2>&1 &&
         python3 bench/moe_glu_check.py "$out/glu" >> "$out/glu_check.log" 2>&1
       note "glu_check: rc=$? $(grep -E 'PASS|FAIL' "$out/glu_check.log" | tail -1)" ;;
     moe_mlp)
-      $ml bench/moe_mlp.lua --json "$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
+      $ml bench/moe_mlp.lua json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
       python3 bench/moe_mlp_torch.py --json "$out/moe_mlp_torch.json" > "$out/moe_mlp_torch.log" 2>&1
       python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \
         --command "bash bench/gpu_round.sh moe_mlp" > "$out/moe_mlp_report.log" 2>&1
@@ -46,16 +49,17 @@ for s in "${steps[@]}"; do
       # order too) beside torch's SDPA backends, and one problem checked against float64 by
       # the torch script.
       mkdir -p "$out/attn_dump"
-      MOE_ATTN_WG=0 $ml bench/attention.lua --json "$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
-      MOE_ATTN_PINGPONG=0 $ml bench/attention.lua --json "$out/attention_moe_nopp.json" > "$out/attention_moe_nopp.log" 2>&1
-      MOE_ATTN_PERSISTENT=0 $ml bench/attention.lua --json "$out/attention_moe_grid.json" > "$out/attention_moe_grid.log" 2>&1
-      MOE_ATTN_ORDER=block $ml bench/attention.lua --json "$out/attention_moe_block.json" > "$out/attention_moe_block.log" 2>&1
+      MOE_ATTN_WG=0 $ml bench/attention.lua json="$out/attention_moe_mma.json" > "$out/attention_moe_mma.log" 2>&1
+      MOE_ATTN_PINGPONG=0 $ml bench/attention.lua json="$out/attention_moe_nopp.json" > "$out/attention_moe_nopp.log" 2>&1
+      MOE_ATTN_PERSISTENT=0 $ml bench/attention.lua json="$out/attention_moe_grid.json" > "$out/attention_moe_grid.log" 2>&1
+      MOE_ATTN_ORDER=block $ml bench/attention.lua json="$out/attention_moe_block.json" > "$out/attention_moe_block.log" 2>&1
       python3 -c 'import json,sys
 for f in sys.argv[1:]:
-    for r in json.load(open(f)): print(f.split("/")[-1], r["B"], r["H"], r["T"], r["D"], "fwd %.3f f+b %.3f" % (r["fwd_ms"], r["fwdbwd_ms"]))' \
+    for r in json.load(open(f))["results"]: print(f.split("/")[-1], r["B"], r["H"], r["T"], r["D"], "fwd %.3f f+b %.3f" % (r["fwd_ms"], r["fwdbwd_ms"]))' \
         "$out/attention_moe_mma.json" "$out/attention_moe_nopp.json" "$out/attention_moe_grid.json" \
         "$out/attention_moe_block.json"
-      $ml bench/attention.lua --json "$out/attention_moe.json" --dump "$out/attn_dump" > "$out/attention_moe.log" 2>&1
+      $ml bench/attention.lua json="$out/attention_moe.json" > "$out/attention_moe.log" 2>&1
+      $ml bench/attention_check.lua dir="$out/attn_dump" > "$out/attention_check.log" 2>&1
       python3 bench/attention_torch.py --dump "$out/attn_dump" --moe "$out/attention_moe.json" \
         --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1
       note "attention: rc=$? ($(($(date +%s) - t0)) s)"; rm -rf "$out/attn_dump"
@@ -66,21 +70,23 @@ for f in sys.argv[1:]:
       for order in block head; do
         for tool in memcheck racecheck synccheck; do
           MOE_ATTN_ORDER=$order MOE_ATTN_PERSISTENT=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
-            $ml bench/attention_sanitize.lua > "$out/sanitize_${tool}_$order.log" 2>&1
+            $ml bench/attention_sanitize_check.lua > "$out/sanitize_${tool}_$order.log" 2>&1
           note "sanitize $tool ($order order): rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_${tool}_$order.log" | tail -1)"
         done
       done ;;
     ops)
       # issue 3's list of ops forward and backward against PyTorch on the same GPU
-      rm -rf /tmp/moe_cmp && $ml bench/torch_compare.lua device=cuda dir=/tmp/moe_cmp > "$out/torch_compare_moe.log" 2>&1 &&
+      rm -rf /tmp/moe_cmp && $ml bench/torch_compare_check.lua device=cuda dir=/tmp/moe_cmp > "$out/torch_compare_moe.log" 2>&1 &&
         python3 bench/torch_compare.py /tmp/moe_cmp --json "$out/torch_compare.json" \
           --md "$out/torch_compare_table.md" > "$out/torch_compare.log" 2>&1
       note "ops vs torch: rc=$? $(tail -1 "$out/torch_compare.log")" ;;
     matmul)
-      $ml bench/matmul.lua --cooldown 2 --json "$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
+      $ml bench/matmul_check.lua json="$out/matmul_check.json" > "$out/matmul_check.log" 2>&1
+      note "matmul_check: rc=$?"
+      $ml bench/matmul.lua cooldown=2 json="$out/matmul_moe.json" > "$out/matmul_moe.log" 2>&1
       python3 bench/matmul_torch.py --cooldown 2 --json "$out/matmul_torch.json" > "$out/matmul_torch.log" 2>&1
       python3 bench/matmul_report.py "$out/matmul_moe.json" "$out/matmul_torch.json" "$out" \
-        --command "bash bench/gpu_round.sh matmul" > "$out/matmul_report.log" 2>&1
+        --check "$out/matmul_check.json" --command "bash bench/gpu_round.sh matmul" > "$out/matmul_report.log" 2>&1
       note "matmul: rc=$? ($(($(date +%s) - t0)) s)" ;;
     train125)
       # The 125M dMoE (64 experts top-1) for 300 steps and the dense GPT of the same active
@@ -109,13 +115,15 @@ for f in sys.argv[1:]:
       done
       build-gpu/tests/test_experts_cuda > "$out/t_ex.log" 2>&1
       note "test_experts_cuda: rc=$? $(tail -1 "$out/t_ex.log")"
+      $ml bench/blocksparse_check.lua json="$out/bs_check.json" > "$out/bs_check.log" 2>&1
+      note "blocksparse_check: rc=$?"
       for n in ${BS_ROUNDS:-1 2}; do
         for epi in ${BS_EPIS:-smem direct}; do
           ev=MOE_BSMM_EPI=$epi; [ "$epi" = default ] && ev=MOE_BSMM_EPI=
-          env $ev $ml bench/blocksparse.lua --json "$out/bs_${epi}_$n.json" > "$out/bs_${epi}_$n.log" 2>&1
+          env $ev $ml bench/blocksparse.lua json="$out/bs_${epi}_$n.json" > "$out/bs_${epi}_$n.log" 2>&1
           note "bsmm $epi #$n: $(python3 -c "import json,sys;j=json.load(open(sys.argv[1]));print(' '.join('%s %.1f' % (r.get('name', r.get('product')), r.get('tflops', 0)) for r in j.get('results', [])))" "$out/bs_${epi}_$n.json" 2>&1 | head -c 300)"
-          env $ev $ml bench/moe_mlp.lua --configs mixtral --impls grouped,sparse \
-            --json "$out/mlp_${epi}_$n.json" > "$out/mlp_${epi}_$n.log" 2>&1
+          env $ev $ml bench/moe_mlp.lua configs=mixtral impls=grouped,sparse \
+            json="$out/mlp_${epi}_$n.json" > "$out/mlp_${epi}_$n.log" 2>&1
           note "moe_mlp mixtral $epi #$n: $(grep -E "grouped|sparse" "$out/mlp_${epi}_$n.log" | tr -s ' ' | tail -2 | tr '\n' ';')"
         done
       done ;;
@@ -123,16 +131,16 @@ for f in sys.argv[1:]:
       # Issue 6: the dMoE layer at the benchmark shapes with its saved pre-activations off / 8 / 4
       # bits (the fused CUDA passes), the same with the unfused passes (MOE_GLU_QFUSED=0) as an
       # A/B, the block-sparse experts, and the quantize kernels alone.
-      $ml bench/quantize.lua --layer dmoe --configs mixtral,qwen3 --repeats ${Q_REPEATS:-10} \
-        --json "$out/quantize.json" > "$out/quantize.log" 2>&1
+      $ml bench/quantize.lua layer=dmoe configs=mixtral,qwen3 repeats=${Q_REPEATS:-10} \
+        json="$out/quantize.json" > "$out/quantize.log" 2>&1
       note "quantize (fused): rc=$?"; grep -E "bits=" "$out/quantize.log"
-      MOE_GLU_QFUSED=0 $ml bench/quantize.lua --layer dmoe --configs mixtral,qwen3 --repeats ${Q_REPEATS:-10} \
-        --json "$out/quantize_unfused.json" > "$out/quantize_unfused.log" 2>&1
+      MOE_GLU_QFUSED=0 $ml bench/quantize.lua layer=dmoe configs=mixtral,qwen3 repeats=${Q_REPEATS:-10} \
+        json="$out/quantize_unfused.json" > "$out/quantize_unfused.log" 2>&1
       note "quantize (unfused): rc=$?"; grep -E "bits=" "$out/quantize_unfused.log"
-      $ml bench/quantize.lua --layer dmoe --impl sparse --configs qwen3,olmoe --repeats ${Q_REPEATS:-10} \
-        --json "$out/quantize_sparse.json" > "$out/quantize_sparse.log" 2>&1
+      $ml bench/quantize.lua layer=dmoe impl=sparse configs=qwen3,olmoe repeats=${Q_REPEATS:-10} \
+        json="$out/quantize_sparse.json" > "$out/quantize_sparse.log" 2>&1
       note "quantize (sparse): rc=$?"; grep -E "bits=" "$out/quantize_sparse.log"
-      $ml bench/quantize.lua --kernels --configs mixtral,qwen3 --json "$out/quantize_kernels.json" \
+      $ml bench/quantize.lua kernels=true configs=mixtral,qwen3 json="$out/quantize_kernels.json" \
         > "$out/quantize_kernels.log" 2>&1
       note "quantize kernels: rc=$? ($(($(date +%s) - t0)) s)" ;;
     curves)
@@ -143,6 +151,13 @@ for f in sys.argv[1:]:
         modes=${Q_MODES:-off,8,4} ${Q_STEPS:+steps=$Q_STEPS} ${Q_MLP:+mlp=$Q_MLP} out=/tmp/qc json="$out/$name.json" \
         > "$out/$name.log" 2>&1
       note "curves $name: rc=$? ($(($(date +%s) - t0)) s)"; grep -E "mode=" "$out/$name.log" ;;
+    checks)
+      # every bench/*_check.lua that checks on its own (the others feed a PyTorch script: glu_check,
+      # attention, ops)
+      for c in matmul grouped blocksparse pointwise; do
+        $ml bench/${c}_check.lua json="$out/${c}_check.json" > "$out/${c}_check.log" 2>&1
+        note "${c}_check: rc=$? $(grep -c FAILED "$out/${c}_check.log") failed"
+      done ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done

@@ -7,11 +7,11 @@ holding every row: the dense bf16 GEMM rate of this run). The same shapes
 and group sizes run with torch._grouped_mm in bench/grouped_torch.py, which
 reads this script's JSON and writes bench/results/grouped.{json,md}.
 
-  moe-lua bench/grouped.lua [--json FILE] [--repeats N] [--configs a,b]
-      [--backends a,b] [--tag TEXT] [--no-dense]
+  moe-lua bench/grouped.lua [json=FILE] [repeats=7] [configs=mixtral,olmoe,qwen3]
+      [backends=loop,cublas_grouped,streams,auto] [tag=TEXT] [dense=true]
 
-(--backends times only those backends, --tag appends TEXT to their labels,
-e.g. for a run with MOE_GROUPED_STREAMS=8; --no-dense skips the dense row.)
+(backends= times only those backends, tag= appends TEXT to their labels,
+e.g. for a run with MOE_GROUPED_STREAMS=8; dense=false skips the dense row.)
 
 The six GEMMs of the expert MLP (R = T k rows in expert order, w13 the
 fused (E, d, 2f) gate and up projections, w2 (E, f, d)):
@@ -25,28 +25,16 @@ Their FLOPs add up to 18 T k d f, the issue's count. "chain" runs all six
 per call. Routing: each token picks k distinct experts uniformly (Lua's
 math.random seeded with 1234), the counts give the offsets.
 
-Checks before timing: on a small problem with each config's E every
-backend's six results against the CPU (same bf16 values, f32 math); at full
-size fwd_13 and wgrad_13 of every backend against "loop".
-Timing: CUDA events around `iters` calls after a warm-up; the median of
-`repeats` samples per call.
+bench/grouped_check.lua checks every backend (against the CPU on a small
+problem, against "loop" at full size). Timing (bench/lib.lua): CUDA events
+around each call after a warm-up; the median of `repeats` samples.
 ]]
 local moe = require "moe"
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
-local args = { json = nil, repeats = 7, configs = nil, backends = nil, tag = "", dense = true }
-do
-  local i = 1
-  while i <= #arg do
-    local a = arg[i]
-    if a == "--json" then args.json = arg[i + 1]; i = i + 2
-    elseif a == "--repeats" then args.repeats = tonumber(arg[i + 1]); i = i + 2
-    elseif a == "--configs" then args.configs = arg[i + 1]; i = i + 2
-    elseif a == "--backends" then args.backends = arg[i + 1]; i = i + 2
-    elseif a == "--tag" then args.tag = " " .. arg[i + 1]; i = i + 2
-    elseif a == "--no-dense" then args.dense = false; i = i + 1
-    else error("unknown argument " .. a) end
-  end
-end
+local args = bench.config { repeats = 7, warmup = 2, configs = { "mixtral", "olmoe", "qwen3" },
+  backends = { "loop", "cublas_grouped", "streams", "auto" }, tag = "", dense = true }
+local tag = args.tag ~= "" and (" " .. args.tag) or ""
 
 assert(moe.cuda.is_available(), "bench/grouped.lua needs a CUDA GPU")
 
@@ -56,34 +44,14 @@ local CONFIGS = {
   { name = "qwen3", d = 2048, f = 768, E = 128, k = 8 },
 }
 local T = 16384
-local BACKENDS = { "loop", "cublas_grouped", "streams", "auto" }
-local TIMED = BACKENDS
-if args.backends then
-  TIMED = {}
-  for b in args.backends:gmatch("[^,]+") do TIMED[#TIMED + 1] = b end
-end
+local TIMED = args.backends
+local wanted = {}
+for _, name in ipairs(args.configs) do wanted[name] = true end
 local OPS = { "fwd_13", "fwd_2", "dgrad_2", "wgrad_2", "dgrad_13", "wgrad_13" }
 
-local function median(t)
-  table.sort(t)
-  local n = #t
-  if n % 2 == 1 then return t[(n + 1) // 2] end
-  return (t[n // 2] + t[n // 2 + 1]) / 2
-end
-
-local function time(f, iters, repeats)
-  for _ = 1, 2 do f() end
-  moe.cuda.synchronize()
-  local e0, e1 = moe.Event("cuda"), moe.Event("cuda")
-  local samples = {}
-  for r = 1, repeats do
-    e0:record()
-    for _ = 1, iters do f() end
-    e1:record(); e1:synchronize()
-    samples[r] = e0:elapsed(e1) / 1e3 / iters
-  end
-  e0:free(); e1:free()
-  return median(samples)
+local function time(f)
+  return (bench.time(f, { device = "cuda", repeats = args.repeats, warmup = args.warmup,
+                          cooldown = args.cooldown }))
 end
 
 -- Group sizes of random top-k routing: each of T tokens picks k distinct experts.
@@ -139,89 +107,25 @@ end
 
 local function free_all(o) for _, t in pairs(o) do t:free() end end
 
--- max |a - b| / max |b|, computed on b's device in f32
-local function rel_err(a, b)
-  local af, bf = a:to("f32", b.device), b:to("f32")
-  local diff = (af - bf):abs():max():item()
-  local big = bf:abs():max():item()
-  af:free(); bf:free()
-  return diff / math.max(big, 1e-30)
-end
-
-local info = moe.build_info()
-local gpu = info.gpus[1] or {}
-print(string.format("device %s, cuda runtime %d, cublas %d, moe-lua %s", gpu.name or "?",
-  info.cuda_runtime, info.cublas, info.version))
-
-local validation, results = {}, {}
+local results = {}
 
 for _, c in ipairs(CONFIGS) do
-  if not args.configs or args.configs:find(c.name, 1, true) then
-    -- small check against the CPU: same E, 32 tokens per expert on average, odd d and f
-    do
-      local offs = route(c.E, c.k, 32 * c.E // c.k, 99)
-      local R, d, f = offs[#offs], 72, 40
-      local g = operands(R, c.E, d, f, "cuda")
-      local cpu = {}
-      for n, t in pairs(g) do cpu[n] = t:to("f32", "cpu") end
-      local ref = ops(cpu, offs)
-      for _, b in ipairs(BACKENDS) do
-        moe.ops.grouped_backend(b)
-        local got = ops(g, offs)
-        for _, op in ipairs(OPS) do
-          local r, x = ref[op](), got[op]()
-          -- bf16 output rounding (2^-8 relative) dominates; f32 sums in another order add little
-          local e = rel_err(x, r)
-          local ok = e < 2 ^ -6
-          validation[#validation + 1] = { config = c.name, backend = b, op = op, rel_err = e, ok = ok }
-          if not ok then print(string.format("validate %s %s %s: %.2e FAILED", c.name, b, op, e)) end
-          assert(ok, "validation failed")
-          r:free(); x:free()
-        end
-      end
-      free_all(g); free_all(cpu)
-      print(string.format("validate %-8s small problem vs CPU: ok (%d backends x 6 GEMMs)", c.name,
-        #BACKENDS))
-    end
-
+  if wanted[c.name] then
     local offs, counts = route(c.E, c.k, T, 1234)
     local R = offs[#offs]
     local o = operands(R, c.E, c.d, c.f, "cuda")
     local total = 18 * T * c.k * c.d * c.f
-
-    -- full size: every backend against loop
-    do
-      moe.ops.grouped_backend("loop")
-      local base = ops(o, offs)
-      local ref = { fwd_13 = base.fwd_13(), wgrad_13 = base.wgrad_13() }
-      for _, b in ipairs({ "cublas_grouped", "streams", "auto" }) do
-        moe.ops.grouped_backend(b)
-        local got = ops(o, offs)
-        for op, r in pairs(ref) do
-          local x = got[op]()
-          local e = rel_err(x, r)
-          local ok = e < 2 ^ -6
-          validation[#validation + 1] = { config = c.name, backend = b, op = op .. " (full size vs loop)",
-                                          rel_err = e, ok = ok }
-          print(string.format("validate %-8s %-15s %-9s full size vs loop: %.2e %s", c.name, b, op, e,
-            ok and "ok" or "FAILED"))
-          assert(ok, "validation failed")
-          x:free()
-        end
-      end
-      for _, r in pairs(ref) do r:free() end
-    end
 
     local function run(label, operand_set, offsets)
       local fs = ops(operand_set, offsets)
       local per = {}
       for _, op in ipairs(OPS) do
         local f = fs[op]
-        per[op] = time(function() f():free() end, 1, args.repeats) * 1e3
+        per[op] = time(function() f():free() end) * 1e3
       end
       local chain = time(function()
         for _, op in ipairs(OPS) do fs[op]():free() end
-      end, 1, args.repeats) * 1e3
+      end) * 1e3
       local r = { config = c.name, impl = label, ms = chain, tflops = total / (chain / 1e3) / 1e12,
                   ops = per }
       results[#results + 1] = r
@@ -236,7 +140,7 @@ for _, c in ipairs(CONFIGS) do
 
     for _, b in ipairs(TIMED) do
       moe.ops.grouped_backend(b)
-      run("moe " .. b .. args.tag, o, offs)
+      run("moe " .. b .. tag, o, offs)
     end
     -- dense: the same GEMMs with one group of all R rows (dense cuBLASLt GEMMs)
     if args.dense then
@@ -256,39 +160,25 @@ for _, c in ipairs(CONFIGS) do
   end
 end
 
-if args.json then
-  local function list(t, fmt)
-    local s = {}
-    for i, v in ipairs(t) do s[i] = string.format(fmt, v) end
-    return table.concat(s, ", ")
+local configs = {}
+for _, c in ipairs(CONFIGS) do
+  if c.counts then
+    configs[#configs + 1] = { name = c.name, d = c.d, f = c.f, E = c.E, k = c.k, T = T, R = c.R,
+                              counts = c.counts }
   end
-  local cparts = {}
-  for _, c in ipairs(CONFIGS) do
-    if c.counts then
-      cparts[#cparts + 1] = string.format(
-        '{"name": "%s", "d": %d, "f": %d, "E": %d, "k": %d, "T": %d, "R": %d, "counts": [%s]}',
-        c.name, c.d, c.f, c.E, c.k, T, c.R, list(c.counts, "%d"))
-    end
-  end
-  local rparts = {}
-  for _, r in ipairs(results) do
-    local ps = {}
-    for _, op in ipairs(OPS) do ps[#ps + 1] = string.format('"%s": %.5f', op, r.ops[op]) end
-    rparts[#rparts + 1] = string.format('{"config": "%s", "impl": "%s", "ms": %.5f, "tflops": %.2f, "ops": {%s}}',
-      r.config, r.impl, r.ms, r.tflops, table.concat(ps, ", "))
-  end
-  local vparts = {}
-  for _, v in ipairs(validation) do
-    vparts[#vparts + 1] = string.format('{"config": "%s", "backend": "%s", "op": "%s", "rel_err": %.3e, "ok": %s}',
-      v.config, v.backend, v.op, v.rel_err, tostring(v.ok))
-  end
-  local f = assert(io.open(args.json, "w"))
-  f:write(string.format(
-    '{"tool": "moe-lua %s", "device": "%s", "cuda_runtime": %d, "cuda_driver": %d, "cublas": %d,\n' ..
-    ' "date": "%s", "repeats": %d, "T": %d,\n "configs": [%s],\n "validation": [%s],\n "results": [%s]}\n',
-    info.version, gpu.name or "?", info.cuda_runtime, info.cuda_driver, info.cublas,
-    os.date("!%Y-%m-%dT%H:%M:%SZ"), args.repeats, T, table.concat(cparts, ",\n  "),
-    table.concat(vparts, ",\n  "), table.concat(rparts, ",\n  ")))
-  f:close()
-  print("wrote " .. args.json)
 end
+local rows = {}
+for _, r in ipairs(results) do
+  local row = { config = r.config, impl = r.impl, ms = r.ms, tflops = r.tflops }
+  for _, op in ipairs(OPS) do row[op] = r.ops[op] end
+  rows[#rows + 1] = row
+end
+local columns = { { "config", "config" }, { "impl", "impl" }, { "chain ms", "ms", "%.3f" },
+                  { "TFLOP/s", "tflops", "%.1f" } }
+for _, op in ipairs(OPS) do columns[#columns + 1] = { op .. " ms", op, "%.3f" } end
+bench.write(args, {
+  title = "Grouped GEMMs of the GLU expert MLP (bf16)",
+  device = "cuda",
+  reference = "bench/grouped_torch.py (torch._grouped_mm on the same GPU, same group sizes; it joins both)",
+  T = T, configs = configs, results = results, rows = rows, columns = columns,
+})

@@ -125,7 +125,7 @@ def main():
     if opts["--extra"] and os.path.exists(opts["--extra"]):
         extra = json.load(open(opts["--extra"]))
         moe["results"] += extra["results"]
-        moe["validation"] += extra["validation"]
+        moe["validation"] = moe.get("validation", []) + extra.get("validation", [])
     outdir = argv[1] if len(argv) > 1 else "bench/results"
     print(f"torch {torch.__version__}, cuda {torch.version.cuda}, "
           f"{torch.cuda.get_device_name(0)}", flush=True)

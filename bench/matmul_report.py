@@ -4,7 +4,11 @@ bench/results/matmul.json and the table bench/results/matmul.md: per case ms
 and TFLOP/s for both, the ratio moe/torch of the times and whether moe is
 within 5% of torch (ratio <= 1.05), issue 3's target for large bf16 shapes.
 
-  python3 bench/matmul_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT]
+  python3 bench/matmul_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT] [--check CHECK_JSON]
+
+--check: the JSON of bench/matmul_check.lua (each layout against the CPU),
+whose "validation" list the report shows (older MOE_JSON files carry it
+themselves).
 """
 import json
 import os
@@ -18,10 +22,16 @@ def main():
         i = argv.index("--command")
         command = argv[i + 1]
         del argv[i:i + 2]
+    check = None
+    if "--check" in argv:
+        i = argv.index("--check")
+        check = json.load(open(argv[i + 1]))
+        del argv[i:i + 2]
     moe_path, torch_path = argv[0], argv[1]
     outdir = argv[2] if len(argv) > 2 else "bench/results"
     moe = json.load(open(moe_path))
     th = json.load(open(torch_path))
+    moe.setdefault("validation", (check or {}).get("validation", []))
     by_name = {r["name"]: r for r in th["results"]}
     rows = []
     for r in moe["results"]:

@@ -10,20 +10,12 @@ with moe.save to DIR/glu_check.safetensors (all floats as F32: bf16 values
 are exact in f32); bench/moe_glu_check.py recomputes the layer with torch in
 f32 from those bf16 values and compares.
 
-  moe-lua bench/moe_glu_check.lua [--dir DIR] [--small 1]
+  moe-lua bench/moe_glu_check.lua [dir=DIR] [small=true]
 ]]
 local moe = require "moe"
 
-local dir, small = ".", false
-do
-  local i = 1
-  while i <= #arg do
-    if arg[i] == "--dir" then dir = arg[i + 1]
-    elseif arg[i] == "--small" then small = arg[i + 1] ~= "0"
-    else error("unknown argument " .. arg[i]) end
-    i = i + 2
-  end
-end
+local cfg = moe.config { dir = ".", small = false }
+local dir, small = cfg.dir, cfg.small
 
 local dev = moe.cuda.is_available() and "cuda" or "cpu"
 -- T not a multiple of 128; E = 8 with k = 2; f a multiple of 128 for sparse

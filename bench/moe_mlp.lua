@@ -14,15 +14,15 @@ plus the dense bf16 GEMM rate (moe.matmul 8192^3) in the same run.
 bench/moe_mlp_torch.py times PyTorch on the same configs and
 bench/moe_mlp_report.py joins both.
 
-  moe-lua bench/moe_mlp.lua [--json FILE] [--repeats N] [--budget SECONDS]
-                            [--configs mixtral,olmoe,qwen3] [--impls grouped,sparse,lua_grouped]
-                            [--smoke 1]
+  moe-lua bench/moe_mlp.lua [json=FILE] [repeats=10] [budget=SECONDS]
+                            [configs=mixtral,olmoe,qwen3] [impls=grouped,sparse,lua_grouped]
+                            [smoke=true]
 
---smoke 1 runs the same code on tiny shapes (T = 128, d / f / E scaled
+smoke=true runs the same code on tiny shapes (T = 128, d / f / E scaled
 down), on the CPU when there is no GPU: a check of the script, not a result.
 
-Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events
-(moe.Event), the median. A step that takes more than a second cuts the
+Timing (bench/lib.lua): 2 warm-up steps, then `repeats` steps each between
+two CUDA events (the host clock on the CPU), the median. A step that takes more than a second cuts the
 repeats to 3; once `budget` seconds have passed the remaining cases are
 skipped (written with "skipped": true). TFLOP/s count 18 T k d f model
 FLOPs (3 GEMMs forward, 6 backward, 2 T k d f each). Peak extra memory: the
@@ -31,27 +31,14 @@ allocator's peak during one step minus what was allocated before it
 ]]
 local moe = require "moe"
 
-local args = { json = nil, repeats = 10, budget = 80, smoke = "0",
-               configs = "mixtral,olmoe,qwen3", impls = "grouped,sparse,lua_grouped" }
-do
-  local i = 1
-  while i <= #arg do
-    local a = arg[i]
-    local key = a:match("^%-%-(%w+)$")
-    if key and args[key] ~= nil or key == "json" then
-      args[key] = arg[i + 1]
-      i = i + 2
-    else
-      error("unknown argument " .. a)
-    end
-  end
-  args.repeats = tonumber(args.repeats)
-  args.budget = tonumber(args.budget)
-end
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
-local smoke = args.smoke ~= "0"
+local args = bench.config { repeats = 10, warmup = 2, budget = 80.0, smoke = false,
+  configs = { "mixtral", "olmoe", "qwen3" }, impls = { "grouped", "sparse", "lua_grouped" } }
+
+local smoke = args.smoke
 local dev = moe.cuda.is_available() and "cuda" or "cpu"
-assert(dev == "cuda" or smoke, "bench/moe_mlp.lua needs a CUDA GPU (or --smoke 1)")
+assert(dev == "cuda" or smoke, "bench/moe_mlp.lua needs a CUDA GPU (or smoke=true)")
 
 local T = smoke and 128 or 16384
 local CONFIGS = {
@@ -65,36 +52,17 @@ if smoke then
   end
 end
 
--- CUDA events around fn on the GPU, the host clock on the CPU (smoke runs)
-local function sync() if dev == "cuda" then moe.cuda.synchronize() end end
-local function timed(fn)
-  if dev ~= "cuda" then
-    local t0 = moe.clock()
-    fn()
-    return (moe.clock() - t0) * 1e3
-  end
-  local e0, e1 = moe.Event("cuda"), moe.Event("cuda")
-  e0:record()
-  fn()
-  e1:record(); e1:synchronize()
-  local ms = e0:elapsed(e1)
-  e0:free(); e1:free()
-  return ms
-end
+-- milliseconds of one call of fn: CUDA events on the GPU, the host clock on the CPU (smoke runs)
+local function sync() bench.sync(dev) end
+local function timed(fn) return bench.elapsed(fn, dev) * 1e3 end
 
-local function split(s)
+local function set(list)
   local t = {}
-  for w in s:gmatch("[^,]+") do t[w] = true end
+  for _, w in ipairs(list) do t[w] = true end
   return t
 end
-local want_cfg, want_impl = split(args.configs), split(args.impls)
-
-local function median(t)
-  table.sort(t)
-  local n = #t
-  if n % 2 == 1 then return t[(n + 1) // 2] end
-  return (t[n // 2] + t[n // 2 + 1]) / 2
-end
+local want_cfg, want_impl = set(args.configs), set(args.impls)
+local median = bench.median
 
 local clock0 = moe.clock()
 local function elapsed() return moe.clock() - clock0 end
@@ -106,15 +74,11 @@ do
   local n = smoke and 256 or 8192
   local a = moe.randn({ n, n }, { dtype = "bf16", device = dev })
   local b = moe.randn({ n, n }, { dtype = "bf16", device = dev })
-  for _ = 1, 3 do moe.matmul(a, b):free() end
-  sync()
-  local s = {}
-  for r = 1, 10 do
-    s[r] = timed(function() for _ = 1, 5 do moe.matmul(a, b):free() end end) / 5
-  end
+  local sec = bench.time(function() moe.matmul(a, b):free() end,
+    { device = dev, iters = 5, repeats = 10, warmup = 3, cooldown = args.cooldown })
   a:free(); b:free()
   dense.n = n
-  dense.ms = median(s)
+  dense.ms = sec * 1e3
   dense.tflops = 2 * n ^ 3 / (dense.ms / 1e3) / 1e12
   print(string.format("dense bf16 GEMM %d^3: %.3f ms, %.1f TFLOP/s", n, dense.ms, dense.tflops))
 end
@@ -178,7 +142,7 @@ for _, c in ipairs(CONFIGS) do
           local step = make_step(c, impl, t)
           local ok, err = pcall(function()
             collectgarbage()
-            sync()
+            bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
             step() -- warm-up (cuBLAS heuristics, allocator growth)
             local first = timed(step)
             if first > 3000 then error(string.format("too slow to time: a warm step took %.0f ms", first)) end
@@ -218,44 +182,19 @@ for _, c in ipairs(CONFIGS) do
   end
 end
 
--- ------------------------------------------------------------ JSON
+-- ------------------------------------------------------------ results
 
-local function jstr(s)
-  return '"' .. tostring(s):gsub('[%c"\\]', function(ch)
-    return string.format("\\u%04x", ch:byte())
-  end) .. '"'
-end
-
-if args.json then
-  local info = moe.build_info()
-  local gpu = info.gpus[1] or { name = dev }
-  local parts = {}
-  for _, r in ipairs(results) do
-    local fields = {}
-    for _, key in ipairs({ "config", "impl", "T", "d", "f", "E", "k", "flops", "ms", "tflops",
-                           "pct_dense", "peak_extra_bytes", "repeats", "skipped", "error" }) do
-      local v = r[key]
-      if v ~= nil then
-        local s
-        if type(v) == "string" then s = jstr(v)
-        elseif type(v) == "boolean" then s = tostring(v)
-        elseif math.type(v) == "integer" then s = string.format("%d", v)
-        else s = string.format("%.6g", v) end
-        fields[#fields + 1] = jstr(key) .. ": " .. s
-      end
-    end
-    parts[#parts + 1] = "{" .. table.concat(fields, ", ") .. "}"
-  end
-  local f = assert(io.open(args.json, "w"))
-  f:write(string.format(
-    '{"tool": %s, "device": %s, "cuda_runtime": %d, "cuda_driver": %d, "cublas": %d,\n' ..
-    ' "date": %s, "dtype": "bf16", "T": %d, "smoke": %s, "grouped_backend": %s,\n' ..
-    ' "dense": {"name": "moe.matmul bf16 %d^3", "ms": %.5f, "tflops": %.2f},\n' ..
-    ' "results": [\n  %s]}\n',
-    jstr("moe-lua " .. info.version), jstr(gpu.name or "?"), info.cuda_runtime, info.cuda_driver,
-    info.cublas, jstr(os.date("!%Y-%m-%dT%H:%M:%SZ")), T, tostring(smoke),
-    jstr(moe.ops.grouped_backend and moe.ops.grouped_backend() or "?"), dense.n, dense.ms,
-    dense.tflops,
-    table.concat(parts, ",\n  ")))
-  f:close()
-end
+bench.write(args, {
+  title = "MoE expert MLP (SwiGLU), forward + backward, bf16",
+  device = dev,
+  reference = "bench/moe_mlp_torch.py (PyTorch on the same configs; bench/moe_mlp_report.py joins both) "
+    .. "and the dense bf16 GEMM rate of this run",
+  dtype = "bf16", T = T, smoke = smoke,
+  grouped_backend = moe.ops.grouped_backend and moe.ops.grouped_backend() or "?",
+  dense = { name = ("moe.matmul bf16 %d^3"):format(dense.n), ms = dense.ms, tflops = dense.tflops },
+  results = results,
+  columns = { { "config", "config" }, { "impl", "impl" }, { "ms", "ms", "%.3f" }, { "TFLOP/s", "tflops", "%.1f" },
+              { "% of dense", "pct_dense", "%.1f" },
+              { "peak extra GiB", function(r) return r.peak_extra_bytes and r.peak_extra_bytes / 2 ^ 30 end, "%.2f" },
+              { "note", "error" } },
+})

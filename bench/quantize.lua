@@ -11,17 +11,17 @@ bf16) with quantization off, 8 bits and 4 bits, reporting per mode
   overhead   step_ms / step_ms(off) - 1
   grad_err   ||g - g_off|| / ||g_off|| for the input and each weight
 
-  moe-lua bench/quantize.lua [--json FILE] [--configs mixtral,qwen3]
-      [--device cuda|cpu] [--repeats N] [--layer dmoe|FILE.lua]
-  moe-lua bench/quantize.lua --kernels [--json FILE] [--configs ...]
+  moe-lua bench/quantize.lua [json=FILE] [configs=mixtral,qwen3]
+      [device=cuda|cpu] [repeats=5] [layer=dmoe|FILE.lua] [impl=grouped]
+  moe-lua bench/quantize.lua kernels=true [json=FILE] [configs=...]
       the kernels alone on the saved tensors of a config: a (T k, f) bf16
       pre-activation half read in place from (T k, 2 f) and a contiguous
       (T k, f), quantized to 8 bits (row scales) and 4 bits (groups of
       128) and dequantized, against a copy (clone) of the same tensor;
       GB/s = bytes read + written / time.
 
---layer dmoe: the real layer, layers.dMoE{mlp_type = "glu", activation_fn
-= "silu", mlp_impl = --impl (grouped; sparse; auto)} (lua/moe/layers/
+layer=dmoe: the real layer, layers.dMoE{mlp_type = "glu", activation_fn
+= "silu", mlp_impl = impl= (grouped; sparse; auto)} (lua/moe/layers/
 dmoe.lua), bf16, its three switches set to the same bits (quantize =
 {inputs =, rematerialize =, scatter =}); with them the GLU experts run the
 fused moe.ops.glu_experts with its own quantize option
@@ -29,10 +29,11 @@ fused moe.ops.glu_experts with its own quantize option
 and act(h1) * h3 recomputed from them in backward (quantization off keeps
 all three). MOE_GLU_QFUSED=0 in the environment selects the unfused CUDA
 passes (activation + two quantize kernels; dequantize before backward) for
-an A/B; the JSON records it. Timing: --repeats steps per mode, the modes
-interleaved (off, 8, 4, off, ...), medians.
+an A/B; the JSON records it. Timing (bench/lib.lua): `repeats` steps per
+mode, the modes interleaved (off, 8, 4, off, ...), medians; each half
+between CUDA events (the host clock on the CPU).
 
-The layer comes from a factory, swappable with --layer: FILE.lua returns
+The layer comes from a factory, swappable with layer=: FILE.lua returns
 function(cfg) -> layer, where cfg = {d_model, d_ff, experts, top_k, T,
 device, dtype} and the layer has layer:forward(x (T, d)) -> (T, d) and
 layer:parameters() -> list of tensors (the nn.Module interface; the dMoE
@@ -49,22 +50,10 @@ input, the gate/up pre-activations and the SwiGLU output.
 local moe = require "moe"
 local quantize = require "moe.quantize"
 
-local args = { json = nil, configs = "mixtral,qwen3", device = "cuda", repeats = 5, layer = nil,
-                kernels = false, impl = "grouped" }
-do
-  local i = 1
-  while i <= #arg do
-    local a = arg[i]
-    if a == "--json" then args.json = arg[i + 1]; i = i + 2
-    elseif a == "--configs" then args.configs = arg[i + 1]; i = i + 2
-    elseif a == "--device" then args.device = arg[i + 1]; i = i + 2
-    elseif a == "--repeats" then args.repeats = tonumber(arg[i + 1]); i = i + 2
-    elseif a == "--layer" then args.layer = arg[i + 1]; i = i + 2
-    elseif a == "--kernels" then args.kernels = true; i = i + 1
-    elseif a == "--impl" then args.impl = arg[i + 1]; i = i + 2
-    else error("unknown argument " .. a) end
-  end
-end
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
+
+local args = bench.config { configs = { "mixtral", "qwen3" }, device = "cuda", repeats = 5, warmup = 1,
+                            layer = "", kernels = false, impl = "grouped" }
 
 local CONFIGS = {
   mixtral = { d_model = 4096, d_ff = 14336, experts = 8, top_k = 2, T = 16384 },
@@ -75,7 +64,7 @@ local CONFIGS = {
 
 local dev = args.device
 local cuda = dev ~= "cpu"
-local function sync() if cuda then moe.cuda.synchronize() end end
+local function sync() bench.sync(dev) end
 
 -- ------------------------------------------------------ the stand-in layer
 
@@ -134,19 +123,14 @@ local layer_name = "stand-in (permute, per-expert SwiGLU matmuls, combine)"
 if args.layer == "dmoe" then
   factory = dmoe_layer
   layer_name = "layers.dMoE (glu, silu, " .. args.impl .. ")"
-elseif args.layer then
+elseif args.layer ~= "" then
   factory = dofile(args.layer)
   layer_name = args.layer
 end
 
 -- ----------------------------------------------------------------- measure
 
-local function median(t)
-  table.sort(t)
-  local n = #t
-  if n % 2 == 1 then return t[(n + 1) // 2] end
-  return (t[n // 2] + t[n // 2 + 1]) / 2
-end
+local median = bench.median
 
 local MiB = 1024 * 1024
 
@@ -157,9 +141,10 @@ end
 
 -- One forward + backward; returns the bytes kept after forward and the
 -- forward and backward seconds.
+local sw = bench.stopwatch(dev)
 local function step(layer, x, gy, bits)
   local before = moe.memory_stats(dev).allocated
-  local t0 = moe.clock()
+  sw:mark()
   local y
   if layer.set_quantize then
     layer:set_quantize(bits)
@@ -167,14 +152,14 @@ local function step(layer, x, gy, bits)
   else
     y = quantize.scope(spec_of(bits, layer), layer.forward, layer, x)
   end
+  sw:mark()
   sync()
-  local t1 = moe.clock()
   local saved = moe.memory_stats(dev).allocated - before - y:numel() * 2
   y:backward(gy)
-  sync()
-  local t2 = moe.clock()
+  sw:mark()
+  local t = sw:intervals()
   y:free()
-  return saved, t1 - t0, t2 - t1
+  return saved, t[1], t[2]
 end
 
 local function grads(layer, x)
@@ -201,20 +186,20 @@ end
 local function kernels_bench()
   local out = {}
   local function timed(fn)
+    bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
     fn() -- warm-up
     sync()
     local ts = {}
     for r = 1, math.max(args.repeats, 5) do
-      sync()
-      local t0 = moe.clock()
+      sw:mark()
       local v = fn()
-      sync()
-      ts[r] = moe.clock() - t0
+      sw:mark()
+      ts[r] = sw:intervals()[1]
       if type(v) == "table" then v.values:free(); v.scales:free() elseif v then v:free() end
     end
     return median(ts)
   end
-  for name in args.configs:gmatch("[^,]+") do
+  for _, name in ipairs(args.configs) do
     local cfg = assert(CONFIGS[name], "unknown config " .. name)
     local n, f = cfg.T * cfg.top_k, cfg.d_ff
     local h = moe.randn({ n, 2 * f }, { dtype = "bf16", device = dev })
@@ -248,22 +233,13 @@ local function kernels_bench()
     h:free()
     collectgarbage()
   end
-  if args.json then
-    local fh = assert(io.open(args.json, "w"))
-    local parts = {}
-    for _, r in ipairs(out) do
-      local kv = {}
-      for _, k in ipairs({ "copy_ms", "copy_gbs", "q8_ms", "q8_gbs", "dq8_ms", "dq8_gbs", "q4_ms",
-                           "q4_gbs", "dq4_ms", "dq4_gbs" }) do
-        kv[#kv + 1] = string.format('"%s": %.4f', k, r[k])
-      end
-      parts[#parts + 1] = string.format('{"config": "%s", "tensor": "%s", "rows": %d, "cols": %d, %s}',
-        r.config, r.tensor, r.rows, r.cols, table.concat(kv, ", "))
-    end
-    fh:write('{"device": "' .. (cuda and moe.cuda.get_device_name(0) or "cpu") .. '", "dtype": "bf16", '
-      .. '"kernels": [\n  ' .. table.concat(parts, ",\n  ") .. "\n]}\n")
-    fh:close()
+  local columns = { { "config", "config" }, { "tensor", "tensor" }, { "copy GB/s", "copy_gbs", "%.0f" } }
+  for _, k in ipairs({ "q8", "dq8", "q4", "dq4" }) do
+    columns[#columns + 1] = { k .. " ms", k .. "_ms", "%.3f" }
+    columns[#columns + 1] = { k .. " GB/s", k .. "_gbs", "%.0f" }
   end
+  bench.write(args, { title = "Quantize kernels alone", device = dev, dtype = "bf16",
+    reference = "a copy (clone) of the same tensor in the same run", kernels = out, rows = out, columns = columns })
 end
 
 if args.kernels then
@@ -272,7 +248,7 @@ if args.kernels then
 end
 
 local results = {}
-for name in args.configs:gmatch("[^,]+") do
+for _, name in ipairs(args.configs) do
   local cfg = assert(CONFIGS[name], "unknown config " .. name)
   cfg.device, cfg.dtype = dev, "bf16"
   moe.manual_seed(1234)
@@ -306,16 +282,15 @@ for name in args.configs:gmatch("[^,]+") do
   end
   -- timed with the modes interleaved (off, 8, 4, off, 8, 4, ...): a drift
   -- of the GPU's clocks over the run lands on every mode alike
+  bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
   for r = 1, args.repeats do
     for _, bits in ipairs(modes) do
       local res = by_bits[bits]
       zero(layer, x)
       collectgarbage()
       sync()
-      local t0 = moe.clock()
       local _, tf, tb = step(layer, x, gy, bits)
-      sync()
-      res.times[r] = moe.clock() - t0
+      res.times[r] = tf + tb
       res.fwd[r], res.bwd[r] = tf, tb
     end
   end
@@ -343,23 +318,23 @@ for name in args.configs:gmatch("[^,]+") do
   collectgarbage()
 end
 
-if args.json then
-  local f = assert(io.open(args.json, "w"))
-  local parts = {}
-  for _, r in ipairs(results) do
-    local es = {}
-    for i, e in ipairs(r.grad_err) do es[i] = string.format("%.6f", e) end
-    parts[#parts + 1] = string.format(
-      '{"config": "%s", "bits": %d, "T": %d, "d_model": %d, "d_ff": %d, "experts": %d, "top_k": %d, '
-      .. '"saved_mib": %.2f, "saved_ratio": %.3f, "peak_mib": %.2f, "step_ms": %.3f, '
-      .. '"overhead": %.4f, "fwd_ms": %.3f, "bwd_ms": %.3f, "grad_rel_err": [%s]}',
-      r.config, r.bits, r.T, r.d_model, r.d_ff, r.experts, r.top_k, r.saved_mb, r.saved_ratio,
-      r.peak_mb, r.step_ms, r.overhead, r.fwd_ms, r.bwd_ms, table.concat(es, ", "))
-  end
-  f:write('{"layer": "' .. layer_name .. '", "device": "' .. (cuda and moe.cuda.get_device_name(0) or "cpu")
-    .. '", "dtype": "bf16", "grad_order": "x, then layer:parameters()", "repeats": ' .. args.repeats
-    .. ', "timing": "modes interleaved, medians", "MOE_GLU_QFUSED": "' .. (os.getenv("MOE_GLU_QFUSED") or "")
-    .. '", "date": "' .. os.date("!%Y-%m-%d") .. '",\n "results": [\n  '
-    .. table.concat(parts, ",\n  ") .. "\n]}\n")
-  f:close()
+local rows = {}
+for _, r in ipairs(results) do
+  rows[#rows + 1] = { config = r.config, bits = r.bits, T = r.T, d_model = r.d_model, d_ff = r.d_ff,
+    experts = r.experts, top_k = r.top_k, saved_mib = r.saved_mb, saved_ratio = r.saved_ratio, peak_mib = r.peak_mb,
+    step_ms = r.step_ms, overhead = r.overhead, fwd_ms = r.fwd_ms, bwd_ms = r.bwd_ms,
+    grad_rel_err = bench.list(r.grad_err) }
 end
+bench.write(args, {
+  title = "Quantized saved activations: memory and time of an MoE expert layer",
+  device = dev, reference = "the same layer with quantization off (bits = 0) in the same run",
+  layer = layer_name, dtype = "bf16", grad_order = "x, then layer:parameters()",
+  timing = bench.method(dev) .. ", modes interleaved, medians",
+  MOE_GLU_QFUSED = os.getenv("MOE_GLU_QFUSED") or "",
+  results = rows,
+  columns = { { "config", "config" }, { "bits", "bits" }, { "saved MiB", "saved_mib", "%.1f" },
+              { "x less", "saved_ratio", "%.2f" }, { "peak MiB", "peak_mib", "%.1f" },
+              { "step ms", "step_ms", "%.2f" },
+              { "overhead", function(r) return ("%+.1f%%"):format(100 * r.overhead) end },
+              { "fwd ms", "fwd_ms", "%.2f" }, { "bwd ms", "bwd_ms", "%.2f" } },
+})

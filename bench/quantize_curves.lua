@@ -34,13 +34,21 @@ Presets (KJV bible corpus, byte tokens, data.bible_corpus):
 ]]
 local moe = require "moe"
 local train = require "moe.train"
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
+-- The command (run or report) and its keys through moe.config; a key left
+-- at its empty default ("" or 0) is nil in the returned table.
 local function parse_args()
-  local a = { cmd = arg[1] }
-  for i = 2, #arg do
-    local k, v = arg[i]:match("^([%w_]+)=(.*)$")
-    if not k then error("bad argument '" .. arg[i] .. "' (key=value expected)", 0) end
-    a[k] = v
+  local cfg, rest = moe.config {
+    preset = "quickstart", modes = "off,8,4", steps = 0, batch_size = 0, device = "", dtype = "",
+    out = "", json = "", mlp = "", seconds = 0.0, seeds = "", md = "", png = "",
+  }
+  if #rest > 1 or (rest[1] and tostring(rest[1]):match("^%-")) then
+    error("bad argument '" .. tostring(rest[#rest]) .. "' (run|report, then key=value)", 0)
+  end
+  local a = { cmd = rest[1] }
+  for k, v in pairs(cfg) do
+    if v ~= "" and v ~= 0 then a[k] = v end
   end
   return a
 end
@@ -82,21 +90,15 @@ local function set_quantize(model, bits)
   return n
 end
 
-local function json_list(t, fmt)
-  local p = {}
-  for i, v in ipairs(t) do p[i] = string.format(fmt, v) end
-  return "[" .. table.concat(p, ", ") .. "]"
-end
-
 local function run(a)
   local preset = a.preset or "quickstart"
   local base = preset_cfg(preset)
   if a.steps then
-    base.steps = math.tointeger(tonumber(a.steps))
+    base.steps = a.steps
     base.warmup = math.min(base.warmup, base.steps // 5)
     base.eval_every = math.min(base.eval_every, base.steps)
   end
-  if a.batch_size then base.batch_size = math.tointeger(tonumber(a.batch_size)) end
+  if a.batch_size then base.batch_size = a.batch_size end
   if a.mlp == "glu" then -- SwiGLU experts: the fused op with its own quantize option
     base.model.moe.mlp_type, base.model.moe.activation = "glu", "silu"
     preset = preset .. "-glu"
@@ -108,23 +110,21 @@ local function run(a)
   local device = train.resolve_device(base.device)
   if device == "cpu" and base.dtype == "bf16" and not a.dtype then base.dtype = "f32" end
   local out = a.out or ("out/quantize_curves/" .. preset)
-  local seconds = tonumber(a.seconds or "0")
+  local seconds = a.seconds or 0
   local json = a.json or (out .. "/curves.json")
   -- written after every mode, so that a run cut short keeps what finished
   local function write_json(records)
-    local f = assert(io.open(json, "w"))
-    local parts = {}
-    for _, r in ipairs(records) do
-      local vs = {}
-      for i, v in ipairs(r.vals) do vs[i] = string.format("[%d, %.6f]", v[1], v[2]) end
-      parts[#parts + 1] = string.format('{"mode": "%s", "bits": %d, "seed": %d, "steps": %d, "seconds": %.2f, '
-        .. '"losses": %s, "val": [%s]}', r.mode, r.bits, r.seed, r.steps, r.seconds, json_list(r.losses, "%.5f"),
-        table.concat(vs, ", "))
+    local runs = {}
+    for i, r in ipairs(records) do
+      runs[i] = { mode = r.mode, bits = r.bits, seed = r.seed, steps = r.steps, seconds = r.seconds,
+                  losses = bench.list(r.losses), val = bench.list(r.vals) }
     end
-    f:write(string.format('{"preset": "%s", "device": "%s", "dtype": "%s", "steps": %d, "batch_size": %d, '
-      .. '"seq_len": %d,\n "runs": [\n  %s\n]}\n', preset,
-      device == "cpu" and "cpu" or moe.cuda.get_device_name(0), base.dtype, base.steps, base.batch_size,
-      base.seq_len, table.concat(parts, ",\n  ")))
+    local obj = bench.environment(device)
+    obj.preset, obj.dtype, obj.steps, obj.batch_size, obj.seq_len = preset, base.dtype, base.steps,
+      base.batch_size, base.seq_len
+    obj.runs = runs
+    local f = assert(io.open(json, "w"))
+    f:write(bench.encode(obj))
     f:close()
     print("quantize_curves: wrote " .. json)
   end

@@ -4,25 +4,22 @@ layer_norm, rms_norm, cross_entropy forward; softmax, layer_norm and
 cross_entropy backward kernels through autograd) on a large bf16 input,
 against a device-to-device copy of the same bytes measured in the same run.
 
-  moe-lua bench/reduce.lua [rows [cols]]     (default 16384 4096)
+  moe-lua bench/reduce.lua [rows=16384] [cols=4096] [device=cuda] [json=FILE] [repeats=7] [iters=20]
 
 Bytes counted are the minimum each kernel must move (reads + writes of the
 (rows, cols) tensors; per-row statistics and weights are below 0.1% and
-left out). Each timing is the median over 7 batches of 20 launches between
-two synchronisations, after a warm-up; inputs are random (never zeros).
-Backward figures are (forward + backward through autograd) minus the
-forward, so they include the engine's work for one node.
-The last lines are a table: op, time per call (us), GB/s, % of copy.
+left out). Timing (bench/lib.lua): the median over `repeats` samples of
+`iters` launches between two CUDA events (the host clock with device=cpu,
+a smoke test of the script), after a warm-up; inputs are random (never
+zeros). Backward figures are (forward + backward through autograd) minus
+the forward, so they include the engine's work for one node.
 ]==]
 local moe = require "moe"
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
-local rows = tonumber(arg and arg[1]) or 16384
-local cols = tonumber(arg and arg[2]) or 4096
-local dev = os.getenv("MOE_BENCH_DEVICE") or "cuda" -- "cpu": a smoke test of the script
+local cfg = bench.config { rows = 16384, cols = 4096, device = "cuda", repeats = 7, iters = 20 }
+local rows, cols, dev = cfg.rows, cfg.cols, cfg.device
 assert(dev == "cpu" or moe.cuda.is_available(), "bench/reduce.lua needs a CUDA GPU")
-local function sync()
-  if dev ~= "cpu" then moe.cuda.synchronize() end
-end
 local x = moe.randn({ rows, cols }, { dtype = "bf16", device = dev })
 local g = moe.randn({ rows, cols }, { dtype = "bf16", device = dev })
 local w = moe.rand({ cols }, { dtype = "bf16", device = dev }) + 0.5
@@ -32,17 +29,8 @@ local dst = moe.empty({ rows, cols }, { dtype = "bf16", device = dev })
 local elt = 2 -- bytes per bf16
 
 local function time(f)
-  for _ = 1, 3 do f() end
-  sync()
-  local ts = {}
-  for k = 1, 7 do
-    local t0 = moe.clock()
-    for _ = 1, 20 do f() end
-    sync()
-    ts[k] = (moe.clock() - t0) / 20
-  end
-  table.sort(ts)
-  return ts[4]
+  return (bench.time(f, { device = dev, iters = cfg.iters, repeats = cfg.repeats, warmup = cfg.warmup,
+                          cooldown = cfg.cooldown }))
 end
 
 local function run(f) -- f returns tensors to free at once (no waiting for the GC)
@@ -90,9 +78,16 @@ add("cross_entropy bwd", time(fb(function(v) return moe.cross_entropy(v, target)
   2 * n * elt)
 
 local copy_bw = results[1].bytes / results[1].secs
-print(string.format("device: %s; shape (%d, %d) bf16", dev == "cpu" and "cpu" or moe.cuda.get_device_name(), rows, cols))
-print(string.format("%-28s %10s %10s %8s", "op", "us/call", "GB/s", "% copy"))
 for _, r in ipairs(results) do
-  local bw = r.bytes / r.secs
-  print(string.format("%-28s %10.1f %10.1f %7.1f%%", r.name, r.secs * 1e6, bw / 1e9, 100 * bw / copy_bw))
+  r.us = r.secs * 1e6
+  r.gbs = r.bytes / r.secs / 1e9
+  r.of_copy = r.bytes / r.secs / copy_bw
+  r.secs = nil
 end
+bench.write(cfg, {
+  title = "Row kernels: bandwidth against a copy",
+  device = dev, reference = "a device-to-device copy of the same bytes in the same run",
+  shape = { rows, cols }, dtype = "bf16", iters = cfg.iters, results = results,
+  columns = { { "op", "name" }, { "us/call", "us", "%.1f" }, { "GB/s", "gbs", "%.1f" },
+              { "% copy", function(r) return ("%.1f%%"):format(100 * r.of_copy) end } },
+})

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""torch_compare.py - recomputes with PyTorch every case bench/torch_compare.lua
+"""torch_compare.py - recomputes with PyTorch every case bench/torch_compare_check.lua
 saved (one safetensors file per op and dtype) and compares moe's output and
 input gradients with torch's, on the same GPU.
 

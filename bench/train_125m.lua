@@ -18,6 +18,7 @@ device memory, the loss curve) for bench/train_report.py.
 local moe = require "moe"
 local train = require "moe.train"
 local metrics = require "moe.metrics"
+local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
 local o = moe.config {
   kind = "dmoe", experts = 64, top_k = 1, d_model = 768, n_layers = 12, n_heads = 12, ffn = 3072,
@@ -121,8 +122,14 @@ for _, r in ipairs(recs) do out.losses[#out.losses + 1] = { r.step, r.loss } end
 print(("train_125m: %d steps, %.0f tokens/s, %.1f ms/step, MFU %.1f%%, peak allocated %.2f GiB, "
   .. "loss %.4f -> %.4f"):format(out.steps, out.tokens_per_s or 0, out.ms_per_step or 0, 100 * (out.mfu or 0),
   (out.peak_allocated_bytes or 0) / 2 ^ 30, out.first_train_loss or 0, out.last_loss or 0))
-if o.json ~= "" then
-  local f = assert(io.open(o.json, "w"))
-  f:write(metrics.json.encode(out), "\n")
-  f:close()
-end
+out.losses = bench.list(out.losses)
+out.title = "Training the 125M " .. o.kind .. " (moe-lua)"
+out.reference = "bench/train_torch.py (PyTorch on the exported weights and batch; bench/train_report.py joins both)"
+out.rows = { out }
+out.columns = { { "steps", "steps" }, { "tokens/s", "tokens_per_s", "%.0f" }, { "ms/step", "ms_per_step", "%.1f" },
+                { "MFU", function(r) return r.mfu and ("%.1f%%"):format(100 * r.mfu) end },
+                { "peak GiB", function(r) return r.peak_allocated_bytes and r.peak_allocated_bytes / 2 ^ 30 end,
+                  "%.2f" },
+                { "loss", function(r) return ("%.4f -> %.4f"):format(r.first_train_loss or 0, r.last_loss or 0) end } }
+-- o has no repeats: the figures are train.run's own (tokens/s over the logged intervals)
+bench.write({ json = o.json, md = "" }, out)

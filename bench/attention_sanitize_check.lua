@@ -1,12 +1,13 @@
 --[[
-bench/attention_sanitize.lua - attention forward and backward on a few odd
+bench/attention_sanitize_check.lua - attention forward and backward on a few odd
 shapes, for compute-sanitizer (a driver, not a benchmark):
 
-  MOE_ATTN_PERSISTENT=3 compute-sanitizer --tool memcheck build-gpu/moe-lua bench/attention_sanitize.lua
+  MOE_ATTN_PERSISTENT=3 compute-sanitizer --tool memcheck build-gpu/moe-lua bench/attention_sanitize_check.lua
   (bench/gpu_round.sh sanitize runs memcheck, racecheck and synccheck)
 ]]
 local moe = require "moe"
-assert(moe.cuda.is_available(), "bench/attention_sanitize.lua needs a CUDA GPU")
+moe.config {} -- no keys: --help says so and key=value is refused
+assert(moe.cuda.is_available(), "bench/attention_sanitize_check.lua needs a CUDA GPU")
 for _, s in ipairs { { 2, 3, 300, 128 }, { 3, 2, 200, 64 }, { 1, 2, 77, 128 } } do
   local function r() return moe.randn(s, { dtype = "bf16", device = "cuda" }) end
   local q, k, v, d = r(), r(), r(), r()

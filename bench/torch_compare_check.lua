@@ -1,9 +1,9 @@
--- torch_compare.lua - runs a list of ops forward and backward on the GPU and
+-- bench/torch_compare_check.lua - runs a list of ops forward and backward on the GPU and
 -- saves inputs, outputs, the output cotangent and the input gradients to one
 -- safetensors file per case; bench/torch_compare.py recomputes each case with
 -- PyTorch on the same GPU and prints the comparison table (issue 3).
 --
---   moe-lua bench/torch_compare.lua dir=/tmp/cmp device=cuda
+--   moe-lua bench/torch_compare_check.lua dir=/tmp/cmp device=cuda
 --   python3 bench/torch_compare.py /tmp/cmp
 --
 -- Each case names its inputs (float inputs get gradients; integer inputs are
