@@ -21,8 +21,6 @@
 #include "internal.h"
 #include "philox.h"
 
-#define SHAPE_BUF 200
-
 static moe_status check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t,
                                const char *what) {
   if (t) return MOE_OK;
@@ -63,20 +61,6 @@ static moe_status copy_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
                                 moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0) || !gout[0]) return MOE_OK;
   return moe_to(ctx, gout[0], n->in_dtype[0], n->in_device[0], &gin[0]);
-}
-
-/* Records r = copy of t when t needs grad; releases r on failure. */
-static moe_status copy_record(moe_ctx *ctx, const moe_tensor *t, moe_tensor *r) {
-  if (!moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) return MOE_OK;
-  moe_node *n;
-  moe_status st = moe_node_new(ctx, MOE_OP_COPY, copy_backward, 1,
-                               (moe_tensor *[]){(moe_tensor *)t}, &n);
-  if (st == MOE_OK) {
-    st = moe_node_set_output(ctx, n, 0, r);
-    moe_node_release(n);
-  }
-  if (st != MOE_OK) moe_tensor_release(r);
-  return st;
 }
 
 static bool same_shape(const moe_tensor *a, const moe_tensor *b) {
@@ -231,11 +215,10 @@ moe_status moe_copy_(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
     fits = have == want || have == 1;
   }
   if (!fits) {
-    char a[SHAPE_BUF], b[SHAPE_BUF];
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "copy_: source shape %s cannot be broadcast to destination shape %s",
-                     moe_shape_str(src->ndim, src->shape, a, sizeof(a)),
-                     moe_shape_str(dst->ndim, dst->shape, b, sizeof(b)));
+                     MOE_SHAPE(src),
+                     MOE_SHAPE(dst));
   }
   moe_device dd = dst->storage->device, sd = src->storage->device;
   MOE_CHECK(moe_device_check(ctx, dd));
@@ -274,7 +257,9 @@ moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_t
     moe_tensor_release(r);
     return st;
   }
-  MOE_CHECK(copy_record(ctx, t, r));
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_COPY, .backward = copy_backward,
+                                               .n_in = 1, .in = {(moe_tensor *)t}},
+                       1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -290,7 +275,9 @@ moe_status moe_clone(moe_ctx *ctx, const moe_tensor *t, moe_tensor **out) {
     moe_tensor_release(r);
     return st;
   }
-  MOE_CHECK(copy_record(ctx, t, r));
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_COPY, .backward = copy_backward,
+                                               .n_in = 1, .in = {(moe_tensor *)t}},
+                       1, &r));
   *out = r;
   return MOE_OK;
 }
