@@ -282,7 +282,8 @@ static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, con
   if (!a) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: first operand is NULL", fn);
   if (has_b && !b) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: second operand is NULL", fn);
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  if (has_b) MOE_CHECK(moe_check_same_device(ctx, fn, "a", a->storage->device, "b", b->storage->device));
+  if (has_b)
+    MOE_CHECK(moe_check_same_device(ctx, fn, "a", a->storage->device, "b", b->storage->device));
   return moe_device_check(ctx, a->storage->device);
 }
 

@@ -153,8 +153,10 @@ static moe_status ix_scatter_into(moe_ctx *ctx, const char *fn, moe_scatter_mode
 static moe_status ix_gs_check(moe_ctx *ctx, const char *fn, const moe_tensor *x, int64_t dim,
                               const moe_tensor *index, const moe_tensor *src, int *d_out) {
   MOE_CHECK(ix_index_dtype(ctx, fn, "index", index));
-  MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "index", index->storage->device));
-  if (src) MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "src", src->storage->device));
+  MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "index",
+                                  index->storage->device));
+  if (src) MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "src",
+                                           src->storage->device));
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
   MOE_CHECK(moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d_out));
@@ -203,7 +205,8 @@ static moe_status ix_src_grad(moe_ctx *ctx, const char *fn, moe_tensor *gout, in
     *out = g;
     return MOE_OK;
   }
-  moe_status st = moe_tensor_full(ctx, ndim, src_shape, 0.0, gout->dtype, gout->storage->device, &z);
+  moe_status st =
+      moe_tensor_full(ctx, ndim, src_shape, 0.0, gout->dtype, gout->storage->device, &z);
   if (st == MOE_OK) {
     moe_tensor_retain(z);
     v = z;
@@ -362,7 +365,8 @@ static moe_status ix_expand_index(moe_ctx *ctx, moe_tensor *index, int ndim, con
 static moe_status ix_select_check(moe_ctx *ctx, const char *fn, const moe_tensor *x, int64_t dim,
                                   const moe_tensor *index, int *d_out, int64_t *shape) {
   MOE_CHECK(ix_index_dtype(ctx, fn, "index", index));
-  MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "index", index->storage->device));
+  MOE_CHECK(moe_check_same_device(ctx, fn, "x", x->storage->device, "index",
+                                  index->storage->device));
   if (x->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must have at least one dim, got a scalar", fn);
   MOE_CHECK(moe_dim_normalize_fn(ctx, fn, dim, x->ndim, false, d_out));
@@ -554,7 +558,8 @@ moe_status moe_embedding(moe_ctx *ctx, moe_tensor *weight, moe_tensor *ids, moe_
   MOE_CHECK(ix_null(ctx, fn, "ids", ids));
   MOE_CHECK(ix_null(ctx, fn, "out", out));
   MOE_CHECK(ix_index_dtype(ctx, fn, "ids", ids));
-  MOE_CHECK(moe_check_same_device(ctx, fn, "weight", weight->storage->device, "ids", ids->storage->device));
+  MOE_CHECK(moe_check_same_device(ctx, fn, "weight", weight->storage->device, "ids",
+                                  ids->storage->device));
   if (weight->ndim != 2)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: weight must be 2-D (V, D), got %s", fn,
                      MOE_SHAPE(weight));
@@ -631,7 +636,8 @@ moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_t
   int64_t oshape[MOE_MAX_DIMS];
   memcpy(oshape, ids->shape, sizeof(int64_t) * (size_t)ids->ndim);
   oshape[ids->ndim] = num_classes;
-  if (st == MOE_OK) st = moe_tensor_full(ctx, ids->ndim + 1, oshape, 0.0, MOE_I64, ids->storage->device, &r);
+  if (st == MOE_OK)
+    st = moe_tensor_full(ctx, ids->ndim + 1, oshape, 0.0, MOE_I64, ids->storage->device, &r);
   if (st == MOE_OK && m > 0 && num_classes > 0) {
     if (ix_cuda(ids)) {
       st = moe_reshape(ctx, ids, 1, (int64_t[]){m}, &flat);

@@ -8,7 +8,9 @@
 
 #include "internal.h"
 
-static inline bool ix_cuda(const moe_tensor *t) { return t->storage->device.type == MOE_DEVICE_CUDA; }
+static inline bool ix_cuda(const moe_tensor *t) {
+  return t->storage->device.type == MOE_DEVICE_CUDA;
+}
 
 static inline moe_status ix_null(moe_ctx *ctx, const char *fn, const char *what, const void *p) {
   if (!p) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
