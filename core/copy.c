@@ -203,18 +203,9 @@ moe_status moe_copy_(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
   return MOE_OK;
 }
 
-moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_tensor **out) {
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, "to", t, "tensor"));
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "to: out is NULL");
-  if ((int)dt < 0 || dt >= MOE_DTYPE_COUNT)
-    return moe_error(ctx, MOE_ERR_DTYPE, "to: unknown dtype %d", (int)dt);
-  MOE_CHECK(moe_device_check(ctx, d));
-  if (t->dtype == dt && moe_device_equal(t->storage->device, d)) {
-    moe_tensor_retain(t);
-    *out = t;
-    return MOE_OK;
-  }
+/* out = a new copy of t of dtype dt on d, with its COPY node (to, clone). */
+static moe_status copy_new(moe_ctx *ctx, const moe_tensor *t, moe_dtype dt, moe_device d,
+                           moe_tensor **out) {
   moe_tensor *r;
   MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, dt, d, &r));
   moe_status st = moe_copy_(ctx, r, t);
@@ -229,22 +220,26 @@ moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_t
   return MOE_OK;
 }
 
+moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  MOE_CHECK(check_tensor(ctx, "to", t, "tensor"));
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "to: out is NULL");
+  if ((int)dt < 0 || dt >= MOE_DTYPE_COUNT)
+    return moe_error(ctx, MOE_ERR_DTYPE, "to: unknown dtype %d", (int)dt);
+  MOE_CHECK(moe_device_check(ctx, d));
+  if (t->dtype == dt && moe_device_equal(t->storage->device, d)) {
+    moe_tensor_retain(t);
+    *out = t;
+    return MOE_OK;
+  }
+  return copy_new(ctx, t, dt, d, out);
+}
+
 moe_status moe_clone(moe_ctx *ctx, const moe_tensor *t, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "clone", t, "tensor"));
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "clone: out is NULL");
-  moe_tensor *r;
-  MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, t->dtype, t->storage->device, &r));
-  moe_status st = moe_copy_(ctx, r, t);
-  if (st != MOE_OK) {
-    moe_tensor_release(r);
-    return st;
-  }
-  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_COPY, .backward = copy_backward,
-                                               .n_in = 1, .in = {(moe_tensor *)t}},
-                       1, &r));
-  *out = r;
-  return MOE_OK;
+  return copy_new(ctx, t, t->dtype, t->storage->device, out);
 }
 
 /* ------------------------------------------------------------ fills */
