@@ -281,10 +281,10 @@ moe_status moe_gather(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *inde
 /* inputs x, src; saved index; iargs dim, mode. */
 static moe_status scatter_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                    moe_tensor **gin) {
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin); /* nothing flowed */
   int dim = (int)n->iargs[0];
   bool add = n->iargs[1] == MOE_SCATTER_ADD;
   moe_tensor *index = NULL, *gx = NULL, *gs = NULL, *zs = NULL;
-  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin); /* nothing flowed */
   moe_status st = MOE_OK;
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &index), st, done);
   if (moe_node_needs_grad(n, 0)) {
