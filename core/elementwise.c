@@ -251,30 +251,6 @@ static moe_status scalar_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   return grad_to_input(ctx, n, 0, t, &gin[0]);
 }
 
-/* Records the node of out = a op b (b NULL: the scalar s or the unary op)
- * with the saved slots above; on failure out is released and NULL. */
-static moe_status elementwise_record(moe_ctx *ctx, moe_op op, const moe_tensor *a,
-                                     const moe_tensor *b, double s, bool reverse,
-                                     moe_tensor **out) {
-  if (!moe_dtype_is_float((*out)->dtype)) return MOE_OK;
-  moe_tensor *ta = (moe_tensor *)a, *tb = (moe_tensor *)b;
-  moe_record_spec spec = {.op = op, .backward = b ? binary_backward : scalar_backward,
-                          .n_in = b ? 2 : 1, .in = {ta, tb}, .iargs = {reverse}, .dargs = {s}};
-  if (b && op == MOE_OP_MUL) {
-    spec.n_save = 2;
-    spec.save[0] = moe_requires_grad(a) ? tb : NULL;
-    spec.save[1] = moe_requires_grad(b) ? ta : NULL;
-  } else if (b && op == MOE_OP_DIV) {
-    spec.n_save = 2;
-    spec.save[0] = tb;
-    spec.save[1] = moe_requires_grad(b) ? ta : NULL;
-  } else if (!b && op == MOE_OP_DIV && reverse) {
-    spec.n_save = 1;
-    spec.save[0] = ta;
-  }
-  return moe_record(ctx, &spec, 1, out);
-}
-
 /* ------------------------------------------------------------- dispatch */
 
 static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, const moe_tensor *b,
@@ -348,7 +324,16 @@ moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_te
   if (op == MOE_OP_DIV && !moe_dtype_is_float(dt)) dt = MOE_F32;
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, ndim, shape, dt, a, b, NULL, 0, false, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, b, 0, false, &r));
+  if (moe_dtype_is_float(dt)) { /* saved slots: see the backward section */
+    moe_tensor *ta = (moe_tensor *)a, *tb = (moe_tensor *)b;
+    moe_record_spec spec = {.op = op, .backward = binary_backward, .n_in = 2, .in = {ta, tb}};
+    if (op == MOE_OP_MUL || op == MOE_OP_DIV) {
+      spec.n_save = 2;
+      spec.save[0] = op == MOE_OP_DIV || moe_requires_grad(a) ? tb : NULL;
+      spec.save[1] = moe_requires_grad(b) ? ta : NULL;
+    }
+    MOE_CHECK(moe_record(ctx, &spec, 1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
@@ -385,7 +370,14 @@ moe_status moe_binary_scalar(moe_ctx *ctx, moe_op op, const moe_tensor *a, doubl
   }
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, dt, a, NULL, &vs, s, reverse, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, NULL, s, reverse, &r));
+  if (moe_dtype_is_float(dt)) {
+    bool save_a = op == MOE_OP_DIV && reverse; /* s / a */
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = op, .backward = scalar_backward, .n_in = 1,
+                                                 .in = {(moe_tensor *)a}, .n_save = save_a,
+                                                 .save = {(moe_tensor *)a}, .iargs = {reverse},
+                                                 .dargs = {s}},
+                         1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
@@ -401,7 +393,10 @@ moe_status moe_unary(moe_ctx *ctx, moe_op op, const moe_tensor *a, moe_tensor **
                      "neg: negating a bool tensor is not supported (convert it with to first)");
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, a->dtype, a, NULL, NULL, 0, false, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, NULL, 0, false, &r));
+  if (moe_dtype_is_float(a->dtype))
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = op, .backward = scalar_backward, .n_in = 1,
+                                                 .in = {(moe_tensor *)a}},
+                         1, &r));
   *out = r;
   return MOE_OK;
 }

@@ -81,15 +81,6 @@ static moe_status stack_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *g
   return st;
 }
 
-/* Records the node of cat or stack over the n (at most MOE_NODE_MAX_INPUTS)
- * inputs xs; iargs dim. */
-static moe_status join_record(moe_ctx *ctx, moe_op op, moe_backward_fn bw, int n,
-                              moe_tensor *const *xs, int dim, moe_tensor **out) {
-  moe_record_spec spec = {.op = op, .backward = bw, .n_in = n, .iargs = {dim}};
-  memcpy(spec.in, xs, sizeof(moe_tensor *) * (size_t)n);
-  return moe_record(ctx, &spec, 1, out);
-}
-
 /* Copies each input into its place of a new tensor; stack: select, cat: narrow. */
 static moe_status join_run(moe_ctx *ctx, int n, moe_tensor *const *xs, int dim, bool stack,
                               int ndim, const int64_t *shape, moe_tensor **out) {
@@ -150,7 +141,11 @@ moe_status moe_cat(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, moe_
   }
   moe_tensor *r;
   MOE_CHECK(join_run(ctx, n, xs, d, false, xs[0]->ndim, shape, &r));
-  if (grad) MOE_CHECK(join_record(ctx, MOE_OP_CAT, cat_backward, n, xs, d, &r));
+  if (grad) { /* n <= MOE_NODE_MAX_INPUTS here */
+    moe_record_spec spec = {.op = MOE_OP_CAT, .backward = cat_backward, .n_in = n, .iargs = {d}};
+    memcpy(spec.in, xs, sizeof(moe_tensor *) * (size_t)n);
+    MOE_CHECK(moe_record(ctx, &spec, 1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
@@ -191,7 +186,11 @@ moe_status moe_stack(moe_ctx *ctx, int n, moe_tensor *const *xs, int64_t dim, mo
   }
   moe_tensor *r;
   MOE_CHECK(join_run(ctx, n, xs, d, true, nd + 1, shape, &r));
-  if (grad) MOE_CHECK(join_record(ctx, MOE_OP_STACK, stack_backward, n, xs, d, &r));
+  if (grad) { /* n <= MOE_NODE_MAX_INPUTS here */
+    moe_record_spec spec = {.op = MOE_OP_STACK, .backward = stack_backward, .n_in = n, .iargs = {d}};
+    memcpy(spec.in, xs, sizeof(moe_tensor *) * (size_t)n);
+    MOE_CHECK(moe_record(ctx, &spec, 1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
