@@ -1,13 +1,10 @@
 /*
  * copy.c - writing into tensors: copy_ (broadcast, dtype conversion, across
- * devices), to, clone, fill_, arange, linspace and the random fills. Each
- * validates, then runs the CPU loop here or the CUDA entry point of
- * internal.h. A destination whose elements overlap (a stride-0 dim of size
- * > 1, as after expand) is refused by every writer.
- *
- * Random fills follow philox.h: element i in row-major logical order gets
- * the value of (seed, call, i); the context's call counter advances by one
- * after every successful fill, empty tensors included.
+ * devices), to, clone, fill_, arange and linspace. Each validates, then runs
+ * the CPU loop here or the CUDA entry point of internal.h
+ * (kernels/copy.cu). A destination whose elements overlap (a stride-0 dim of
+ * size > 1, as after expand) is refused by every writer: the checks that
+ * every writer runs (also random.c's fills) are declared in copy_check.h.
  *
  * Autograd: to and clone (so contiguous and reshape's copy) record a COPY
  * node whose backward converts the gradient back to the input's dtype and
@@ -17,11 +14,9 @@
 #include <math.h>
 #include <string.h>
 
+#include "copy_check.h"
 #include "cpu_loop.h"
 #include "internal.h"
-#include "philox.h"
-
-#define SHAPE_BUF 200
 
 static moe_status check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t,
                                const char *what) {
@@ -29,8 +24,7 @@ static moe_status check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t
   return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
 }
 
-/* Refuses a destination in which two elements share memory. */
-static moe_status check_writable(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
+moe_status moe_check_writable(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
   for (int d = 0; d < t->ndim; d++)
     if (t->stride[d] == 0 && t->shape[d] > 1)
       return moe_error(ctx, MOE_ERR_INVALID_ARG,
@@ -40,11 +34,7 @@ static moe_status check_writable(moe_ctx *ctx, const char *fn, const moe_tensor 
   return MOE_OK;
 }
 
-/* Refuses an in-place write that autograd cannot see: into a leaf that
- * requires grad, or into a tensor that is part of a recorded graph, while
- * grad mode is on (as PyTorch refuses the first; it tracks the second with
- * version counters, which moe-lua does not have). */
-static moe_status check_inplace(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
+moe_status moe_check_inplace(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
   if (!moe_grad_enabled(ctx) || !moe_requires_grad(t)) return MOE_OK;
   if (moe_tensor_is_leaf(t))
     return moe_error(ctx, MOE_ERR_INVALID_ARG,
@@ -63,20 +53,6 @@ static moe_status copy_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
                                 moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0) || !gout[0]) return MOE_OK;
   return moe_to(ctx, gout[0], n->in_dtype[0], n->in_device[0], &gin[0]);
-}
-
-/* Records r = copy of t when t needs grad; releases r on failure. */
-static moe_status copy_record(moe_ctx *ctx, const moe_tensor *t, moe_tensor *r) {
-  if (!moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) return MOE_OK;
-  moe_node *n;
-  moe_status st = moe_node_new(ctx, MOE_OP_COPY, copy_backward, 1,
-                               (moe_tensor *[]){(moe_tensor *)t}, &n);
-  if (st == MOE_OK) {
-    st = moe_node_set_output(ctx, n, 0, r);
-    moe_node_release(n);
-  }
-  if (st != MOE_OK) moe_tensor_release(r);
-  return st;
 }
 
 static bool same_shape(const moe_tensor *a, const moe_tensor *b) {
@@ -162,33 +138,6 @@ static void cpu_arange(const moe_kview *dst, double start, double step) {
   }
 }
 
-static void cpu_random(const moe_kview *dst, moe_random_kind kind, uint64_t seed, uint64_t call,
-                       double a, double b, int64_t ilow, uint64_t irange) {
-  int64_t es = (int64_t)moe_dtype_size(dst->dtype);
-  bool f64 = dst->dtype == MOE_F64;
-  moe_loop l;
-  moe_loop_init(&l, 1, (const moe_kview *[]){dst});
-#pragma omp parallel for if (l.numel >= MOE_LOOP_PAR_MIN / 4) schedule(static)
-  for (int64_t k = 0; k < l.tasks; k++) {
-    int64_t off = 0, first = 0;
-    int64_t n = moe_loop_task(&l, k, &off, &first);
-    char *d = (char *)dst->data + off * es;
-    int64_t sd = l.inner_stride[0] * es;
-    for (int64_t j = 0; j < n; j++, d += sd) {
-      uint64_t i = (uint64_t)(first + j);
-      if (kind == MOE_RANDOM_UNIFORM) {
-        double u = f64 ? moe_philox_uniform53(seed, call, i) : moe_philox_uniform24(seed, call, i);
-        moe_store_f64(d, dst->dtype, a + u * (b - a));
-      } else if (kind == MOE_RANDOM_NORMAL) {
-        moe_store_f64(d, dst->dtype, a + b * moe_philox_normal(seed, call, i));
-      } else {
-        uint64_t r = moe_philox_bits64(seed, call, i) % irange;
-        moe_store_i64(d, dst->dtype, (int64_t)((uint64_t)ilow + r));
-      }
-    }
-  }
-}
-
 /* ------------------------------------------------------------------ copy_ */
 
 /* dst = src across devices: src is made contiguous on its own device (and
@@ -223,19 +172,18 @@ moe_status moe_copy_(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "copy_", dst, "destination"));
   MOE_CHECK(check_tensor(ctx, "copy_", src, "source"));
-  MOE_CHECK(check_writable(ctx, "copy_", dst));
-  MOE_CHECK(check_inplace(ctx, "copy_", dst));
+  MOE_CHECK(moe_check_writable(ctx, "copy_", dst));
+  MOE_CHECK(moe_check_inplace(ctx, "copy_", dst));
   bool fits = src->ndim <= dst->ndim;
   for (int d = 0; fits && d < src->ndim; d++) {
     int64_t have = src->shape[src->ndim - 1 - d], want = dst->shape[dst->ndim - 1 - d];
     fits = have == want || have == 1;
   }
   if (!fits) {
-    char a[SHAPE_BUF], b[SHAPE_BUF];
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "copy_: source shape %s cannot be broadcast to destination shape %s",
-                     moe_shape_str(src->ndim, src->shape, a, sizeof(a)),
-                     moe_shape_str(dst->ndim, dst->shape, b, sizeof(b)));
+                     MOE_SHAPE(src),
+                     MOE_SHAPE(dst));
   }
   moe_device dd = dst->storage->device, sd = src->storage->device;
   MOE_CHECK(moe_device_check(ctx, dd));
@@ -255,6 +203,23 @@ moe_status moe_copy_(moe_ctx *ctx, moe_tensor *dst, const moe_tensor *src) {
   return MOE_OK;
 }
 
+/* out = a new copy of t of dtype dt on d, with its COPY node (to, clone). */
+static moe_status copy_new(moe_ctx *ctx, const moe_tensor *t, moe_dtype dt, moe_device d,
+                           moe_tensor **out) {
+  moe_tensor *r;
+  MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, dt, d, &r));
+  moe_status st = moe_copy_(ctx, r, t);
+  if (st != MOE_OK) {
+    moe_tensor_release(r);
+    return st;
+  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_COPY, .backward = copy_backward,
+                                               .n_in = 1, .in = {(moe_tensor *)t}},
+                       1, &r));
+  *out = r;
+  return MOE_OK;
+}
+
 moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "to", t, "tensor"));
@@ -267,32 +232,14 @@ moe_status moe_to(moe_ctx *ctx, moe_tensor *t, moe_dtype dt, moe_device d, moe_t
     *out = t;
     return MOE_OK;
   }
-  moe_tensor *r;
-  MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, dt, d, &r));
-  moe_status st = moe_copy_(ctx, r, t);
-  if (st != MOE_OK) {
-    moe_tensor_release(r);
-    return st;
-  }
-  MOE_CHECK(copy_record(ctx, t, r));
-  *out = r;
-  return MOE_OK;
+  return copy_new(ctx, t, dt, d, out);
 }
 
 moe_status moe_clone(moe_ctx *ctx, const moe_tensor *t, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "clone", t, "tensor"));
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "clone: out is NULL");
-  moe_tensor *r;
-  MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, t->dtype, t->storage->device, &r));
-  moe_status st = moe_copy_(ctx, r, t);
-  if (st != MOE_OK) {
-    moe_tensor_release(r);
-    return st;
-  }
-  MOE_CHECK(copy_record(ctx, t, r));
-  *out = r;
-  return MOE_OK;
+  return copy_new(ctx, t, t->dtype, t->storage->device, out);
 }
 
 /* ------------------------------------------------------------ fills */
@@ -300,8 +247,8 @@ moe_status moe_clone(moe_ctx *ctx, const moe_tensor *t, moe_tensor **out) {
 moe_status moe_fill_(moe_ctx *ctx, moe_tensor *t, double value) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_tensor(ctx, "fill_", t, "tensor"));
-  MOE_CHECK(check_writable(ctx, "fill_", t));
-  MOE_CHECK(check_inplace(ctx, "fill_", t));
+  MOE_CHECK(moe_check_writable(ctx, "fill_", t));
+  MOE_CHECK(moe_check_inplace(ctx, "fill_", t));
   moe_device d = t->storage->device;
   MOE_CHECK(moe_device_check(ctx, d));
   if (moe_tensor_numel(t) == 0) return MOE_OK;
@@ -384,82 +331,4 @@ fail:
   moe_tensor_release(last);
   moe_tensor_release(t);
   return st;
-}
-
-/* ------------------------------------------------------------ random */
-
-static moe_status random_fill(moe_ctx *ctx, moe_tensor *t, moe_random_kind kind,
-                              double a, double b, int64_t ilow, uint64_t irange) {
-  moe_device d = t->storage->device;
-  uint64_t seed = ctx->rng_seed, call = ctx->rng_call;
-  if (moe_tensor_numel(t) > 0) {
-    moe_kview v = moe_kview_of(t);
-    if (d.type == MOE_DEVICE_CUDA)
-      MOE_CHECK(moe_cuda_random(ctx, d.index, &v, kind, seed, call, a, b));
-    else
-      cpu_random(&v, kind, seed, call, a, b, ilow, irange);
-  }
-  ctx->rng_call++;
-  return MOE_OK;
-}
-
-static moe_status random_args(moe_ctx *ctx, const char *fn, moe_tensor *t, bool floats_only) {
-  MOE_CHECK(check_tensor(ctx, fn, t, "tensor"));
-  MOE_CHECK(check_writable(ctx, fn, t));
-  MOE_CHECK(check_inplace(ctx, fn, t));
-  MOE_CHECK(moe_device_check(ctx, t->storage->device));
-  if (floats_only && !moe_dtype_is_float(t->dtype))
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: needs a float tensor, got %s (use randint_ for integers)",
-                     fn, moe_dtype_name(t->dtype));
-  return MOE_OK;
-}
-
-moe_status moe_uniform_(moe_ctx *ctx, moe_tensor *t, double low, double high) {
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(random_args(ctx, "uniform_", t, true));
-  if (!isfinite(low) || !isfinite(high) || low > high)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG,
-                     "uniform_: needs finite low <= high, got low %g and high %g", low, high);
-  return random_fill(ctx, t, MOE_RANDOM_UNIFORM, low, high, 0, 1);
-}
-
-moe_status moe_normal_(moe_ctx *ctx, moe_tensor *t, double mean, double std) {
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(random_args(ctx, "normal_", t, true));
-  if (!isfinite(mean) || !isfinite(std) || std < 0)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG,
-                     "normal_: needs a finite mean and std >= 0, got mean %g and std %g", mean, std);
-  return random_fill(ctx, t, MOE_RANDOM_NORMAL, mean, std, 0, 1);
-}
-
-/* Inclusive range of integers a dtype holds exactly. */
-static void dtype_int_range(moe_dtype dt, int64_t *lo, int64_t *hi) {
-  switch (dt) {
-    case MOE_BOOL: *lo = 0, *hi = 1; return;
-    case MOE_I8: *lo = INT8_MIN, *hi = INT8_MAX; return;
-    case MOE_U8: *lo = 0, *hi = UINT8_MAX; return;
-    case MOE_I32: *lo = INT32_MIN, *hi = INT32_MAX; return;
-    case MOE_BF16: *lo = -(1 << 8), *hi = 1 << 8; return;
-    case MOE_F16: *lo = -(1 << 11), *hi = 1 << 11; return;
-    case MOE_F32: *lo = -(1 << 24), *hi = 1 << 24; return;
-    case MOE_F64: *lo = -(INT64_C(1) << 53), *hi = INT64_C(1) << 53; return;
-    default: *lo = INT64_MIN, *hi = INT64_MAX; return;
-  }
-}
-
-moe_status moe_randint_(moe_ctx *ctx, moe_tensor *t, int64_t low, int64_t high) {
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(random_args(ctx, "randint_", t, false));
-  if (high <= low)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "randint_: high %lld must be greater than low %lld",
-                     (long long)high, (long long)low);
-  int64_t lo, hi;
-  dtype_int_range(t->dtype, &lo, &hi);
-  if (low < lo || high - 1 > hi)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG,
-                     "randint_: [%lld, %lld) does not fit dtype %s (which holds %lld to %lld exactly)",
-                     (long long)low, (long long)high, moe_dtype_name(t->dtype), (long long)lo,
-                     (long long)hi);
-  return random_fill(ctx, t, MOE_RANDOM_INT, (double)low, (double)high, low,
-                     (uint64_t)high - (uint64_t)low);
 }

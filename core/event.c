@@ -65,11 +65,8 @@ moe_status moe_event_elapsed(moe_ctx *ctx, moe_event *start, moe_event *end, dou
   if (!start->recorded || !end->recorded)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "elapsed: both events must be recorded first (%s was not)",
                      start->recorded ? "the end event" : "the start event");
-  if (!moe_device_equal(start->device, end->device)) {
-    char a[16], b[16];
-    return moe_error(ctx, MOE_ERR_DEVICE, "elapsed: events on different devices (%s and %s)",
-                     moe_device_str(start->device, a, sizeof a), moe_device_str(end->device, b, sizeof b));
-  }
+  MOE_CHECK(moe_check_same_device(ctx, "elapsed", "the start event", start->device,
+                                  "the end event", end->device));
   if (start->device.type == MOE_DEVICE_CUDA) {
     float f = 0;
     MOE_CHECK(moe_cuda_event_elapsed(ctx, start->cuda, end->cuda, &f));

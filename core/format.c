@@ -240,15 +240,15 @@ moe_status moe_tensor_format(moe_ctx *ctx, const moe_tensor *t, const moe_print_
     visit(&pr, 0, h->offset, visit_width);
     print_dim(&pr, 0, h->offset, indent);
   }
-  char suffix[256], sb[200], db[32];
+  char suffix[256];
   const char *nl = pr.out.p ? strrchr(pr.out.p, '\n') : NULL;
   /* as PyTorch counts it: two more than the characters after the newline */
   int64_t line_len = (int64_t)pr.out.len - (nl ? (int64_t)(nl - pr.out.p) : -1) + 1;
-  snprintf(suffix, sizeof(suffix), "shape=%s", moe_shape_str(h->ndim, h->shape, sb, sizeof(sb)));
+  snprintf(suffix, sizeof(suffix), "shape=%s", MOE_SHAPE(h));
   put_suffix(&pr, suffix, indent, &line_len);
   snprintf(suffix, sizeof(suffix), "dtype=%s", moe_dtype_name(h->dtype));
   put_suffix(&pr, suffix, indent, &line_len);
-  snprintf(suffix, sizeof(suffix), "device=%s", moe_device_str(t->storage->device, db, sizeof(db)));
+  snprintf(suffix, sizeof(suffix), "device=%s", MOE_DEVICE(t->storage->device));
   put_suffix(&pr, suffix, indent, &line_len);
   sb_str(&pr.out, ")");
   moe_tensor_release(h);

@@ -1,10 +1,12 @@
 /*
  * index_cuda.h - CUDA entry points of the index family (kernels/index.cu),
- * called by core/index.c inside #ifdef MOE_WITH_CUDA. Private to core/.
+ * called by core/index.c, rope.c and multinomial.c when a tensor is on a
+ * GPU; declared in every build (core/nocuda.c has the stubs of a build
+ * without CUDA). Private to core/.
  *
  * Views live on `device`; launches go on the context's stream and never
  * synchronise with the host. Shapes, dtypes and ranges are validated by
- * core/index.c; these functions only check what a launch needs. Index views
+ * the callers; these functions only check what a launch needs. Index views
  * hold i64 or i32. Out-of-range indices are not checked here (see
  * moe_index.h): reads through them give 0 and writes are dropped.
  */

@@ -295,10 +295,10 @@ moe_status moe_randint_(moe_ctx *ctx, moe_tensor *t, int64_t low, int64_t high);
 /* -------------------------------------------------------------- op table */
 /*
  * One enum names every op the core knows, with a name table guarded by a
- * static assert in core/ops.c. Later issues (autograd, MoE kernels) append.
+ * static assert in core/op_table.c. Later issues (autograd, MoE kernels) append.
  */
 typedef enum moe_op {
-  /* elementwise arithmetic (core/ops.c) */
+  /* elementwise arithmetic (core/elementwise.c) */
   MOE_OP_ADD = 0,
   MOE_OP_SUB,
   MOE_OP_MUL,

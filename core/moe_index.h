@@ -1,5 +1,7 @@
 /*
- * moe_index.h - indexing, sorting, topk, joining, rotary embedding, multinomial (core/index.c, kernels/index.cu).
+ * moe_index.h - indexing, sorting, topk (core/index.c), joining and
+ * splitting (core/join.c), rotary embedding (core/rope.c), multinomial
+ * (core/multinomial.c); CUDA kernels in kernels/index.cu.
  * Included by moe.h. Conventions of moe.h hold: ctx first, outputs last,
  * 0-based dims, a new reference per returned tensor, differentiable ops
  * record autograd nodes (moe_autograd.h).

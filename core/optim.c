@@ -14,8 +14,6 @@
 #include "moe_optim.h"
 #include "optim_cuda.h"
 
-#define OP_SHAPE 96
-
 moe_adamw_opts moe_adamw_opts_default(void) {
   moe_adamw_opts o = {1e-3, 0.9, 0.999, 1e-8, 0.0, 1};
   return o;
@@ -32,18 +30,15 @@ static moe_dtype op_state_dtype(moe_dtype pdt) { return pdt == MOE_F64 ? MOE_F64
 /* A state tensor: contiguous, param's element count, state dtype, param's device. */
 static moe_status op_check_state(moe_ctx *ctx, const char *fn, const char *what,
                                  const moe_tensor *t, const moe_tensor *param) {
-  char a[32], b[32], s[OP_SHAPE];
   moe_dtype want = op_state_dtype(param->dtype);
-  if (!moe_device_equal(t->storage->device, param->storage->device))
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but param is on %s", fn, what,
-                     moe_device_str(t->storage->device, a, sizeof a),
-                     moe_device_str(param->storage->device, b, sizeof b));
+  MOE_CHECK(moe_check_same_device(ctx, fn, what, t->storage->device, "param",
+                                  param->storage->device));
   if (t->dtype != want)
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s must be %s for a %s param, got %s", fn, what,
                      moe_dtype_name(want), moe_dtype_name(param->dtype), moe_dtype_name(t->dtype));
   if (moe_tensor_numel(t) != moe_tensor_numel(param))
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s (%lld elements), param has %lld", fn,
-                     what, moe_shape_str(t->ndim, t->shape, s, sizeof s),
+                     what, MOE_SHAPE(t),
                      (long long)moe_tensor_numel(t), (long long)moe_tensor_numel(param));
   if (!moe_tensor_is_contiguous(t))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s must be contiguous", fn, what);
@@ -55,7 +50,6 @@ static moe_status op_check_state(moe_ctx *ctx, const char *fn, const char *what,
 /* param and grad; *gc gets a contiguous grad (one new reference). */
 static moe_status op_check_param(moe_ctx *ctx, const char *fn, moe_tensor *param,
                                  const moe_tensor *grad, moe_tensor *master, moe_tensor **gc) {
-  char a[OP_SHAPE], b[OP_SHAPE], da[32], db[32];
   *gc = NULL;
   if (!param || !grad) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: param and grad are required", fn);
   if (!op_float(param->dtype))
@@ -67,12 +61,10 @@ static moe_status op_check_param(moe_ctx *ctx, const char *fn, moe_tensor *param
   if (param->ndim != grad->ndim ||
       memcmp(param->shape, grad->shape, sizeof(int64_t) * (size_t)param->ndim) != 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: grad has shape %s but param has shape %s", fn,
-                     moe_shape_str(grad->ndim, grad->shape, a, sizeof a),
-                     moe_shape_str(param->ndim, param->shape, b, sizeof b));
-  if (!moe_device_equal(grad->storage->device, param->storage->device))
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: grad is on %s but param is on %s", fn,
-                     moe_device_str(grad->storage->device, da, sizeof da),
-                     moe_device_str(param->storage->device, db, sizeof db));
+                     MOE_SHAPE(grad),
+                     MOE_SHAPE(param));
+  MOE_CHECK(moe_check_same_device(ctx, fn, "grad", grad->storage->device, "param",
+                                  param->storage->device));
   if (!moe_tensor_is_contiguous(param))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: param must be contiguous", fn);
   if (!master && (param->dtype == MOE_BF16 || param->dtype == MOE_F16))
@@ -80,9 +72,6 @@ static moe_status op_check_param(moe_ctx *ctx, const char *fn, moe_tensor *param
                      "%s: a %s param needs an f32 master copy (master_weights)", fn,
                      moe_dtype_name(param->dtype));
   if (master) MOE_CHECK(op_check_state(ctx, fn, "master", master, param));
-  if (param->storage->device.type == MOE_DEVICE_CUDA && !moe_cuda_built())
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: CUDA tensor but moe-lua was built without CUDA",
-                     fn);
   return moe_contiguous(ctx, (moe_tensor *)grad, gc);
 }
 
@@ -255,13 +244,9 @@ moe_status moe_adamw_step(moe_ctx *ctx, moe_tensor *param, const moe_tensor *gra
   op_round(&s, f64);
   int64_t n = moe_tensor_numel(param);
   if (param->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_adamw_step(ctx, param->storage->device.index, n, moe_tensor_data(param),
                              param->dtype, moe_tensor_data(g), g->dtype, moe_tensor_data(exp_avg),
                              moe_tensor_data(exp_avg_sq), op_ptr(master), &s);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
   } else if (f64) {
     op_adamw_cpu_f64(n, (double *)moe_tensor_data(param), moe_tensor_data(g), g->dtype,
                      (double *)moe_tensor_data(exp_avg), (double *)moe_tensor_data(exp_avg_sq),
@@ -305,13 +290,9 @@ moe_status moe_sgd_step(moe_ctx *ctx, moe_tensor *param, const moe_tensor *grad,
   op_round(&s, f64);
   int64_t n = moe_tensor_numel(param);
   if (param->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_sgd_step(ctx, param->storage->device.index, n, moe_tensor_data(param),
                            param->dtype, moe_tensor_data(g), g->dtype, op_ptr(buf), op_ptr(master),
                            &s);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
   } else if (f64) {
     op_sgd_cpu_f64(n, (double *)moe_tensor_data(param), moe_tensor_data(g), g->dtype,
                    (double *)op_ptr(buf), (double *)op_ptr(master), &s);

@@ -1,6 +1,7 @@
 /*
  * optim_cuda.h - CUDA entry points of the optimiser family (kernels/optim.cu),
- * called by core/optim.c inside #ifdef MOE_WITH_CUDA. Private to core/.
+ * called by core/optim.c for parameters on a GPU; declared in every build
+ * (core/nocuda.c has the stubs of a build without CUDA). Private to core/.
  *
  * Pointers are device pointers to n contiguous elements; core/optim.c has
  * validated dtypes, shapes and devices and precomputed the scalars (in the

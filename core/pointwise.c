@@ -23,7 +23,6 @@
 #include "internal.h"
 #include "pointwise_cuda.h"
 
-#define PW_SHAPE_BUF 160
 #define PW_MAX_OPS MOE_LOOP_MAX_OPS /* views one CPU loop walks together */
 
 /* What one CPU pass computes. */
@@ -197,27 +196,15 @@ static pw_job pw_job_make(pw_kind kind, int op, pw_compute compute, int nout, in
 
 /* ---------------------------------------------------------- validation */
 
-#ifndef MOE_WITH_CUDA
-static moe_status pw_nocuda(moe_ctx *ctx, const char *fn) {
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: a CUDA tensor but moe was built without CUDA",
-                   fn);
-}
-#endif
-
 /* n tensors (named for messages) present, one device, which exists. */
 static moe_status pw_args(moe_ctx *ctx, const char *fn, int n, moe_tensor *const *t,
                           const char *const *names, moe_tensor **out) {
   for (int k = 0; k < n; k++)
     if (!t[k]) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, names[k]);
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  for (int k = 1; k < n; k++) {
-    if (!moe_device_equal(t[0]->storage->device, t[k]->storage->device)) {
-      char d0[32], dk[32];
-      return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but %s is on %s", fn, names[0],
-                       moe_device_str(t[0]->storage->device, d0, sizeof(d0)), names[k],
-                       moe_device_str(t[k]->storage->device, dk, sizeof(dk)));
-    }
-  }
+  for (int k = 1; k < n; k++)
+    MOE_CHECK(moe_check_same_device(ctx, fn, names[0], t[0]->storage->device, names[k],
+                                    t[k]->storage->device));
   return moe_device_check(ctx, t[0]->storage->device);
 }
 
@@ -240,9 +227,9 @@ static moe_status pw_broadcast(moe_ctx *ctx, const char *fn, int n, moe_tensor *
       int64_t x = d >= 0 ? t[k]->shape[d] : 1;
       if (x == 1 || x == s) continue;
       if (s != 1) {
-        char buf[3][PW_SHAPE_BUF];
+        char buf[3][MOE_SHAPE_STR];
         for (int j = 0; j < 3; j++) buf[j][0] = 0;
-        for (int j = 0; j < n && j < 3; j++) moe_shape_str(t[j]->ndim, t[j]->shape, buf[j], PW_SHAPE_BUF);
+        for (int j = 0; j < n && j < 3; j++) moe_shape_str(t[j]->ndim, t[j]->shape, buf[j], MOE_SHAPE_STR);
         return moe_error(ctx, MOE_ERR_SHAPE, "%s: shapes %s%s%s%s%s cannot be broadcast together", fn,
                          buf[0], n > 1 ? ", " : "", buf[1], n > 2 ? ", " : "", buf[2]);
       }
@@ -255,30 +242,6 @@ static moe_status pw_broadcast(moe_ctx *ctx, const char *fn, int n, moe_tensor *
 }
 
 /* ------------------------------------------------------------ autograd */
-
-/* Records a node when grad is wanted: inputs, saved tensors, plain args. On
- * failure the caller releases out. */
-static moe_status pw_record(moe_ctx *ctx, moe_op op, moe_backward_fn bw, int nin,
-                            moe_tensor *const *ins, int nsave, moe_tensor *const *saves,
-                            const int64_t *iargs, int ni, const double *dargs, int nd,
-                            moe_tensor *out) {
-  if (!moe_grad_wanted(ctx, nin, (const moe_tensor *const *)ins)) return MOE_OK;
-  moe_node *n;
-  MOE_CHECK(moe_node_new(ctx, op, bw, nin, ins, &n));
-  moe_status st = MOE_OK;
-  for (int k = 0; k < ni; k++) n->iargs[k] = iargs[k];
-  for (int k = 0; k < nd; k++) n->dargs[k] = dargs[k];
-  for (int k = 0; k < nsave && st == MOE_OK; k++) st = moe_node_save(ctx, n, saves[k]);
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
-  moe_node_release(n);
-  return st;
-}
-
-/* Zeros of input i's shape, dtype and device (no gradient flowed in). */
-static moe_status pw_zeros_input(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i],
-                         n->in_device[i], out);
-}
 
 /* g (the output's shape) reduced to input i's shape and cast to its dtype;
  * consumes the caller's reference to g. */
@@ -314,7 +277,7 @@ typedef struct pw_unary_spec {
 
 /* out = kop(x; p0, p1) of dtype dt on x's device (x of any dtype the job's
  * compute type loads). */
-static moe_status pw_unary_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop, moe_tensor *x,
+static moe_status pw_unary_run(moe_ctx *ctx, moe_pw_kop kop, moe_tensor *x,
                                moe_dtype dt, double p0, double p1, int64_t i0, int64_t i1,
                                moe_tensor **out) {
   moe_device d = x->storage->device;
@@ -325,11 +288,7 @@ static moe_status pw_unary_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop, moe
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x);
     pw_compute c = pw_compute_of(dt);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_unary(ctx, d.index, kop, &vo, &vx, p0, p1, i0, i1);
-#else
-      st = pw_nocuda(ctx, fn);
-#endif
     } else {
       pw_job jb = pw_job_make(PW_UNARY, kop, c, 1, 1);
       jb.p0 = p0, jb.p1 = p1, jb.i0 = i0, jb.i1 = i1;
@@ -345,7 +304,7 @@ static moe_status pw_unary_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop, moe
 }
 
 /* gin = g * kop'(x) in x's dtype and shape. */
-static moe_status pw_unary_grad_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop, moe_tensor *g,
+static moe_status pw_unary_grad_run(moe_ctx *ctx, moe_pw_kop kop, moe_tensor *g,
                                     moe_tensor *x, double p0, double p1, moe_tensor **out) {
   moe_device d = x->storage->device;
   moe_tensor *r;
@@ -354,11 +313,7 @@ static moe_status pw_unary_grad_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop
   if (moe_tensor_numel(r) > 0) {
     moe_kview vo = moe_kview_of(r), vg = moe_kview_of(g), vx = moe_kview_of(x);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_unary_grad(ctx, d.index, kop, &vo, &vg, &vx, p0, p1);
-#else
-      st = pw_nocuda(ctx, fn);
-#endif
     } else {
       pw_job jb = pw_job_make(PW_UNARY_GRAD, kop, pw_compute_of(x->dtype), 1, 2);
       jb.p0 = p0, jb.p1 = p1;
@@ -377,10 +332,10 @@ static moe_status pw_unary_grad_run(moe_ctx *ctx, const char *fn, moe_pw_kop kop
 static moe_status pw_unary_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                     moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return pw_zeros_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   moe_tensor *x;
   MOE_CHECK(moe_node_saved(ctx, n, 0, &x));
-  moe_status st = pw_unary_grad_run(ctx, moe_node_name(n), (moe_pw_kop)n->iargs[0], gout[0], x,
+  moe_status st = pw_unary_grad_run(ctx, (moe_pw_kop)n->iargs[0], gout[0], x,
                                     n->dargs[0], n->dargs[1], &gin[0]);
   moe_tensor_release(x);
   return st;
@@ -411,16 +366,12 @@ static moe_status pw_unary(moe_ctx *ctx, pw_unary_spec sp, moe_tensor *x, double
     MOE_CHECK(pw_float_only(ctx, fn, "x", dt));
   }
   moe_tensor *r;
-  MOE_CHECK(pw_unary_run(ctx, fn, sp.kop, x, dt, p0, p1, i0, i1, &r));
-  if (moe_dtype_is_float(x->dtype)) {
-    moe_status st = pw_record(ctx, sp.op, pw_unary_backward, 1, (moe_tensor *[]){x}, 1,
-                              (moe_tensor *[]){x}, (const int64_t[]){sp.kop}, 1,
-                              (const double[]){p0, p1}, 2, r);
-    if (st != MOE_OK) {
-      moe_tensor_release(r);
-      return st;
-    }
-  }
+  MOE_CHECK(pw_unary_run(ctx, sp.kop, x, dt, p0, p1, i0, i1, &r));
+  if (moe_dtype_is_float(x->dtype))
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = sp.op, .backward = pw_unary_backward,
+                                                 .n_in = 1, .in = {x}, .n_save = 1, .save = {x},
+                                                 .iargs = {sp.kop}, .dargs = {p0, p1}},
+                         1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -481,11 +432,7 @@ moe_status moe_clamp(moe_ctx *ctx, moe_tensor *x, double min, double max, moe_te
 static moe_status pw_binary_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                      moe_tensor **gin) {
   bool need[2] = {moe_node_needs_grad(n, 0), moe_node_needs_grad(n, 1)};
-  if (!gout[0]) {
-    for (int k = 0; k < 2; k++)
-      if (need[k]) MOE_CHECK(pw_zeros_input(ctx, n, k, &gin[k]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *s[2] = {NULL, NULL}, *full[2] = {NULL, NULL};
   moe_status st = moe_node_saved(ctx, n, 0, &s[0]);
   if (st == MOE_OK) st = moe_node_saved(ctx, n, 1, &s[1]);
@@ -501,12 +448,8 @@ static moe_status pw_binary_backward(moe_ctx *ctx, moe_node *n, moe_tensor *cons
     for (int k = 0; k < 2; k++)
       if (full[k]) vo[k] = moe_kview_of(full[k]);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_binary_grad(ctx, d.index, (moe_pw_kop)n->iargs[0], full[0] ? &vo[0] : NULL,
                                    full[1] ? &vo[1] : NULL, &vg, &va, &vb);
-#else
-      st = pw_nocuda(ctx, moe_node_name(n));
-#endif
     } else {
       int nout = 0;
       pw_job jb = pw_job_make(PW_BINARY_GRAD, (int)n->iargs[0], pw_compute_of(g->dtype), 0, 3);
@@ -549,22 +492,21 @@ static moe_status pw_binary(moe_ctx *ctx, moe_op op, moe_pw_kop kop, moe_tensor 
     moe_kview vo = moe_kview_of(r), va = moe_kview_broadcast(a, ndim, shape),
               vb = moe_kview_broadcast(b, ndim, shape);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_binary(ctx, d.index, kop, &vo, &va, &vb);
-#else
-      st = pw_nocuda(ctx, fn);
-#endif
     } else {
       pw_job jb = pw_job_make(PW_BINARY, kop, pw_compute_of(dt), 1, 2);
       pw_cpu_run(&jb, (const moe_kview *[]){&vo, &va, &vb});
     }
   }
-  if (st == MOE_OK && moe_dtype_is_float(dt))
-    st = pw_record(ctx, op, pw_binary_backward, 2, in, 2, in, (const int64_t[]){kop}, 1, NULL, 0, r);
   if (st != MOE_OK) {
     moe_tensor_release(r);
     return st;
   }
+  if (moe_dtype_is_float(dt))
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = op, .backward = pw_binary_backward,
+                                                 .n_in = 2, .in = {a, b}, .n_save = 2,
+                                                 .save = {a, b}, .iargs = {kop}},
+                         1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -590,7 +532,6 @@ static bool pw_is_compare(moe_op op) {
  * for one in int64. */
 static moe_status pw_compare_run(moe_ctx *ctx, moe_op op, moe_tensor *a, moe_tensor *b, double s,
                                  moe_dtype cdt, int ndim, const int64_t *shape, moe_tensor **out) {
-  const char *fn = moe_op_name(op);
   moe_device d = a->storage->device;
   moe_tensor *r;
   MOE_CHECK(moe_tensor_empty(ctx, ndim, shape, MOE_BOOL, d, &r));
@@ -609,17 +550,12 @@ static moe_status pw_compare_run(moe_ctx *ctx, moe_op op, moe_tensor *a, moe_ten
       else vb.dtype = MOE_I64, sv.i = (int64_t)s; /* s is integral and in range here */
     }
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_compare(ctx, d.index, op, cdt, &vo, &va, b ? &vb : NULL, s);
-#else
-      st = pw_nocuda(ctx, fn);
-#endif
     } else {
       pw_job jb = pw_job_make(PW_COMPARE, op, cdt == MOE_F64 ? PW_C_F64 : PW_C_I64, 1, 2);
       pw_cpu_run(&jb, (const moe_kview *[]){&vo, &va, &vb});
     }
   }
-  (void)fn;
   if (st != MOE_OK) {
     moe_tensor_release(r);
     return st;
@@ -664,11 +600,7 @@ static moe_status pw_where_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const
                                     moe_tensor **gin) {
   /* inputs of the node: 0 = a, 1 = b (cond is not differentiable) */
   bool need[2] = {moe_node_needs_grad(n, 0), moe_node_needs_grad(n, 1)};
-  if (!gout[0]) {
-    for (int k = 0; k < 2; k++)
-      if (need[k]) MOE_CHECK(pw_zeros_input(ctx, n, k, &gin[k]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *g = gout[0], *cond = NULL, *zero = NULL;
   moe_status st = moe_node_saved(ctx, n, 0, &cond);
   if (st == MOE_OK) st = moe_tensor_full(ctx, 0, NULL, 0.0, g->dtype, g->storage->device, &zero);
@@ -704,23 +636,21 @@ moe_status moe_where(moe_ctx *ctx, moe_tensor *cond, moe_tensor *a, moe_tensor *
     moe_kview vo = moe_kview_of(r), vc = moe_kview_broadcast(cond, ndim, shape),
               va = moe_kview_broadcast(a, ndim, shape), vb = moe_kview_broadcast(b, ndim, shape);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_where(ctx, d.index, &vo, &vc, &va, &vb);
-#else
-      st = pw_nocuda(ctx, fn);
-#endif
     } else {
       pw_job jb = pw_job_make(PW_WHERE, 0, pw_compute_of(dt), 1, 3);
       pw_cpu_run(&jb, (const moe_kview *[]){&vo, &vc, &va, &vb});
     }
   }
-  if (st == MOE_OK && moe_dtype_is_float(dt))
-    st = pw_record(ctx, MOE_OP_WHERE, pw_where_backward, 2, (moe_tensor *[]){a, b}, 1,
-                   (moe_tensor *[]){cond}, NULL, 0, NULL, 0, r);
   if (st != MOE_OK) {
     moe_tensor_release(r);
     return st;
   }
+  if (moe_dtype_is_float(dt))
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_WHERE,
+                                                 .backward = pw_where_backward, .n_in = 2,
+                                                 .in = {a, b}, .n_save = 1, .save = {cond}},
+                         1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -731,11 +661,7 @@ moe_status moe_where(moe_ctx *ctx, moe_tensor *cond, moe_tensor *a, moe_tensor *
 static moe_status pw_swiglu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                      moe_tensor **gin) {
   bool need[2] = {moe_node_needs_grad(n, 0), moe_node_needs_grad(n, 1)};
-  if (!gout[0]) {
-    for (int k = 0; k < 2; k++)
-      if (need[k]) MOE_CHECK(pw_zeros_input(ctx, n, k, &gin[k]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *s[2] = {NULL, NULL}, *r[2] = {NULL, NULL}, *g = gout[0];
   moe_status st = moe_node_saved(ctx, n, 0, &s[0]);
   if (st == MOE_OK) st = moe_node_saved(ctx, n, 1, &s[1]);
@@ -747,12 +673,8 @@ static moe_status pw_swiglu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *cons
     for (int k = 0; k < 2; k++)
       if (r[k]) vo[k] = moe_kview_of(r[k]);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_swiglu_grad(ctx, d.index, r[0] ? &vo[0] : NULL, r[1] ? &vo[1] : NULL, &vg,
                                    &vgate, &vup);
-#else
-      st = pw_nocuda(ctx, "swiglu");
-#endif
     } else {
       int nout = 0;
       pw_job jb = pw_job_make(PW_SWIGLU_GRAD, 0, pw_compute_of(g->dtype), 0, 3);
@@ -777,17 +699,12 @@ moe_status moe_swiglu(moe_ctx *ctx, moe_tensor *gate, moe_tensor *up, moe_tensor
   moe_tensor *const in[2] = {gate, up};
   MOE_CHECK(pw_args(ctx, "swiglu", 2, in, (const char *[]){"gate", "up"}, out));
   MOE_CHECK(pw_float_only(ctx, "swiglu", "gate", gate->dtype));
-  if (up->dtype != gate->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "swiglu: gate is %s but up is %s (they must match)",
-                     moe_dtype_name(gate->dtype), moe_dtype_name(up->dtype));
+  MOE_CHECK(moe_check_same_dtype(ctx, "swiglu", "gate", gate->dtype, "up", up->dtype));
   bool same = gate->ndim == up->ndim;
   for (int k = 0; same && k < gate->ndim; k++) same = gate->shape[k] == up->shape[k];
-  if (!same) {
-    char sg[PW_SHAPE_BUF], su[PW_SHAPE_BUF];
+  if (!same)
     return moe_error(ctx, MOE_ERR_SHAPE, "swiglu: gate %s and up %s must have the same shape",
-                     moe_shape_str(gate->ndim, gate->shape, sg, sizeof(sg)),
-                     moe_shape_str(up->ndim, up->shape, su, sizeof(su)));
-  }
+                     MOE_SHAPE(gate), MOE_SHAPE(up));
   moe_device d = gate->storage->device;
   moe_tensor *r;
   MOE_CHECK(moe_tensor_empty(ctx, gate->ndim, gate->shape, gate->dtype, d, &r));
@@ -795,22 +712,20 @@ moe_status moe_swiglu(moe_ctx *ctx, moe_tensor *gate, moe_tensor *up, moe_tensor
   if (moe_tensor_numel(r) > 0) {
     moe_kview vo = moe_kview_of(r), vg = moe_kview_of(gate), vu = moe_kview_of(up);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_swiglu(ctx, d.index, &vo, &vg, &vu);
-#else
-      st = pw_nocuda(ctx, "swiglu");
-#endif
     } else {
       pw_job jb = pw_job_make(PW_SWIGLU, 0, pw_compute_of(gate->dtype), 1, 2);
       pw_cpu_run(&jb, (const moe_kview *[]){&vo, &vg, &vu});
     }
   }
-  if (st == MOE_OK)
-    st = pw_record(ctx, MOE_OP_SWIGLU, pw_swiglu_backward, 2, in, 2, in, NULL, 0, NULL, 0, r);
   if (st != MOE_OK) {
     moe_tensor_release(r);
     return st;
   }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_SWIGLU, .backward = pw_swiglu_backward,
+                                               .n_in = 2, .in = {gate, up}, .n_save = 2,
+                                               .save = {gate, up}},
+                       1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -827,11 +742,7 @@ static moe_status pw_dropout_run(moe_ctx *ctx, moe_tensor *x, uint64_t seed, uin
   if (moe_tensor_numel(r) > 0) {
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_pw_dropout(ctx, d.index, &vo, &vx, seed, call, thr, scale);
-#else
-      st = pw_nocuda(ctx, "dropout");
-#endif
     } else {
       pw_job jb = pw_job_make(PW_DROPOUT, 0, pw_compute_of(x->dtype), 1, 1);
       jb.seed = seed, jb.call = call, jb.thr = thr, jb.scale = scale;
@@ -851,7 +762,7 @@ static moe_status pw_dropout_run(moe_ctx *ctx, moe_tensor *x, uint64_t seed, uin
 static moe_status pw_dropout_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                       moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return pw_zeros_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   return pw_dropout_run(ctx, gout[0], (uint64_t)n->iargs[0], (uint64_t)n->iargs[1],
                         (uint32_t)n->iargs[2], n->dargs[0], &gin[0]);
 }
@@ -873,13 +784,13 @@ moe_status moe_dropout(moe_ctx *ctx, moe_tensor *x, double p, bool training, moe
   moe_tensor *r;
   MOE_CHECK(pw_dropout_run(ctx, x, seed, call, thr, scale, &r));
   ctx->rng_call++;
-  moe_status st = pw_record(ctx, MOE_OP_DROPOUT, pw_dropout_backward, 1, (moe_tensor *[]){x}, 0,
-                            NULL, (const int64_t[]){(int64_t)seed, (int64_t)call, (int64_t)thr},
-                            3, (const double[]){scale}, 1, r);
-  if (st != MOE_OK) {
-    moe_tensor_release(r);
-    return st;
-  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = MOE_OP_DROPOUT,
+                                               .backward = pw_dropout_backward, .n_in = 1,
+                                               .in = {x},
+                                               .iargs = {(int64_t)seed, (int64_t)call,
+                                                         (int64_t)thr},
+                                               .dargs = {scale}},
+                       1, &r));
   *out = r;
   return MOE_OK;
 }

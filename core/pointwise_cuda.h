@@ -6,7 +6,8 @@
  *     inline functions compiled both by the C compiler (CPU reference) and by
  *     nvcc (device code), in float (f32/bf16/f16), double (f64) and int64
  *     (abs, clamp, maximum, minimum of integer tensors),
- *   - the CUDA entry points implemented in kernels/pointwise.cu.
+ *   - the CUDA entry points implemented in kernels/pointwise.cu (declared in
+ *     every build; core/nocuda.c has the stubs of a build without CUDA).
  *
  * Both sides use the same formulas and the same libm-style calls (expf,
  * erff, tanhf, powf, ...); the CPU is built with -ffp-contract=off and nvcc

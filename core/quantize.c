@@ -14,15 +14,6 @@
 #include "moe_quantize.h"
 #include "quantize_cuda.h"
 
-#define QZ_SHAPE_BUF 200
-
-#ifndef MOE_WITH_CUDA
-static moe_status qz_not_built(moe_ctx *ctx, const char *fn) {
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: CUDA tensor but moe-lua was built without CUDA",
-                   fn);
-}
-#endif
-
 moe_quant_opts moe_quant_opts_default(int bits) {
   moe_quant_opts o = {bits, bits == 4 ? 128 : 0, false};
   return o;
@@ -207,15 +198,10 @@ moe_status moe_quantize(moe_ctx *ctx, moe_tensor *x, const moe_quant_opts *opts,
       qz_cpu_quantize(x->dtype, moe_tensor_data(xc), ld, &g, opts->bits, opts->stochastic, seed, call,
                       moe_tensor_data(values), (float *)moe_tensor_data(scales));
     } else {
-#ifdef MOE_WITH_CUDA
       MOE_CHECK_GOTO(moe_cuda_quantize(ctx, d.index, x->dtype, moe_tensor_data(xc), ld, g.rows, g.cols,
                                        opts->bits, g.G, opts->stochastic, seed, call,
                                        moe_tensor_data(values), (float *)moe_tensor_data(scales)),
                      st, fail);
-#else
-      st = qz_not_built(ctx, fn);
-      goto fail;
-#endif
     }
   }
   moe_tensor_release(xc);
@@ -248,10 +234,8 @@ static moe_status qz_check_qtensor(moe_ctx *ctx, const char *fn, const moe_qtens
     if (q->shape[i] < 0) return moe_error(ctx, MOE_ERR_SHAPE, "%s: negative size in q's shape", fn);
   moe_device d = moe_tensor_device(q->values);
   MOE_CHECK(qz_check_dtype(ctx, fn, q->dtype, d));
-  if (!moe_device_equal(d, moe_tensor_device(q->scales)))
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: values and scales are on different devices", fn);
+  MOE_CHECK(moe_check_same_device(ctx, fn, "values", d, "scales", moe_tensor_device(q->scales)));
   *g = qz_geom_of(q->ndim, q->shape, q->bits, q->group_size);
-  char a[QZ_SHAPE_BUF], b[QZ_SHAPE_BUF], c[QZ_SHAPE_BUF];
   moe_dtype vdt = q->bits == 8 ? MOE_I8 : MOE_U8;
   const int64_t vs[2] = {g->rows, g->row_bytes}, ss[2] = {g->rows, g->ngroups};
   const moe_tensor *v = q->values, *s = q->scales;
@@ -260,17 +244,17 @@ static moe_status qz_check_qtensor(moe_ctx *ctx, const char *fn, const moe_qtens
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "%s: values must be a contiguous %s tensor of shape %s for %d bits and shape "
                      "%s, got %s %s",
-                     fn, moe_dtype_name(vdt), moe_shape_str(2, vs, a, sizeof a), q->bits,
-                     moe_shape_str(q->ndim, q->shape, b, sizeof b), moe_dtype_name(v->dtype),
-                     moe_shape_str(v->ndim, v->shape, c, sizeof c));
+                     fn, moe_dtype_name(vdt), MOE_SHAPE_OF(2, vs), q->bits,
+                     MOE_SHAPE(q), moe_dtype_name(v->dtype),
+                     MOE_SHAPE(v));
   if (s->dtype != MOE_F32 || s->ndim != 2 || s->shape[0] != ss[0] || s->shape[1] != ss[1] ||
       !moe_tensor_is_contiguous(s))
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "%s: scales must be a contiguous f32 tensor of shape %s for group_size %lld "
                      "and shape %s, got %s %s",
-                     fn, moe_shape_str(2, ss, a, sizeof a), (long long)q->group_size,
-                     moe_shape_str(q->ndim, q->shape, b, sizeof b), moe_dtype_name(s->dtype),
-                     moe_shape_str(s->ndim, s->shape, c, sizeof c));
+                     fn, MOE_SHAPE_OF(2, ss), (long long)q->group_size,
+                     MOE_SHAPE(q), moe_dtype_name(s->dtype),
+                     MOE_SHAPE(s));
   return MOE_OK;
 }
 
@@ -290,14 +274,9 @@ moe_status moe_dequantize(moe_ctx *ctx, const moe_qtensor *q, moe_tensor **out) 
                         (const float *)moe_tensor_data(q->scales), &g, q->bits,
                         moe_tensor_data(r));
     } else {
-      moe_status st;
-#ifdef MOE_WITH_CUDA
-      st = moe_cuda_dequantize(ctx, d.index, q->dtype, moe_tensor_data(q->values),
+      moe_status st = moe_cuda_dequantize(ctx, d.index, q->dtype, moe_tensor_data(q->values),
                                (const float *)moe_tensor_data(q->scales), g.rows, g.cols, q->bits,
                                g.G, moe_tensor_data(r));
-#else
-      st = qz_not_built(ctx, fn);
-#endif
       if (st != MOE_OK) {
         moe_tensor_release(r);
         return st;

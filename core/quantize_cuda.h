@@ -2,8 +2,9 @@
  * quantize_cuda.h - the element math of the quantize family, shared verbatim
  * by the CPU reference (core/quantize.c) and the CUDA kernels
  * (kernels/quantize.cu) so both give the same bits, and the CUDA entry
- * points, called by core/quantize.c inside #ifdef MOE_WITH_CUDA. Private to
- * core/ and kernels/.
+ * points, called by core/quantize.c for tensors on a GPU and declared in
+ * every build (core/nocuda.c has the stubs of a build without CUDA).
+ * Private to core/ and kernels/.
  *
  * The f32 operations are written through MOE_QZ_DIV / MOE_QZ_ADD /
  * MOE_QZ_MUL, which are __fdiv_rn / __fadd_rn / __fmul_rn on the GPU (no

@@ -544,7 +544,7 @@ static moe_status st_parse_dtype(const st_loader *ld, const char *name, const mo
 
 static moe_status st_parse_entry(const st_loader *ld, const char *name, const moe_json *v,
                                  st_info *info) {
-  char b1[64];
+  char b1[64]; /* st_describe's */
   info->name = name;
   if (v->type != MOE_JSON_OBJECT)
     return st_lerr(ld, MOE_ERR_IO, "tensor '%s': the entry must be an object, got %s", name,
@@ -588,7 +588,7 @@ static moe_status st_parse_entry(const st_loader *ld, const char *name, const mo
   for (int d = 0; d < info->ndim; d++) empty = empty || info->shape[d] == 0;
   if (!empty && (overflow || numel > (uint64_t)INT64_MAX / es))
     return st_lerr(ld, MOE_ERR_IO, "tensor '%s': shape %s is too large", name,
-                   moe_shape_str(info->ndim, info->shape, b1, sizeof b1));
+                   MOE_SHAPE_OF(info->ndim, info->shape));
   if (empty) numel = 0;
 
   bool offsets_ok = off->type == MOE_JSON_ARRAY && off->n == 2;
@@ -609,7 +609,7 @@ static moe_status st_parse_entry(const st_loader *ld, const char *name, const mo
                    "tensor '%s': data_offsets [%llu, %llu] hold %llu bytes but %s %s needs %llu",
                    name, (unsigned long long)info->begin, (unsigned long long)info->end,
                    (unsigned long long)(info->end - info->begin), st_dtype_names[info->dtype],
-                   moe_shape_str(info->ndim, info->shape, b1, sizeof b1), (unsigned long long)want);
+                   MOE_SHAPE_OF(info->ndim, info->shape), (unsigned long long)want);
   return MOE_OK;
 }
 

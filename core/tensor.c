@@ -113,8 +113,6 @@ moe_status moe_check_same_dtype(moe_ctx *ctx, const char *fn, const char *an, mo
                    moe_dtype_name(bdt));
 }
 
-#define SHAPE_BUF 200 /* eight 20-digit sizes with separators */
-
 static moe_status check_arg(moe_ctx *ctx, const char *fn, const void *p, const char *what) {
   if (p) return MOE_OK;
   return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
@@ -254,7 +252,6 @@ static moe_status tensor_empty(moe_ctx *ctx, const char *fn, int ndim, const int
   MOE_CHECK(check_ndim(ctx, fn, ndim, shape));
   if ((int)dt < 0 || dt >= MOE_DTYPE_COUNT)
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: unknown dtype %d", fn, (int)dt);
-  char sb[SHAPE_BUF];
   int64_t numel = 1;
   for (int i = 0; i < ndim; i++)
     if (shape[i] < 0)
@@ -263,11 +260,11 @@ static moe_status tensor_empty(moe_ctx *ctx, const char *fn, int ndim, const int
   for (int i = 0; i < ndim; i++)
     if (__builtin_mul_overflow(numel, shape[i], &numel))
       return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: shape %s has more than 2^63 elements", fn,
-                       moe_shape_str(ndim, shape, sb, sizeof(sb)));
+                       MOE_SHAPE_OF(ndim, shape));
   int64_t nbytes;
   if (__builtin_mul_overflow(numel, (int64_t)moe_dtype_size(dt), &nbytes))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: shape %s of %s needs more than 2^63 bytes",
-                     fn, moe_shape_str(ndim, shape, sb, sizeof(sb)), moe_dtype_name(dt));
+                     fn, MOE_SHAPE_OF(ndim, shape), moe_dtype_name(dt));
   int64_t stride[MOE_MAX_DIMS];
   contiguous_strides(ndim, shape, stride);
   moe_storage *s;
@@ -436,18 +433,10 @@ static moe_status view_new(moe_ctx *ctx, const char *fn, moe_tensor *t, int ndim
                            const view_grad *vg, moe_tensor **out) {
   moe_tensor *r = NULL;
   MOE_CHECK(tensor_wrap(ctx, fn, t->storage, t->dtype, ndim, shape, stride, offset, &r));
-  if (vg && moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, vg->op, view_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      for (int i = 0; i < vg->nargs; i++) n->iargs[i] = vg->args[i];
-      st = moe_node_set_output(ctx, n, 0, r);
-      moe_node_release(n);
-    }
-    if (st != MOE_OK) {
-      moe_tensor_release(r);
-      return st;
-    }
+  if (vg) {
+    moe_record_spec spec = {.op = vg->op, .backward = view_backward, .n_in = 1, .in = {t}};
+    for (int i = 0; i < vg->nargs; i++) spec.iargs[i] = vg->args[i];
+    MOE_CHECK(moe_record(ctx, &spec, 1, &r));
   }
   *out = r;
   return MOE_OK;
@@ -457,7 +446,6 @@ static moe_status view_new(moe_ctx *ctx, const char *fn, moe_tensor *t, int ndim
 static moe_status infer_shape(moe_ctx *ctx, const char *fn, int64_t numel, int ndim,
                               const int64_t *shape, int64_t *res) {
   MOE_CHECK(check_ndim(ctx, fn, ndim, shape));
-  char sb[SHAPE_BUF];
   int infer = -1;
   int64_t known = 1;
   for (int d = 0; d < ndim; d++) {
@@ -465,21 +453,21 @@ static moe_status infer_shape(moe_ctx *ctx, const char *fn, int64_t numel, int n
     if (shape[d] == -1) {
       if (infer >= 0)
         return moe_error(ctx, MOE_ERR_SHAPE, "%s: shape %s has more than one -1", fn,
-                         moe_shape_str(ndim, shape, sb, sizeof(sb)));
+                         MOE_SHAPE_OF(ndim, shape));
       infer = d;
     } else if (shape[d] < 0) {
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: dim %d has negative size %lld", fn, d,
                        (long long)shape[d]);
     } else if (__builtin_mul_overflow(known, shape[d], &known)) {
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: shape %s is invalid for a tensor of %lld elements",
-                       fn, moe_shape_str(ndim, shape, sb, sizeof(sb)), (long long)numel);
+                       fn, MOE_SHAPE_OF(ndim, shape), (long long)numel);
     }
   }
   if (infer >= 0) {
     if (known == 0)
       return moe_error(ctx, MOE_ERR_SHAPE,
                        "%s: shape %s is ambiguous: the -1 could be any size for %lld elements", fn,
-                       moe_shape_str(ndim, shape, sb, sizeof(sb)), (long long)numel);
+                       MOE_SHAPE_OF(ndim, shape), (long long)numel);
     if (numel % known == 0) {
       res[infer] = numel / known;
       return MOE_OK;
@@ -488,7 +476,7 @@ static moe_status infer_shape(moe_ctx *ctx, const char *fn, int64_t numel, int n
     return MOE_OK;
   }
   return moe_error(ctx, MOE_ERR_SHAPE, "%s: shape %s is invalid for a tensor of %lld elements", fn,
-                   moe_shape_str(ndim, shape, sb, sizeof(sb)), (long long)numel);
+                   MOE_SHAPE_OF(ndim, shape), (long long)numel);
 }
 
 /* Strides for viewing t as shape without a copy (PyTorch's computeStride):
@@ -524,13 +512,12 @@ moe_status moe_view(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shape,
   int64_t res[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
   MOE_CHECK(infer_shape(ctx, "view", moe_tensor_numel(t), ndim, shape, res));
   if (!view_strides(t, ndim, res, stride)) {
-    char a[SHAPE_BUF], b[SHAPE_BUF], c[SHAPE_BUF];
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "view: shape %s cannot view a tensor of shape %s and strides %s without a "
                      "copy (use reshape, or contiguous first)",
-                     moe_shape_str(ndim, res, a, sizeof(a)),
-                     moe_shape_str(t->ndim, t->shape, b, sizeof(b)),
-                     moe_shape_str(t->ndim, t->stride, c, sizeof(c)));
+                     MOE_SHAPE_OF(ndim, res),
+                     MOE_SHAPE(t),
+                     MOE_SHAPE_OF(t->ndim, t->stride));
   }
   return view_new(ctx, "view", t, ndim, res, stride, t->offset, &(view_grad){MOE_OP_VIEW, 0, {0}},
                   out);
@@ -662,12 +649,11 @@ moe_status moe_expand(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shap
                       moe_tensor **out) {
   MOE_CHECK(view_args(ctx, "expand", t, out));
   MOE_CHECK(check_ndim(ctx, "expand", ndim, shape));
-  char a[SHAPE_BUF], b[SHAPE_BUF];
   if (ndim < t->ndim)
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "expand: target shape %s has fewer dims than the tensor's shape %s",
-                     moe_shape_str(ndim, shape, a, sizeof(a)),
-                     moe_shape_str(t->ndim, t->shape, b, sizeof(b)));
+                     MOE_SHAPE_OF(ndim, shape),
+                     MOE_SHAPE(t));
   int64_t res[MOE_MAX_DIMS], stride[MOE_MAX_DIMS];
   int lead = ndim - t->ndim;
   for (int i = 0; i < ndim; i++) {
@@ -676,7 +662,7 @@ moe_status moe_expand(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shap
       if (want < 0)
         return moe_error(ctx, MOE_ERR_SHAPE,
                          "expand: size %lld is not allowed for the new leading dim %d of %s", (long long)want,
-                         i, moe_shape_str(ndim, shape, a, sizeof(a)));
+                         i, MOE_SHAPE_OF(ndim, shape));
       res[i] = want;
       stride[i] = 0;
       continue;
@@ -696,8 +682,8 @@ moe_status moe_expand(moe_ctx *ctx, moe_tensor *t, int ndim, const int64_t *shap
       return moe_error(ctx, MOE_ERR_SHAPE,
                        "expand: shape %s cannot be expanded to %s (dim %d has size %lld, only "
                        "size-1 dims expand)",
-                       moe_shape_str(t->ndim, t->shape, b, sizeof(b)),
-                       moe_shape_str(ndim, shape, a, sizeof(a)), i - lead, (long long)have);
+                       MOE_SHAPE(t),
+                       MOE_SHAPE_OF(ndim, shape), i - lead, (long long)have);
     }
   }
   return view_new(ctx, "expand", t, ndim, res, stride, t->offset,

@@ -203,9 +203,9 @@ static void test_op_errors(moe_ctx *ctx) {
   moe_tensor fake = *a;
   fake.storage = &fake_storage;
   EXPECT_FAILS(moe_binary(ctx, MOE_OP_ADD, a, &fake, &out), MOE_ERR_DEVICE,
-               "add: tensors on different devices: cpu and cuda:0");
+               "add: a is on cpu but b is on cuda:0");
   EXPECT_FAILS(moe_binary(ctx, MOE_OP_MUL, &fake, a, &out), MOE_ERR_DEVICE,
-               "mul: tensors on different devices: cuda:0 and cpu");
+               "mul: a is on cuda:0 but b is on cpu");
   if (moe_cuda_device_count(ctx) == 0) {
     moe_status st = moe_cuda_built() ? MOE_ERR_DEVICE : MOE_ERR_NOT_SUPPORTED;
     EXPECT_ERR_MSG(moe_copy_(ctx, a, &fake), st, "cuda:0 requested");

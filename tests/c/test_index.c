@@ -557,7 +557,7 @@ static void test_rope(moe_ctx *ctx) {
   moe_tensor *x3 = rnd(ctx, MOE_F64, 3, SH(3, 2, 4));
   EXPECT_ERR_MSG(moe_rope(ctx, x3, c, s, MOE_ROPE_BTHD, &o), MOE_ERR_SHAPE, "4-D");
   EXPECT_ERR_MSG(moe_rope(ctx, x, c, s, MOE_ROPE_BHTD, &o), MOE_ERR_SHAPE, "(T, D/2)");
-  EXPECT_ERR_MSG(moe_rope(ctx, x32, c, s, MOE_ROPE_BTHD, &o), MOE_ERR_DTYPE, "x's dtype");
+  EXPECT_ERR_MSG(moe_rope(ctx, x32, c, s, MOE_ROPE_BTHD, &o), MOE_ERR_DTYPE, "rope: cos is f64 but x is f32");
   EXPECT_ERR_MSG(moe_rope(ctx, x, c, s, (moe_rope_layout)7, &o), MOE_ERR_INVALID_ARG,
                  "rope: unknown layout 7 (BTHD or BHTD)");
   EXPECT_ERR_MSG(moe_rope_cache(ctx, 3, 5, 10000, MOE_F32, MOE_CPU, &c32, &s32), MOE_ERR_INVALID_ARG,

@@ -24,6 +24,12 @@ static void test_op_names(moe_ctx *ctx) {
   EXPECT_STR(moe_op_name(MOE_OP_DIV), "div");
   EXPECT_STR(moe_op_name(MOE_OP_NEG), "neg");
   EXPECT_STR(moe_op_name(MOE_OP_COUNT), "op?");
+  EXPECT_STR(moe_op_name(MOE_OP_GLU_EXPERTS), "glu_experts");
+  /* every op has a name of its own (a gap in the table reads "op?") */
+  for (int op = 0; op < MOE_OP_COUNT; op++) {
+    EXPECT(strcmp(moe_op_name((moe_op)op), "op?") != 0);
+    for (int k = 0; k < op; k++) EXPECT(strcmp(moe_op_name((moe_op)op), moe_op_name((moe_op)k)) != 0);
+  }
 }
 
 static void test_broadcast(moe_ctx *ctx) {

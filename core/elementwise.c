@@ -1,8 +1,9 @@
 /*
- * ops.c - the op table (names, checked by a static assert) and the
- * elementwise ops: binary with broadcasting and dtype promotion, binary with
- * a scalar, unary. Each validates, allocates its output on the input's
- * device, then calls the CUDA entry point of internal.h or the CPU loop here.
+ * elementwise.c - the elementwise ops of moe.h: binary with broadcasting and
+ * dtype promotion, binary with a scalar, unary (add, sub, mul, div, neg).
+ * Each validates, allocates its output on the input's device, then calls
+ * the CUDA entry point of internal.h (kernels/elementwise.cu) or the CPU
+ * loop here. The op names are in op_table.c.
  *
  * Math by result dtype: f32/bf16/f16 in float, f64 in double, integers and
  * bool in int64 with wrap-around (done in uint64, so overflow is defined).
@@ -18,31 +19,6 @@
 
 #include "cpu_loop.h"
 #include "internal.h"
-
-#define SHAPE_BUF 200
-
-static const char *const moe_op_names[] = {
-    "add", "sub", "mul", "div", "neg",
-    "view", "transpose", "permute", "narrow", "slice", "select", "expand", "squeeze",
-    "unsqueeze", "copy", "custom",
-    "pow", "exp", "log", "sqrt", "rsqrt", "abs", "clamp", "where", "eq", "ne", "lt", "le", "gt",
-    "ge", "maximum", "minimum", "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "swiglu",
-    "dropout",
-    "sum", "mean", "max", "min", "argmax", "argmin", "norm", "logsumexp", "var", "softmax",
-    "log_softmax", "cumsum", "layer_norm", "rms_norm", "cross_entropy",
-    "gather", "scatter", "scatter_add", "index_select", "index_add", "embedding", "one_hot",
-    "topk", "sort", "cat", "stack", "rope", "multinomial",
-    "matmul", "bmm", "linear",
-    "attention",
-    "routing_permute", "routing_combine",
-    "grouped_mm", "bsmm_sdd", "bsmm_dsd", "parallel_linear", "glu_experts"};
-_Static_assert(sizeof(moe_op_names) / sizeof(moe_op_names[0]) == MOE_OP_COUNT,
-               "moe_op_names must name every moe_op");
-
-const char *moe_op_name(moe_op op) {
-  if ((int)op < 0 || op >= MOE_OP_COUNT) return "op?";
-  return moe_op_names[op];
-}
 
 static bool op_is_binary(moe_op op) {
   return op == MOE_OP_ADD || op == MOE_OP_SUB || op == MOE_OP_MUL || op == MOE_OP_DIV;
@@ -275,39 +251,6 @@ static moe_status scalar_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   return grad_to_input(ctx, n, 0, t, &gin[0]);
 }
 
-/* Records the node of out = a op b (b NULL: the scalar s or the unary op);
- * releases out on failure. */
-static moe_status elementwise_record(moe_ctx *ctx, moe_op op, const moe_tensor *a,
-                                     const moe_tensor *b, double s, bool reverse,
-                                     moe_tensor *out) {
-  moe_tensor *in[2] = {(moe_tensor *)a, (moe_tensor *)b};
-  int nin = b ? 2 : 1;
-  if (!moe_grad_wanted(ctx, nin, (const moe_tensor *const *)in) ||
-      !moe_dtype_is_float(out->dtype))
-    return MOE_OK;
-  moe_node *n;
-  moe_status st = moe_node_new(ctx, op, b ? binary_backward : scalar_backward, nin, in, &n);
-  if (st != MOE_OK) {
-    moe_tensor_release(out);
-    return st;
-  }
-  n->dargs[0] = s;
-  n->iargs[0] = reverse;
-  if (b && op == MOE_OP_MUL) {
-    st = moe_node_save(ctx, n, n->needs_grad[0] ? in[1] : NULL);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, n->needs_grad[1] ? in[0] : NULL);
-  } else if (b && op == MOE_OP_DIV) {
-    st = moe_node_save(ctx, n, in[1]);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, n->needs_grad[1] ? in[0] : NULL);
-  } else if (!b && op == MOE_OP_DIV && reverse) {
-    st = moe_node_save(ctx, n, in[0]);
-  }
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
-  moe_node_release(n);
-  if (st != MOE_OK) moe_tensor_release(out);
-  return st;
-}
-
 /* ------------------------------------------------------------- dispatch */
 
 static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, const moe_tensor *b,
@@ -315,12 +258,8 @@ static moe_status op_args(moe_ctx *ctx, const char *fn, const moe_tensor *a, con
   if (!a) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: first operand is NULL", fn);
   if (has_b && !b) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: second operand is NULL", fn);
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  if (has_b && !moe_device_equal(a->storage->device, b->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: tensors on different devices: %s and %s", fn,
-                     moe_device_str(a->storage->device, da, sizeof(da)),
-                     moe_device_str(b->storage->device, db, sizeof(db)));
-  }
+  if (has_b)
+    MOE_CHECK(moe_check_same_device(ctx, fn, "a", a->storage->device, "b", b->storage->device));
   return moe_device_check(ctx, a->storage->device);
 }
 
@@ -367,7 +306,6 @@ moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_te
                      moe_op_name(op), (int)op);
   const char *fn = moe_op_name(op);
   MOE_CHECK(op_args(ctx, fn, a, b, true, out));
-  char sa[SHAPE_BUF], sb[SHAPE_BUF];
   int ndim = a->ndim > b->ndim ? a->ndim : b->ndim;
   int64_t shape[MOE_MAX_DIMS];
   for (int i = 0; i < ndim; i++) {
@@ -375,8 +313,8 @@ moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_te
     int64_t x = da >= 0 ? a->shape[da] : 1, y = db >= 0 ? b->shape[db] : 1;
     if (x != y && x != 1 && y != 1)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: shapes %s and %s cannot be broadcast", fn,
-                       moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
-                       moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)));
+                       MOE_SHAPE(a),
+                       MOE_SHAPE(b));
     shape[i] = x == 1 ? y : x;
   }
   if (op == MOE_OP_SUB && a->dtype == MOE_BOOL && b->dtype == MOE_BOOL)
@@ -386,7 +324,16 @@ moe_status moe_binary(moe_ctx *ctx, moe_op op, const moe_tensor *a, const moe_te
   if (op == MOE_OP_DIV && !moe_dtype_is_float(dt)) dt = MOE_F32;
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, ndim, shape, dt, a, b, NULL, 0, false, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, b, 0, false, r));
+  if (moe_dtype_is_float(dt)) { /* saved slots: see the backward section */
+    moe_tensor *ta = (moe_tensor *)a, *tb = (moe_tensor *)b;
+    moe_record_spec spec = {.op = op, .backward = binary_backward, .n_in = 2, .in = {ta, tb}};
+    if (op == MOE_OP_MUL || op == MOE_OP_DIV) {
+      spec.n_save = 2;
+      spec.save[0] = op == MOE_OP_DIV || moe_requires_grad(a) ? tb : NULL;
+      spec.save[1] = moe_requires_grad(b) ? ta : NULL;
+    }
+    MOE_CHECK(moe_record(ctx, &spec, 1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
@@ -423,7 +370,14 @@ moe_status moe_binary_scalar(moe_ctx *ctx, moe_op op, const moe_tensor *a, doubl
   }
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, dt, a, NULL, &vs, s, reverse, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, NULL, s, reverse, r));
+  if (moe_dtype_is_float(dt)) {
+    bool save_a = op == MOE_OP_DIV && reverse; /* s / a */
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = op, .backward = scalar_backward, .n_in = 1,
+                                                 .in = {(moe_tensor *)a}, .n_save = save_a,
+                                                 .save = {(moe_tensor *)a}, .iargs = {reverse},
+                                                 .dargs = {s}},
+                         1, &r));
+  }
   *out = r;
   return MOE_OK;
 }
@@ -439,7 +393,10 @@ moe_status moe_unary(moe_ctx *ctx, moe_op op, const moe_tensor *a, moe_tensor **
                      "neg: negating a bool tensor is not supported (convert it with to first)");
   moe_tensor *r;
   MOE_CHECK(elementwise_run(ctx, op, a->ndim, a->shape, a->dtype, a, NULL, NULL, 0, false, &r));
-  MOE_CHECK(elementwise_record(ctx, op, a, NULL, 0, false, r));
+  if (moe_dtype_is_float(a->dtype))
+    MOE_CHECK(moe_record(ctx, &(moe_record_spec){.op = op, .backward = scalar_backward, .n_in = 1,
+                                                 .in = {(moe_tensor *)a}},
+                         1, &r));
   *out = r;
   return MOE_OK;
 }
