@@ -16,15 +16,6 @@
 #include "internal.h"
 #include "reduce_cuda.h"
 
-#define SHAPE_BUF 200
-
-/* Helpers only the CUDA paths call are unused in a CPU-only build. */
-#if defined(__GNUC__)
-#define MOE_CUDA_ONLY __attribute__((unused))
-#else
-#define MOE_CUDA_ONLY
-#endif
-
 /* ------------------------------------------------------------ helpers */
 
 static bool is_float(moe_dtype dt) { return moe_dtype_is_float(dt); }
@@ -142,10 +133,10 @@ static int64_t geom_offset(int nd, const int64_t *shape, const int64_t *stride, 
   return off;
 }
 
-/* Zeros of shape like node input i. */
-static moe_status zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i],
-                         n->in_device[i], out);
+/* "op backward: gradient of dtype g for an output of o" (MOE_ERR_DTYPE). */
+static moe_status grad_dtype_error(moe_ctx *ctx, const moe_node *n, moe_dtype g, moe_dtype o) {
+  return moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
+                   moe_op_name(n->op), moe_dtype_name(g), moe_dtype_name(o));
 }
 
 /* ------------------------------------------------- CPU reduction states */
@@ -262,11 +253,9 @@ static moe_status reduce_run(moe_ctx *ctx, const char *fn, moe_red_kind kind, mo
   moe_device dev = t->storage->device;
   moe_red_geom g;
   red_geom_build(t, mask, &g);
-  if (g.inner == 0 && (kind == MOE_RED_MAX || kind == MOE_RED_MIN) && g.outer > 0) {
-    char sb[SHAPE_BUF];
+  if (g.inner == 0 && (kind == MOE_RED_MAX || kind == MOE_RED_MIN) && g.outer > 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: cannot reduce over an empty dim (shape %s)", fn,
-                     moe_shape_str(t->ndim, t->shape, sb, sizeof(sb)));
-  }
+                     MOE_SHAPE(t));
   moe_tensor *v = NULL, *ix = NULL;
   moe_status st = MOE_OK;
   if (values) MOE_CHECK_GOTO(moe_tensor_empty(ctx, ndim, shape, odt, dev, &v), st, fail);
@@ -281,12 +270,8 @@ static moe_status reduce_run(moe_ctx *ctx, const char *fn, moe_red_kind kind, mo
                      : (kind == MOE_RED_MEAN || kind == MOE_RED_VAR) ? NAN : 0.0;
       st = moe_fill_(ctx, vout, fillv);
     } else if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_reduce(ctx, dev.index, kind, &g, arg, moe_tensor_data(vout), odt,
                            ix ? (int64_t *)moe_tensor_data(ix) : NULL);
-#else
-      st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
     } else {
       cpu_reduce(kind, &g, arg, vout, ix);
     }
@@ -389,7 +374,7 @@ static void cpu_reduce_backward(moe_red_kind kind, const moe_kview *gin, const m
 static moe_status reduce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   unsigned mask = (unsigned)n->iargs[0];
   bool keepdim = n->iargs[1] != 0;
   moe_red_kind kind = (moe_red_kind)n->iargs[2];
@@ -423,16 +408,10 @@ static moe_status reduce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
       vy = bcast_reduced(y, ndim, shape, mask, keepdim);
     }
     if (vg.dtype != vr.dtype) {
-      st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                     moe_op_name(n->op), moe_dtype_name(vg.dtype), moe_dtype_name(vr.dtype));
+      st = grad_dtype_error(ctx, n, vg.dtype, vr.dtype);
     } else if (n->in_device[0].type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_reduce_backward(ctx, n->in_device[0].index, kind, &vr, &vx, &vg, &vy, &va,
                                     scale, arg);
-#else
-      st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA",
-                     moe_op_name(n->op));
-#endif
     } else {
       cpu_reduce_backward(kind, &vr, &vx, &vg, &vy, &va, scale, arg);
     }
@@ -446,31 +425,6 @@ done:
   }
   gin[0] = r;
   return MOE_OK;
-}
-
-/* Records the node of a dim reduction on out (released on failure). */
-static moe_status reduce_record(moe_ctx *ctx, moe_op op, moe_red_kind kind, moe_tensor *t,
-                                unsigned mask, bool keepdim, double arg, moe_tensor *save_y,
-                                moe_tensor **out) {
-  if (!moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) return MOE_OK;
-  moe_node *n;
-  moe_status st = moe_node_new(ctx, op, reduce_backward, 1, (moe_tensor *[]){t}, &n);
-  if (st != MOE_OK) goto fail;
-  n->iargs[0] = (int64_t)mask;
-  n->iargs[1] = keepdim;
-  n->iargs[2] = kind;
-  n->dargs[0] = arg;
-  if (kind != MOE_RED_SUM && kind != MOE_RED_MEAN) {
-    st = moe_node_save(ctx, n, t);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, save_y ? save_y : *out);
-  }
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, *out);
-  moe_node_release(n);
-  if (st == MOE_OK) return MOE_OK;
-fail:
-  moe_tensor_release(*out);
-  *out = NULL;
-  return st;
 }
 
 /* Validation, forward and node of sum / mean / norm / logsumexp / var. */
@@ -497,7 +451,11 @@ static moe_status reduce_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kin
       return st;
     }
   }
-  moe_status st = reduce_record(ctx, op, kind, t, mask, keepdim, arg, mean, &r);
+  bool saves = kind != MOE_RED_SUM && kind != MOE_RED_MEAN;
+  moe_status st = moe_record(ctx, &(moe_record_spec){
+      .op = op, .backward = reduce_backward, .n_in = 1, .in = {t},
+      .n_save = saves ? 2 : 0, .save = {t, mean ? mean : r},
+      .iargs = {(int64_t)mask, keepdim, kind}, .dargs = {arg}}, 1, &r);
   moe_tensor_release(mean);
   MOE_CHECK(st);
   *out = r;
@@ -544,7 +502,7 @@ moe_status moe_var(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims,
 
 /* t (or t with dim `dim` swapped to the end) as a contiguous tensor, made
  * with grad mode off so the internal copy records nothing. */
-MOE_CUDA_ONLY static moe_status rows_contig(moe_ctx *ctx, moe_tensor *t, int dim, moe_tensor **out) {
+static moe_status rows_contig(moe_ctx *ctx, moe_tensor *t, int dim, moe_tensor **out) {
   bool prev = moe_grad_set(ctx, false);
   moe_tensor *v = NULL;
   moe_status st;
@@ -566,7 +524,7 @@ static moe_status minmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
   moe_tensor *r = NULL, *idx = NULL, *g = NULL;
   moe_status st;
-  MOE_CHECK(zeros_like_input(ctx, n, 0, &r));
+  MOE_CHECK(moe_node_zeros_input(ctx, n, 0, &r));
   if (!gout[0] || moe_tensor_numel(r) == 0) {
     gin[0] = r;
     return MOE_OK;
@@ -582,15 +540,10 @@ static moe_status minmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   }
   int64_t outer = pre * post;
   if (g->dtype != r->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(g->dtype), moe_dtype_name(r->dtype));
+    st = grad_dtype_error(ctx, n, g->dtype, r->dtype);
   } else if (r->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_red_scatter(ctx, r->storage->device.index, moe_tensor_data(r), moe_tensor_data(g),
                               (const int64_t *)moe_tensor_data(idx), r->dtype, outer, nd, post);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA", moe_op_name(n->op));
-#endif
   } else {
     const int64_t *pi = (const int64_t *)moe_tensor_data(idx);
     char *pr = (char *)moe_tensor_data(r);
@@ -635,17 +588,10 @@ static moe_status minmax_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kin
   MOE_CHECK(reduce_run(ctx, fn, kind, t, mask, keepdim, 0, t->dtype, values ? &v : NULL,
                        (indices || want_grad) ? &ix : NULL));
   if (want_grad) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, op, minmax_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      n->iargs[1] = keepdim;
-      st = moe_node_save(ctx, n, ix);
-      if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, v);
-      moe_node_release(n);
-    }
+    moe_status st = moe_record(ctx, &(moe_record_spec){
+        .op = op, .backward = minmax_backward, .n_in = 1, .in = {t},
+        .n_save = 1, .save = {ix}, .iargs = {d, keepdim}}, 1, &v);
     if (st != MOE_OK) {
-      moe_tensor_release(v);
       moe_tensor_release(ix);
       return st;
     }
@@ -801,7 +747,7 @@ static void cpu_cumsum(bool reverse, const moe_tensor *x, moe_tensor *y, int d) 
 
 /* Swaps dim d of a contiguous row-layout result back (transpose d <-> last)
  * into a contiguous tensor; takes ownership of r. */
-MOE_CUDA_ONLY static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, moe_tensor **out) {
+static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, moe_tensor **out) {
   if (r->ndim == 0 || d == r->ndim - 1) {
     *out = r;
     return MOE_OK;
@@ -820,9 +766,8 @@ MOE_CUDA_ONLY static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, mo
 typedef enum row_kind { ROW_SOFTMAX, ROW_LOG_SOFTMAX, ROW_CUMSUM, ROW_CUMSUM_REV } row_kind;
 
 /* y = kind(x) along dim d, on the GPU through contiguous rows. */
-static moe_status cuda_rows(moe_ctx *ctx, const char *fn, row_kind kind, moe_tensor *x, int d,
-                            moe_dtype ydt, moe_tensor **out) {
-#ifdef MOE_WITH_CUDA
+static moe_status cuda_rows(moe_ctx *ctx, row_kind kind, moe_tensor *x, int d, moe_dtype ydt,
+                            moe_tensor **out) {
   moe_tensor *xc = NULL, *yc = NULL;
   moe_status st;
   MOE_CHECK(rows_contig(ctx, x, d, &xc));
@@ -844,27 +789,21 @@ static moe_status cuda_rows(moe_ctx *ctx, const char *fn, row_kind kind, moe_ten
     return st;
   }
   return rows_back(ctx, yc, d, out);
-#else
-  (void)kind, (void)x, (void)d, (void)ydt, (void)out;
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
 }
 
 /* iargs[0] = dim, iargs[1] = log; saved 0 = y. */
 static moe_status softmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                    moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   int d = (int)n->iargs[0];
   bool lg = n->iargs[1] != 0;
   moe_tensor *y = NULL, *r = NULL;
   moe_status st;
   MOE_CHECK(moe_node_saved(ctx, n, 0, &y));
   if (gout[0]->dtype != y->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(gout[0]->dtype), moe_dtype_name(y->dtype));
+    st = grad_dtype_error(ctx, n, gout[0]->dtype, y->dtype);
   } else if (y->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_tensor *yc = NULL, *gc = NULL, *rc = NULL;
     st = rows_contig(ctx, y, d, &yc);
     if (st == MOE_OK) st = rows_contig(ctx, gout[0], d, &gc);
@@ -878,9 +817,6 @@ static moe_status softmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const 
     moe_tensor_release(gc);
     if (st == MOE_OK) st = rows_back(ctx, rc, d, &r);
     else moe_tensor_release(rc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "softmax backward: built without CUDA");
-#endif
   } else {
     st = moe_tensor_empty(ctx, y->ndim, y->shape, y->dtype, MOE_CPU, &r);
     if (st == MOE_OK) cpu_softmax_backward(lg, y, gout[0], r, d);
@@ -904,26 +840,14 @@ static moe_status softmax_op(moe_ctx *ctx, const char *fn, moe_op op, bool lg, m
   MOE_CHECK(norm_dim(ctx, fn, dim, t->ndim, &d));
   moe_tensor *y = NULL;
   if (t->storage->device.type == MOE_DEVICE_CUDA) {
-    MOE_CHECK(cuda_rows(ctx, fn, lg ? ROW_LOG_SOFTMAX : ROW_SOFTMAX, t, d, t->dtype, &y));
+    MOE_CHECK(cuda_rows(ctx, lg ? ROW_LOG_SOFTMAX : ROW_SOFTMAX, t, d, t->dtype, &y));
   } else {
     MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, t->dtype, MOE_CPU, &y));
     if (moe_tensor_numel(y) > 0) cpu_softmax(lg, t, y, d);
   }
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, op, softmax_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      n->iargs[1] = lg;
-      st = moe_node_save(ctx, n, y);
-      if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-      moe_node_release(n);
-    }
-    if (st != MOE_OK) {
-      moe_tensor_release(y);
-      return st;
-    }
-  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = op, .backward = softmax_backward, .n_in = 1, .in = {t},
+      .n_save = 1, .save = {y}, .iargs = {d, lg}}, 1, &y));
   *out = y;
   return MOE_OK;
 }
@@ -943,11 +867,11 @@ static moe_status cumsum_run(moe_ctx *ctx, moe_tensor *t, int d, bool reverse, m
     if (ydt == MOE_I64 && t->dtype != MOE_I64) {
       moe_tensor *c = NULL;
       MOE_CHECK(moe_to(ctx, t, MOE_I64, t->storage->device, &c));
-      moe_status st = cuda_rows(ctx, "cumsum", reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, c, d, ydt, out);
+      moe_status st = cuda_rows(ctx, reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, c, d, ydt, out);
       moe_tensor_release(c);
       return st;
     }
-    return cuda_rows(ctx, "cumsum", reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, t, d, ydt, out);
+    return cuda_rows(ctx, reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, t, d, ydt, out);
   }
   moe_tensor *y = NULL;
   MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, ydt, MOE_CPU, &y));
@@ -959,7 +883,7 @@ static moe_status cumsum_run(moe_ctx *ctx, moe_tensor *t, int d, bool reverse, m
 static moe_status cumsum_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   return cumsum_run(ctx, gout[0], (int)n->iargs[0], true, &gin[0]);
 }
 
@@ -972,19 +896,9 @@ moe_status moe_cumsum(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **out
   MOE_CHECK(norm_dim(ctx, "cumsum", dim, t->ndim, &d));
   moe_tensor *y = NULL;
   MOE_CHECK(cumsum_run(ctx, t, d, false, &y));
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, MOE_OP_CUMSUM, cumsum_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      st = moe_node_set_output(ctx, n, 0, y);
-      moe_node_release(n);
-    }
-    if (st != MOE_OK) {
-      moe_tensor_release(y);
-      return st;
-    }
-  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_CUMSUM, .backward = cumsum_backward, .n_in = 1, .in = {t}, .iargs = {d}},
+      1, &y));
   *out = y;
   return MOE_OK;
 }
@@ -1002,22 +916,12 @@ static moe_status norm_args(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_ten
   if (!(eps >= 0) || isinf(eps))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: eps must be finite and >= 0, got %g", fn, eps);
   if (!w) return MOE_OK;
-  char a[SHAPE_BUF], b[SHAPE_BUF];
   int64_t n = x->shape[x->ndim - 1];
   if (w->ndim != 1 || w->shape[0] != n)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s of shape %s does not match the last dim of input %s (want [%lld])",
-                     fn, wname, moe_shape_str(w->ndim, w->shape, a, sizeof(a)),
-                     moe_shape_str(x->ndim, x->shape, b, sizeof(b)), (long long)n);
-  if (w->dtype != x->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but input is %s (they must match)", fn, wname,
-                     moe_dtype_name(w->dtype), moe_dtype_name(x->dtype));
-  if (!moe_device_equal(w->storage->device, x->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but input is on %s", fn, wname,
-                     moe_device_str(w->storage->device, da, sizeof(da)),
-                     moe_device_str(x->storage->device, db, sizeof(db)));
-  }
-  return MOE_OK;
+                     fn, wname, MOE_SHAPE(w), MOE_SHAPE(x), (long long)n);
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, wname, w->dtype, "input", x->dtype));
+  return moe_check_same_device(ctx, fn, wname, w->storage->device, "input", x->storage->device);
 }
 
 static inline double ld_vec(const moe_tensor *t, int64_t j) {
@@ -1116,11 +1020,7 @@ static moe_status norm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
   int iw = has_w ? 1 : -1, ib = has_b ? (has_w ? 2 : 1) : -1;
   bool want_x = moe_node_needs_grad(n, 0), want_w = iw > 0 && moe_node_needs_grad(n, iw),
        want_b = ib > 0 && moe_node_needs_grad(n, ib);
-  if (!gout[0]) {
-    for (int i = 0; i < n->n_inputs; i++)
-      if (moe_node_needs_grad(n, i)) MOE_CHECK(zeros_like_input(ctx, n, i, &gin[i]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *x = NULL, *w = NULL, *mean = NULL, *rstd = NULL, *gx = NULL, *gw = NULL, *gb = NULL;
   moe_tensor *g = NULL;
   double *aw = NULL, *ab = NULL;
@@ -1131,18 +1031,15 @@ static moe_status norm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 3, &rstd), st, done);
   g = gout[0];
   if (g->dtype != x->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(g->dtype), moe_dtype_name(x->dtype));
+    st = grad_dtype_error(ctx, n, g->dtype, x->dtype);
     goto done;
   }
   moe_device dev = x->storage->device;
   int64_t len = x->shape[x->ndim - 1], rows = len ? moe_tensor_numel(x) / len : 0;
-  (void)rows; /* the GPU path's */
   if (want_x) MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim, x->shape, x->dtype, dev, &gx), st, done);
   if (want_w) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &len, x->dtype, dev, &gw), st, done);
   if (want_b) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &len, x->dtype, dev, &gb), st, done);
   if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_tensor *xc = NULL, *gc = NULL, *wc = NULL;
     st = rows_contig(ctx, x, x->ndim - 1, &xc);
     if (st == MOE_OK) st = rows_contig(ctx, g, g->ndim - 1, &gc);
@@ -1157,9 +1054,6 @@ static moe_status norm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *go
     moe_tensor_release(xc);
     moe_tensor_release(gc);
     moe_tensor_release(wc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA", moe_op_name(n->op));
-#endif
   } else {
     if (gw) aw = calloc((size_t)(len ? len : 1), sizeof(double));
     if (gb) ab = calloc((size_t)(len ? len : 1), sizeof(double));
@@ -1208,7 +1102,6 @@ static moe_status norm_op(moe_ctx *ctx, const char *fn, moe_op op, bool rms, moe
   if (!rms) MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim - 1, sshape, sdt, dev, &mean), st, fail);
   MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim - 1, sshape, sdt, dev, &rstd), st, fail);
   if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     MOE_CHECK_GOTO(rows_contig(ctx, x, x->ndim - 1, &xc), st, fail);
     if (w) MOE_CHECK_GOTO(rows_contig(ctx, w, 0, &wc), st, fail);
     if (b) MOE_CHECK_GOTO(rows_contig(ctx, b, 0, &bc), st, fail);
@@ -1219,10 +1112,6 @@ static moe_status norm_op(moe_ctx *ctx, const char *fn, moe_op op, bool rms, moe
                                            mean ? (float *)moe_tensor_data(mean) : NULL,
                                            (float *)moe_tensor_data(rstd), x->dtype, rows, len, eps),
                      st, fail);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-    goto fail;
-#endif
   } else if (rows > 0 && len > 0) {
     cpu_norm_forward(rms, x, w, b, y, mean, rstd, eps);
   }
@@ -1230,21 +1119,10 @@ static moe_status norm_op(moe_ctx *ctx, const char *fn, moe_op op, bool rms, moe
   int nin = 1;
   if (w) ins[nin++] = w;
   if (b) ins[nin++] = b;
-  if (moe_grad_wanted(ctx, nin, (const moe_tensor *const *)ins)) {
-    moe_node *n;
-    MOE_CHECK_GOTO(moe_node_new(ctx, op, norm_backward, nin, ins, &n), st, fail);
-    n->iargs[0] = rms;
-    n->iargs[1] = w != NULL;
-    n->iargs[2] = b != NULL;
-    n->dargs[0] = eps;
-    st = moe_node_save(ctx, n, x);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, mean);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, rstd);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-    moe_node_release(n);
-    if (st != MOE_OK) goto fail;
-  }
+  MOE_CHECK_GOTO(moe_record(ctx, &(moe_record_spec){
+      .op = op, .backward = norm_backward, .n_in = nin, .in = {ins[0], ins[1], ins[2]},
+      .n_save = 4, .save = {x, w, mean, rstd},
+      .iargs = {rms, w != NULL, b != NULL}, .dargs = {eps}}, 1, &y), st, fail);
   moe_tensor_release(xc);
   moe_tensor_release(wc);
   moe_tensor_release(bc);
@@ -1288,7 +1166,7 @@ bool moe_reduction_parse(const char *name, moe_reduction *out) {
 static moe_status ce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                               moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   int64_t ignore = n->iargs[0];
   moe_reduction red = (moe_reduction)n->iargs[1];
   double sm = n->dargs[0];
@@ -1303,7 +1181,6 @@ static moe_status ce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout
   MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, x->shape, x->dtype, dev, &gx), st, done);
   if (rows == 0 || C == 0) goto done;
   if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_tensor *xc = NULL, *tc = NULL;
     st = rows_contig(ctx, x, 1, &xc);
     if (st == MOE_OK) st = rows_contig(ctx, tg, 0, &tc);
@@ -1317,9 +1194,6 @@ static moe_status ce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout
                                            moe_tensor_data(gx), x->dtype, rows, C, ignore, sm);
     moe_tensor_release(xc);
     moe_tensor_release(tc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "cross_entropy backward: built without CUDA");
-#endif
   } else {
     double gs = 0, count = cnt ? moe_load_f64(moe_tensor_data(cnt), cnt->dtype) : 1;
     const moe_tensor *go = gout[0];
@@ -1369,24 +1243,17 @@ moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *targe
   MOE_CHECK(check_tensor(ctx, fn, target, "target"));
   MOE_CHECK(check_out(ctx, fn, out));
   MOE_CHECK(check_float(ctx, fn, logits));
-  char a[SHAPE_BUF], b[SHAPE_BUF];
   if (logits->ndim != 2)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: logits must be (N, C), got shape %s", fn,
-                     moe_shape_str(logits->ndim, logits->shape, a, sizeof(a)));
+                     MOE_SHAPE(logits));
   if (target->ndim != 1 || target->shape[0] != logits->shape[0])
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: target of shape %s does not match logits %s (want [%lld])",
-                     fn, moe_shape_str(target->ndim, target->shape, a, sizeof(a)),
-                     moe_shape_str(logits->ndim, logits->shape, b, sizeof(b)),
-                     (long long)logits->shape[0]);
+                     fn, MOE_SHAPE(target), MOE_SHAPE(logits), (long long)logits->shape[0]);
   if (target->dtype != MOE_I64)
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: target must be i64 class indices, got %s", fn,
                      moe_dtype_name(target->dtype));
-  if (!moe_device_equal(logits->storage->device, target->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: logits on %s but target on %s", fn,
-                     moe_device_str(logits->storage->device, da, sizeof(da)),
-                     moe_device_str(target->storage->device, db, sizeof(db)));
-  }
+  MOE_CHECK(moe_check_same_device(ctx, fn, "logits", logits->storage->device, "target",
+                                  target->storage->device));
   if (!(label_smoothing >= 0 && label_smoothing <= 1))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: label_smoothing must be in [0, 1], got %g", fn,
                      label_smoothing);
@@ -1395,8 +1262,7 @@ moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *targe
   moe_device dev = logits->storage->device;
   int64_t rows = logits->shape[0], C = logits->shape[1];
   if (C == 0 && rows > 0)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: logits %s have no classes", fn,
-                     moe_shape_str(logits->ndim, logits->shape, a, sizeof(a)));
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: logits %s have no classes", fn, MOE_SHAPE(logits));
   moe_tensor *y = NULL, *lse = NULL, *cnt = NULL, *loss = NULL;
   moe_status st = MOE_OK;
   moe_dtype sdt = dev.type == MOE_DEVICE_CUDA ? MOE_F32 : MOE_F64;
@@ -1407,7 +1273,6 @@ moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *targe
   else
     MOE_CHECK_GOTO(moe_tensor_empty(ctx, 0, NULL, logits->dtype, dev, &y), st, fail);
   if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_tensor *xc = NULL, *tc = NULL;
     MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &rows, MOE_F32, dev, &loss), st, fail);
     st = rows_contig(ctx, logits, 1, &xc);
@@ -1429,10 +1294,6 @@ moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *targe
     moe_tensor_release(xc);
     moe_tensor_release(tc);
     if (st != MOE_OK) goto fail;
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-    goto fail;
-#endif
   } else {
     const char *px = (const char *)moe_tensor_data(logits);
     int64_t xs0 = logits->stride[0], xs1 = logits->stride[1];
@@ -1475,21 +1336,10 @@ moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *targe
       moe_store_f64(moe_tensor_data(y), y->dtype,
                     reduction == MOE_REDUCTION_MEAN ? total / count : total);
   }
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){logits})) {
-    moe_node *n;
-    MOE_CHECK_GOTO(moe_node_new(ctx, MOE_OP_CROSS_ENTROPY, ce_backward, 1,
-                                (moe_tensor *[]){logits}, &n), st, fail);
-    n->iargs[0] = ignore_index;
-    n->iargs[1] = reduction;
-    n->dargs[0] = label_smoothing;
-    st = moe_node_save(ctx, n, logits);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, target);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, lse);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, cnt);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-    moe_node_release(n);
-    if (st != MOE_OK) goto fail;
-  }
+  MOE_CHECK_GOTO(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_CROSS_ENTROPY, .backward = ce_backward, .n_in = 1, .in = {logits},
+      .n_save = 4, .save = {logits, target, lse, cnt},
+      .iargs = {ignore_index, reduction}, .dargs = {label_smoothing}}, 1, &y), st, fail);
   moe_tensor_release(lse);
   moe_tensor_release(cnt);
   moe_tensor_release(loss);
