@@ -16,47 +16,34 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#ifdef MOE_WITH_CUDA
 #include "attention_cuda.h"
-#endif
-
-#define SHAPE_BUF 200
+#include "internal.h"
 
 /* --------------------------------------------------------------- checks */
 
 static moe_status attn_check_one(moe_ctx *ctx, const char *fn, const char *name,
                                  const moe_tensor *t, const moe_tensor *q) {
-  char s1[SHAPE_BUF], s2[SHAPE_BUF], d1[32], d2[32];
   if (!t) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, name);
   if (t->ndim != q->ndim || memcmp(t->shape, q->shape, sizeof(int64_t) * (size_t)q->ndim) != 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, wanted q's shape %s", fn, name,
-                     moe_shape_str(t->ndim, t->shape, s1, sizeof(s1)),
-                     moe_shape_str(q->ndim, q->shape, s2, sizeof(s2)));
-  if (t->dtype != q->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but q is %s", fn, name,
-                     moe_dtype_name(t->dtype), moe_dtype_name(q->dtype));
-  if (!moe_device_equal(t->storage->device, q->storage->device))
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but q is on %s", fn, name,
-                     moe_device_str(t->storage->device, d1, sizeof(d1)),
-                     moe_device_str(q->storage->device, d2, sizeof(d2)));
-  return MOE_OK;
+                     MOE_SHAPE(t), MOE_SHAPE(q));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, name, t->dtype, "q", q->dtype));
+  return moe_check_same_device(ctx, fn, name, t->storage->device, "q", q->storage->device);
 }
 
 /* Checks q, k, v and resolves the scale. */
 static moe_status attn_check(moe_ctx *ctx, const char *fn, const moe_tensor *q,
                              const moe_tensor *k, const moe_tensor *v, double scale,
                              double *scale_out) {
-  char s1[SHAPE_BUF];
   if (!q) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: q is NULL", fn);
   if (q->ndim != 4)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: q must be 4-D (B, H, T, D), got shape %s", fn,
-                     moe_shape_str(q->ndim, q->shape, s1, sizeof(s1)));
+                     MOE_SHAPE(q));
   MOE_CHECK(attn_check_one(ctx, fn, "k", k, q));
   MOE_CHECK(attn_check_one(ctx, fn, "v", v, q));
   if (q->shape[3] < 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: head dim (dim 3) must be at least 1, shape %s", fn,
-                     moe_shape_str(q->ndim, q->shape, s1, sizeof(s1)));
+                     MOE_SHAPE(q));
   moe_device d = q->storage->device;
   MOE_CHECK(moe_device_check(ctx, d));
   if (d.type == MOE_DEVICE_CPU) {
@@ -233,7 +220,6 @@ static moe_status attn_cpu_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, 
 
 /* ------------------------------------------------------------ CUDA path */
 
-#ifdef MOE_WITH_CUDA
 /* t itself (retained) when the kernels can read its rows, else a contiguous
  * copy (made with grad mode off: it is internal to the op). */
 static moe_status attn_rows(moe_ctx *ctx, moe_tensor *t, moe_tensor **out) {
@@ -248,12 +234,10 @@ static moe_status attn_rows(moe_ctx *ctx, moe_tensor *t, moe_tensor **out) {
   moe_grad_set(ctx, prev);
   return st;
 }
-#endif
 
 static moe_status attn_cuda_forward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,
                                     bool causal, double scale, moe_tensor **out,
                                     moe_tensor **lse) {
-#ifdef MOE_WITH_CUDA
   moe_device d = q->storage->device;
   moe_tensor *in[3] = {NULL}, *src[3] = {q, k, v}, *ot = NULL, *lt = NULL;
   moe_status st = MOE_OK;
@@ -274,17 +258,12 @@ static moe_status attn_cuda_forward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, 
   *out = ot;
   *lse = lt;
   return MOE_OK;
-#else
-  (void)q, (void)k, (void)v, (void)causal, (void)scale, (void)out, (void)lse;
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "attention: CUDA tensor in a build without CUDA");
-#endif
 }
 
 static moe_status attn_cuda_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor *v,
                                      moe_tensor *out, moe_tensor *lse, moe_tensor *dout,
                                      bool causal, double scale, moe_tensor **dq,
                                      moe_tensor **dk, moe_tensor **dv) {
-#ifdef MOE_WITH_CUDA
   moe_device d = q->storage->device;
   moe_tensor *in[5] = {NULL}, *src[5] = {q, k, v, out, dout}, *g[3] = {NULL}, *delta = NULL,
              *lc = NULL, *acc = NULL;
@@ -318,12 +297,6 @@ static moe_status attn_cuda_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k,
   }
   *dq = g[0], *dk = g[1], *dv = g[2];
   return MOE_OK;
-#else
-  (void)q, (void)k, (void)v, (void)out, (void)lse, (void)dout, (void)causal, (void)scale;
-  (void)dq, (void)dk, (void)dv;
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                   "attention backward: CUDA tensor in a build without CUDA");
-#endif
 }
 
 /* ---------------------------------------------------------------- API */
@@ -344,7 +317,6 @@ moe_status moe_attention_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, mo
                                   double scale, moe_tensor **dq, moe_tensor **dk,
                                   moe_tensor **dv) {
   const char *fn = "attention backward";
-  char s1[SHAPE_BUF], s2[SHAPE_BUF];
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!dq || !dk || !dv) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: dq, dk or dv is NULL", fn);
   double s = 0;
@@ -356,8 +328,8 @@ moe_status moe_attention_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, mo
   if (lse->ndim != 3 || memcmp(lse->shape, q->shape, 3 * sizeof(int64_t)) != 0 ||
       lse->dtype != lse_dt || !moe_device_equal(lse->storage->device, q->storage->device))
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: lse must be %s %s on q's device, got %s %s", fn,
-                     moe_dtype_name(lse_dt), moe_shape_str(3, q->shape, s1, sizeof(s1)),
-                     moe_dtype_name(lse->dtype), moe_shape_str(lse->ndim, lse->shape, s2, sizeof(s2)));
+                     moe_dtype_name(lse_dt), MOE_SHAPE_OF(3, q->shape), moe_dtype_name(lse->dtype),
+                     MOE_SHAPE(lse));
   if (q->storage->device.type == MOE_DEVICE_CUDA)
     return attn_cuda_backward(ctx, q, k, v, out, lse, dout, causal, s, dq, dk, dv);
   return attn_cpu_backward(ctx, q, k, v, out, lse, dout, causal, s, dq, dk, dv);
@@ -369,13 +341,8 @@ static moe_status attention_backward_fn(moe_ctx *ctx, moe_node *n, moe_tensor *c
                                         moe_tensor **gin) {
   moe_tensor *sv[5] = {NULL}, *g[3] = {NULL};
   moe_status st = MOE_OK;
-  if (!gout[0]) { /* nothing flowed into the output: zero gradients */
-    for (int i = 0; i < 3 && st == MOE_OK; i++)
-      if (moe_node_needs_grad(n, i))
-        st = moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i],
-                             n->in_device[i], &gin[i]);
-    return st;
-  }
+  /* nothing flowed into the output: zero gradients */
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   for (int i = 0; i < 5 && st == MOE_OK; i++) st = moe_node_saved(ctx, n, i, &sv[i]);
   if (st == MOE_OK)
     st = moe_attention_backward(ctx, sv[0], sv[1], sv[2], sv[3], sv[4], gout[0],
@@ -400,31 +367,18 @@ moe_status moe_attention(moe_ctx *ctx, moe_tensor *q, moe_tensor *k, moe_tensor 
   moe_tensor *o = NULL, *lse = NULL, *od = NULL;
   MOE_CHECK(moe_attention_forward(ctx, q, k, v, causal, s, &o, &lse));
   moe_status st = MOE_OK;
-  if (moe_grad_wanted(ctx, 3, (const moe_tensor *[]){q, k, v})) {
-    moe_node *n = NULL;
-    st = moe_node_new(ctx, MOE_OP_ATTENTION, attention_backward_fn, 3, (moe_tensor *[]){q, k, v},
-                      &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = causal;
-      n->dargs[0] = s;
-      st = moe_node_save(ctx, n, q);
-    }
-    if (st == MOE_OK) st = moe_node_save(ctx, n, k);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, v);
-    /* the output is saved detached: a saved tensor holding its own node
-     * would make a cycle that outlives an unused graph */
-    if (st == MOE_OK) st = moe_detach(ctx, o, &od);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, od);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, lse);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, o);
-    moe_node_release(n);
-  }
+  /* the output is saved detached: a saved tensor holding its own node
+   * would make a cycle that outlives an unused graph */
+  if (moe_grad_wanted(ctx, 3, (const moe_tensor *[]){q, k, v})) st = moe_detach(ctx, o, &od);
+  if (st == MOE_OK)
+    st = moe_record(ctx, &(moe_record_spec){
+        .op = MOE_OP_ATTENTION, .backward = attention_backward_fn, .n_in = 3, .in = {q, k, v},
+        .n_save = 5, .save = {q, k, v, od, lse}, .iargs = {causal}, .dargs = {s}}, 1, &o);
+  else
+    moe_tensor_release(o);
   moe_tensor_release(od);
   moe_tensor_release(lse);
-  if (st != MOE_OK) {
-    moe_tensor_release(o);
-    return st;
-  }
+  MOE_CHECK(st);
   *out = o;
   return MOE_OK;
 }

@@ -1,7 +1,7 @@
 /*
  * attention_cuda.h - the CUDA entry points of the attention family
- * (implemented in kernels/attention.cu, called by core/attention.c inside
- * #ifdef MOE_WITH_CUDA). Private to core/ and kernels/.
+ * (implemented in kernels/attention.cu, called by core/attention.c; core/nocuda.c
+ * stubs them without CUDA). Private to core/ and kernels/.
  *
  * All views live on `device`, are 4-D (B, H, T, D) (lse and delta 3-D
  * (B, H, T)), bf16 except lse and delta (f32, contiguous). q, k, v, o, dout,

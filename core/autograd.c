@@ -21,7 +21,6 @@
 
 #include "internal.h"
 
-#define SHAPE_BUF 200
 
 /* The state behind moe_tensor.autograd (NULL for a tensor that never took
  * part in autograd). */
@@ -132,18 +131,12 @@ moe_status moe_tensor_set_grad(moe_ctx *ctx, moe_tensor *t, moe_tensor *g) {
   }
   if (g == t)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "set_grad: a tensor cannot be its own gradient");
-  char a[SHAPE_BUF], b[SHAPE_BUF], da[32], db[32];
   if (!same_shape(g->ndim, g->shape, t->ndim, t->shape))
     return moe_error(ctx, MOE_ERR_SHAPE, "set_grad: gradient of shape %s for a tensor of shape %s",
-                     moe_shape_str(g->ndim, g->shape, a, sizeof(a)),
-                     moe_shape_str(t->ndim, t->shape, b, sizeof(b)));
-  if (g->dtype != t->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "set_grad: gradient of dtype %s for a tensor of dtype %s",
-                     moe_dtype_name(g->dtype), moe_dtype_name(t->dtype));
-  if (!moe_device_equal(moe_tensor_device(g), moe_tensor_device(t)))
-    return moe_error(ctx, MOE_ERR_DEVICE, "set_grad: gradient on %s for a tensor on %s",
-                     moe_device_str(moe_tensor_device(g), da, sizeof(da)),
-                     moe_device_str(moe_tensor_device(t), db, sizeof(db)));
+                     MOE_SHAPE(g), MOE_SHAPE(t));
+  MOE_CHECK(moe_check_same_dtype(ctx, "set_grad", "the gradient", g->dtype, "the tensor", t->dtype));
+  MOE_CHECK(moe_check_same_device(ctx, "set_grad", "the gradient", moe_tensor_device(g),
+                                  "the tensor", moe_tensor_device(t)));
   MOE_CHECK(meta_get(ctx, "set_grad", t, &m));
   moe_tensor_retain(g);
   moe_tensor *old = m->grad;
@@ -489,7 +482,6 @@ moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
   saved_packed *sp = (saved_packed *)p;
   moe_tensor *t = NULL;
   MOE_CHECK(h->unpack(ctx, h->ud, sp->packed, &t));
-  char a[SHAPE_BUF], b[SHAPE_BUF], da[32], db[32];
   moe_status st = MOE_OK;
   if (!t)
     st = moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: the unpack hook gave no tensor for saved slot %d",
@@ -497,8 +489,7 @@ moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
   else if (!same_shape(t->ndim, t->shape, sp->ndim, sp->shape))
     st = moe_error(ctx, MOE_ERR_SHAPE,
                    "%s: the unpack hook gave shape %s for saved slot %d, which had shape %s", name,
-                   moe_shape_str(t->ndim, t->shape, a, sizeof(a)), i,
-                   moe_shape_str(sp->ndim, sp->shape, b, sizeof(b)));
+                   MOE_SHAPE(t), i, MOE_SHAPE_OF(sp->ndim, sp->shape));
   else if (t->dtype != sp->dtype)
     st = moe_error(ctx, MOE_ERR_DTYPE,
                    "%s: the unpack hook gave dtype %s for saved slot %d, which had dtype %s", name,
@@ -506,8 +497,7 @@ moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
   else if (!moe_device_equal(moe_tensor_device(t), sp->device))
     st = moe_error(ctx, MOE_ERR_DEVICE,
                    "%s: the unpack hook gave a tensor on %s for saved slot %d, which was on %s",
-                   name, moe_device_str(moe_tensor_device(t), da, sizeof(da)), i,
-                   moe_device_str(sp->device, db, sizeof(db)));
+                   name, MOE_DEVICE(moe_tensor_device(t)), i, MOE_DEVICE(sp->device));
   if (st != MOE_OK) {
     moe_tensor_release(t);
     return st;
@@ -556,7 +546,6 @@ moe_status moe_sum_to_shape(moe_ctx *ctx, moe_tensor *g, int ndim, const int64_t
     *out = g;
     return MOE_OK;
   }
-  char a[SHAPE_BUF], b[SHAPE_BUF];
   int lead = g->ndim - ndim;
   int64_t dims[MOE_MAX_DIMS];
   int nd = 0;
@@ -574,8 +563,7 @@ moe_status moe_sum_to_shape(moe_ctx *ctx, moe_tensor *g, int ndim, const int64_t
   if (!ok)
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "sum_to_shape: a gradient of shape %s is not a broadcast of shape %s",
-                     moe_shape_str(g->ndim, g->shape, a, sizeof(a)),
-                     moe_shape_str(ndim, shape, b, sizeof(b)));
+                     MOE_SHAPE(g), MOE_SHAPE_OF(ndim, shape));
   moe_tensor *s;
   MOE_CHECK(moe_sum(ctx, g, nd, dims, true, &s));
   moe_status st = moe_reshape(ctx, s, ndim, shape, out);
@@ -747,13 +735,11 @@ static moe_status leaf_accumulate(moe_ctx *ctx, moe_tensor *leaf, moe_tensor *g)
 
 /* Checks a gradient returned by n's backward for input i. */
 static moe_status grad_check(moe_ctx *ctx, const moe_node *n, int i, const moe_tensor *g) {
-  char a[SHAPE_BUF], b[SHAPE_BUF], da[32], db[32];
   const char *name = moe_node_name(n);
   if (!same_shape(g->ndim, g->shape, n->in_ndim[i], n->in_shape[i]))
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "backward of %s: the gradient of input %d has shape %s, expected %s", name, i,
-                     moe_shape_str(g->ndim, g->shape, a, sizeof(a)),
-                     moe_shape_str(n->in_ndim[i], n->in_shape[i], b, sizeof(b)));
+                     MOE_SHAPE(g), MOE_SHAPE_OF(n->in_ndim[i], n->in_shape[i]));
   if (g->dtype != n->in_dtype[i])
     return moe_error(ctx, MOE_ERR_DTYPE,
                      "backward of %s: the gradient of input %d has dtype %s, expected %s", name, i,
@@ -761,8 +747,7 @@ static moe_status grad_check(moe_ctx *ctx, const moe_node *n, int i, const moe_t
   if (!moe_device_equal(moe_tensor_device(g), n->in_device[i]))
     return moe_error(ctx, MOE_ERR_DEVICE,
                      "backward of %s: the gradient of input %d is on %s, expected %s", name, i,
-                     moe_device_str(moe_tensor_device(g), da, sizeof(da)),
-                     moe_device_str(n->in_device[i], db, sizeof(db)));
+                     MOE_DEVICE(moe_tensor_device(g)), MOE_DEVICE(n->in_device[i]));
   return MOE_OK;
 }
 
@@ -815,28 +800,23 @@ moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool r
   if (!moe_requires_grad(root))
     return moe_error(ctx, MOE_ERR_INVALID_ARG,
                      "backward: tensor does not require grad and has no grad_fn");
-  char a[SHAPE_BUF], b[SHAPE_BUF], da[32], db[32];
   moe_tensor *g0 = NULL;
   if (!grad) {
     if (moe_tensor_numel(root) != 1)
       return moe_error(ctx, MOE_ERR_SHAPE,
                        "backward: a gradient can be implied only for a tensor of one element; "
                        "this one has shape %s, so pass its gradient",
-                       moe_shape_str(root->ndim, root->shape, a, sizeof(a)));
+                       MOE_SHAPE(root));
     MOE_CHECK(moe_tensor_full(ctx, root->ndim, root->shape, 1.0, root->dtype,
                               moe_tensor_device(root), &g0));
   } else {
     if (!same_shape(grad->ndim, grad->shape, root->ndim, root->shape))
       return moe_error(ctx, MOE_ERR_SHAPE, "backward: gradient of shape %s for a tensor of shape %s",
-                       moe_shape_str(grad->ndim, grad->shape, a, sizeof(a)),
-                       moe_shape_str(root->ndim, root->shape, b, sizeof(b)));
-    if (grad->dtype != root->dtype)
-      return moe_error(ctx, MOE_ERR_DTYPE, "backward: gradient of dtype %s for a tensor of dtype %s",
-                       moe_dtype_name(grad->dtype), moe_dtype_name(root->dtype));
-    if (!moe_device_equal(moe_tensor_device(grad), moe_tensor_device(root)))
-      return moe_error(ctx, MOE_ERR_DEVICE, "backward: gradient on %s for a tensor on %s",
-                       moe_device_str(moe_tensor_device(grad), da, sizeof(da)),
-                       moe_device_str(moe_tensor_device(root), db, sizeof(db)));
+                       MOE_SHAPE(grad), MOE_SHAPE(root));
+    MOE_CHECK(moe_check_same_dtype(ctx, "backward", "the gradient", grad->dtype, "the tensor",
+                                   root->dtype));
+    MOE_CHECK(moe_check_same_device(ctx, "backward", "the gradient", moe_tensor_device(grad),
+                                    "the tensor", moe_tensor_device(root)));
     /* a header without history, so a grad that requires grad adds nothing */
     MOE_CHECK(header_alias(ctx, "backward", grad, &g0));
   }

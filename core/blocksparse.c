@@ -19,8 +19,6 @@
 #include "internal.h"
 #include "moe_routing.h"
 
-#define BS_SHAPE 96
-
 /* The sizes of a plan's block matrix. */
 typedef struct bs_geom {
   int64_t b;   /* block size */
@@ -33,13 +31,6 @@ typedef struct bs_geom {
 } bs_geom;
 
 static bool bs_cuda(const moe_routing_plan *p) { return p->device.type == MOE_DEVICE_CUDA; }
-
-#ifndef MOE_WITH_CUDA
-static moe_status bs_not_built(moe_ctx *ctx, const char *fn) {
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: CUDA tensor but moe-lua was built without CUDA",
-                   fn);
-}
-#endif
 
 /* ---------------------------------------------------------- validation */
 
@@ -80,20 +71,7 @@ static moe_status bs_check_operand(moe_ctx *ctx, const char *fn, const char *wha
   if (!ok)
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s has dtype %s; supported: %s", fn, what,
                      moe_dtype_name(t->dtype), cuda ? "f32, bf16 on CUDA" : "f32, f64, bf16");
-  if (!moe_device_equal(t->storage->device, p->device)) {
-    char a[32], b[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but the plan is on %s", fn, what,
-                     moe_device_str(t->storage->device, a, sizeof a),
-                     moe_device_str(p->device, b, sizeof b));
-  }
-  return MOE_OK;
-}
-
-static moe_status bs_check_same_dtype(moe_ctx *ctx, const char *fn, const char *wa,
-                                      const moe_tensor *a, const char *wb, const moe_tensor *b) {
-  if (a->dtype == b->dtype) return MOE_OK;
-  return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s (%s) and %s (%s) must have the same dtype", fn, wa,
-                   moe_dtype_name(a->dtype), wb, moe_dtype_name(b->dtype));
+  return moe_check_same_device(ctx, fn, what, t->storage->device, "the plan", p->device);
 }
 
 /* t must have shape want (ndim dims); want_str describes it. */
@@ -103,24 +81,21 @@ static moe_status bs_check_shape(moe_ctx *ctx, const char *fn, const char *what,
   bool ok = t->ndim == ndim;
   for (int i = 0; ok && i < ndim; i++) ok = t->shape[i] == want[i];
   if (ok) return MOE_OK;
-  char s[BS_SHAPE], w[BS_SHAPE];
   return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s = %s", fn, what,
-                   moe_shape_str(t->ndim, t->shape, s, sizeof s), want_str,
-                   moe_shape_str(ndim, want, w, sizeof w));
+                   MOE_SHAPE(t), want_str, MOE_SHAPE_OF(ndim, want));
 }
 
 /* A dense (R, K) operand: checks rows, reads K (>= 1; % 8 for bf16 on CUDA). */
 static moe_status bs_check_dense(moe_ctx *ctx, const char *fn, const char *what,
                                  const moe_tensor *t, const moe_routing_plan *p,
                                  const bs_geom *g, int64_t *K) {
-  char s[BS_SHAPE];
   if (t->ndim != 2 || t->shape[0] != g->R)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (R, K) with the plan's R = %lld",
-                     fn, what, moe_shape_str(t->ndim, t->shape, s, sizeof s), (long long)g->R);
+                     fn, what, MOE_SHAPE(t), (long long)g->R);
   *K = t->shape[1];
   if (*K < 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, what,
-                     moe_shape_str(t->ndim, t->shape, s, sizeof s));
+                     MOE_SHAPE(t));
   if (bs_cuda(p) && t->dtype == MOE_BF16 && *K % 8 != 0)
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
@@ -182,7 +157,6 @@ static const char *bs_at(const moe_tensor *t, int64_t elems, size_t es) {
   return (const char *)moe_tensor_data(t) + elems * (int64_t)es;
 }
 
-#ifdef MOE_WITH_CUDA
 static moe_bs_topo bs_topo(const moe_routing_plan *p, const bs_geom *g) {
   moe_bs_topo tp;
   tp.b = g->b, tp.F = g->F, tp.EL = g->EL, tp.Rb = g->Rb, tp.nnz = g->nnz;
@@ -193,7 +167,6 @@ static moe_bs_topo bs_topo(const moe_routing_plan *p, const bs_geom *g) {
   tp.block_offsets_t = bs_idx(p->bs_block_offsets_t);
   return tp;
 }
-#endif
 
 /* The four products. Each takes prepared operands (a, c contiguous; CPU: in
  * the compute dtype), writes the result r (contiguous, same dtype as the
@@ -271,7 +244,6 @@ static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing
   MOE_CHECK_GOTO(bs_prepare(ctx, c, cdt, &pc), st, done);
   MOE_CHECK_GOTO(moe_tensor_empty(ctx, ndim, shape, cdt, p->device, &r), st, done);
   if (cuda) {
-#ifdef MOE_WITH_CUDA
     moe_bs_topo tp = bs_topo(p, g);
     int dev = p->device.index;
     const void *da = moe_tensor_data(pa), *dc = moe_tensor_data(pc);
@@ -282,10 +254,6 @@ static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing
     case BS_DSD_T: st = moe_cuda_bsmm_dsd_t(ctx, dev, dt, &tp, da, dc, K, dr); break;
     case BS_DDS: st = moe_cuda_bsmm_dds(ctx, dev, dt, &tp, da, dc, K, dr); break;
     }
-#else
-    (void)g, (void)K, (void)trans_w;
-    st = bs_not_built(ctx, fn);
-#endif
     if (st != MOE_OK) goto done;
   } else {
     bs_cpu(kind, p, g, K, trans_w, pa, pc, r);
@@ -322,7 +290,7 @@ static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_rou
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
-  MOE_CHECK(bs_check_same_dtype(ctx, fn, "x", x, "w", w));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, "x", x->dtype, "w", w->dtype));
   MOE_CHECK(bs_check_dense(ctx, fn, "x", x, p, &g, &K));
   MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, !trans_w));
   return bs_run(ctx, fn, BS_SDD, p, &g, K, trans_w, x, w, 3, (int64_t[]){g.nnz, g.b, g.b}, out);
@@ -335,17 +303,15 @@ static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_rou
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
-  MOE_CHECK(bs_check_same_dtype(ctx, fn, "s", s, "w", w));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "w", w->dtype));
   MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
-  char sh[BS_SHAPE];
   if (w->ndim != 3)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s, expected %s", fn,
-                     moe_shape_str(w->ndim, w->shape, sh, sizeof sh),
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s, expected %s", fn, MOE_SHAPE(w),
                      trans_w ? "(E_loc, K, N)" : "(E_loc, N, K)");
   int64_t K = trans_w ? w->shape[1] : w->shape[2];
   if (K < 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s: K = 0 is not supported", fn,
-                     moe_shape_str(w->ndim, w->shape, sh, sizeof sh));
+                     MOE_SHAPE(w));
   MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, trans_w));
   if (bs_cuda(p) && w->dtype == MOE_BF16 && K % 8 != 0)
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
@@ -363,7 +329,7 @@ moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routin
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "y", y, p));
-  MOE_CHECK(bs_check_same_dtype(ctx, fn, "s", s, "y", y));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "y", y->dtype));
   MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
   MOE_CHECK(bs_check_dense(ctx, fn, "y", y, p, &g, &K));
   return bs_run(ctx, fn, BS_DSD_T, p, &g, K, false, s, y, 3, (int64_t[]){g.EL, g.N, K}, out);
@@ -378,7 +344,7 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
-  MOE_CHECK(bs_check_same_dtype(ctx, fn, "x", x, "s", s));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, "x", x->dtype, "s", s->dtype));
   MOE_CHECK(bs_check_dense(ctx, fn, "x", x, p, &g, &K));
   MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
   return bs_run(ctx, fn, BS_DDS, p, &g, K, false, x, s, 3, (int64_t[]){g.EL, K, g.N}, out);
@@ -388,22 +354,13 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_
 
 static void bs_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
 
-static moe_status bs_zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
-                         out);
-}
-
 /* Shared by SDD and DSD: inputs (a, w) saved in slots 0, 1; iargs[0] =
  * trans_w; iargs[1] = 0 for SDD, 1 for DSD. */
 static moe_status bs_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                               moe_tensor **gin) {
   moe_routing_plan *p = (moe_routing_plan *)n->user;
   bool trans_w = n->iargs[0] != 0, dsd = n->iargs[1] != 0;
-  if (!gout[0]) {
-    for (int i = 0; i < 2; i++)
-      if (moe_node_needs_grad(n, i)) MOE_CHECK(bs_zeros_like_input(ctx, n, i, &gin[i]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *a = NULL, *w = NULL;
   moe_status st = MOE_OK;
   moe_tensor *g = gout[0];
@@ -429,28 +386,17 @@ done:
   return st;
 }
 
-/* Records the node of SDD (dsd false) or DSD over inputs (a, w); on failure
- * out is released. */
-static moe_status bs_record(moe_ctx *ctx, bool dsd, moe_tensor *a, moe_tensor *w,
-                            moe_routing_plan *p, bool trans_w, moe_tensor *out) {
-  moe_tensor *in[2] = {a, w};
-  moe_node *n = NULL;
-  moe_status st = moe_node_new(ctx, dsd ? MOE_OP_BSMM_DSD : MOE_OP_BSMM_SDD, bs_backward, 2, in,
-                               &n);
-  if (st == MOE_OK) {
-    moe_routing_plan_retain(p);
-    n->user = p;
-    n->user_free = bs_plan_release_void;
-    n->iargs[0] = trans_w ? 1 : 0;
-    n->iargs[1] = dsd ? 1 : 0;
-    /* the gradient of a needs w and that of w needs a */
-    st = moe_node_save(ctx, n, a);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
-  }
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
-  if (n) moe_node_release(n);
-  if (st != MOE_OK) moe_tensor_release(out);
-  return st;
+/* Records the node of SDD (dsd false) or DSD over inputs (a, w) on *out;
+ * moe_record's failure contract. */
+static moe_status bs_node(moe_ctx *ctx, bool dsd, moe_tensor *a, moe_tensor *w,
+                          moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  moe_routing_plan_retain(p); /* the node's; released by bs_plan_release_void */
+  /* the gradient of a needs w and that of w needs a */
+  return moe_record(ctx, &(moe_record_spec){
+      .op = dsd ? MOE_OP_BSMM_DSD : MOE_OP_BSMM_SDD, .backward = bs_backward,
+      .n_in = 2, .in = {a, w}, .n_save = 2, .save = {a, w},
+      .iargs = {trans_w ? 1 : 0, dsd ? 1 : 0},
+      .user = p, .user_free = bs_plan_release_void}, 1, out);
 }
 
 moe_status moe_bsmm_sdd(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
@@ -458,8 +404,7 @@ moe_status moe_bsmm_sdd(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_sdd: out is NULL");
   moe_tensor *r;
   MOE_CHECK(bs_sdd_raw(ctx, x, w, p, trans_w, &r));
-  if (moe_grad_wanted(ctx, 2, (const moe_tensor *[]){x, w}))
-    MOE_CHECK(bs_record(ctx, false, x, w, p, trans_w, r));
+  MOE_CHECK(bs_node(ctx, false, x, w, p, trans_w, &r));
   *out = r;
   return MOE_OK;
 }
@@ -469,8 +414,7 @@ moe_status moe_bsmm_dsd(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_dsd: out is NULL");
   moe_tensor *r;
   MOE_CHECK(bs_dsd_raw(ctx, s, w, p, trans_w, &r));
-  if (moe_grad_wanted(ctx, 2, (const moe_tensor *[]){s, w}))
-    MOE_CHECK(bs_record(ctx, true, s, w, p, trans_w, r));
+  MOE_CHECK(bs_node(ctx, true, s, w, p, trans_w, &r));
   *out = r;
   return MOE_OK;
 }
@@ -502,7 +446,6 @@ static moe_status bs_convert(moe_ctx *ctx, const char *fn, bool to_dense, moe_te
   else st = moe_tensor_empty(ctx, 3, (int64_t[]){g.nnz, g.b, g.b}, in->dtype, p->device, &r);
   if (st != MOE_OK) goto done;
   if (bs_cuda(p)) {
-#ifdef MOE_WITH_CUDA
     moe_bs_topo tp = bs_topo(p, &g);
     if (to_dense)
       st = moe_cuda_bsmm_to_dense(ctx, p->device.index, in->dtype, &tp, moe_tensor_data(c),
@@ -510,9 +453,6 @@ static moe_status bs_convert(moe_ctx *ctx, const char *fn, bool to_dense, moe_te
     else
       st = moe_cuda_bsmm_from_dense(ctx, p->device.index, in->dtype, &tp, moe_tensor_data(c),
                                     moe_tensor_data(r));
-#else
-    st = bs_not_built(ctx, fn);
-#endif
   } else {
     size_t es = moe_dtype_size(in->dtype);
     const int64_t *ri = bs_idx(p->bs_row_indices), *ci = bs_idx(p->bs_column_indices);

@@ -1,7 +1,7 @@
 /*
  * blocksparse_cuda.h - CUDA entry points of the block-sparse family
- * (kernels/blocksparse.cu), called by core/blocksparse.c inside
- * #ifdef MOE_WITH_CUDA. Private to core/.
+ * (kernels/blocksparse.cu), called by core/blocksparse.c (core/nocuda.c
+ * stubs them without CUDA). Private to core/.
  *
  * All pointers are device pointers to contiguous, 16-byte aligned arrays of
  * one dtype dt (MOE_F32 or MOE_BF16; core/blocksparse.c validated shapes,

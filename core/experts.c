@@ -30,21 +30,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "experts_cuda.h"
 #include "internal.h"
 #include "moe_quantize.h"
 #include "moe_routing.h"
 #include "quantize_cuda.h"
-#ifdef MOE_WITH_CUDA
-#include "experts_cuda.h"
-#endif
 
 /* ------------------------------------------------------------- helpers */
 
 static bool ex_cuda(const moe_tensor *t) { return t->storage->device.type == MOE_DEVICE_CUDA; }
-
-static const char *ex_shape(const moe_tensor *t, char *buf, size_t len) {
-  return moe_shape_str(t->ndim, t->shape, buf, len);
-}
 
 static moe_status ex_check_float(moe_ctx *ctx, const char *fn, const char *what,
                                  const moe_tensor *t) {
@@ -59,20 +53,13 @@ static moe_status ex_check_float(moe_ctx *ctx, const char *fn, const char *what,
 
 static moe_status ex_check_device(moe_ctx *ctx, const char *fn, const char *what,
                                   const moe_tensor *t, moe_device d) {
-  if (!moe_device_equal(t->storage->device, d)) {
-    char a[32], b[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but the plan is on %s", fn, what,
-                     moe_device_str(t->storage->device, a, sizeof a), moe_device_str(d, b, sizeof b));
-  }
-  return MOE_OK;
+  return moe_check_same_device(ctx, fn, what, t->storage->device, "the plan", d);
 }
 
+/* t (a weight) has x's dtype. */
 static moe_status ex_check_same_dtype(moe_ctx *ctx, const char *fn, const char *what,
                                       const moe_tensor *t, const moe_tensor *x) {
-  if (t->dtype != x->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but x is %s (one dtype for x and weights)",
-                     fn, what, moe_dtype_name(t->dtype), moe_dtype_name(x->dtype));
-  return MOE_OK;
+  return moe_check_same_dtype(ctx, fn, what, t->dtype, "x", x->dtype);
 }
 
 /* The plan's host row offsets of its local experts (the one host sync). */
@@ -111,7 +98,6 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
   moe_parallel_linear_opts o = opts ? *opts : moe_parallel_linear_opts_default();
   if (o.impl != MOE_EXPERTS_GROUPED && o.impl != MOE_EXPERTS_SPARSE)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)o.impl);
-  char sx[64], sw[64];
   MOE_CHECK(ex_check_float(ctx, fn, "x", x));
   MOE_CHECK(ex_check_same_dtype(ctx, fn, "w", w, x));
   MOE_CHECK(ex_check_device(ctx, fn, "x", x, plan->device));
@@ -120,7 +106,7 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
   if (w->ndim != 3 || w->shape[0] != E_loc)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: w must be (E_loc, %s) with the plan's E_loc = %lld "
                      "local experts, got %s", fn, o.trans_w ? "N, K" : "K, N", (long long)E_loc,
-                     ex_shape(w, sw, sizeof sw));
+                     MOE_SHAPE(w));
   int64_t K = o.trans_w ? w->shape[2] : w->shape[1];
   int64_t N = o.trans_w ? w->shape[1] : w->shape[2];
   if (o.gates && !o.scatter)
@@ -130,7 +116,7 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
     MOE_CHECK(ex_check_device(ctx, fn, "gates", o.gates, plan->device));
     if (o.gates->ndim != 2 || o.gates->shape[0] != plan->T || o.gates->shape[1] != plan->k)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
-                       fn, (long long)plan->T, (long long)plan->k, ex_shape(o.gates, sx, sizeof sx));
+                       fn, (long long)plan->T, (long long)plan->k, MOE_SHAPE(o.gates));
   }
   bool sparse_in = o.impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
   int64_t nb = plan->ffn_blocks * plan->block_size; /* the sparse width */
@@ -138,39 +124,39 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
     MOE_CHECK(ex_check_sparse_plan(ctx, fn, plan));
     if (x->ndim != 2 && x->ndim != 3)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse takes a dense 2-D x or a sparse "
-                       "(nnz, b, b) x, got %s", fn, ex_shape(x, sx, sizeof sx));
+                       "(nnz, b, b) x, got %s", fn, MOE_SHAPE(x));
     if (sparse_in && o.gather)
       return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gather needs a dense x (T, K), got the "
-                       "sparse %s", fn, ex_shape(x, sx, sizeof sx));
+                       "sparse %s", fn, MOE_SHAPE(x));
     if (!sparse_in && o.scatter)
       return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: scatter of a block-sparse (SDD) output is "
                        "not defined: the dense x %s gives a sparse hidden", fn,
-                       ex_shape(x, sx, sizeof sx));
+                       MOE_SHAPE(x));
     if (sparse_in) {
       int64_t b = plan->block_size;
       if (x->shape[0] != plan->nnz || x->shape[1] != b || x->shape[2] != b)
         return moe_error(ctx, MOE_ERR_SHAPE, "%s: sparse x must be the plan's (nnz, b, b) = "
                          "(%lld, %lld, %lld), got %s", fn, (long long)plan->nnz, (long long)b,
-                         (long long)b, ex_shape(x, sx, sizeof sx));
+                         (long long)b, MOE_SHAPE(x));
       if (K != nb)
         return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have K = ffn_hidden = %lld for a "
-                         "sparse x", fn, ex_shape(w, sw, sizeof sw), (long long)nb);
+                         "sparse x", fn, MOE_SHAPE(w), (long long)nb);
     } else if (N != nb) {
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have N = ffn_hidden = %lld for impl "
-                       "sparse (the plan's topology)", fn, ex_shape(w, sw, sizeof sw),
+                       "sparse (the plan's topology)", fn, MOE_SHAPE(w),
                        (long long)nb);
     }
   } else if (x->ndim != 2) {
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be 2-D (%s, K), got %s", fn,
-                     o.gather ? "T" : "R", ex_shape(x, sx, sizeof sx));
+                     o.gather ? "T" : "R", MOE_SHAPE(x));
   }
   if (!sparse_in) {
     int64_t rows = o.gather ? plan->T : plan->rows;
     if (x->shape[0] != rows || x->shape[1] != K)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (%s, K) = (%lld, %lld) for w %s%s, got %s",
                        fn, o.gather ? "T" : "R", (long long)rows, (long long)K,
-                       ex_shape(w, sw, sizeof sw), o.trans_w ? " (trans_w)" : "",
-                       ex_shape(x, sx, sizeof sx));
+                       MOE_SHAPE(w), o.trans_w ? " (trans_w)" : "",
+                       MOE_SHAPE(x));
   }
 
   moe_status st = MOE_OK;
@@ -256,12 +242,8 @@ static moe_status ex_glu_fwd(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3, int a
   int64_t n = moe_tensor_numel(h1);
   moe_status st = MOE_OK;
   if (n > 0 && ex_cuda(h1)) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_experts_glu_fwd(ctx, h1->storage->device.index, h1->dtype, act, n,
                                   moe_tensor_data(h1), moe_tensor_data(h3), moe_tensor_data(a));
-#else
-    st = moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA");
-#endif
   } else {
     const void *p1 = moe_tensor_data(h1), *p3 = moe_tensor_data(h3);
     void *pa = moe_tensor_data(a);
@@ -287,13 +269,9 @@ static moe_status ex_take(moe_ctx *ctx, moe_tensor *in, moe_tensor *idx, moe_dty
   MOE_CHECK(moe_tensor_empty(ctx, 1, &n, out_dt, idx->storage->device, &r));
   moe_status st = MOE_OK;
   if (n > 0 && ex_cuda(idx)) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_experts_take(ctx, idx->storage->device.index, n,
                                (const int64_t *)moe_tensor_data(idx), moe_tensor_data(in),
                                in->dtype, moe_tensor_data(r), out_dt);
-#else
-    st = moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA");
-#endif
   } else {
     const int64_t *ip = (const int64_t *)moe_tensor_data(idx);
     const void *src = moe_tensor_data(in);
@@ -352,11 +330,6 @@ static bool ex_qfused(void) {
 
 static void ex_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
 
-static moe_status ex_zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
-                         out);
-}
-
 /* xs (R, K) times the per-expert w with impl: grouped (dense out) or sparse
  * (SDD, out (nnz, b, b)). */
 static moe_status ex_mm_sdd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *xs, moe_tensor *w,
@@ -407,11 +380,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   int gslot = (int)n->iargs[2], aslot = (int)n->iargs[3];
   int64_t qbits = n->iargs[4];
   bool has_gates = gslot >= 0;
-  if (!gout[0]) {
-    for (int i = 0; i < n->n_inputs; i++)
-      if (moe_node_needs_grad(n, i)) MOE_CHECK(ex_zeros_like_input(ctx, n, i, &gin[i]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   bool need_x = moe_node_needs_grad(n, 0), need_w1 = moe_node_needs_grad(n, 1),
        need_w3 = moe_node_needs_grad(n, 2), need_w2 = moe_node_needs_grad(n, 3),
        need_g = has_gates && moe_node_needs_grad(n, 4);
@@ -481,7 +450,6 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     int64_t R = p->rows, bs = impl == MOE_EXPERTS_SPARSE ? p->block_size : 0;
     int64_t f = impl == MOE_EXPERTS_SPARSE ? p->ffn_blocks * p->block_size : hshape[1];
     if (qdirect) {
-#ifdef MOE_WITH_CUDA
       int64_t cols = hshape[hnd - 1];
       moe_ex_qhidden qh = {(int)qbits, cols, moe_qz_group(cols, (int)qbits, n->iargs[5]),
                            moe_tensor_data(h1s), moe_tensor_data(h3s),
@@ -493,11 +461,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
                            moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                            dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
                        st, done);
-#else
-      MOE_CHECK_GOTO(moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA"), st, done);
-#endif
     } else if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       if (R > 0 && f > 0)
         MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
                            ctx, h1->storage->device.index, dt, act, R, f, bs, moe_tensor_data(dA0),
@@ -506,9 +470,6 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
                            moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                            dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
                        st, done);
-#else
-      MOE_CHECK_GOTO(moe_error(ctx, MOE_ERR_DEVICE, "glu_experts: built without CUDA"), st, done);
-#endif
     } else {
       ex_glu_bwd_cpu(dt, gdt, act, R, f, bs, moe_tensor_data(dA0), moe_tensor_data(h1),
                      moe_tensor_data(h3), a ? moe_tensor_data(a) : NULL,
@@ -586,7 +547,6 @@ static moe_status ex_glu_validate(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, m
                                   moe_tensor *w2, moe_routing_plan *p, moe_tensor *gates,
                                   moe_experts_impl impl, moe_glu_activation act) {
   const char *fn = "glu_experts";
-  char s1[64], s2[64], s3[64], s4[64];
   if (impl != MOE_EXPERTS_GROUPED && impl != MOE_EXPERTS_SPARSE)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)impl);
   if (act != MOE_GLU_SILU && act != MOE_GLU_GELU && act != MOE_GLU_GELU_TANH)
@@ -602,32 +562,32 @@ static moe_status ex_glu_validate(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, m
   int64_t E_loc = p->e1 - p->e0;
   if (x->ndim != 2 || x->shape[0] != p->T)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (T, d) with the plan's T = %lld, got %s",
-                     fn, (long long)p->T, ex_shape(x, s1, sizeof s1));
+                     fn, (long long)p->T, MOE_SHAPE(x));
   int64_t d = x->shape[1];
   if (w1->ndim != 3 || w1->shape[0] != E_loc || w1->shape[1] != d)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: w1 must be (E_loc, d, f) = (%lld, %lld, f) for x %s, "
-                     "got %s", fn, (long long)E_loc, (long long)d, ex_shape(x, s1, sizeof s1),
-                     ex_shape(w1, s2, sizeof s2));
+                     "got %s", fn, (long long)E_loc, (long long)d, MOE_SHAPE(x),
+                     MOE_SHAPE(w1));
   int64_t f = w1->shape[2];
   if (w3->ndim != 3 || w3->shape[0] != E_loc || w3->shape[1] != d || w3->shape[2] != f ||
       w2->ndim != 3 || w2->shape[0] != E_loc || w2->shape[1] != f || w2->shape[2] != d)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: w1 %s, w3 %s and w2 %s must be (E_loc, d, f), "
                      "(E_loc, d, f) and (E_loc, f, d) with E_loc = %lld, d = %lld", fn,
-                     ex_shape(w1, s1, sizeof s1), ex_shape(w3, s2, sizeof s2),
-                     ex_shape(w2, s3, sizeof s3), (long long)E_loc, (long long)d);
+                     MOE_SHAPE(w1), MOE_SHAPE(w3),
+                     MOE_SHAPE(w2), (long long)E_loc, (long long)d);
   if (gates) {
     MOE_CHECK(ex_check_float(ctx, fn, "gates", gates));
     MOE_CHECK(ex_check_device(ctx, fn, "gates", gates, p->device));
     if (gates->ndim != 2 || gates->shape[0] != p->T || gates->shape[1] != p->k)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
-                       fn, (long long)p->T, (long long)p->k, ex_shape(gates, s4, sizeof s4));
+                       fn, (long long)p->T, (long long)p->k, MOE_SHAPE(gates));
   }
   if (impl == MOE_EXPERTS_SPARSE) {
     MOE_CHECK(ex_check_sparse_plan(ctx, fn, p));
     if (p->ffn_blocks * p->block_size != f)
       return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse needs the plan's ffn_hidden (%lld) to "
                        "equal f = %lld of w1 %s", fn, (long long)(p->ffn_blocks * p->block_size),
-                       (long long)f, ex_shape(w1, s1, sizeof s1));
+                       (long long)f, MOE_SHAPE(w1));
   }
   return MOE_OK;
 }
@@ -657,7 +617,6 @@ static moe_status ex_glu_fwd_quant(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3,
                                    moe_tensor **s3) {
   moe_quant_opts qo = {o->quant_bits, o->quant_group_size, o->quant_stochastic};
   moe_status st = MOE_OK;
-#ifdef MOE_WITH_CUDA
   if (ex_cuda(h1) && ex_qfused()) {
     int64_t cols = h1->shape[h1->ndim - 1], n = moe_tensor_numel(h1);
     int64_t rows = cols > 0 ? n / cols : 0, G = moe_qz_group(cols, qo.bits, qo.group_size);
@@ -689,7 +648,6 @@ static moe_status ex_glu_fwd_quant(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3,
     for (int i = 0; i < 5; i++) moe_tensor_release(t[i]);
     if (st != MOE_OK) return st;
   }
-#endif
   moe_qtensor q1 = {0}, q3 = {0};
   moe_tensor *ta = NULL;
   MOE_CHECK(ex_glu_fwd(ctx, h1, h3, act, &ta));
@@ -757,39 +715,30 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, gates, &r), st, fail);
   moe_grad_set(ctx, prev);
   if (want) {
-    moe_node *n = NULL;
+    /* saved: the contiguous weights (w itself when already contiguous), the
+     * hidden (or its codes and scales), then gates and a when present */
+    moe_record_spec spec = {
+        .op = MOE_OP_GLU_EXPERTS, .backward = ex_glu_backward, .n_in = n_in,
+        .in = {x, w1, w3, w2, gates},
+        .save = {x, w1c, w3c, w2c, quant ? v1 : h1, quant ? v3 : h3, s1, s3},
+        .iargs = {impl, act, -1, -1, quant ? o.quant_bits : 0, o.quant_group_size},
+        .user = plan, .user_free = ex_plan_release_void};
+    spec.n_save = quant ? 8 : 6;
+    if (gates) {
+      spec.iargs[2] = spec.n_save;
+      spec.save[spec.n_save++] = gates;
+    }
+    if (!quant && !o.memory_optimized) {
+      spec.iargs[3] = spec.n_save;
+      spec.save[spec.n_save++] = a;
+    }
     /* the op's own quantization applies to its saved tensors: the caller's
      * hooks are set aside while they are saved */
     int n_hooks = ctx->n_hooks;
     if (quant) ctx->n_hooks = 0;
-    st = moe_node_new(ctx, MOE_OP_GLU_EXPERTS, ex_glu_backward, n_in, in, &n);
-    if (st == MOE_OK) {
-      moe_routing_plan_retain(plan);
-      n->user = plan;
-      n->user_free = ex_plan_release_void;
-      n->iargs[0] = impl;
-      n->iargs[1] = act;
-      n->iargs[2] = -1;
-      n->iargs[3] = -1;
-      n->iargs[4] = quant ? o.quant_bits : 0;
-      n->iargs[5] = o.quant_group_size;
-      /* the contiguous weights (w itself when already contiguous) */
-      moe_tensor *save[8] = {x, w1c, w3c, w2c, quant ? v1 : h1, quant ? v3 : h3, s1, s3};
-      int n_save = quant ? 8 : 6;
-      for (int i = 0; i < n_save && st == MOE_OK; i++) st = moe_node_save(ctx, n, save[i]);
-      int slot = n_save;
-      if (st == MOE_OK && gates) {
-        st = moe_node_save(ctx, n, gates);
-        n->iargs[2] = slot++;
-      }
-      if (st == MOE_OK && !quant && !o.memory_optimized) {
-        st = moe_node_save(ctx, n, a);
-        n->iargs[3] = slot++;
-      }
-    }
+    moe_routing_plan_retain(plan);
+    st = moe_record(ctx, &spec, 1, &r);
     ctx->n_hooks = n_hooks;
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
-    if (n) moe_node_release(n);
     if (st != MOE_OK) goto done;
   }
   *out = r;

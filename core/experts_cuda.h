@@ -1,6 +1,7 @@
 /*
  * experts_cuda.h - CUDA entry points of the experts family (kernels/experts.cu),
- * called by core/experts.c inside #ifdef MOE_WITH_CUDA. Private to core/.
+ * called by core/experts.c (core/nocuda.c stubs them without CUDA). Private to
+ * core/.
  *
  * The fused elementwise work of the GLU expert MLP: its activation, its
  * backward (gate scaling, gate gradient, activation derivative in one pass

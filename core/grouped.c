@@ -31,8 +31,6 @@
 #include "internal.h"
 #include "moe_grouped.h"
 
-#define SHAPE_BUF 160
-
 /* ------------------------------------------------------------ backends */
 
 typedef enum gg_backend {
@@ -72,7 +70,6 @@ static bool gg_dtype_ok(moe_dtype dt) { return dt == MOE_F32 || dt == MOE_F64 ||
 
 static moe_status gg_check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t,
                                   const char *what, int ndim, const char *layout) {
-  char s[SHAPE_BUF];
   if (!t) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
   if (!gg_dtype_ok(t->dtype))
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s has dtype %s; %s takes f32, f64 or bf16", fn, what,
@@ -82,22 +79,15 @@ static moe_status gg_check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor
                      fn, what);
   if (t->ndim != ndim)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s must be %d-D %s, got shape %s", fn, what, ndim,
-                     layout, moe_shape_str(t->ndim, t->shape, s, sizeof(s)));
+                     layout, MOE_SHAPE(t));
   return MOE_OK;
 }
 
 /* b on a's device with a's dtype. */
 static moe_status gg_check_pair(moe_ctx *ctx, const char *fn, const moe_tensor *a, const char *an,
                                 const moe_tensor *b, const char *bn) {
-  if (!moe_device_equal(a->storage->device, b->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but %s is on %s", fn, an,
-                     moe_device_str(a->storage->device, da, sizeof(da)), bn,
-                     moe_device_str(b->storage->device, db, sizeof(db)));
-  }
-  if (a->dtype != b->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but %s is %s (convert one with to)", fn, an,
-                     moe_dtype_name(a->dtype), bn, moe_dtype_name(b->dtype));
+  MOE_CHECK(moe_check_same_device(ctx, fn, an, a->storage->device, bn, b->storage->device));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, an, a->dtype, bn, b->dtype));
   return moe_device_check(ctx, a->storage->device);
 }
 
@@ -175,7 +165,6 @@ static moe_status gg_cpu_gemm(moe_ctx *ctx, const char *fn, const moe_gemm *g) {
   return MOE_OK;
 }
 
-#ifdef MOE_WITH_CUDA
 /* The CUDA backend of one call: "auto" resolved from the number of groups
  * and the mean rows per group (rows = offs[G] - offs[0], the dimension that
  * varies: M of the forward and input-gradient products, the inner K of the
@@ -200,7 +189,6 @@ static gg_backend gg_auto_backend(int64_t groups, int64_t rows) {
   if (groups <= GG_AUTO_LOOP_MAX_GROUPS || rows / groups >= GG_AUTO_LOOP_MIN_ROWS) return GG_LOOP;
   return GG_STREAMS;
 }
-#endif
 
 /* Runs the count products of list; groups and rows (offs[G] - offs[0])
  * for the choice of the CUDA backend. */
@@ -208,16 +196,11 @@ static moe_status gg_exec(moe_ctx *ctx, const char *fn, moe_device dev, const mo
                           int64_t count, int64_t groups, int64_t rows) {
   if (count == 0) return MOE_OK;
   if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     gg_backend b = gg_auto_backend(groups, rows);
     if (b == GG_CUBLAS_GROUPED) return moe_cuda_gemm_grouped(ctx, dev.index, list, count);
     if (b == GG_STREAMS) return moe_cuda_gemm_streams(ctx, dev.index, list, count);
     for (int64_t i = 0; i < count; i++) MOE_CHECK(moe_cuda_gemm(ctx, dev.index, &list[i]));
     return MOE_OK;
-#else
-    (void)groups, (void)rows;
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: this moe-lua was built without CUDA", fn);
-#endif
   }
   for (int64_t i = 0; i < count; i++) MOE_CHECK(gg_cpu_gemm(ctx, fn, &list[i]));
   return MOE_OK;
@@ -410,14 +393,7 @@ static moe_status gg_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *g
   const int64_t *offs = (const int64_t *)n->user;
   int64_t groups = n->iargs[0];
   bool trans_w = n->iargs[1] != 0;
-  if (!gout[0]) { /* nothing flowed in: zero gradients */
-    for (int i = 0; i < 2 && st == MOE_OK; i++)
-      if (moe_node_needs_grad(n, i))
-        st = moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0, n->in_dtype[i],
-                             n->in_device[i], &gin[i]);
-    if (st != MOE_OK) goto fail;
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin); /* nothing flowed in */
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
   if (moe_node_needs_grad(n, 0))
@@ -448,9 +424,7 @@ moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int6
   MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
   MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
   MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
-  char sx[SHAPE_BUF], sw[SHAPE_BUF];
-  moe_shape_str(x->ndim, x->shape, sx, sizeof(sx));
-  moe_shape_str(w->ndim, w->shape, sw, sizeof(sw));
+  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
   if (groups >= 1 && w->shape[0] != groups)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, wanted %lld (x %s)",
                      fn, sw, (long long)w->shape[0], (long long)groups, sx);
@@ -466,33 +440,20 @@ moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int6
   moe_status st = gg_mm_compute(ctx, fn, x, w, offs, groups, trans_w, &r);
   moe_grad_set(ctx, prev);
   MOE_CHECK(st);
+  int64_t *copy = NULL; /* the node's copy of the offsets */
   if (moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w})) {
-    moe_node *n = NULL;
-    int64_t *copy = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1));
+    copy = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1));
     if (!copy) {
-      st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn,
-                     (long long)(groups + 1));
-    } else {
-      memcpy(copy, offs, sizeof(int64_t) * (size_t)(groups + 1));
-      st = moe_node_new(ctx, MOE_OP_GROUPED_MM, gg_mm_backward, 2, (moe_tensor *[]){x, w}, &n);
-      if (st == MOE_OK) {
-        n->user = copy;
-        n->user_free = free;
-        copy = NULL;
-        n->iargs[0] = groups;
-        n->iargs[1] = trans_w;
-        st = moe_node_save(ctx, n, x);
-      }
-      free(copy);
-    }
-    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
-    if (n) moe_node_release(n);
-    if (st != MOE_OK) {
       moe_tensor_release(r);
-      return st;
+      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn,
+                       (long long)(groups + 1));
     }
+    memcpy(copy, offs, sizeof(int64_t) * (size_t)(groups + 1));
   }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_GROUPED_MM, .backward = gg_mm_backward, .n_in = 2, .in = {x, w},
+      .n_save = 2, .save = {x, w}, .iargs = {groups, trans_w}, .user = copy, .user_free = free},
+      1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -505,13 +466,9 @@ moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, cons
   MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
   MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
   MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
-  if (a->shape[0] != b->shape[0]) {
-    char sa[SHAPE_BUF], sb[SHAPE_BUF];
+  if (a->shape[0] != b->shape[0])
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
-                     moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
-                     moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)), (long long)a->shape[0],
-                     (long long)b->shape[0]);
-  }
+                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)a->shape[0], (long long)b->shape[0]);
   MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, a->shape[0]));
   bool prev = moe_grad_set(ctx, false);
   moe_status st = gg_wgrad_compute(ctx, fn, a, b, offs, groups, trans_out, out);

@@ -32,8 +32,6 @@
 #include "internal.h"
 #include "matmul_cuda.h"
 
-#define SHAPE_BUF 160
-
 /* ------------------------------------------------------------ settings */
 
 static bool mm_tf32 = false; /* process-wide, see moe_matmul_set_tf32 */
@@ -66,16 +64,8 @@ static moe_status mm_check_one(moe_ctx *ctx, const char *fn, const moe_tensor *t
 /* b on a's device with a's dtype. */
 static moe_status mm_check_pair(moe_ctx *ctx, const char *fn, const moe_tensor *a,
                                 const char *an, const moe_tensor *b, const char *bn) {
-  if (!moe_device_equal(a->storage->device, b->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but %s is on %s", fn, an,
-                     moe_device_str(a->storage->device, da, sizeof(da)), bn,
-                     moe_device_str(b->storage->device, db, sizeof(db)));
-  }
-  if (a->dtype != b->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but %s is %s (convert one with to)", fn,
-                     an, moe_dtype_name(a->dtype), bn, moe_dtype_name(b->dtype));
-  return MOE_OK;
+  MOE_CHECK(moe_check_same_device(ctx, fn, an, a->storage->device, bn, b->storage->device));
+  return moe_check_same_dtype(ctx, fn, an, a->dtype, bn, b->dtype);
 }
 
 /* The broadcast of the batch dims a[0, na) and b[0, nb) into shape (max(na,
@@ -86,15 +76,11 @@ static moe_status mm_batch_shape(moe_ctx *ctx, const char *fn, const moe_tensor 
   for (int i = 0; i < n; i++) {
     int da = i - (n - na), db = i - (n - nb);
     int64_t x = da >= 0 ? a->shape[da] : 1, y = db >= 0 ? b->shape[db] : 1;
-    if (x != y && x != 1 && y != 1) {
-      char sa[SHAPE_BUF], sb[SHAPE_BUF];
+    if (x != y && x != 1 && y != 1)
       return moe_error(ctx, MOE_ERR_SHAPE,
                        "%s: the batch dims of shapes %s and %s cannot be broadcast (%lld vs %lld "
                        "in batch dim %d)",
-                       fn, moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
-                       moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)), (long long)x,
-                       (long long)y, i);
-    }
+                       fn, MOE_SHAPE(a), MOE_SHAPE(b), (long long)x, (long long)y, i);
     shape[i] = x == 1 ? y : x;
   }
   return MOE_OK;
@@ -181,11 +167,7 @@ static moe_status mm_cpu_gemm(moe_ctx *ctx, const char *fn, const moe_gemm *g) {
 
 static moe_status mm_exec(moe_ctx *ctx, const char *fn, moe_device d, const moe_gemm *g) {
   if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     return moe_cuda_gemm(ctx, d.index, g);
-#else
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: this moe-lua was built without CUDA", fn);
-#endif
   }
   return mm_cpu_gemm(ctx, fn, g);
 }
@@ -358,42 +340,6 @@ static moe_status mm_as_matrix(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_ten
   return MOE_OK;
 }
 
-/* Records the node of a one-output op over inputs in[0, n_in) saving
- * in[0, n_save); on failure releases r. */
-static moe_status mm_record(moe_ctx *ctx, moe_op op, moe_backward_fn bw, int n_in,
-                            moe_tensor *const *in, int n_save, moe_tensor *r, moe_tensor **out) {
-  if (moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in)) {
-    moe_node *n = NULL;
-    moe_status st = moe_node_new(ctx, op, bw, n_in, in, &n);
-    for (int i = 0; i < n_save && st == MOE_OK; i++) st = moe_node_save(ctx, n, in[i]);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, r);
-    if (n) moe_node_release(n);
-    if (st != MOE_OK) {
-      moe_tensor_release(r);
-      return st;
-    }
-  }
-  *out = r;
-  return MOE_OK;
-}
-
-/* Zero gradients for the inputs that need one (nothing flowed into out). */
-static moe_status mm_zero_grads(moe_ctx *ctx, moe_node *n, moe_tensor **gin) {
-  for (int i = 0; i < n->n_inputs; i++) {
-    if (!moe_node_needs_grad(n, i)) continue;
-    moe_status st = moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0, n->in_dtype[i],
-                                    n->in_device[i], &gin[i]);
-    if (st != MOE_OK) {
-      for (int j = 0; j < i; j++) {
-        moe_tensor_release(gin[j]);
-        gin[j] = NULL;
-      }
-      return st;
-    }
-  }
-  return MOE_OK;
-}
-
 /* full (gradient over the broadcast batch shape) summed to like's shape and
  * reshaped to the input's shape (ndim, shape). */
 static moe_status mm_reduce_to(moe_ctx *ctx, moe_tensor *full, const moe_tensor *like, int ndim,
@@ -436,7 +382,7 @@ done:
 /* The backward of matmul and bmm: saved a (slot 0) and b (slot 1). */
 static moe_status matmul_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
-  if (!gout[0]) return mm_zero_grads(ctx, n, gin);
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *a = NULL, *b = NULL, *a2 = NULL, *b2 = NULL, *g2 = NULL, *t = NULL, *full = NULL;
   moe_tensor *af = NULL, *gf = NULL;
   moe_status st;
@@ -513,18 +459,14 @@ static moe_status mm_check_args(moe_ctx *ctx, const char *fn, moe_tensor *a, moe
 moe_status moe_matmul(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(mm_check_args(ctx, "matmul", a, b, out));
-  char sa[SHAPE_BUF], sb[SHAPE_BUF];
   if (a->ndim == 0 || b->ndim == 0)
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "matmul: both operands need at least 1 dim, got shapes %s and %s",
-                     moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
-                     moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)));
+                     MOE_SHAPE(a), MOE_SHAPE(b));
   int64_t ka = a->shape[a->ndim - 1], kb = b->shape[b->ndim == 1 ? 0 : b->ndim - 2];
   if (ka != kb)
     return moe_error(ctx, MOE_ERR_SHAPE, "matmul: shapes %s and %s cannot be multiplied (%lld != %lld)",
-                     moe_shape_str(a->ndim, a->shape, sa, sizeof(sa)),
-                     moe_shape_str(b->ndim, b->shape, sb, sizeof(sb)), (long long)ka,
-                     (long long)kb);
+                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)ka, (long long)kb);
   int64_t bshape[MOE_MAX_DIMS];
   MOE_CHECK(mm_batch_shape(ctx, "matmul", a, a->ndim - 2, b, b->ndim - 2, bshape));
   bool prev = moe_grad_set(ctx, false);
@@ -532,7 +474,11 @@ moe_status moe_matmul(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **o
   moe_status st = matmul_compute(ctx, a, b, &r);
   moe_grad_set(ctx, prev);
   MOE_CHECK(st);
-  return mm_record(ctx, MOE_OP_MATMUL, matmul_backward, 2, (moe_tensor *[]){a, b}, 2, r, out);
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_MATMUL, .backward = matmul_backward, .n_in = 2, .in = {a, b},
+      .n_save = 2, .save = {a, b}}, 1, &r));
+  *out = r;
+  return MOE_OK;
 }
 
 /* ------------------------------------------------------------------ bmm */
@@ -540,9 +486,7 @@ moe_status moe_matmul(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **o
 moe_status moe_bmm(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(mm_check_args(ctx, "bmm", a, b, out));
-  char sa[SHAPE_BUF], sb[SHAPE_BUF];
-  moe_shape_str(a->ndim, a->shape, sa, sizeof(sa));
-  moe_shape_str(b->ndim, b->shape, sb, sizeof(sb));
+  const char *sa = MOE_SHAPE(a), *sb = MOE_SHAPE(b);
   if (a->ndim != 3 || b->ndim != 3)
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "bmm: both operands must be 3-D (B, M, K) and (B, K, N), got shapes %s and %s",
@@ -559,7 +503,11 @@ moe_status moe_bmm(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor **out)
   moe_status st = mm_compute(ctx, "bmm", a, b, NULL, &r);
   moe_grad_set(ctx, prev);
   MOE_CHECK(st);
-  return mm_record(ctx, MOE_OP_BMM, matmul_backward, 2, (moe_tensor *[]){a, b}, 2, r, out);
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_BMM, .backward = matmul_backward, .n_in = 2, .in = {a, b},
+      .n_save = 2, .save = {a, b}}, 1, &r));
+  *out = r;
+  return MOE_OK;
 }
 
 /* --------------------------------------------------------------- linear */
@@ -573,7 +521,6 @@ static moe_status linear_bias_grad(moe_ctx *ctx, moe_tensor *gf, moe_tensor **ou
   moe_tensor *ones = NULL, *r = NULL, *gc = NULL;
   moe_status st = MOE_OK;
   if (dev.type == MOE_DEVICE_CUDA && R > 0 && N > 0) {
-#ifdef MOE_WITH_CUDA
     /* the kernel reads rows of unit column stride at least N apart (an
      * expanded gradient, row stride 0, is not): others take a contiguous copy */
     if ((N > 1 && gf->stride[1] != 1) || (R > 1 && gf->stride[0] < N)) {
@@ -587,9 +534,6 @@ static moe_status linear_bias_grad(moe_ctx *ctx, moe_tensor *gf, moe_tensor **ou
     if (st != MOE_OK) goto done;
     *out = r;
     r = NULL;
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "linear: this moe-lua was built without CUDA");
-#endif
     goto done;
   }
   MOE_CHECK_GOTO(moe_tensor_full(ctx, 2, (int64_t[]){1, R}, 1.0, gf->dtype, dev, &ones), st,
@@ -606,7 +550,7 @@ done:
 /* saved x (slot 0), W (slot 1); inputs x, W, bias (when given). */
 static moe_status linear_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
-  if (!gout[0]) return mm_zero_grads(ctx, n, gin);
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *x = NULL, *w = NULL, *g2 = NULL, *gf = NULL, *xf = NULL, *t = NULL, *r = NULL;
   moe_status st;
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
@@ -678,9 +622,7 @@ moe_status moe_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *bi
     MOE_CHECK(mm_check_pair(ctx, fn, x, "the input", bias, "the bias"));
   }
   MOE_CHECK(moe_device_check(ctx, x->storage->device));
-  char sx[SHAPE_BUF], sw[SHAPE_BUF], sbias[SHAPE_BUF];
-  moe_shape_str(x->ndim, x->shape, sx, sizeof(sx));
-  moe_shape_str(w->ndim, w->shape, sw, sizeof(sw));
+  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
   if (w->ndim != 2)
     return moe_error(ctx, MOE_ERR_SHAPE, "linear: the weight must be 2-D (out, in), got shape %s",
                      sw);
@@ -694,13 +636,16 @@ moe_status moe_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *bi
   if (bias && (bias->ndim != 1 || bias->shape[0] != w->shape[0]))
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "linear: bias of shape %s does not fit weight %s (wanted [%lld])",
-                     moe_shape_str(bias->ndim, bias->shape, sbias, sizeof(sbias)), sw,
+                     MOE_SHAPE(bias), sw,
                      (long long)w->shape[0]);
   bool prev = moe_grad_set(ctx, false);
   moe_tensor *r = NULL;
   moe_status st = linear_compute(ctx, x, w, bias, &r);
   moe_grad_set(ctx, prev);
   MOE_CHECK(st);
-  return mm_record(ctx, MOE_OP_LINEAR, linear_backward, bias ? 3 : 2,
-                   (moe_tensor *[]){x, w, bias}, 2, r, out);
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_LINEAR, .backward = linear_backward, .n_in = bias ? 3 : 2,
+      .in = {x, w, bias}, .n_save = 2, .save = {x, w}}, 1, &r));
+  *out = r;
+  return MOE_OK;
 }

@@ -1,7 +1,7 @@
 /*
  * moe_reduce.h - reductions, softmax, cumsum, layer_norm, rms_norm,
- * cross_entropy (core/reduce.c, kernels/reduce.cu); moe_sum itself is
- * declared in moe.h. Included by moe.h. Conventions of moe.h hold: ctx
+ * cross_entropy (core/reduce.c, core/norm.c, core/loss.c and their
+ * kernels in kernels/); moe_sum itself is declared in moe.h. Included by moe.h. Conventions of moe.h hold: ctx
  * first, outputs last, 0-based dims (negative from the end), a new
  * reference per returned tensor, differentiable ops record autograd nodes
  * (moe_autograd.h).

@@ -1,10 +1,11 @@
 /*
- * reduce.c - reductions and normalisation: sum (moe.h), mean, max, min,
- * argmax, argmin, norm, logsumexp, var, softmax, log_softmax, cumsum,
- * layer_norm, rms_norm, cross_entropy (moe_reduce.h). Each op validates,
- * allocates its outputs (contiguous) on the input's device, runs the CPU
- * reference here or the CUDA launcher of reduce_cuda.h, and records its
- * autograd node with a backward function written here.
+ * reduce.c - reductions: sum (moe.h), mean, max, min, argmax, argmin,
+ * norm, logsumexp, var, softmax, log_softmax, cumsum (moe_reduce.h). Each
+ * op validates, allocates its outputs (contiguous) on the input's device,
+ * runs the CPU reference here or the CUDA launcher of reduce_cuda.h, and
+ * records its autograd node with a backward function written here. The
+ * norms live in norm.c, the losses in loss.c; the row machinery all three
+ * share in rows.h / rows.c.
  *
  * The CPU reference computes in double for every float dtype (at least as
  * precise as the f32 accumulation of the GPU) and in int64 for integers.
@@ -13,41 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "reduce_cuda.h"
-
-#define SHAPE_BUF 200
-
-/* Helpers only the CUDA paths call are unused in a CPU-only build. */
-#if defined(__GNUC__)
-#define MOE_CUDA_ONLY __attribute__((unused))
-#else
-#define MOE_CUDA_ONLY
-#endif
+#include "rows.h"
 
 /* ------------------------------------------------------------ helpers */
-
-static bool is_float(moe_dtype dt) { return moe_dtype_is_float(dt); }
-
-static moe_status check_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *t,
-                               const char *what) {
-  if (!t) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: %s is NULL", fn, what);
-  return moe_device_check(ctx, t->storage->device);
-}
-
-static moe_status check_float(moe_ctx *ctx, const char *fn, const moe_tensor *t) {
-  if (!is_float(t->dtype))
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: expected a float tensor (f32, f64, bf16, f16), got %s",
-                     fn, moe_dtype_name(t->dtype));
-  if (t->storage->device.type == MOE_DEVICE_CUDA && t->dtype == MOE_F64)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: f64 is not supported on CUDA (use f32 or bf16)", fn);
-  return MOE_OK;
-}
-
-static moe_status check_out(moe_ctx *ctx, const char *fn, void *out) {
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  return MOE_OK;
-}
 
 static moe_status norm_dim(moe_ctx *ctx, const char *fn, int64_t dim, int ndim, int *out) {
   int64_t n = ndim;
@@ -99,53 +68,6 @@ static void out_shape(const moe_tensor *t, unsigned mask, bool keepdim, int *ndi
     }
   }
   *ndim = k;
-}
-
-/* Appends dim (n, s) to a row-major dim list, merging with the previous dim
- * when contiguous with it and dropping size 1. */
-static void geom_push(int *nd, int64_t *shape, int64_t *stride, int64_t n, int64_t s) {
-  if (n == 1) return;
-  if (*nd > 0 && stride[*nd - 1] == s * n) {
-    shape[*nd - 1] *= n;
-    stride[*nd - 1] = s;
-    return;
-  }
-  shape[*nd] = n;
-  stride[*nd] = s;
-  (*nd)++;
-}
-
-static void red_geom_build(const moe_tensor *t, unsigned mask, moe_red_geom *g) {
-  memset(g, 0, sizeof(*g));
-  g->data = moe_tensor_data(t);
-  g->dtype = t->dtype;
-  g->outer = g->inner = 1;
-  for (int d = 0; d < t->ndim; d++) {
-    if (mask & (1u << d)) {
-      g->inner *= t->shape[d];
-      geom_push(&g->indim, g->ishape, g->istride, t->shape[d], t->stride[d]);
-    } else {
-      g->outer *= t->shape[d];
-      geom_push(&g->ondim, g->oshape, g->ostride, t->shape[d], t->stride[d]);
-    }
-  }
-}
-
-/* Offset of row-major index i over (nd, shape, stride). */
-static int64_t geom_offset(int nd, const int64_t *shape, const int64_t *stride, int64_t i) {
-  int64_t off = 0;
-  for (int d = nd - 1; d >= 0 && i > 0; d--) {
-    int64_t q = i / shape[d];
-    off += (i - q * shape[d]) * stride[d];
-    i = q;
-  }
-  return off;
-}
-
-/* Zeros of shape like node input i. */
-static moe_status zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i],
-                         n->in_device[i], out);
 }
 
 /* ------------------------------------------------- CPU reduction states */
@@ -262,11 +184,9 @@ static moe_status reduce_run(moe_ctx *ctx, const char *fn, moe_red_kind kind, mo
   moe_device dev = t->storage->device;
   moe_red_geom g;
   red_geom_build(t, mask, &g);
-  if (g.inner == 0 && (kind == MOE_RED_MAX || kind == MOE_RED_MIN) && g.outer > 0) {
-    char sb[SHAPE_BUF];
+  if (g.inner == 0 && (kind == MOE_RED_MAX || kind == MOE_RED_MIN) && g.outer > 0)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: cannot reduce over an empty dim (shape %s)", fn,
-                     moe_shape_str(t->ndim, t->shape, sb, sizeof(sb)));
-  }
+                     MOE_SHAPE(t));
   moe_tensor *v = NULL, *ix = NULL;
   moe_status st = MOE_OK;
   if (values) MOE_CHECK_GOTO(moe_tensor_empty(ctx, ndim, shape, odt, dev, &v), st, fail);
@@ -281,12 +201,8 @@ static moe_status reduce_run(moe_ctx *ctx, const char *fn, moe_red_kind kind, mo
                      : (kind == MOE_RED_MEAN || kind == MOE_RED_VAR) ? NAN : 0.0;
       st = moe_fill_(ctx, vout, fillv);
     } else if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_reduce(ctx, dev.index, kind, &g, arg, moe_tensor_data(vout), odt,
                            ix ? (int64_t *)moe_tensor_data(ix) : NULL);
-#else
-      st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
     } else {
       cpu_reduce(kind, &g, arg, vout, ix);
     }
@@ -389,7 +305,7 @@ static void cpu_reduce_backward(moe_red_kind kind, const moe_kview *gin, const m
 static moe_status reduce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   unsigned mask = (unsigned)n->iargs[0];
   bool keepdim = n->iargs[1] != 0;
   moe_red_kind kind = (moe_red_kind)n->iargs[2];
@@ -423,16 +339,10 @@ static moe_status reduce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
       vy = bcast_reduced(y, ndim, shape, mask, keepdim);
     }
     if (vg.dtype != vr.dtype) {
-      st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                     moe_op_name(n->op), moe_dtype_name(vg.dtype), moe_dtype_name(vr.dtype));
+      st = moe_rows_grad_dtype_error(ctx, n, vg.dtype, vr.dtype);
     } else if (n->in_device[0].type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_reduce_backward(ctx, n->in_device[0].index, kind, &vr, &vx, &vg, &vy, &va,
                                     scale, arg);
-#else
-      st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA",
-                     moe_op_name(n->op));
-#endif
     } else {
       cpu_reduce_backward(kind, &vr, &vx, &vg, &vy, &va, scale, arg);
     }
@@ -448,43 +358,18 @@ done:
   return MOE_OK;
 }
 
-/* Records the node of a dim reduction on out (released on failure). */
-static moe_status reduce_record(moe_ctx *ctx, moe_op op, moe_red_kind kind, moe_tensor *t,
-                                unsigned mask, bool keepdim, double arg, moe_tensor *save_y,
-                                moe_tensor **out) {
-  if (!moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) return MOE_OK;
-  moe_node *n;
-  moe_status st = moe_node_new(ctx, op, reduce_backward, 1, (moe_tensor *[]){t}, &n);
-  if (st != MOE_OK) goto fail;
-  n->iargs[0] = (int64_t)mask;
-  n->iargs[1] = keepdim;
-  n->iargs[2] = kind;
-  n->dargs[0] = arg;
-  if (kind != MOE_RED_SUM && kind != MOE_RED_MEAN) {
-    st = moe_node_save(ctx, n, t);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, save_y ? save_y : *out);
-  }
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, *out);
-  moe_node_release(n);
-  if (st == MOE_OK) return MOE_OK;
-fail:
-  moe_tensor_release(*out);
-  *out = NULL;
-  return st;
-}
-
 /* Validation, forward and node of sum / mean / norm / logsumexp / var. */
 static moe_status reduce_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kind kind,
                             moe_tensor *t, int ndims, const int64_t *dims, bool keepdim,
                             double arg, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, t, "input"));
-  MOE_CHECK(check_out(ctx, fn, out));
+  MOE_CHECK(moe_rows_check_tensor(ctx, fn, t, "input"));
+  MOE_CHECK(moe_rows_check_out(ctx, fn, out));
   moe_dtype odt = t->dtype;
   if (kind == MOE_RED_SUM && !is_float(t->dtype)) {
     odt = MOE_I64;
   } else {
-    MOE_CHECK(check_float(ctx, fn, t));
+    MOE_CHECK(moe_rows_check_float(ctx, fn, t));
   }
   unsigned mask = 0;
   MOE_CHECK(dims_mask(ctx, fn, t, ndims, dims, &mask));
@@ -497,7 +382,11 @@ static moe_status reduce_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kin
       return st;
     }
   }
-  moe_status st = reduce_record(ctx, op, kind, t, mask, keepdim, arg, mean, &r);
+  bool saves = kind != MOE_RED_SUM && kind != MOE_RED_MEAN;
+  moe_status st = moe_record(ctx, &(moe_record_spec){
+      .op = op, .backward = reduce_backward, .n_in = 1, .in = {t},
+      .n_save = saves ? 2 : 0, .save = {t, mean ? mean : r},
+      .iargs = {(int64_t)mask, keepdim, kind}, .dargs = {arg}}, 1, &r);
   moe_tensor_release(mean);
   MOE_CHECK(st);
   *out = r;
@@ -542,23 +431,6 @@ moe_status moe_var(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims,
 
 /* ----------------------------------------------------- max, min, argmax */
 
-/* t (or t with dim `dim` swapped to the end) as a contiguous tensor, made
- * with grad mode off so the internal copy records nothing. */
-MOE_CUDA_ONLY static moe_status rows_contig(moe_ctx *ctx, moe_tensor *t, int dim, moe_tensor **out) {
-  bool prev = moe_grad_set(ctx, false);
-  moe_tensor *v = NULL;
-  moe_status st;
-  if (t->ndim > 0 && dim != t->ndim - 1) {
-    st = moe_transpose(ctx, t, dim, t->ndim - 1, &v);
-    if (st == MOE_OK) st = moe_contiguous(ctx, v, out);
-    moe_tensor_release(v);
-  } else {
-    st = moe_contiguous(ctx, t, out);
-  }
-  moe_grad_set(ctx, prev);
-  return st;
-}
-
 /* Backward of max / min: iargs[0] = dim (-1: all dims), iargs[1] = keepdim;
  * saved 0 = indices. */
 static moe_status minmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
@@ -566,7 +438,7 @@ static moe_status minmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
   moe_tensor *r = NULL, *idx = NULL, *g = NULL;
   moe_status st;
-  MOE_CHECK(zeros_like_input(ctx, n, 0, &r));
+  MOE_CHECK(moe_node_zeros_input(ctx, n, 0, &r));
   if (!gout[0] || moe_tensor_numel(r) == 0) {
     gin[0] = r;
     return MOE_OK;
@@ -582,15 +454,10 @@ static moe_status minmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   }
   int64_t outer = pre * post;
   if (g->dtype != r->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(g->dtype), moe_dtype_name(r->dtype));
+    st = moe_rows_grad_dtype_error(ctx, n, g->dtype, r->dtype);
   } else if (r->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_red_scatter(ctx, r->storage->device.index, moe_tensor_data(r), moe_tensor_data(g),
                               (const int64_t *)moe_tensor_data(idx), r->dtype, outer, nd, post);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA", moe_op_name(n->op));
-#endif
   } else {
     const int64_t *pi = (const int64_t *)moe_tensor_data(idx);
     char *pr = (char *)moe_tensor_data(r);
@@ -617,10 +484,10 @@ static moe_status minmax_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kin
                             moe_tensor *t, bool all, int64_t dim, bool keepdim,
                             moe_tensor **values, moe_tensor **indices) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, t, "input"));
-  if (!values && !indices) return check_out(ctx, fn, NULL);
+  MOE_CHECK(moe_rows_check_tensor(ctx, fn, t, "input"));
+  if (!values && !indices) return moe_rows_check_out(ctx, fn, NULL);
   if (t->storage->device.type == MOE_DEVICE_CUDA && t->dtype == MOE_F64)
-    MOE_CHECK(check_float(ctx, fn, t));
+    MOE_CHECK(moe_rows_check_float(ctx, fn, t));
   unsigned mask;
   int d = -1;
   if (all) {
@@ -635,17 +502,10 @@ static moe_status minmax_op(moe_ctx *ctx, const char *fn, moe_op op, moe_red_kin
   MOE_CHECK(reduce_run(ctx, fn, kind, t, mask, keepdim, 0, t->dtype, values ? &v : NULL,
                        (indices || want_grad) ? &ix : NULL));
   if (want_grad) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, op, minmax_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      n->iargs[1] = keepdim;
-      st = moe_node_save(ctx, n, ix);
-      if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, v);
-      moe_node_release(n);
-    }
+    moe_status st = moe_record(ctx, &(moe_record_spec){
+        .op = op, .backward = minmax_backward, .n_in = 1, .in = {t},
+        .n_save = 1, .save = {ix}, .iargs = {d, keepdim}}, 1, &v);
     if (st != MOE_OK) {
-      moe_tensor_release(v);
       moe_tensor_release(ix);
       return st;
     }
@@ -667,22 +527,22 @@ moe_status moe_min(moe_ctx *ctx, moe_tensor *t, int64_t dim, bool keepdim, moe_t
 }
 
 moe_status moe_max_all(moe_ctx *ctx, moe_tensor *t, moe_tensor **out) {
-  if (ctx && !out) return check_out(ctx, "max", NULL);
+  if (ctx && !out) return moe_rows_check_out(ctx, "max", NULL);
   return minmax_op(ctx, "max", MOE_OP_MAX, MOE_RED_MAX, t, true, 0, false, out, NULL);
 }
 
 moe_status moe_min_all(moe_ctx *ctx, moe_tensor *t, moe_tensor **out) {
-  if (ctx && !out) return check_out(ctx, "min", NULL);
+  if (ctx && !out) return moe_rows_check_out(ctx, "min", NULL);
   return minmax_op(ctx, "min", MOE_OP_MIN, MOE_RED_MIN, t, true, 0, false, out, NULL);
 }
 
 static moe_status arg_op(moe_ctx *ctx, const char *fn, moe_red_kind kind, moe_tensor *t,
                          int64_t dim, bool all, bool keepdim, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, t, "input"));
-  MOE_CHECK(check_out(ctx, fn, out));
+  MOE_CHECK(moe_rows_check_tensor(ctx, fn, t, "input"));
+  MOE_CHECK(moe_rows_check_out(ctx, fn, out));
   if (t->storage->device.type == MOE_DEVICE_CUDA && t->dtype == MOE_F64)
-    MOE_CHECK(check_float(ctx, fn, t));
+    MOE_CHECK(moe_rows_check_float(ctx, fn, t));
   unsigned mask;
   if (all) {
     mask = (1u << t->ndim) - 1u;
@@ -706,26 +566,6 @@ moe_status moe_argmin(moe_ctx *ctx, moe_tensor *t, int64_t dim, bool all, bool k
 }
 
 /* --------------------------------------------- softmax, log_softmax, cumsum */
-
-/* A tensor seen as rows along dim d: outer geometry, row length and stride. */
-typedef struct row_geom {
-  moe_red_geom g;
-  int64_t n, s; /* elements per row, their stride */
-  char *data;
-  int64_t es;
-} row_geom;
-
-static void row_geom_of(const moe_tensor *t, int d, row_geom *r) {
-  red_geom_build(t, 1u << d, &r->g);
-  r->n = t->shape[d];
-  r->s = t->stride[d];
-  r->data = (char *)moe_tensor_data(t);
-  r->es = (int64_t)moe_dtype_size(t->dtype);
-}
-
-static inline char *row_at(const row_geom *r, int64_t o) {
-  return r->data + geom_offset(r->g.ondim, r->g.oshape, r->g.ostride, o) * r->es;
-}
 
 static void cpu_softmax(bool lg, const moe_tensor *x, moe_tensor *y, int d) {
   row_geom rx, ry;
@@ -801,7 +641,7 @@ static void cpu_cumsum(bool reverse, const moe_tensor *x, moe_tensor *y, int d) 
 
 /* Swaps dim d of a contiguous row-layout result back (transpose d <-> last)
  * into a contiguous tensor; takes ownership of r. */
-MOE_CUDA_ONLY static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, moe_tensor **out) {
+static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, moe_tensor **out) {
   if (r->ndim == 0 || d == r->ndim - 1) {
     *out = r;
     return MOE_OK;
@@ -820,12 +660,11 @@ MOE_CUDA_ONLY static moe_status rows_back(moe_ctx *ctx, moe_tensor *r, int d, mo
 typedef enum row_kind { ROW_SOFTMAX, ROW_LOG_SOFTMAX, ROW_CUMSUM, ROW_CUMSUM_REV } row_kind;
 
 /* y = kind(x) along dim d, on the GPU through contiguous rows. */
-static moe_status cuda_rows(moe_ctx *ctx, const char *fn, row_kind kind, moe_tensor *x, int d,
-                            moe_dtype ydt, moe_tensor **out) {
-#ifdef MOE_WITH_CUDA
+static moe_status cuda_rows(moe_ctx *ctx, row_kind kind, moe_tensor *x, int d, moe_dtype ydt,
+                            moe_tensor **out) {
   moe_tensor *xc = NULL, *yc = NULL;
   moe_status st;
-  MOE_CHECK(rows_contig(ctx, x, d, &xc));
+  MOE_CHECK(moe_rows_contig(ctx, x, d, &xc));
   st = moe_tensor_empty(ctx, xc->ndim, xc->shape, ydt, xc->storage->device, &yc);
   int64_t n = x->ndim ? x->shape[d] : 1, numel = moe_tensor_numel(xc);
   int64_t rows = n ? numel / n : 0;
@@ -844,30 +683,24 @@ static moe_status cuda_rows(moe_ctx *ctx, const char *fn, row_kind kind, moe_ten
     return st;
   }
   return rows_back(ctx, yc, d, out);
-#else
-  (void)kind, (void)x, (void)d, (void)ydt, (void)out;
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-#endif
 }
 
 /* iargs[0] = dim, iargs[1] = log; saved 0 = y. */
 static moe_status softmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                    moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   int d = (int)n->iargs[0];
   bool lg = n->iargs[1] != 0;
   moe_tensor *y = NULL, *r = NULL;
   moe_status st;
   MOE_CHECK(moe_node_saved(ctx, n, 0, &y));
   if (gout[0]->dtype != y->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(gout[0]->dtype), moe_dtype_name(y->dtype));
+    st = moe_rows_grad_dtype_error(ctx, n, gout[0]->dtype, y->dtype);
   } else if (y->storage->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_tensor *yc = NULL, *gc = NULL, *rc = NULL;
-    st = rows_contig(ctx, y, d, &yc);
-    if (st == MOE_OK) st = rows_contig(ctx, gout[0], d, &gc);
+    st = moe_rows_contig(ctx, y, d, &yc);
+    if (st == MOE_OK) st = moe_rows_contig(ctx, gout[0], d, &gc);
     if (st == MOE_OK) st = moe_tensor_empty(ctx, yc->ndim, yc->shape, yc->dtype, yc->storage->device, &rc);
     int64_t len = y->shape[d], numel = moe_tensor_numel(y);
     if (st == MOE_OK && numel > 0)
@@ -878,9 +711,6 @@ static moe_status softmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const 
     moe_tensor_release(gc);
     if (st == MOE_OK) st = rows_back(ctx, rc, d, &r);
     else moe_tensor_release(rc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "softmax backward: built without CUDA");
-#endif
   } else {
     st = moe_tensor_empty(ctx, y->ndim, y->shape, y->dtype, MOE_CPU, &r);
     if (st == MOE_OK) cpu_softmax_backward(lg, y, gout[0], r, d);
@@ -897,33 +727,21 @@ static moe_status softmax_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const 
 static moe_status softmax_op(moe_ctx *ctx, const char *fn, moe_op op, bool lg, moe_tensor *t,
                              int64_t dim, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, t, "input"));
-  MOE_CHECK(check_out(ctx, fn, out));
-  MOE_CHECK(check_float(ctx, fn, t));
+  MOE_CHECK(moe_rows_check_tensor(ctx, fn, t, "input"));
+  MOE_CHECK(moe_rows_check_out(ctx, fn, out));
+  MOE_CHECK(moe_rows_check_float(ctx, fn, t));
   int d = 0;
   MOE_CHECK(norm_dim(ctx, fn, dim, t->ndim, &d));
   moe_tensor *y = NULL;
   if (t->storage->device.type == MOE_DEVICE_CUDA) {
-    MOE_CHECK(cuda_rows(ctx, fn, lg ? ROW_LOG_SOFTMAX : ROW_SOFTMAX, t, d, t->dtype, &y));
+    MOE_CHECK(cuda_rows(ctx, lg ? ROW_LOG_SOFTMAX : ROW_SOFTMAX, t, d, t->dtype, &y));
   } else {
     MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, t->dtype, MOE_CPU, &y));
     if (moe_tensor_numel(y) > 0) cpu_softmax(lg, t, y, d);
   }
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, op, softmax_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      n->iargs[1] = lg;
-      st = moe_node_save(ctx, n, y);
-      if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-      moe_node_release(n);
-    }
-    if (st != MOE_OK) {
-      moe_tensor_release(y);
-      return st;
-    }
-  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = op, .backward = softmax_backward, .n_in = 1, .in = {t},
+      .n_save = 1, .save = {y}, .iargs = {d, lg}}, 1, &y));
   *out = y;
   return MOE_OK;
 }
@@ -943,11 +761,11 @@ static moe_status cumsum_run(moe_ctx *ctx, moe_tensor *t, int d, bool reverse, m
     if (ydt == MOE_I64 && t->dtype != MOE_I64) {
       moe_tensor *c = NULL;
       MOE_CHECK(moe_to(ctx, t, MOE_I64, t->storage->device, &c));
-      moe_status st = cuda_rows(ctx, "cumsum", reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, c, d, ydt, out);
+      moe_status st = cuda_rows(ctx, reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, c, d, ydt, out);
       moe_tensor_release(c);
       return st;
     }
-    return cuda_rows(ctx, "cumsum", reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, t, d, ydt, out);
+    return cuda_rows(ctx, reverse ? ROW_CUMSUM_REV : ROW_CUMSUM, t, d, ydt, out);
   }
   moe_tensor *y = NULL;
   MOE_CHECK(moe_tensor_empty(ctx, t->ndim, t->shape, ydt, MOE_CPU, &y));
@@ -959,546 +777,22 @@ static moe_status cumsum_run(moe_ctx *ctx, moe_tensor *t, int d, bool reverse, m
 static moe_status cumsum_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   return cumsum_run(ctx, gout[0], (int)n->iargs[0], true, &gin[0]);
 }
 
 moe_status moe_cumsum(moe_ctx *ctx, moe_tensor *t, int64_t dim, moe_tensor **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, "cumsum", t, "input"));
-  MOE_CHECK(check_out(ctx, "cumsum", out));
-  if (is_float(t->dtype)) MOE_CHECK(check_float(ctx, "cumsum", t));
+  MOE_CHECK(moe_rows_check_tensor(ctx, "cumsum", t, "input"));
+  MOE_CHECK(moe_rows_check_out(ctx, "cumsum", out));
+  if (is_float(t->dtype)) MOE_CHECK(moe_rows_check_float(ctx, "cumsum", t));
   int d = 0;
   MOE_CHECK(norm_dim(ctx, "cumsum", dim, t->ndim, &d));
   moe_tensor *y = NULL;
   MOE_CHECK(cumsum_run(ctx, t, d, false, &y));
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){t})) {
-    moe_node *n;
-    moe_status st = moe_node_new(ctx, MOE_OP_CUMSUM, cumsum_backward, 1, (moe_tensor *[]){t}, &n);
-    if (st == MOE_OK) {
-      n->iargs[0] = d;
-      st = moe_node_set_output(ctx, n, 0, y);
-      moe_node_release(n);
-    }
-    if (st != MOE_OK) {
-      moe_tensor_release(y);
-      return st;
-    }
-  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_CUMSUM, .backward = cumsum_backward, .n_in = 1, .in = {t}, .iargs = {d}},
+      1, &y));
   *out = y;
   return MOE_OK;
-}
-
-/* --------------------------------------------------- layer_norm, rms_norm */
-
-static moe_status norm_args(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w,
-                            const char *wname, double eps, moe_tensor **out) {
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, x, "input"));
-  MOE_CHECK(check_out(ctx, fn, out));
-  MOE_CHECK(check_float(ctx, fn, x));
-  if (x->ndim == 0)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: input must have at least one dim (normalised over the last)", fn);
-  if (!(eps >= 0) || isinf(eps))
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: eps must be finite and >= 0, got %g", fn, eps);
-  if (!w) return MOE_OK;
-  char a[SHAPE_BUF], b[SHAPE_BUF];
-  int64_t n = x->shape[x->ndim - 1];
-  if (w->ndim != 1 || w->shape[0] != n)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s of shape %s does not match the last dim of input %s (want [%lld])",
-                     fn, wname, moe_shape_str(w->ndim, w->shape, a, sizeof(a)),
-                     moe_shape_str(x->ndim, x->shape, b, sizeof(b)), (long long)n);
-  if (w->dtype != x->dtype)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: %s is %s but input is %s (they must match)", fn, wname,
-                     moe_dtype_name(w->dtype), moe_dtype_name(x->dtype));
-  if (!moe_device_equal(w->storage->device, x->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but input is on %s", fn, wname,
-                     moe_device_str(w->storage->device, da, sizeof(da)),
-                     moe_device_str(x->storage->device, db, sizeof(db)));
-  }
-  return MOE_OK;
-}
-
-static inline double ld_vec(const moe_tensor *t, int64_t j) {
-  return moe_load_f64((const char *)moe_tensor_data(t) + j * t->stride[0] * (int64_t)moe_dtype_size(t->dtype),
-                      t->dtype);
-}
-
-static void cpu_norm_forward(bool rms, const moe_tensor *x, const moe_tensor *w,
-                             const moe_tensor *b, moe_tensor *y, moe_tensor *mean,
-                             moe_tensor *rstd, double eps) {
-  int d = x->ndim - 1;
-  row_geom rx, ry;
-  row_geom_of(x, d, &rx);
-  row_geom_of(y, d, &ry);
-  int64_t n = rx.n;
-  char *pm = mean ? (char *)moe_tensor_data(mean) : NULL, *pr = (char *)moe_tensor_data(rstd);
-  int64_t es = (int64_t)moe_dtype_size(rstd->dtype);
-#pragma omp parallel for if (rx.g.outer * n >= 65536) schedule(static)
-  for (int64_t o = 0; o < rx.g.outer; o++) {
-    const char *px = row_at(&rx, o);
-    char *py = row_at(&ry, o);
-    double m = 0, v = 0;
-    if (!rms) {
-      for (int64_t j = 0; j < n; j++) m += moe_load_f64(px + j * rx.s * rx.es, x->dtype);
-      m /= (double)n;
-    }
-    for (int64_t j = 0; j < n; j++) {
-      double c = moe_load_f64(px + j * rx.s * rx.es, x->dtype) - m;
-      v += c * c;
-    }
-    double r = 1.0 / sqrt(v / (double)n + eps);
-    for (int64_t j = 0; j < n; j++) {
-      double h = (moe_load_f64(px + j * rx.s * rx.es, x->dtype) - m) * r;
-      if (w) h *= ld_vec(w, j);
-      if (b) h += ld_vec(b, j);
-      moe_store_f64(py + j * ry.s * ry.es, y->dtype, h);
-    }
-    if (pm) moe_store_f64(pm + o * es, mean->dtype, m);
-    moe_store_f64(pr + o * es, rstd->dtype, r);
-  }
-}
-
-static void cpu_norm_backward(bool rms, const moe_tensor *x, const moe_tensor *w,
-                              const moe_tensor *g, const moe_tensor *mean, const moe_tensor *rstd,
-                              moe_tensor *gx, double *gw, double *gb) {
-  int d = x->ndim - 1;
-  row_geom rx, rg, ro;
-  row_geom_of(x, d, &rx);
-  row_geom_of(g, d, &rg);
-  int64_t n = rx.n;
-  const char *pm = mean ? (const char *)moe_tensor_data(mean) : NULL;
-  const char *pr = (const char *)moe_tensor_data(rstd);
-  int64_t es = (int64_t)moe_dtype_size(rstd->dtype);
-  if (gx) {
-    row_geom_of(gx, d, &ro);
-#pragma omp parallel for if (rx.g.outer * n >= 65536) schedule(static)
-    for (int64_t o = 0; o < rx.g.outer; o++) {
-      const char *px = row_at(&rx, o), *pg = row_at(&rg, o);
-      char *po = row_at(&ro, o);
-      double m = pm ? moe_load_f64(pm + o * es, mean->dtype) : 0;
-      double r = moe_load_f64(pr + o * es, rstd->dtype);
-      double sa = 0, sb = 0;
-      for (int64_t j = 0; j < n; j++) {
-        double h = (moe_load_f64(px + j * rx.s * rx.es, x->dtype) - m) * r;
-        double gh = moe_load_f64(pg + j * rg.s * rg.es, g->dtype) * (w ? ld_vec(w, j) : 1.0);
-        sa += gh;
-        sb += gh * h;
-      }
-      sa /= (double)n;
-      sb /= (double)n;
-      for (int64_t j = 0; j < n; j++) {
-        double h = (moe_load_f64(px + j * rx.s * rx.es, x->dtype) - m) * r;
-        double gh = moe_load_f64(pg + j * rg.s * rg.es, g->dtype) * (w ? ld_vec(w, j) : 1.0);
-        moe_store_f64(po + j * ro.s * ro.es, gx->dtype, r * (gh - (rms ? 0 : sa) - h * sb));
-      }
-    }
-  }
-  if (!gw && !gb) return;
-  for (int64_t o = 0; o < rx.g.outer; o++) { /* rows in order: deterministic sums */
-    const char *px = row_at(&rx, o), *pg = row_at(&rg, o);
-    double m = pm ? moe_load_f64(pm + o * es, mean->dtype) : 0;
-    double r = moe_load_f64(pr + o * es, rstd->dtype);
-    for (int64_t j = 0; j < n; j++) {
-      double gv = moe_load_f64(pg + j * rg.s * rg.es, g->dtype);
-      if (gw) gw[j] += gv * (moe_load_f64(px + j * rx.s * rx.es, x->dtype) - m) * r;
-      if (gb) gb[j] += gv;
-    }
-  }
-}
-
-/* iargs[0] = rms, [1] = has weight, [2] = has bias; saved 0 = x, 1 = weight
- * (or NULL), 2 = mean (NULL for rms), 3 = rstd. */
-static moe_status norm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
-                                moe_tensor **gin) {
-  bool rms = n->iargs[0] != 0, has_w = n->iargs[1] != 0, has_b = n->iargs[2] != 0;
-  int iw = has_w ? 1 : -1, ib = has_b ? (has_w ? 2 : 1) : -1;
-  bool want_x = moe_node_needs_grad(n, 0), want_w = iw > 0 && moe_node_needs_grad(n, iw),
-       want_b = ib > 0 && moe_node_needs_grad(n, ib);
-  if (!gout[0]) {
-    for (int i = 0; i < n->n_inputs; i++)
-      if (moe_node_needs_grad(n, i)) MOE_CHECK(zeros_like_input(ctx, n, i, &gin[i]));
-    return MOE_OK;
-  }
-  moe_tensor *x = NULL, *w = NULL, *mean = NULL, *rstd = NULL, *gx = NULL, *gw = NULL, *gb = NULL;
-  moe_tensor *g = NULL;
-  double *aw = NULL, *ab = NULL;
-  moe_status st;
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, done);
-  if (has_w) MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, done);
-  if (!rms) MOE_CHECK_GOTO(moe_node_saved(ctx, n, 2, &mean), st, done);
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 3, &rstd), st, done);
-  g = gout[0];
-  if (g->dtype != x->dtype) {
-    st = moe_error(ctx, MOE_ERR_DTYPE, "%s backward: gradient of dtype %s for an output of %s",
-                   moe_op_name(n->op), moe_dtype_name(g->dtype), moe_dtype_name(x->dtype));
-    goto done;
-  }
-  moe_device dev = x->storage->device;
-  int64_t len = x->shape[x->ndim - 1], rows = len ? moe_tensor_numel(x) / len : 0;
-  (void)rows; /* the GPU path's */
-  if (want_x) MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim, x->shape, x->dtype, dev, &gx), st, done);
-  if (want_w) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &len, x->dtype, dev, &gw), st, done);
-  if (want_b) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &len, x->dtype, dev, &gb), st, done);
-  if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
-    moe_tensor *xc = NULL, *gc = NULL, *wc = NULL;
-    st = rows_contig(ctx, x, x->ndim - 1, &xc);
-    if (st == MOE_OK) st = rows_contig(ctx, g, g->ndim - 1, &gc);
-    if (st == MOE_OK && w) st = rows_contig(ctx, w, 0, &wc);
-    if (st == MOE_OK && (gx || gw || gb) && len > 0)
-      st = moe_cuda_norm_backward(ctx, dev.index, rms, moe_tensor_data(xc),
-                                  wc ? moe_tensor_data(wc) : NULL, moe_tensor_data(gc),
-                                  mean ? (const float *)moe_tensor_data(mean) : NULL,
-                                  (const float *)moe_tensor_data(rstd),
-                                  gx ? moe_tensor_data(gx) : NULL, gw ? moe_tensor_data(gw) : NULL,
-                                  gb ? moe_tensor_data(gb) : NULL, x->dtype, rows, len);
-    moe_tensor_release(xc);
-    moe_tensor_release(gc);
-    moe_tensor_release(wc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s backward: built without CUDA", moe_op_name(n->op));
-#endif
-  } else {
-    if (gw) aw = calloc((size_t)(len ? len : 1), sizeof(double));
-    if (gb) ab = calloc((size_t)(len ? len : 1), sizeof(double));
-    if ((gw && !aw) || (gb && !ab)) {
-      st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s backward: out of host memory", moe_op_name(n->op));
-      goto done;
-    }
-    cpu_norm_backward(rms, x, w, g, mean, rstd, gx, aw, ab);
-    for (int64_t j = 0; j < len; j++) {
-      if (gw) moe_store_f64((char *)moe_tensor_data(gw) + j * (int64_t)moe_dtype_size(gw->dtype), gw->dtype, aw[j]);
-      if (gb) moe_store_f64((char *)moe_tensor_data(gb) + j * (int64_t)moe_dtype_size(gb->dtype), gb->dtype, ab[j]);
-    }
-    st = MOE_OK;
-  }
-done:
-  free(aw);
-  free(ab);
-  moe_tensor_release(x);
-  moe_tensor_release(w);
-  moe_tensor_release(mean);
-  moe_tensor_release(rstd);
-  if (st != MOE_OK) {
-    moe_tensor_release(gx);
-    moe_tensor_release(gw);
-    moe_tensor_release(gb);
-    return st;
-  }
-  if (want_x) gin[0] = gx;
-  if (want_w) gin[iw] = gw;
-  if (want_b) gin[ib] = gb;
-  return MOE_OK;
-}
-
-static moe_status norm_op(moe_ctx *ctx, const char *fn, moe_op op, bool rms, moe_tensor *x,
-                          moe_tensor *w, moe_tensor *b, double eps, moe_tensor **out) {
-  MOE_CHECK(norm_args(ctx, fn, x, w, "weight", eps, out));
-  if (b) MOE_CHECK(norm_args(ctx, fn, x, b, "bias", eps, out));
-  moe_device dev = x->storage->device;
-  int64_t len = x->shape[x->ndim - 1], rows = len ? moe_tensor_numel(x) / len : 0;
-  int64_t sshape[MOE_MAX_DIMS];
-  for (int i = 0; i < x->ndim - 1; i++) sshape[i] = x->shape[i];
-  moe_dtype sdt = x->dtype == MOE_F64 ? MOE_F64 : MOE_F32;
-  moe_tensor *y = NULL, *mean = NULL, *rstd = NULL, *xc = NULL, *wc = NULL, *bc = NULL;
-  moe_status st;
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim, x->shape, x->dtype, dev, &y), st, fail);
-  if (!rms) MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim - 1, sshape, sdt, dev, &mean), st, fail);
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, x->ndim - 1, sshape, sdt, dev, &rstd), st, fail);
-  if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
-    MOE_CHECK_GOTO(rows_contig(ctx, x, x->ndim - 1, &xc), st, fail);
-    if (w) MOE_CHECK_GOTO(rows_contig(ctx, w, 0, &wc), st, fail);
-    if (b) MOE_CHECK_GOTO(rows_contig(ctx, b, 0, &bc), st, fail);
-    if (rows > 0 && len > 0)
-      MOE_CHECK_GOTO(moe_cuda_norm_forward(ctx, dev.index, rms, moe_tensor_data(xc),
-                                           wc ? moe_tensor_data(wc) : NULL,
-                                           bc ? moe_tensor_data(bc) : NULL, moe_tensor_data(y),
-                                           mean ? (float *)moe_tensor_data(mean) : NULL,
-                                           (float *)moe_tensor_data(rstd), x->dtype, rows, len, eps),
-                     st, fail);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-    goto fail;
-#endif
-  } else if (rows > 0 && len > 0) {
-    cpu_norm_forward(rms, x, w, b, y, mean, rstd, eps);
-  }
-  moe_tensor *ins[3] = {x, NULL, NULL};
-  int nin = 1;
-  if (w) ins[nin++] = w;
-  if (b) ins[nin++] = b;
-  if (moe_grad_wanted(ctx, nin, (const moe_tensor *const *)ins)) {
-    moe_node *n;
-    MOE_CHECK_GOTO(moe_node_new(ctx, op, norm_backward, nin, ins, &n), st, fail);
-    n->iargs[0] = rms;
-    n->iargs[1] = w != NULL;
-    n->iargs[2] = b != NULL;
-    n->dargs[0] = eps;
-    st = moe_node_save(ctx, n, x);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, w);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, mean);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, rstd);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-    moe_node_release(n);
-    if (st != MOE_OK) goto fail;
-  }
-  moe_tensor_release(xc);
-  moe_tensor_release(wc);
-  moe_tensor_release(bc);
-  moe_tensor_release(mean);
-  moe_tensor_release(rstd);
-  *out = y;
-  return MOE_OK;
-fail:
-  moe_tensor_release(xc);
-  moe_tensor_release(wc);
-  moe_tensor_release(bc);
-  moe_tensor_release(mean);
-  moe_tensor_release(rstd);
-  moe_tensor_release(y);
-  return st;
-}
-
-moe_status moe_layer_norm(moe_ctx *ctx, moe_tensor *x, moe_tensor *weight, moe_tensor *bias,
-                          double eps, moe_tensor **out) {
-  return norm_op(ctx, "layer_norm", MOE_OP_LAYER_NORM, false, x, weight, bias, eps, out);
-}
-
-moe_status moe_rms_norm(moe_ctx *ctx, moe_tensor *x, moe_tensor *weight, double eps,
-                        moe_tensor **out) {
-  return norm_op(ctx, "rms_norm", MOE_OP_RMS_NORM, true, x, weight, NULL, eps, out);
-}
-
-/* ------------------------------------------------------------ cross_entropy */
-
-bool moe_reduction_parse(const char *name, moe_reduction *out) {
-  if (!name || !out) return false;
-  if (strcmp(name, "mean") == 0) *out = MOE_REDUCTION_MEAN;
-  else if (strcmp(name, "sum") == 0) *out = MOE_REDUCTION_SUM;
-  else if (strcmp(name, "none") == 0) *out = MOE_REDUCTION_NONE;
-  else return false;
-  return true;
-}
-
-/* iargs[0] = ignore_index, [1] = reduction; dargs[0] = smoothing; saved
- * 0 = logits, 1 = target, 2 = lse (N), 3 = count (scalar, mean only). */
-static moe_status ce_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
-                              moe_tensor **gin) {
-  if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return zeros_like_input(ctx, n, 0, &gin[0]);
-  int64_t ignore = n->iargs[0];
-  moe_reduction red = (moe_reduction)n->iargs[1];
-  double sm = n->dargs[0];
-  moe_tensor *x = NULL, *tg = NULL, *lse = NULL, *cnt = NULL, *gx = NULL, *g = NULL;
-  moe_status st;
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, done);
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &tg), st, done);
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 2, &lse), st, done);
-  if (red == MOE_REDUCTION_MEAN) MOE_CHECK_GOTO(moe_node_saved(ctx, n, 3, &cnt), st, done);
-  moe_device dev = x->storage->device;
-  int64_t rows = x->shape[0], C = x->shape[1];
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, x->shape, x->dtype, dev, &gx), st, done);
-  if (rows == 0 || C == 0) goto done;
-  if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
-    moe_tensor *xc = NULL, *tc = NULL;
-    st = rows_contig(ctx, x, 1, &xc);
-    if (st == MOE_OK) st = rows_contig(ctx, tg, 0, &tc);
-    if (st == MOE_OK) st = rows_contig(ctx, gout[0], gout[0]->ndim ? gout[0]->ndim - 1 : 0, &g);
-    if (st == MOE_OK)
-      st = moe_cuda_cross_entropy_backward(ctx, dev.index, moe_tensor_data(xc),
-                                           (const int64_t *)moe_tensor_data(tc),
-                                           (const float *)moe_tensor_data(lse), moe_tensor_data(g),
-                                           g->dtype, red == MOE_REDUCTION_NONE,
-                                           cnt ? (const float *)moe_tensor_data(cnt) : NULL,
-                                           moe_tensor_data(gx), x->dtype, rows, C, ignore, sm);
-    moe_tensor_release(xc);
-    moe_tensor_release(tc);
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "cross_entropy backward: built without CUDA");
-#endif
-  } else {
-    double gs = 0, count = cnt ? moe_load_f64(moe_tensor_data(cnt), cnt->dtype) : 1;
-    const moe_tensor *go = gout[0];
-    if (red != MOE_REDUCTION_NONE) gs = moe_load_f64(moe_tensor_data(go), go->dtype) / count;
-    int64_t xs0 = x->stride[0], xs1 = x->stride[1], es = (int64_t)moe_dtype_size(x->dtype);
-    const char *px = (const char *)moe_tensor_data(x);
-    const double *plse = (const double *)moe_tensor_data(lse);
-    char *po = (char *)moe_tensor_data(gx);
-    for (int64_t r = 0; r < rows; r++) {
-      int64_t t = moe_load_i64((const char *)moe_tensor_data(tg) + r * tg->stride[0] * 8, MOE_I64);
-      double gr = red == MOE_REDUCTION_NONE
-                      ? moe_load_f64((const char *)moe_tensor_data(go) +
-                                         r * go->stride[0] * (int64_t)moe_dtype_size(go->dtype),
-                                     go->dtype)
-                      : gs;
-      for (int64_t c = 0; c < C; c++) {
-        double v = 0;
-        if (t != ignore) {
-          double p = exp(moe_load_f64(px + (r * xs0 + c * xs1) * es, x->dtype) - plse[r]);
-          v = gr * (p - (c == t ? 1.0 - sm : 0.0) - sm / (double)C);
-        }
-        moe_store_f64(po + (r * C + c) * es, x->dtype, v);
-      }
-    }
-    st = MOE_OK;
-  }
-done:
-  moe_tensor_release(x);
-  moe_tensor_release(tg);
-  moe_tensor_release(lse);
-  moe_tensor_release(cnt);
-  moe_tensor_release(g);
-  if (st != MOE_OK) {
-    moe_tensor_release(gx);
-    return st;
-  }
-  gin[0] = gx;
-  return MOE_OK;
-}
-
-moe_status moe_cross_entropy(moe_ctx *ctx, moe_tensor *logits, moe_tensor *target,
-                             int64_t ignore_index, double label_smoothing,
-                             moe_reduction reduction, moe_tensor **out) {
-  const char *fn = "cross_entropy";
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  MOE_CHECK(check_tensor(ctx, fn, logits, "logits"));
-  MOE_CHECK(check_tensor(ctx, fn, target, "target"));
-  MOE_CHECK(check_out(ctx, fn, out));
-  MOE_CHECK(check_float(ctx, fn, logits));
-  char a[SHAPE_BUF], b[SHAPE_BUF];
-  if (logits->ndim != 2)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: logits must be (N, C), got shape %s", fn,
-                     moe_shape_str(logits->ndim, logits->shape, a, sizeof(a)));
-  if (target->ndim != 1 || target->shape[0] != logits->shape[0])
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: target of shape %s does not match logits %s (want [%lld])",
-                     fn, moe_shape_str(target->ndim, target->shape, a, sizeof(a)),
-                     moe_shape_str(logits->ndim, logits->shape, b, sizeof(b)),
-                     (long long)logits->shape[0]);
-  if (target->dtype != MOE_I64)
-    return moe_error(ctx, MOE_ERR_DTYPE, "%s: target must be i64 class indices, got %s", fn,
-                     moe_dtype_name(target->dtype));
-  if (!moe_device_equal(logits->storage->device, target->storage->device)) {
-    char da[32], db[32];
-    return moe_error(ctx, MOE_ERR_DEVICE, "%s: logits on %s but target on %s", fn,
-                     moe_device_str(logits->storage->device, da, sizeof(da)),
-                     moe_device_str(target->storage->device, db, sizeof(db)));
-  }
-  if (!(label_smoothing >= 0 && label_smoothing <= 1))
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: label_smoothing must be in [0, 1], got %g", fn,
-                     label_smoothing);
-  if ((int)reduction < 0 || reduction > MOE_REDUCTION_NONE)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown reduction %d", fn, (int)reduction);
-  moe_device dev = logits->storage->device;
-  int64_t rows = logits->shape[0], C = logits->shape[1];
-  if (C == 0 && rows > 0)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: logits %s have no classes", fn,
-                     moe_shape_str(logits->ndim, logits->shape, a, sizeof(a)));
-  moe_tensor *y = NULL, *lse = NULL, *cnt = NULL, *loss = NULL;
-  moe_status st = MOE_OK;
-  moe_dtype sdt = dev.type == MOE_DEVICE_CUDA ? MOE_F32 : MOE_F64;
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &rows, sdt, dev, &lse), st, fail);
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, 0, NULL, sdt, dev, &cnt), st, fail);
-  if (reduction == MOE_REDUCTION_NONE)
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &rows, logits->dtype, dev, &y), st, fail);
-  else
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 0, NULL, logits->dtype, dev, &y), st, fail);
-  if (dev.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
-    moe_tensor *xc = NULL, *tc = NULL;
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &rows, MOE_F32, dev, &loss), st, fail);
-    st = rows_contig(ctx, logits, 1, &xc);
-    if (st == MOE_OK) st = rows_contig(ctx, target, 0, &tc);
-    if (st == MOE_OK && rows > 0)
-      st = moe_cuda_cross_entropy(ctx, dev.index, moe_tensor_data(xc),
-                                  (const int64_t *)moe_tensor_data(tc), (float *)moe_tensor_data(loss),
-                                  (float *)moe_tensor_data(lse), logits->dtype, rows, C,
-                                  ignore_index, label_smoothing);
-    if (st == MOE_OK && reduction != MOE_REDUCTION_NONE)
-      st = moe_cuda_cross_entropy_reduce(ctx, dev.index, (const float *)moe_tensor_data(loss),
-                                         (const int64_t *)moe_tensor_data(tc), rows, ignore_index,
-                                         reduction == MOE_REDUCTION_MEAN, moe_tensor_data(y),
-                                         logits->dtype, (float *)moe_tensor_data(cnt));
-    if (st == MOE_OK && reduction == MOE_REDUCTION_NONE && rows > 0) {
-      moe_kview vy = moe_kview_of(y), vl = moe_kview_of(loss);
-      st = moe_cuda_copy(ctx, dev.index, &vy, &vl);
-    }
-    moe_tensor_release(xc);
-    moe_tensor_release(tc);
-    if (st != MOE_OK) goto fail;
-#else
-    st = moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: built without CUDA", fn);
-    goto fail;
-#endif
-  } else {
-    const char *px = (const char *)moe_tensor_data(logits);
-    int64_t xs0 = logits->stride[0], xs1 = logits->stride[1];
-    int64_t es = (int64_t)moe_dtype_size(logits->dtype);
-    const int64_t *pt = (const int64_t *)moe_tensor_data(target);
-    double *plse = (double *)moe_tensor_data(lse);
-    double total = 0, count = 0;
-    for (int64_t r = 0; r < rows; r++) {
-      int64_t t = pt[r * target->stride[0]];
-      if (t != ignore_index && (t < 0 || t >= C)) {
-        st = moe_error(ctx, MOE_ERR_INVALID_ARG,
-                       "%s: target %lld at row %lld is out of range for %lld classes (and is not ignore_index %lld)",
-                       fn, (long long)t, (long long)r, (long long)C, (long long)ignore_index);
-        goto fail;
-      }
-    }
-    for (int64_t r = 0; r < rows; r++) {
-      int64_t t = pt[r * target->stride[0]];
-      double m = -INFINITY, s = 0, sx = 0;
-      for (int64_t c = 0; c < C; c++) {
-        double v = moe_load_f64(px + (r * xs0 + c * xs1) * es, logits->dtype);
-        if (v > m || isnan(v)) m = v;
-        sx += v;
-      }
-      for (int64_t c = 0; c < C; c++)
-        s += exp(moe_load_f64(px + (r * xs0 + c * xs1) * es, logits->dtype) - m);
-      double l = m + log(s), lr = 0;
-      plse[r] = l;
-      if (t != ignore_index) {
-        double xt = moe_load_f64(px + (r * xs0 + t * xs1) * es, logits->dtype);
-        lr = l - (1 - label_smoothing) * xt - label_smoothing * sx / (double)C;
-        count += 1;
-        total += lr;
-      }
-      if (reduction == MOE_REDUCTION_NONE)
-        moe_store_f64((char *)moe_tensor_data(y) + r * es, y->dtype, lr);
-    }
-    *(double *)moe_tensor_data(cnt) = count;
-    if (reduction != MOE_REDUCTION_NONE)
-      moe_store_f64(moe_tensor_data(y), y->dtype,
-                    reduction == MOE_REDUCTION_MEAN ? total / count : total);
-  }
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){logits})) {
-    moe_node *n;
-    MOE_CHECK_GOTO(moe_node_new(ctx, MOE_OP_CROSS_ENTROPY, ce_backward, 1,
-                                (moe_tensor *[]){logits}, &n), st, fail);
-    n->iargs[0] = ignore_index;
-    n->iargs[1] = reduction;
-    n->dargs[0] = label_smoothing;
-    st = moe_node_save(ctx, n, logits);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, target);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, lse);
-    if (st == MOE_OK) st = moe_node_save(ctx, n, cnt);
-    if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, y);
-    moe_node_release(n);
-    if (st != MOE_OK) goto fail;
-  }
-  moe_tensor_release(lse);
-  moe_tensor_release(cnt);
-  moe_tensor_release(loss);
-  *out = y;
-  return MOE_OK;
-fail:
-  moe_tensor_release(lse);
-  moe_tensor_release(cnt);
-  moe_tensor_release(loss);
-  moe_tensor_release(y);
-  return st;
 }

@@ -19,18 +19,9 @@
 #include "moe_routing.h"
 #include "routing_cuda.h"
 
-#define RT_SHAPE 96
-
 /* ------------------------------------------------------------ helpers */
 
 static bool rt_cuda(const moe_tensor *t) { return t->storage->device.type == MOE_DEVICE_CUDA; }
-
-#ifndef MOE_WITH_CUDA
-static moe_status rt_not_built(moe_ctx *ctx, const char *fn) {
-  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: CUDA tensor but moe-lua was built without CUDA",
-                   fn);
-}
-#endif
 
 static moe_status rt_i64(moe_ctx *ctx, int64_t n, moe_device d, moe_tensor **out) {
   return moe_tensor_empty(ctx, 1, (int64_t[]){n}, MOE_I64, d, out);
@@ -53,19 +44,15 @@ static moe_status rt_check_float(moe_ctx *ctx, const char *fn, const char *what,
 
 static moe_status rt_check_device(moe_ctx *ctx, const char *fn, const char *what,
                                   const moe_tensor *t, moe_device d) {
-  if (moe_device_equal(t->storage->device, d)) return MOE_OK;
-  char a[32], b[32];
-  return moe_error(ctx, MOE_ERR_DEVICE, "%s: %s is on %s but the plan is on %s", fn, what,
-                   moe_device_str(t->storage->device, a, sizeof a), moe_device_str(d, b, sizeof b));
+  return moe_check_same_device(ctx, fn, what, t->storage->device, "the plan", d);
 }
 
 /* A 2-D tensor of shape (rows, cols); cols < 0: any. */
 static moe_status rt_check_2d(moe_ctx *ctx, const char *fn, const char *what, const moe_tensor *t,
                               int64_t rows, int64_t cols, const char *want) {
   if (t->ndim == 2 && t->shape[0] == rows && (cols < 0 || t->shape[1] == cols)) return MOE_OK;
-  char s[RT_SHAPE];
-  return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s", fn, what,
-                   moe_shape_str(t->ndim, t->shape, s, sizeof s), want);
+  return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s", fn, what, MOE_SHAPE(t),
+                   want);
 }
 
 /* Score key: larger score -> larger key; -0 == +0; NaN lowest (loses). */
@@ -268,12 +255,8 @@ moe_status moe_routing_plan_counts_to_host(moe_ctx *ctx, moe_routing_plan *p) {
   }
   /* the offsets carry both the counts and the number of valid ids */
   if (rt_cuda(p->offsets)) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_memcpy(ctx, off, MOE_CPU, moe_tensor_data(p->offsets), p->device,
                          sizeof(int64_t) * (size_t)(E + 1));
-#else
-    st = rt_not_built(ctx, "routing_plan_counts_to_host");
-#endif
     if (st != MOE_OK) goto fail;
   } else {
     memcpy(off, moe_tensor_data(p->offsets), sizeof(int64_t) * (size_t)(E + 1));
@@ -305,16 +288,14 @@ fail:
 static moe_status rt_validate_opts(moe_ctx *ctx, const moe_tensor *ids, int64_t E,
                                    const moe_routing_opts *o) {
   const char *fn = "routing_plan";
-  char s[RT_SHAPE];
   if (ids->dtype != MOE_I64 && ids->dtype != MOE_I32)
     return moe_error(ctx, MOE_ERR_DTYPE, "%s: ids must be i64 or i32, got %s", fn,
                      moe_dtype_name(ids->dtype));
   if (ids->ndim != 2)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: ids must be (T, k), got shape %s", fn,
-                     moe_shape_str(ids->ndim, ids->shape, s, sizeof s));
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: ids must be (T, k), got shape %s", fn, MOE_SHAPE(ids));
   if (ids->shape[1] < 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: ids (T, k) needs k >= 1, got shape %s", fn,
-                     moe_shape_str(ids->ndim, ids->shape, s, sizeof s));
+                     MOE_SHAPE(ids));
   if (E < 1 || E > INT32_MAX - 1)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: number of experts E = %lld must be in [1, 2^31 - 2]",
                      fn, (long long)E);
@@ -399,15 +380,11 @@ moe_status moe_routing_plan_new(moe_ctx *ctx, const moe_tensor *ids, int64_t E,
   /* stage 1: sort by expert */
   const moe_tensor *scores = score ? o.scores : NULL;
   if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_kview vi = moe_kview_of(ids), vs;
     if (scores) vs = moe_kview_of(scores);
     st = moe_cuda_routing_sort(ctx, d.index, &vi, scores ? &vs : NULL, E,
                                (int32_t *)moe_tensor_data(keys), rt_p(p->sort_perm),
                                rt_p(p->sort_inv), rt_p(p->offsets), rt_p(p->counts));
-#else
-    st = rt_not_built(ctx, fn);
-#endif
   } else {
     memset(rt_p(p->counts), 0, sizeof(int64_t) * (size_t)E);
     st = rt_cpu_sort(ctx, ids, scores, E, (int32_t *)moe_tensor_data(keys), rt_p(p->sort_perm),
@@ -426,15 +403,11 @@ moe_status moe_routing_plan_new(moe_ctx *ctx, const moe_tensor *ids, int64_t E,
 
   /* stage 2: the buffer layout */
   if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_routing_layout(ctx, d.index, N, E, p->e0, p->e1, p->capacity, p->block_size,
                                  p->rows, (const int32_t *)moe_tensor_data(keys),
                                  rt_p(p->sort_perm), rt_p(p->offsets), rt_p(p->counts),
                                  rt_p(p->kept), rt_p(p->row_offsets), rt_p(p->dest),
                                  rt_p(p->src));
-#else
-    st = rt_not_built(ctx, fn);
-#endif
   } else {
     st = rt_cpu_layout(ctx, N, E, p->e0, p->e1, p->capacity, p->block_size, p->rows,
                        (const int32_t *)moe_tensor_data(keys), rt_p(p->sort_perm),
@@ -459,14 +432,10 @@ moe_status moe_routing_plan_new(moe_ctx *ctx, const moe_tensor *ids, int64_t E,
     MOE_CHECK_GOTO(rt_i64(ctx, EL * F + 1, d, &p->bs_offsets_t), st, fail);
     MOE_CHECK_GOTO(rt_i64(ctx, p->nnz, d, &p->bs_block_offsets_t), st, fail);
     if (d.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
       st = moe_cuda_routing_topology(ctx, d.index, rt_p(p->row_offsets), p->e0, p->e1, bs, F, Rb,
                                      rt_p(p->bs_row_indices), rt_p(p->bs_column_indices),
                                      rt_p(p->bs_offsets), rt_p(p->bs_column_indices_t),
                                      rt_p(p->bs_offsets_t), rt_p(p->bs_block_offsets_t));
-#else
-      st = rt_not_built(ctx, fn);
-#endif
       if (st != MOE_OK) goto fail;
     } else {
       rt_cpu_topology(rt_p(p->row_offsets), p->e0, p->e1, bs, F, Rb, rt_p(p->bs_row_indices),
@@ -495,11 +464,7 @@ moe_status moe_routing_rank_counts(moe_ctx *ctx, const moe_routing_plan *p, int6
   MOE_CHECK(rt_i64(ctx, n_ranks, p->device, &r));
   moe_status st = MOE_OK;
   if (p->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     st = moe_cuda_routing_rank_counts(ctx, p->device.index, rt_p(p->offsets), p->E, n_ranks, rt_p(r));
-#else
-    st = rt_not_built(ctx, fn);
-#endif
   } else {
     const int64_t *off = rt_p(p->offsets);
     for (int64_t i = 0; i < n_ranks; i++)
@@ -528,13 +493,9 @@ static moe_status rt_gather(moe_ctx *ctx, const moe_tensor *x, const moe_routing
   MOE_CHECK(moe_tensor_empty(ctx, 2, (int64_t[]){R, d}, x->dtype, p->device, &r));
   moe_status st = MOE_OK;
   if (R * d > 0 && p->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x), vg;
     if (gates) vg = moe_kview_of(gates);
     st = moe_cuda_routing_gather(ctx, p->device.index, &vo, &vx, rt_p(p->src), gates ? &vg : NULL, k);
-#else
-    st = rt_not_built(ctx, "routing_permute");
-#endif
   } else if (R * d > 0) {
     const int64_t *src = rt_p(p->src);
     moe_dtype dt = x->dtype;
@@ -580,13 +541,9 @@ static moe_status rt_combine(moe_ctx *ctx, const moe_tensor *y, const moe_routin
   MOE_CHECK(moe_tensor_empty(ctx, 2, (int64_t[]){T, d}, y->dtype, p->device, &r));
   moe_status st = MOE_OK;
   if (T * d > 0 && p->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_kview vo = moe_kview_of(r), vy = moe_kview_of(y), vg;
     if (gates) vg = moe_kview_of(gates);
     st = moe_cuda_routing_combine(ctx, p->device.index, &vo, &vy, rt_p(p->dest), gates ? &vg : NULL, k);
-#else
-    st = rt_not_built(ctx, "routing_combine");
-#endif
   } else if (T * d > 0) {
     const int64_t *dest = rt_p(p->dest);
     moe_dtype dt = y->dtype;
@@ -636,12 +593,8 @@ static moe_status rt_gate_grad(moe_ctx *ctx, const moe_tensor *dout, const moe_t
   MOE_CHECK(moe_tensor_empty(ctx, 2, (int64_t[]){T, k}, gdt, p->device, &r));
   moe_status st = MOE_OK;
   if (T * k > 0 && p->device.type == MOE_DEVICE_CUDA) {
-#ifdef MOE_WITH_CUDA
     moe_kview vo = moe_kview_of(r), vd = moe_kview_of(dout), vy = moe_kview_of(y);
     st = moe_cuda_routing_gate_grad(ctx, p->device.index, &vo, &vd, &vy, rt_p(p->dest), k);
-#else
-    st = rt_not_built(ctx, "routing_combine");
-#endif
   } else if (T * k > 0) {
     const int64_t *dest = rt_p(p->dest);
     char *po = (char *)moe_tensor_data(r);
@@ -666,33 +619,11 @@ static moe_status rt_gate_grad(moe_ctx *ctx, const moe_tensor *dout, const moe_t
 
 /* ------------------------------------------------------------ permute */
 
-static moe_status rt_zeros_like_input(moe_ctx *ctx, const moe_node *n, int i, moe_tensor **out) {
-  return moe_tensor_full(ctx, n->in_ndim[i], n->in_shape[i], 0.0, n->in_dtype[i], n->in_device[i],
-                         out);
-}
-
 static moe_status rt_permute_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                       moe_tensor **gin) {
   if (!moe_node_needs_grad(n, 0)) return MOE_OK;
-  if (!gout[0]) return rt_zeros_like_input(ctx, n, 0, &gin[0]);
+  if (!gout[0]) return moe_node_zeros_input(ctx, n, 0, &gin[0]);
   return rt_combine(ctx, gout[0], (const moe_routing_plan *)n->user, NULL, &gin[0]);
-}
-
-/* Records a node holding the plan; on failure out is released. */
-static moe_status rt_record(moe_ctx *ctx, moe_op op, moe_backward_fn bw, int n_in,
-                            moe_tensor *const *in, moe_routing_plan *p, moe_tensor *out) {
-  moe_node *n = NULL;
-  moe_status st = moe_node_new(ctx, op, bw, n_in, in, &n);
-  if (st == MOE_OK) {
-    moe_routing_plan_retain(p);
-    n->user = p;
-    n->user_free = rt_plan_release_void;
-    for (int i = 0; i < n_in && st == MOE_OK; i++) st = moe_node_save(ctx, n, in[i]);
-  }
-  if (st == MOE_OK) st = moe_node_set_output(ctx, n, 0, out);
-  if (n) moe_node_release(n);
-  if (st != MOE_OK) moe_tensor_release(out);
-  return st;
 }
 
 moe_status moe_routing_permute(moe_ctx *ctx, moe_tensor *x, moe_routing_plan *p,
@@ -704,22 +635,11 @@ moe_status moe_routing_permute(moe_ctx *ctx, moe_tensor *x, moe_routing_plan *p,
   MOE_CHECK(rt_check_device(ctx, fn, "x", x, p->device));
   moe_tensor *r;
   MOE_CHECK(rt_gather(ctx, x, p, NULL, &r));
-  if (moe_grad_wanted(ctx, 1, (const moe_tensor *[]){x})) {
-    /* the backward needs the plan alone: nothing is saved */
-    moe_node *n = NULL;
-    moe_status st = moe_node_new(ctx, MOE_OP_ROUTING_PERMUTE, rt_permute_backward, 1, &x, &n);
-    if (st == MOE_OK) {
-      moe_routing_plan_retain(p);
-      n->user = p;
-      n->user_free = rt_plan_release_void;
-      st = moe_node_set_output(ctx, n, 0, r);
-    }
-    if (n) moe_node_release(n);
-    if (st != MOE_OK) {
-      moe_tensor_release(r);
-      return st;
-    }
-  }
+  /* the backward needs the plan alone: nothing is saved */
+  moe_routing_plan_retain(p);
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_ROUTING_PERMUTE, .backward = rt_permute_backward, .n_in = 1, .in = {x},
+      .user = p, .user_free = rt_plan_release_void}, 1, &r));
   *out = r;
   return MOE_OK;
 }
@@ -730,11 +650,7 @@ static moe_status rt_combine_backward(moe_ctx *ctx, moe_node *n, moe_tensor *con
                                       moe_tensor **gin) {
   const moe_routing_plan *p = (const moe_routing_plan *)n->user;
   bool has_gates = n->n_inputs == 2;
-  if (!gout[0]) {
-    for (int i = 0; i < n->n_inputs; i++)
-      if (moe_node_needs_grad(n, i)) MOE_CHECK(rt_zeros_like_input(ctx, n, i, &gin[i]));
-    return MOE_OK;
-  }
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
   moe_tensor *y = NULL, *gates = NULL;
   moe_status st = MOE_OK;
   if (has_gates) MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &gates), st, done);
@@ -766,11 +682,12 @@ moe_status moe_routing_combine(moe_ctx *ctx, moe_tensor *y, moe_routing_plan *p,
   }
   moe_tensor *r;
   MOE_CHECK(rt_combine(ctx, y, p, gates, &r));
-  moe_tensor *in[2] = {y, gates};
   int n_in = gates ? 2 : 1;
-  if (moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in)) {
-    MOE_CHECK(rt_record(ctx, MOE_OP_ROUTING_COMBINE, rt_combine_backward, n_in, in, p, r));
-  }
+  moe_routing_plan_retain(p);
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_ROUTING_COMBINE, .backward = rt_combine_backward, .n_in = n_in,
+      .in = {y, gates}, .n_save = n_in, .save = {y, gates},
+      .user = p, .user_free = rt_plan_release_void}, 1, &r));
   *out = r;
   return MOE_OK;
 }

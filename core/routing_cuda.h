@@ -1,6 +1,7 @@
 /*
  * routing_cuda.h - CUDA entry points of the routing family (kernels/routing.cu),
- * called by core/routing.c inside #ifdef MOE_WITH_CUDA. Private to core/.
+ * called by core/routing.c (core/nocuda.c stubs them without CUDA). Private to
+ * core/.
  *
  * Launches go on the context's stream; none synchronises with the host.
  * Arrays are device pointers, contiguous, i64 unless said otherwise; core/

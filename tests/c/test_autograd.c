@@ -71,7 +71,7 @@ static void test_leaf_fields(moe_ctx *ctx) {
                  "gradient of shape [3, 2] for a tensor of shape [2, 3]");
   moe_tensor_release(g);
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2, 3), 1.0, MOE_F64, MOE_CPU, &g));
-  EXPECT_ERR_MSG(moe_tensor_set_grad(ctx, x, g), MOE_ERR_DTYPE, "dtype f64 for a tensor of dtype f32");
+  EXPECT_ERR_MSG(moe_tensor_set_grad(ctx, x, g), MOE_ERR_DTYPE, "set_grad: the gradient is f64 but the tensor is f32");
   moe_tensor_release(g);
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2, 3), 4.0, MOE_F32, MOE_CPU, &g));
   EXPECT_OK(moe_tensor_set_grad(ctx, x, g));
@@ -429,7 +429,7 @@ static void test_errors(moe_ctx *ctx) {
                  "gradient of shape [4] for a tensor of shape [2, 2]");
   moe_tensor_release(g);
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2, 2), 1.0, MOE_F64, MOE_CPU, &g));
-  EXPECT_ERR_MSG(moe_backward(ctx, y, g, false), MOE_ERR_DTYPE, "dtype f64 for a tensor of dtype f32");
+  EXPECT_ERR_MSG(moe_backward(ctx, y, g, false), MOE_ERR_DTYPE, "backward: the gradient is f64 but the tensor is f32");
   moe_tensor_release(g);
 
   /* in-place writes autograd cannot see */

@@ -416,7 +416,7 @@ static void test_errors(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, x0, w, p, false, &o), MOE_ERR_SHAPE, "K = 0");
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, x, wbad, p, false, &o), MOE_ERR_SHAPE, "(E_loc, K, N)");
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, x, w, p, true, &o), MOE_ERR_SHAPE, "(E_loc, N, K)");
-  EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, x64, w, p, false, &o), MOE_ERR_DTYPE, "same dtype");
+  EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, x64, w, p, false, &o), MOE_ERR_DTYPE, "bsmm_sdd: x is f64 but w is f32");
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, xi, w, p, false, &o), MOE_ERR_DTYPE, "x has dtype i64");
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, xh, w, p, false, &o), MOE_ERR_DTYPE, "x has dtype f16");
   EXPECT_ERR_MSG(moe_bsmm_sdd(ctx, NULL, w, p, false, &o), MOE_ERR_INVALID_ARG, "x is NULL");

@@ -419,7 +419,7 @@ static void test_gpu_errors(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_rms_norm(ctx, x, w, 1e-5, &r), MOE_ERR_DEVICE, "rms_norm: weight is on cpu but input is on cuda:0");
   EXPECT_OK(moe_tensor_full(ctx, SHAPE(2), 0, MOE_I64, MOE_CPU, &t));
   EXPECT_ERR_MSG(moe_cross_entropy(ctx, x, t, -100, 0.0, MOE_REDUCTION_MEAN, &r), MOE_ERR_DEVICE,
-                 "cross_entropy: logits on cuda:0 but target on cpu");
+                 "cross_entropy: logits is on cuda:0 but target is on cpu");
   EXPECT(r == NULL);
   moe_tensor_release(w);
   moe_tensor_release(wg);

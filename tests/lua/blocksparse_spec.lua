@@ -132,7 +132,7 @@ describe("block-sparse products", function()
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, p, { trans_w = true }) end):find(
       "expected (E_loc, N, K)", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w:to("f64"), p) end):find(
-      "must have the same dtype", 1, true))
+      "bsmm_sdd: x is f32 but w is f64", 1, true))
     local unpadded = moe.ops.routing_plan(i64(IDS), E)
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, unpadded) end):find("not padded", 1, true))
     local nohidden = moe.ops.routing_plan(i64(IDS), E, { block_size = B })
