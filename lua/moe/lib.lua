@@ -1,7 +1,7 @@
 --[[
 moe/lib.lua - the parts of the `moe` module written in Lua.
 
-luaopen_moe (bindings/lmoe.c) builds the module table from C, stores it in
+luaopen_moe (bindings/linit.c) builds the module table from C, stores it in
 package.loaded.moe and then requires this file, which adds Lua-implemented
 functions to the same table. Keep this file small: each feature lives in its
 own module (moe/config.lua, ...) and is attached here.
