@@ -1248,10 +1248,10 @@ moe_status attn_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &
   constexpr int BM = 16 * WM * NW;
   constexpr size_t smem = (size_t)(BM + 4 * BN) * D * 2;
   auto kern = attn_fwd_kernel<D, NW, WM, BN>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   dim3 grid((unsigned)BH, (unsigned)((p.T + BM - 1) / BM));
   kern<<<grid, NW * 32, smem, stream>>>(p);
-  MOE_KCHECK(ctx, "attention forward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention forward kernel");
   return MOE_OK;
 }
 
@@ -1273,11 +1273,11 @@ moe_status attn_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParams &
   constexpr size_t dq = (2 * B + 4 * BI) * D * 2;
   constexpr size_t smem = dkdv > dq ? dkdv : dq;
   auto kern = attn_bwd_kernel<D, NW, BI>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   const int nblk = (int)((p.T + B - 1) / B);
   dim3 grid((unsigned)BH, (unsigned)(2 * nblk));
   kern<<<grid, NW * 32, smem, stream>>>(p, nblk);
-  MOE_KCHECK(ctx, "attention backward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention backward kernel");
   return MOE_OK;
 }
 
@@ -1285,7 +1285,7 @@ template <int D>
 moe_status attn_bwd_run(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, int BH) {
   const int64_t rows = (int64_t)BH * p.T;
   attn_delta_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(p, rows, nullptr);
-  MOE_KCHECK(ctx, "attention delta kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention delta kernel");
   switch (attn_bwd_variant) {
     case 1: return attn_bwd_launch<D, 4, 64>(ctx, stream, p, BH);
     case 2: return attn_bwd_launch<D, 8, 32>(ctx, stream, p, BH);
@@ -1356,11 +1356,11 @@ moe_status attn_ws_fwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
     return MOE_OK;
   constexpr size_t smem = WsFwd<D>::SMEM;
   auto kern = attn_ws_fwd_kernel<D>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   const int64_t ntiles = (int64_t)BH * ((p.T + WsFwd<D>::BM - 1) / WsFwd<D>::BM);
   if (ntiles >= (1LL << 30)) return MOE_OK; /* tile numbers are ints */
   kern<<<(unsigned)(ntiles < nsm ? ntiles : nsm), WS_THREADS, smem, stream>>>(mq, mk, mv, p, BH);
-  MOE_KCHECK(ctx, "attention forward kernel (TMA + wgmma)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention forward kernel (TMA + wgmma)");
   *ran = true;
   return MOE_OK;
 }
@@ -1379,15 +1379,15 @@ moe_status attn_ws_bwd_launch(moe_ctx *ctx, cudaStream_t stream, const AttnParam
     return MOE_OK;
   const int64_t rows = (int64_t)BH * p.T;
   attn_delta_kernel<D><<<(unsigned)((rows * (D / 8) + 255) / 256), 256, 0, stream>>>(p, rows, acc);
-  MOE_KCHECK(ctx, "attention delta kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention delta kernel");
   constexpr size_t smem = WsBwd<D>::SMEM;
   auto kern = attn_ws_bwd_kernel<D>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<(unsigned)(ntiles < nsm ? ntiles : nsm), WS_THREADS, smem, stream>>>(mq, mk, mv, mo, p, acc, BH);
-  MOE_KCHECK(ctx, "attention backward kernel (TMA + wgmma)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention backward kernel (TMA + wgmma)");
   const int64_t n8 = rows * D / 8;
   attn_dq_convert_kernel<D><<<(unsigned)((n8 + 255) / 256), 256, 0, stream>>>(p, acc, n8);
-  MOE_KCHECK(ctx, "attention dq kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "attention dq kernel");
   *ran = true;
   return MOE_OK;
 }

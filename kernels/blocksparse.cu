@@ -685,7 +685,7 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   const char *e = getenv("MOE_BSMM_WG_MNSWAP");
   int swap = e && strcmp(e, "1") == 0;
   auto kern = bs_wg_kernel<KIND, TRANS>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)BS_WG_SMEM));
   /* MOE_BSMM_PERSIST=1: a persistent grid of one CTA per multiprocessor;
    * =n (n >= 2): n CTAs (tests use a few to walk many tiles per CTA) */
@@ -693,8 +693,8 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   int64_t grid = ctas, want = pe ? atoll(pe) : 0;
   if (want == 1) {
     int dev = 0, sms = 0;
-    MOE_KCUDA(ctx, cudaGetDevice(&dev));
-    MOE_KCUDA(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    MOE_CUDA_CHECK(ctx, cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     want = sms;
   }
   if (want >= 1 && want < grid) grid = want;
@@ -708,7 +708,7 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ee && strcmp(ee, "direct") == 0) epi = 0;
   if (ee && strcmp(ee, "smem") == 0) epi = 1;
   kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap, epi);
-  MOE_KCHECK(ctx, "bsmm (bf16 wgmma kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
 }
 
@@ -742,9 +742,9 @@ template <int KIND, bool TRANS, int BN, int BK, int STAGES>
 moe_status bs_launch_mma(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
   size_t smem = BsSmem<BN, BK, STAGES>::BYTES;
   auto kern = bs_mma_kernel<KIND, TRANS, BN, BK, STAGES>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<(unsigned)ctas, BS_THREADS, smem, stream>>>(g);
-  MOE_KCHECK(ctx, "bsmm (bf16 tensor-core kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 tensor-core kernel)");
   return MOE_OK;
 }
 
@@ -766,7 +766,7 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   if (dt == MOE_BF16 && v == BS_V256) return bs_launch_mma<KIND, TRANS, 256, 32, 4>(ctx, g, cs, ctas);
   if (dt == MOE_BF16) return bs_launch_mma<KIND, TRANS, 128, 32, 4>(ctx, g, cs, ctas);
   bs_f32_kernel<KIND, TRANS><<<(unsigned)ctas, BS_THREADS, 0, (cudaStream_t)stream>>>(g);
-  MOE_KCHECK(ctx, "bsmm (f32 kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (f32 kernel)");
   return MOE_OK;
 }
 
@@ -806,7 +806,7 @@ moe_status bs_convert(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo 
   else
     bs_convert_kernel<float><<<(unsigned)tp->nnz, 256, 0, (cudaStream_t)stream>>>(
         *tp, (const float *)src, (float *)dst, to_dense);
-  MOE_KCHECK(ctx, to_dense ? "bsmm_to_dense" : "bsmm_from_dense");
+  MOE_CUDA_CHECK_LAUNCH(ctx, to_dense ? "bsmm_to_dense" : "bsmm_from_dense");
   return MOE_OK;
 }
 

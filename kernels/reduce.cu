@@ -293,12 +293,10 @@ static moe_status moe_red_launch(moe_ctx *ctx, int device, cudaStream_t stream,
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "cuda reduce: %lld outputs is too many",
                      (long long)k.outer);
   MoeRedSt<A> *part = NULL;
-  void *pblock = NULL;
-  size_t psize = 0;
+  MoeScratch pblock(ctx, device);
   if (nseg > 1) {
-    MOE_CHECK(moe_cuda_alloc(ctx, device, sizeof(MoeRedSt<A>) * (size_t)(k.outer * nseg), &pblock,
-                             &psize));
-    part = (MoeRedSt<A> *)pblock;
+    MOE_CHECK(pblock.alloc(sizeof(MoeRedSt<A>) * (size_t)(k.outer * nseg)));
+    part = (MoeRedSt<A> *)pblock.ptr;
   }
   dim3 block(bx, by), grid((unsigned)gx, (unsigned)nseg);
   size_t smem = by > 1 ? sizeof(MoeRedSt<A>) * bx * by : 0;
@@ -310,7 +308,7 @@ static moe_status moe_red_launch(moe_ctx *ctx, int device, cudaStream_t stream,
         part, k.outer, nseg, k.inner, arg, out, idx);
     e = cudaGetLastError();
   }
-  if (pblock) moe_cuda_release(ctx, device, pblock, psize);
+  pblock.release();
   if (e != cudaSuccess)
     return moe_error(ctx, MOE_ERR_CUDA, "cuda reduce kernel failed: %s (%s)", cudaGetErrorString(e),
                      cudaGetErrorName(e));
@@ -452,7 +450,7 @@ extern "C" moe_status moe_cuda_reduce_backward(moe_ctx *ctx, int device, moe_red
       return moe_error(ctx, MOE_ERR_INTERNAL, "cuda reduce backward: kind %d has no elementwise rule",
                        (int)kind);
   }
-  MOE_KCHECK(ctx, "cuda reduce backward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda reduce backward kernel");
   return MOE_OK;
 }
 
@@ -482,7 +480,7 @@ extern "C" moe_status moe_cuda_red_scatter(moe_ctx *ctx, int device, void *gin, 
     case 8: moe_red_scatter_kernel<uint64_t><<<moe_blocks(outer), MOE_THREADS, 0, s>>>((uint64_t *)gin, (const uint64_t *)g, idx, outer, nd, post); break;
     default: return moe_error(ctx, MOE_ERR_DTYPE, "cuda max/min backward: dtype %s", moe_dtype_name(dt));
   }
-  MOE_KCHECK(ctx, "cuda max/min backward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda max/min backward kernel");
   return MOE_OK;
 }
 
@@ -1064,7 +1062,7 @@ extern "C" moe_status moe_cuda_softmax(moe_ctx *ctx, int device, bool log, const
         constexpr int NV = decltype(nvt)::value;
         if (log) moe_softmax_reg_kernel<DT, NV, true><<<(unsigned)rows, th, 0, s>>>(x, y, nvec);
         else moe_softmax_reg_kernel<DT, NV, false><<<(unsigned)rows, th, 0, s>>>(x, y, nvec);
-        MOE_KCHECK(ctx, "cuda softmax kernel");
+        MOE_CUDA_CHECK_LAUNCH(ctx, "cuda softmax kernel");
         return MOE_OK;
       });
     size_t bytes = (size_t)n * sizeof(float);
@@ -1073,16 +1071,16 @@ extern "C" moe_status moe_cuda_softmax(moe_ctx *ctx, int device, bool log, const
     th = moe_row_threads<DT>(n, vec);
     if (log) {
       if (smem > 48 * 1024)
-        MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_softmax_kernel<DT, true>,
+        MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(moe_softmax_kernel<DT, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, MOE_ROW_CACHE_MAX));
       moe_softmax_kernel<DT, true><<<(unsigned)rows, th, smem, s>>>(x, y, n, vec, cache);
     } else {
       if (smem > 48 * 1024)
-        MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_softmax_kernel<DT, false>,
+        MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(moe_softmax_kernel<DT, false>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, MOE_ROW_CACHE_MAX));
       moe_softmax_kernel<DT, false><<<(unsigned)rows, th, smem, s>>>(x, y, n, vec, cache);
     }
-    MOE_KCHECK(ctx, "cuda softmax kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda softmax kernel");
     return MOE_OK;
   });
 }
@@ -1101,7 +1099,7 @@ extern "C" moe_status moe_cuda_softmax_backward(moe_ctx *ctx, int device, bool l
     unsigned th = moe_row_threads<DT>(n, vec);
     if (log) moe_softmax_bwd_kernel<DT, true><<<(unsigned)rows, th, 0, s>>>(y, g, gx, n, vec);
     else moe_softmax_bwd_kernel<DT, false><<<(unsigned)rows, th, 0, s>>>(y, g, gx, n, vec);
-    MOE_KCHECK(ctx, "cuda softmax backward kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda softmax backward kernel");
     return MOE_OK;
   });
 }
@@ -1192,7 +1190,7 @@ extern "C" moe_status moe_cuda_cumsum(moe_ctx *ctx, int device, bool reverse, co
                        moe_dtype_name(dt));
   }
 #undef MOE_CUMSUM_CASE
-  MOE_KCHECK(ctx, "cuda cumsum kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda cumsum kernel");
   return MOE_OK;
 }
 
@@ -1266,7 +1264,7 @@ extern "C" moe_status moe_cuda_norm_forward(moe_ctx *ctx, int device, bool rms, 
         float e = (float)eps;
         if (rms) moe_norm_fwd_reg_kernel<DT, NV, true><<<(unsigned)rows, th, 0, s>>>(x, w, b, y, mean, rstd, nvec, e);
         else moe_norm_fwd_reg_kernel<DT, NV, false><<<(unsigned)rows, th, 0, s>>>(x, w, b, y, mean, rstd, nvec, e);
-        MOE_KCHECK(ctx, rms ? "cuda rms_norm kernel" : "cuda layer_norm kernel");
+        MOE_CUDA_CHECK_LAUNCH(ctx, rms ? "cuda rms_norm kernel" : "cuda layer_norm kernel");
         return MOE_OK;
       });
     size_t bytes = (size_t)n * sizeof(float);
@@ -1275,18 +1273,18 @@ extern "C" moe_status moe_cuda_norm_forward(moe_ctx *ctx, int device, bool rms, 
     th = moe_row_threads<DT>(n, vec);
     if (rms) {
       if (smem > 48 * 1024)
-        MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_norm_fwd_kernel<DT, true>,
+        MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(moe_norm_fwd_kernel<DT, true>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, MOE_ROW_CACHE_MAX));
       moe_norm_fwd_kernel<DT, true><<<(unsigned)rows, th, smem, s>>>(x, w, b, y, mean, rstd, n,
                                                                       (float)eps, vec, cache);
     } else {
       if (smem > 48 * 1024)
-        MOE_KCUDA(ctx, cudaFuncSetAttribute(moe_norm_fwd_kernel<DT, false>,
+        MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(moe_norm_fwd_kernel<DT, false>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, MOE_ROW_CACHE_MAX));
       moe_norm_fwd_kernel<DT, false><<<(unsigned)rows, th, smem, s>>>(x, w, b, y, mean, rstd, n,
                                                                        (float)eps, vec, cache);
     }
-    MOE_KCHECK(ctx, rms ? "cuda rms_norm kernel" : "cuda layer_norm kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, rms ? "cuda rms_norm kernel" : "cuda layer_norm kernel");
     return MOE_OK;
   });
 }
@@ -1379,8 +1377,7 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t s = (cudaStream_t)stream;
   int sms = moe_red_sm_count(device);
-  void *block = NULL;
-  size_t bsize = 0;
+  MoeScratch partial(ctx, device); /* the blocks' partial rows of dw and db */
   int np = (gw ? 1 : 0) + (gb ? 1 : 0);
   moe_status st = moe_row_dispatch(ctx, dt, rms ? "cuda rms_norm backward" : "cuda layer_norm backward",
                                    [&](auto tag) -> moe_status {
@@ -1403,8 +1400,8 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
     if (kfn) {
       int per = 0;
       if (smem > 48 * 1024)
-        MOE_KCUDA(ctx, cudaFuncSetAttribute(kfn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-      MOE_KCUDA(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kfn, (int)th, smem));
+        MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kfn, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+      MOE_CUDA_CHECK(ctx, cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, kfn, (int)th, smem));
       nblk = (int64_t)(per > 0 ? per : 1) * sms;
       int64_t q = (rows + 3) / 4;
       if (np > 0 && nblk > q) nblk = q;
@@ -1414,9 +1411,9 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
     if (nblk > 0x7fffffffLL) nblk = 0x7fffffffLL;
     float *pw = NULL, *pb = NULL;
     if (np > 0 && nblk > 0) {
-      MOE_CHECK(moe_cuda_alloc(ctx, device, sizeof(float) * (size_t)(nblk * n * np), &block, &bsize));
-      pw = gw ? (float *)block : NULL;
-      pb = gb ? (float *)block + (gw ? nblk * n : 0) : NULL;
+      MOE_CHECK(partial.alloc(sizeof(float) * (size_t)(nblk * n * np)));
+      pw = gw ? (float *)partial.ptr : NULL;
+      pb = gb ? (float *)partial.ptr + (gw ? nblk * n : 0) : NULL;
     }
     if (nblk > 0) {
       unsigned gb_ = (unsigned)nblk;
@@ -1436,16 +1433,16 @@ extern "C" moe_status moe_cuda_norm_backward(moe_ctx *ctx, int device, bool rms,
     unsigned cb = (unsigned)((n + 31) / 32);
     if (gw) {
       if (nblk > 0) moe_colsum_kernel<DT><<<cb, cblk, 0, s>>>(pw, nblk, n, gw);
-      else MOE_KCUDA(ctx, cudaMemsetAsync(gw, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
+      else MOE_CUDA_CHECK(ctx, cudaMemsetAsync(gw, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
     }
     if (gb) {
       if (nblk > 0) moe_colsum_kernel<DT><<<cb, cblk, 0, s>>>(pb, nblk, n, gb);
-      else MOE_KCUDA(ctx, cudaMemsetAsync(gb, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
+      else MOE_CUDA_CHECK(ctx, cudaMemsetAsync(gb, 0, (size_t)n * sizeof(moe_st_t<DT>), s));
     }
-    MOE_KCHECK(ctx, "cuda norm backward kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda norm backward kernel");
     return MOE_OK;
   });
-  if (block) moe_cuda_release(ctx, device, block, bsize);
+  partial.release();
   return st;
 }
 
@@ -1506,13 +1503,13 @@ extern "C" moe_status moe_cuda_cross_entropy(moe_ctx *ctx, int device, const voi
         constexpr int NV = decltype(nvt)::value;
         moe_ce_fwd_reg_kernel<DT, NV><<<(unsigned)rows, th, 0, s>>>(
             logits, target, loss, lse, nvec, ignore_index, (float)smoothing, kerr, ktag);
-        MOE_KCHECK(ctx, "cuda cross_entropy kernel");
+        MOE_CUDA_CHECK_LAUNCH(ctx, "cuda cross_entropy kernel");
         return MOE_OK;
       });
     th = moe_row_threads<DT>(n, vec);
     moe_ce_fwd_kernel<DT><<<(unsigned)rows, th, 0, s>>>(logits, target, loss, lse, n, ignore_index,
                                                         (float)smoothing, vec, kerr, ktag);
-    MOE_KCHECK(ctx, "cuda cross_entropy kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda cross_entropy kernel");
     return MOE_OK;
   });
 }
@@ -1547,7 +1544,7 @@ extern "C" moe_status moe_cuda_cross_entropy_reduce(moe_ctx *ctx, int device, co
   return moe_row_dispatch(ctx, odt, "cuda cross_entropy", [&](auto tag) -> moe_status {
     constexpr moe_dtype OD = decltype(tag)::value;
     moe_ce_reduce_kernel<OD><<<1, 1024, 0, s>>>(loss, target, rows, ignore_index, mean, out, count);
-    MOE_KCHECK(ctx, "cuda cross_entropy reduce kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda cross_entropy reduce kernel");
     return MOE_OK;
   });
 }
@@ -1606,7 +1603,7 @@ extern "C" moe_status moe_cuda_cross_entropy_backward(moe_ctx *ctx, int device, 
     unsigned th = moe_row_threads<DT>(n, vec);
     moe_ce_bwd_kernel<DT><<<(unsigned)rows, th, 0, s>>>(logits, target, lse, g, gdt, per_row, count,
                                                         gx, n, ignore_index, (float)smoothing, vec);
-    MOE_KCHECK(ctx, "cuda cross_entropy backward kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda cross_entropy backward kernel");
     return MOE_OK;
   });
 }
