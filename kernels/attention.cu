@@ -1296,26 +1296,23 @@ moe_status attn_bwd_run(moe_ctx *ctx, cudaStream_t stream, const AttnParams &p, 
 }
 
 /* The Hopper kernels: on compute capability 9.x unless MOE_ATTN_WG=0
- * (the mma.sync kernels). */
-bool attn_hopper_ok(int device) {
-  const char *e = getenv("MOE_ATTN_WG");
-  if (e && strcmp(e, "0") == 0) return false;
+ * (the knob attn_wg: the mma.sync kernels). */
+bool attn_hopper_ok(const moe_ctx *ctx, int device) {
+  if (!ctx->knobs.attn_wg) return false;
   int major = 0;
   return cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
              cudaSuccess &&
          major == 9;
 }
 
-/* The persistent kernels' grid: one block per multiprocessor
- * (MOE_ATTN_PERSISTENT=0: one block per tile, as a plain grid; =n > 0: at
- * most n blocks, which the tests use to give each block many tiles). */
-int attn_nsm(int device) {
-  const char *e = getenv("MOE_ATTN_PERSISTENT");
-  if (e && *e) {
-    const long n = strtol(e, NULL, 10);
-    if (n == 0) return 1 << 30;
-    if (n > 0 && n < (1 << 30)) return (int)n;
-  }
+/* The persistent kernels' grid: one block per multiprocessor (the knob
+ * attn_persistent, MOE_ATTN_PERSISTENT=0: one block per tile, as a plain
+ * grid; =n > 0: at most n blocks, which the tests use to give each block
+ * many tiles). */
+int attn_nsm(const moe_ctx *ctx, int device) {
+  const int n_set = ctx->knobs.attn_persistent;
+  if (n_set == 0) return 1 << 30;
+  if (n_set > 0) return n_set;
   static int cached[64];
   if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
   int n = 0;
@@ -1414,10 +1411,8 @@ moe_status attn_params(moe_ctx *ctx, const char *fn, const moe_kview *q, double 
   p->scale = (float)scale;
   p->scale_log2 = (float)(scale * 1.4426950408889634);
   p->causal = causal;
-  const char *pe = getenv("MOE_ATTN_PINGPONG");
-  p->pingpong = !(pe && strcmp(pe, "0") == 0);
-  const char *oe = getenv("MOE_ATTN_ORDER");
-  p->head_major = !(oe && strcmp(oe, "block") == 0);
+  p->pingpong = ctx->knobs.attn_pingpong;
+  p->head_major = ctx->knobs.attn_order != MOE_KNOB_ATTN_ORDER_BLOCK;
   *BH = (int)(B * H);
   return MOE_OK;
 }
@@ -1433,10 +1428,9 @@ extern "C" const char *moe_cuda_attention_last(bool backward) {
   return backward ? attn_last_bwd : attn_last_fwd;
 }
 
-extern "C" bool moe_cuda_attention_bwd_atomic(int device) {
-  const char *e = getenv("MOE_ATTN_DETERMINISTIC");
-  if (e && strcmp(e, "1") == 0) return false;
-  return attn_hopper_ok(device);
+extern "C" bool moe_cuda_attention_bwd_atomic(const moe_ctx *ctx, int device) {
+  if (ctx->knobs.attn_deterministic) return false;
+  return attn_hopper_ok(ctx, device);
 }
 
 extern "C" bool moe_cuda_attention_rows_ok(const moe_kview *v) {
@@ -1469,11 +1463,11 @@ extern "C" moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe
   attn_strides(k, &p.k_sb, &p.k_sh, &p.k_st);
   attn_strides(v, &p.v_sb, &p.v_sh, &p.v_st);
   attn_strides(o, &p.o_sb, &p.o_sh, &p.o_st);
-  if (attn_hopper_ok(device)) { /* where the driver refuses a map: the mma.sync kernels */
+  if (attn_hopper_ok(ctx, device)) { /* where the driver refuses a map: the mma.sync kernels */
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(device), &ran));
-    else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(device), &ran));
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_fwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(ctx, device), &ran));
+    else MOE_CHECK(attn_ws_fwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, attn_nsm(ctx, device), &ran));
     if (ran) {
       attn_last_fwd = "tma";
       return MOE_OK;
@@ -1520,13 +1514,13 @@ extern "C" moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe
   attn_strides(dk, &p.dk_sb, &p.dk_sh, &p.dk_st);
   attn_strides(dv, &p.dv_sb, &p.dv_sh, &p.dv_st);
   if (dq_acc) { /* where the driver refuses a map: the mma.sync kernels (dq_acc unused) */
-    if (dq_acc->dtype != MOE_F32 || !attn_hopper_ok(device))
+    if (dq_acc->dtype != MOE_F32 || !attn_hopper_ok(ctx, device))
       return moe_error(ctx, MOE_ERR_INTERNAL, "%s: dq_acc needs f32 and the wgmma kernels", fn);
     float *acc = (float *)dq_acc->data;
     const int B = (int)q->shape[0];
     bool ran = false;
-    if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(device), &ran));
-    else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(device), &ran));
+    if (q->shape[3] == 64) MOE_CHECK(attn_ws_bwd_launch<64>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(ctx, device), &ran));
+    else MOE_CHECK(attn_ws_bwd_launch<128>(ctx, (cudaStream_t)stream, p, BH, B, acc, attn_nsm(ctx, device), &ran));
     if (ran) {
       attn_last_bwd = "tma";
       return MOE_OK;

@@ -135,20 +135,16 @@ extern "C" moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_
 
 #define MOE_GG_STREAMS 8 /* at most; MOE_GROUPED_STREAMS (default 4) are created and used */
 
-/* Side streams one call uses: the environment variable MOE_GROUPED_STREAMS
- * (read once; for experiments), 4 by default. */
-static int moe_gg_streams_wanted(void) {
-  static int n = 0;
-  if (n == 0) {
-    const char *v = getenv("MOE_GROUPED_STREAMS");
-    int x = v ? atoi(v) : 0;
-    n = x >= 1 && x <= MOE_GG_STREAMS ? x : 4;
-  }
-  return n;
+/* Side streams one call uses: the knob grouped_streams (MOE_GROUPED_STREAMS,
+ * for experiments), 4 by default. */
+static int moe_gg_streams_wanted(const moe_ctx *ctx) {
+  const int x = ctx->knobs.grouped_streams;
+  return x >= 1 && x <= MOE_GG_STREAMS ? x : 4;
 }
 
 struct MoeGgSide {
-  bool ready;
+  bool ready; /* fork created */
+  int n;      /* side streams created (with their join events and handles) */
   cudaStream_t stream[MOE_GG_STREAMS];
   cublasHandle_t handle[MOE_GG_STREAMS];
   cudaEvent_t fork, join[MOE_GG_STREAMS];
@@ -156,20 +152,22 @@ struct MoeGgSide {
 
 static MoeGgSide moe_gg_side[MOE_MAX_CUDA_DEVICES];
 
-/* The side streams of `device` (current), created on first use. */
-static moe_status moe_gg_side_get(moe_ctx *ctx, int device, MoeGgSide **out) {
+/* The first `want` side streams of `device` (current), created on first
+ * use (only those used; a later call that wants more creates the rest). */
+static moe_status moe_gg_side_get(moe_ctx *ctx, int device, int want, MoeGgSide **out) {
   if (device < 0 || device >= MOE_MAX_CUDA_DEVICES)
     return moe_error(ctx, MOE_ERR_DEVICE, "cuda grouped gemm: device %d out of range", device);
   MoeGgSide *s = &moe_gg_side[device];
   if (!s->ready) {
     MOE_CUDA_CHECK(ctx, cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
-    for (int i = 0; i < moe_gg_streams_wanted(); i++) { /* only those used */
-      MOE_CUDA_CHECK(ctx, cudaStreamCreateWithFlags(&s->stream[i], cudaStreamNonBlocking));
-      MOE_CUDA_CHECK(ctx, cudaEventCreateWithFlags(&s->join[i], cudaEventDisableTiming));
-      MOE_CUBLAS_CHECK(ctx, cublasCreate(&s->handle[i]));
-      MOE_CUBLAS_CHECK(ctx, cublasSetStream(s->handle[i], s->stream[i]));
-    }
     s->ready = true;
+  }
+  for (; s->n < want; s->n++) {
+    const int i = s->n;
+    MOE_CUDA_CHECK(ctx, cudaStreamCreateWithFlags(&s->stream[i], cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(ctx, cudaEventCreateWithFlags(&s->join[i], cudaEventDisableTiming));
+    MOE_CUBLAS_CHECK(ctx, cublasCreate(&s->handle[i]));
+    MOE_CUBLAS_CHECK(ctx, cublasSetStream(s->handle[i], s->stream[i]));
   }
   *out = s;
   return MOE_OK;
@@ -197,8 +195,8 @@ extern "C" moe_status moe_cuda_gemm_streams(moe_ctx *ctx, int device, const moe_
   void *main = NULL;
   MOE_CHECK(moe_cuda_stream(ctx, device, &main));
   MoeGgSide *s = NULL;
-  MOE_CHECK(moe_gg_side_get(ctx, device, &s));
-  int want = moe_gg_streams_wanted();
+  const int want = moe_gg_streams_wanted(ctx);
+  MOE_CHECK(moe_gg_side_get(ctx, device, want, &s));
   int used = count < want ? (int)count : want;
   MOE_CUDA_CHECK(ctx, cudaEventRecord(s->fork, (cudaStream_t)main));
   for (int i = 0; i < used; i++) MOE_CUDA_CHECK(ctx, cudaStreamWaitEvent(s->stream[i], s->fork, 0));

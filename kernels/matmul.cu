@@ -140,16 +140,10 @@ static void moe_gemm_cache_put(const MoeGemmKey &key, bool found,
   if (found) e->algo = *algo;
 }
 
-/* MOE_GEMM_TUNE: 0 none, 1 (unset or anything else) the large GEMMs with
- * the bias epilogue, "all" every large GEMM (an experiment: see below). */
-static int moe_gemm_tune_level(void) {
-  static int level = -1;
-  if (level < 0) {
-    const char *v = getenv("MOE_GEMM_TUNE");
-    level = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "all") == 0 ? 2 : 1;
-  }
-  return level;
-}
+/* The knob gemm_tune, MOE_GEMM_TUNE: 0 none, 1 (unset or anything else)
+ * the large GEMMs with the bias epilogue, "all" every large GEMM (an
+ * experiment: see below). */
+static int moe_gemm_tune_level(const moe_ctx *ctx) { return ctx->knobs.gemm_tune; }
 
 /* CUDA events, destroyed on scope exit. */
 struct MoeEvents {
@@ -301,7 +295,7 @@ static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, con
     /* By default only GEMMs with the bias epilogue are tuned: for plain
      * GEMMs the heuristic's first choice was as fast or faster in most
      * measurements (MOE_GEMM_TUNE=all tunes them too, to measure that). */
-    int level = moe_gemm_tune_level();
+    int level = moe_gemm_tune_level(ctx);
     int want = flops >= MOE_GEMM_TUNE_FLOPS && (level == 2 || (level == 1 && g->bias))
                    ? MOE_GEMM_TUNE_ALGOS
                    : 1;
