@@ -1,9 +1,10 @@
 /*
  * reduce_cuda.h - CUDA entry points of the reductions and normalisation
- * family (private to core/reduce.c and kernels/reduce.cu).
+ * family (private to core/reduce.c and kernels/reduce.cu, softmax.cu,
+ * norm.cu, loss.cu).
  *
  * The core validates, allocates outputs (contiguous) and describes inputs;
- * the launchers in kernels/reduce.cu only compute. All launches go on the
+ * the launchers in kernels/ only compute. All launches go on the
  * context's stream; errors come back through moe_error. Float math is in
  * float for f32/bf16/f16 and double for f64; integer sums, max and min in
  * int64.
