@@ -135,7 +135,7 @@ static int lm_grouped_backend(lua_State *L) {
       lm_argerror(L, 1, fname, "unknown backend \"%s\" (valid: %s)", lua_tostring(L, 1),
                   moe_grouped_backends());
   }
-  lua_pushstring(L, moe_grouped_backend());
+  lua_pushstring(L, moe_grouped_backend(S->ctx));
   return 1;
 }
 

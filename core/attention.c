@@ -277,7 +277,7 @@ static moe_status attn_cuda_backward(moe_ctx *ctx, moe_tensor *q, moe_tensor *k,
   for (int i = 0; i < 3 && st == MOE_OK; i++)
     st = moe_tensor_empty(ctx, 4, q->shape, q->dtype, d, &g[i]);
   if (st == MOE_OK) st = moe_tensor_empty(ctx, 3, q->shape, MOE_F32, d, &delta);
-  if (st == MOE_OK && moe_cuda_attention_bwd_atomic(d.index))
+  if (st == MOE_OK && moe_cuda_attention_bwd_atomic(ctx, d.index))
     st = moe_tensor_empty(ctx, 4, q->shape, MOE_F32, d, &acc);
   if (st == MOE_OK && moe_tensor_numel(g[0]) > 0) {
     moe_kview vq = moe_kview_of(in[0]), vk = moe_kview_of(in[1]), vv = moe_kview_of(in[2]),

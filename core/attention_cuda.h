@@ -42,13 +42,14 @@ moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe_kview *q,
 
 /* True when the backward on `device` takes dq_acc (the wgmma kernels of
  * compute capability 9.x: dQ summed with f32 atomics, not bit-reproducible),
- * false when MOE_ATTN_DETERMINISTIC=1 or MOE_ATTN_WG=0 is set or the GPU is
- * not 9.x (the deterministic mma.sync backward). */
-bool moe_cuda_attention_bwd_atomic(int device);
+ * false when the context's knobs attn_deterministic (MOE_ATTN_DETERMINISTIC=1)
+ * or !attn_wg (MOE_ATTN_WG=0) say so or the GPU is not 9.x (the
+ * deterministic mma.sync backward). */
+bool moe_cuda_attention_bwd_atomic(const moe_ctx *ctx, int device);
 
 /* dq, dk, dv from dout; delta (B, H, T) f32 is scratch (rowsum(dout * o));
  * dq_acc (B, H, T, D) f32 contiguous is scratch when
- * moe_cuda_attention_bwd_atomic(device), else NULL. */
+ * moe_cuda_attention_bwd_atomic(ctx, device), else NULL. */
 moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe_kview *q,
                                   const moe_kview *k, const moe_kview *v, const moe_kview *o,
                                   const moe_kview *lse, const moe_kview *dout,

@@ -1,7 +1,8 @@
 /*
  * ctx.c - the context: error buffer and status, the random generator's
  * state, device names and checks, and memory statistics by device.
- * Owns struct moe_ctx's lifetime (moe_ctx_init / moe_ctx_free).
+ * Owns struct moe_ctx's lifetime (moe_ctx_init / moe_ctx_free); the kernel
+ * tuning knobs are read from the environment once, here (knobs.h).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -36,6 +37,7 @@ moe_status moe_ctx_init(moe_ctx **out) {
   ctx->cuda = NULL;
   ctx->cuda_count = -1;
   ctx->grad_enabled = true;
+  moe_knobs_load(&ctx->knobs);
   *out = ctx;
   return MOE_OK;
 }

@@ -29,7 +29,7 @@
  *
  * Constraints: C11; includes CUDA, cuBLAS and NCCL headers but never lua.h;
  * every CUDA error becomes MOE_ERR_CUDA naming the call, file:line and
- * cudaGetErrorString. Without a driver or GPU every query answers "no device"
+ * cudaGetErrorString (cuda_check.h). Without a driver or GPU every query answers "no device"
  * and every use fails with MOE_ERR_DEVICE. Not thread-safe (nor is the ctx).
  */
 #include <stdlib.h>
@@ -39,37 +39,9 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "cuda_check.h"
 #include "internal.h"
 #include "kerr.h"
-
-/* ---------------------------------------------------------------- errors */
-
-static const char *moe_cuda_file(const char *path) {
-  const char *s = strrchr(path, '/');
-  return s ? s + 1 : path;
-}
-
-/* Returns MOE_ERR_CUDA from the enclosing function when a runtime call fails;
- * clears the (non-sticky) error so later calls start clean. */
-#define MOE_CUDA_CHECK(ctx, call)                                                             \
-  do {                                                                                        \
-    cudaError_t moe_e_ = (call);                                                              \
-    if (moe_e_ != cudaSuccess) {                                                              \
-      (void)cudaGetLastError();                                                               \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s (%s)", #call,             \
-                       moe_cuda_file(__FILE__), __LINE__, cudaGetErrorString(moe_e_),         \
-                       cudaGetErrorName(moe_e_));                                             \
-    }                                                                                         \
-  } while (0)
-
-#define MOE_CUBLAS_CHECK(ctx, call)                                                           \
-  do {                                                                                        \
-    cublasStatus_t moe_b_ = (call);                                                           \
-    if (moe_b_ != CUBLAS_STATUS_SUCCESS) {                                                    \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s", #call,                  \
-                       moe_cuda_file(__FILE__), __LINE__, cublasGetStatusString(moe_b_));     \
-    }                                                                                         \
-  } while (0)
 
 /* ------------------------------------------------------------------ state */
 
@@ -235,7 +207,7 @@ moe_status moe_cuda_cublas(moe_ctx *ctx, int device, void **handle) {
     if (s != CUBLAS_STATUS_SUCCESS) {
       cublasDestroy(h);
       return moe_error(ctx, MOE_ERR_CUDA, "cublasSetStream failed at %s:%d: %s",
-                       moe_cuda_file(__FILE__), __LINE__, cublasGetStatusString(s));
+                       moe_check_file(__FILE__), __LINE__, cublasGetStatusString(s));
     }
     dev->cublas = h;
   }
@@ -467,7 +439,7 @@ static moe_status moe_segment_new(moe_ctx *ctx, int device, moe_cuda_device *dev
       (void)cudaGetLastError();
       free(b);
       return moe_error(ctx, MOE_ERR_CUDA, "freeing cached blocks after a failed cudaMalloc "
-                       "failed at %s:%d: %s", moe_cuda_file(__FILE__), __LINE__,
+                       "failed at %s:%d: %s", moe_check_file(__FILE__), __LINE__,
                        cudaGetErrorString(ef));
     }
     e = cudaMalloc(&p, size);
@@ -481,7 +453,7 @@ static moe_status moe_segment_new(moe_ctx *ctx, int device, moe_cuda_device *dev
     (void)cudaGetLastError();
     free(b);
     return moe_error(ctx, MOE_ERR_CUDA, "cudaMalloc(%zu) failed at %s:%d: %s (%s)", size,
-                     moe_cuda_file(__FILE__), __LINE__, cudaGetErrorString(e),
+                     moe_check_file(__FILE__), __LINE__, cudaGetErrorString(e),
                      cudaGetErrorName(e));
   }
   b->ptr = (char *)p;

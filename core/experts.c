@@ -320,13 +320,11 @@ enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SA
  * 4 quantization bits (0: h1 and h3 saved as they are), 5 group size */
 
 /* Whether the CUDA passes that quantize in the activation and read the codes
- * in backward are used (MOE_GLU_QFUSED=0 turns them off: the forward then
- * runs the activation and two moe_quantize calls, the backward dequantizes
- * h1 and h3 first; the same bits either way, for checks and A/B timings). */
-static bool ex_qfused(void) {
-  const char *e = getenv("MOE_GLU_QFUSED");
-  return !(e && strcmp(e, "0") == 0);
-}
+ * in backward are used (the knob glu_qfused, MOE_GLU_QFUSED=0 turns them off:
+ * the forward then runs the activation and two moe_quantize calls, the
+ * backward dequantizes h1 and h3 first; the same bits either way, for checks
+ * and A/B timings). */
+static bool ex_qfused(const moe_ctx *ctx) { return ctx->knobs.glu_qfused; }
 
 static void ex_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
 
@@ -413,7 +411,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     }
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_S1, &s1), st, done);
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_S3, &s3), st, done);
-    qdirect = ex_cuda(h1s) && ex_qfused();
+    qdirect = ex_cuda(h1s) && ex_qfused(ctx);
     if (!qdirect) {
       moe_qtensor q = {.bits = (int)qbits, .group_size = n->iargs[5], .dtype = dt, .ndim = hnd};
       memcpy(q.shape, hshape, sizeof(int64_t) * (size_t)hnd);
@@ -617,7 +615,7 @@ static moe_status ex_glu_fwd_quant(moe_ctx *ctx, moe_tensor *h1, moe_tensor *h3,
                                    moe_tensor **s3) {
   moe_quant_opts qo = {o->quant_bits, o->quant_group_size, o->quant_stochastic};
   moe_status st = MOE_OK;
-  if (ex_cuda(h1) && ex_qfused()) {
+  if (ex_cuda(h1) && ex_qfused(ctx)) {
     int64_t cols = h1->shape[h1->ndim - 1], n = moe_tensor_numel(h1);
     int64_t rows = cols > 0 ? n / cols : 0, G = moe_qz_group(cols, qo.bits, qo.group_size);
     int64_t vshape[2] = {rows, qo.bits == 8 ? cols : (cols + 1) / 2};

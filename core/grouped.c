@@ -1,7 +1,7 @@
 /*
  * grouped.c - the grouped GEMM family (API and contract in moe_grouped.h):
  * moe_grouped_mm (differentiable in x and w), moe_grouped_mm_wgrad, and the
- * process-wide choice of the CUDA backend.
+ * context's choice of the CUDA backend.
  *
  * Both ops reduce to a list of per-group products described as moe_gemm
  * (matmul_cuda.h, batch 1), one per non-empty group, built from the host
@@ -43,7 +43,6 @@ typedef enum gg_backend {
 
 static const char *const gg_backend_names[GG_NBACKENDS] = {"auto", "loop", "cublas_grouped",
                                                             "streams"};
-static gg_backend gg_current = GG_AUTO; /* process-wide, see moe_grouped_set_backend */
 
 moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
@@ -52,7 +51,7 @@ moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name) {
                      moe_grouped_backends());
   for (int i = 0; i < GG_NBACKENDS; i++)
     if (strcmp(name, gg_backend_names[i]) == 0) {
-      gg_current = (gg_backend)i;
+      ctx->knobs.grouped_backend = i; /* the knob grouped_backend (knobs.h) */
       return MOE_OK;
     }
   return moe_error(ctx, MOE_ERR_INVALID_ARG,
@@ -60,7 +59,10 @@ moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name) {
                    moe_grouped_backends());
 }
 
-const char *moe_grouped_backend(void) { return gg_backend_names[gg_current]; }
+const char *moe_grouped_backend(const moe_ctx *ctx) {
+  int b = ctx ? ctx->knobs.grouped_backend : GG_AUTO;
+  return gg_backend_names[b >= 0 && b < GG_NBACKENDS ? b : GG_AUTO];
+}
 
 const char *moe_grouped_backends(void) { return "auto,loop,cublas_grouped,streams"; }
 
@@ -184,8 +186,9 @@ static moe_status gg_cpu_gemm(moe_ctx *ctx, const char *fn, const moe_gemm *g) {
  * win (qwen3: 9.59 vs 12.52 ms; 8 streams: 13.5 ms, worse). */
 #define GG_AUTO_LOOP_MAX_GROUPS 16 /* this many groups or fewer: loop */
 #define GG_AUTO_LOOP_MIN_ROWS 2048 /* mean rows per group at least this: loop */
-static gg_backend gg_auto_backend(int64_t groups, int64_t rows) {
-  if (gg_current != GG_AUTO) return gg_current;
+static gg_backend gg_auto_backend(const moe_ctx *ctx, int64_t groups, int64_t rows) {
+  const gg_backend set = (gg_backend)ctx->knobs.grouped_backend;
+  if (set != GG_AUTO) return set;
   if (groups <= GG_AUTO_LOOP_MAX_GROUPS || rows / groups >= GG_AUTO_LOOP_MIN_ROWS) return GG_LOOP;
   return GG_STREAMS;
 }
@@ -196,7 +199,7 @@ static moe_status gg_exec(moe_ctx *ctx, const char *fn, moe_device dev, const mo
                           int64_t count, int64_t groups, int64_t rows) {
   if (count == 0) return MOE_OK;
   if (dev.type == MOE_DEVICE_CUDA) {
-    gg_backend b = gg_auto_backend(groups, rows);
+    gg_backend b = gg_auto_backend(ctx, groups, rows);
     if (b == GG_CUBLAS_GROUPED) return moe_cuda_gemm_grouped(ctx, dev.index, list, count);
     if (b == GG_STREAMS) return moe_cuda_gemm_streams(ctx, dev.index, list, count);
     for (int64_t i = 0; i < count; i++) MOE_CHECK(moe_cuda_gemm(ctx, dev.index, &list[i]));

@@ -9,6 +9,7 @@
 
 #include "moe.h"
 #include "half.h"
+#include "knobs.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,6 +33,7 @@ struct moe_ctx {
   bool grad_enabled;          /* true unless inside no_grad */
   int n_hooks;                /* saved-tensor hooks stack depth */
   struct moe_saved_hooks *hooks[16]; /* (n_hooks) each holds one reference */
+  moe_knobs knobs;            /* kernel tuning knobs, read at creation (knobs.h) */
 };
 
 /* Propagate a failure: the callee already wrote the message. */

@@ -47,7 +47,7 @@ moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, cons
                                 int64_t groups, bool trans_out, moe_tensor **out);
 
 /*
- * The CUDA implementation used by the two functions above, process-wide
+ * The CUDA implementation used by the two functions above, per context
  * (for benchmarks and tests; like torch.backends settings): "auto" (the
  * default: chosen per call from the shapes), or one of the names that
  * moe_grouped_backends lists (e.g. "loop": one cuBLASLt GEMM per group;
@@ -55,7 +55,8 @@ moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, cons
  * MOE_ERR_INVALID_ARG listing the valid ones.
  */
 moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name);
-const char *moe_grouped_backend(void);
+/* The context's backend (the knob grouped_backend, knobs.h; "auto" for NULL). */
+const char *moe_grouped_backend(const moe_ctx *ctx);
 /* A static, comma-separated list of the backend names, "auto" first. */
 const char *moe_grouped_backends(void);
 

@@ -104,7 +104,7 @@ moe_status moe_cuda_attention_fwd(moe_ctx *ctx, int device, const moe_kview *q, 
                                   bool causal, double scale) {
   return NO_CUDA_FN(ctx, "moe_cuda_attention_fwd");
 }
-bool moe_cuda_attention_bwd_atomic(int device) { return false; }
+bool moe_cuda_attention_bwd_atomic(const moe_ctx *ctx, int device) { return false; }
 moe_status moe_cuda_attention_bwd(moe_ctx *ctx, int device, const moe_kview *q, const moe_kview *k,
                                   const moe_kview *v, const moe_kview *o, const moe_kview *lse,
                                   const moe_kview *dout, const moe_kview *delta,

@@ -1,10 +1,11 @@
 /*
  * reduce_cuda.h - CUDA entry points of the reductions, norms and losses
  * (private to core/reduce.c, core/norm.c, core/loss.c through core/rows.h,
- * and to their kernels in kernels/).
+ * and to their kernels: kernels/reduce.cu, softmax.cu, norm.cu, loss.cu over
+ * kernels/rows.cuh).
  *
  * The core validates, allocates outputs (contiguous) and describes inputs;
- * the launchers only compute. All launches go on the
+ * the launchers in kernels/ only compute. All launches go on the
  * context's stream; errors come back through moe_error. Float math is in
  * float for f32/bf16/f16 and double for f64; integer sums, max and min in
  * int64.

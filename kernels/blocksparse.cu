@@ -682,19 +682,18 @@ template <int KIND, bool TRANS>
 moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
   CUtensorMap ma, mb;
   MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb)));
-  const char *e = getenv("MOE_BSMM_WG_MNSWAP");
-  int swap = e && strcmp(e, "1") == 0;
+  int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
   auto kern = bs_wg_kernel<KIND, TRANS>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)BS_WG_SMEM));
-  /* MOE_BSMM_PERSIST=1: a persistent grid of one CTA per multiprocessor;
-   * =n (n >= 2): n CTAs (tests use a few to walk many tiles per CTA) */
-  const char *pe = getenv("MOE_BSMM_PERSIST");
-  int64_t grid = ctas, want = pe ? atoll(pe) : 0;
+  /* the knob bsmm_persist, MOE_BSMM_PERSIST=1: a persistent grid of one CTA
+   * per multiprocessor; =n (n >= 2): n CTAs (tests use a few to walk many
+   * tiles per CTA) */
+  int64_t grid = ctas, want = ctx->knobs.bsmm_persist;
   if (want == 1) {
     int dev = 0, sms = 0;
-    MOE_KCUDA(ctx, cudaGetDevice(&dev));
-    MOE_KCUDA(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    MOE_CUDA_CHECK(ctx, cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(ctx, cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     want = sms;
   }
   if (want >= 1 && want < grid) grid = want;
@@ -702,13 +701,13 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
    * ("direct", the former default). On an H100 (bench/results/blocksparse.md,
    * 2026-11-25) staging made sdd 9%, sdd_t 24%, dsd 5%, dsd_t 8% and dsd_tr
    * 12% faster and dds 2% slower, so dds keeps the direct stores.
-   * MOE_BSMM_EPI=smem | direct overrides, for tests and tuning. */
-  const char *ee = getenv("MOE_BSMM_EPI");
+   * MOE_BSMM_EPI=smem | direct (the knob bsmm_epi) overrides, for tests and
+   * tuning. */
   int epi = KIND != BS_DDS;
-  if (ee && strcmp(ee, "direct") == 0) epi = 0;
-  if (ee && strcmp(ee, "smem") == 0) epi = 1;
+  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = 0;
+  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = 1;
   kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap, epi);
-  MOE_KCHECK(ctx, "bsmm (bf16 wgmma kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
 }
 
@@ -722,35 +721,33 @@ bool bs_wg_supported(int device) {
 
 /* -------------------------------------------------------------- launch */
 
-/* The bf16 kernel variant, from the environment variable MOE_BSMM_TILE:
+/* The bf16 kernel variant, the knob bsmm_tile (MOE_BSMM_TILE):
  * "wg" (the default: TMA + wgmma, 128 x 256, BK 64, 4 stages, sm_90a; on a
  * GPU other than compute capability 9.x it falls back to 256k64), or the
  * mma.sync kernels: "128" (tile 128 x 128, BK 32, 4 stages, 2 CTAs per SM),
  * "256" (128 x 256, BK 32, 4 stages), "256k64" (128 x 256, BK 64, 3 stages).
  * All are tested (tests/c/test_blocksparse_cuda.c) and benchmarked. */
-enum BsVariant { BS_V128 = 0, BS_V256 = 1, BS_V256K64 = 2, BS_VWG = 3 };
-BsVariant bs_variant() {
-  const char *e = getenv("MOE_BSMM_TILE");
-  if (e && strcmp(e, "wg") == 0) return BS_VWG;
-  if (e && strcmp(e, "128") == 0) return BS_V128;
-  if (e && strcmp(e, "256") == 0) return BS_V256;
-  if (e && strcmp(e, "256k64") == 0) return BS_V256K64;
-  return BS_VWG; /* the fastest on an H100 (bench/results/blocksparse.md) */
-}
+enum BsVariant {
+  BS_V128 = MOE_KNOB_BSMM_TILE_128,
+  BS_V256 = MOE_KNOB_BSMM_TILE_256,
+  BS_V256K64 = MOE_KNOB_BSMM_TILE_256K64,
+  BS_VWG = MOE_KNOB_BSMM_TILE_WG /* the default, the fastest on an H100 (bench/results/blocksparse.md) */
+};
+BsVariant bs_variant(const moe_ctx *ctx) { return (BsVariant)ctx->knobs.bsmm_tile; }
 
 template <int KIND, bool TRANS, int BN, int BK, int STAGES>
 moe_status bs_launch_mma(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
   size_t smem = BsSmem<BN, BK, STAGES>::BYTES;
   auto kern = bs_mma_kernel<KIND, TRANS, BN, BK, STAGES>;
-  MOE_KCUDA(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   kern<<<(unsigned)ctas, BS_THREADS, smem, stream>>>(g);
-  MOE_KCHECK(ctx, "bsmm (bf16 tensor-core kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 tensor-core kernel)");
   return MOE_OK;
 }
 
 template <int KIND, bool TRANS>
 moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
-  BsVariant v = bs_variant();
+  BsVariant v = bs_variant(ctx);
   int BN = dt == MOE_BF16 && v != BS_V128 ? 256 : BS_B;
   int64_t ctas = bs_tiles(KIND, g.tp, g.K, BN);
   if (ctas == 0) return MOE_OK;
@@ -766,17 +763,18 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   if (dt == MOE_BF16 && v == BS_V256) return bs_launch_mma<KIND, TRANS, 256, 32, 4>(ctx, g, cs, ctas);
   if (dt == MOE_BF16) return bs_launch_mma<KIND, TRANS, 128, 32, 4>(ctx, g, cs, ctas);
   bs_f32_kernel<KIND, TRANS><<<(unsigned)ctas, BS_THREADS, 0, (cudaStream_t)stream>>>(g);
-  MOE_KCHECK(ctx, "bsmm (f32 kernel)");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (f32 kernel)");
   return MOE_OK;
 }
 
-BsArgs bs_args(const moe_bs_topo *tp, const void *a, const void *c, void *out, int64_t K) {
+BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const void *c, void *out,
+               int64_t K) {
   BsArgs g;
   g.tp = *tp;
   g.a = a, g.c = c, g.out = out, g.K = K;
-  /* MOE_BSMM_GROUP (1..64) overrides the rasterisation group, for tuning */
-  const char *e = getenv("MOE_BSMM_GROUP");
-  int v = e ? atoi(e) : 0;
+  /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
+   * rasterisation group, for tuning */
+  const int v = ctx->knobs.bsmm_group;
   g.group = v >= 1 && v <= 64 ? v : BS_GROUP;
   return g;
 }
@@ -806,7 +804,7 @@ moe_status bs_convert(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo 
   else
     bs_convert_kernel<float><<<(unsigned)tp->nnz, 256, 0, (cudaStream_t)stream>>>(
         *tp, (const float *)src, (float *)dst, to_dense);
-  MOE_KCHECK(ctx, to_dense ? "bsmm_to_dense" : "bsmm_from_dense");
+  MOE_CUDA_CHECK_LAUNCH(ctx, to_dense ? "bsmm_to_dense" : "bsmm_from_dense");
   return MOE_OK;
 }
 
@@ -816,27 +814,27 @@ extern "C" {
 
 moe_status moe_cuda_bsmm_sdd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                              const void *x, const void *w, int64_t K, bool trans_w, void *out) {
-  BsArgs g = bs_args(tp, x, w, out, K);
+  BsArgs g = bs_args(ctx, tp, x, w, out, K);
   if (trans_w) return bs_launch<BS_SDD, true>(ctx, device, dt, g);
   return bs_launch<BS_SDD, false>(ctx, device, dt, g);
 }
 
 moe_status moe_cuda_bsmm_dsd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                              const void *s, const void *w, int64_t K, bool trans_w, void *out) {
-  BsArgs g = bs_args(tp, s, w, out, K);
+  BsArgs g = bs_args(ctx, tp, s, w, out, K);
   if (trans_w) return bs_launch<BS_DSD, true>(ctx, device, dt, g);
   return bs_launch<BS_DSD, false>(ctx, device, dt, g);
 }
 
 moe_status moe_cuda_bsmm_dsd_t(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                                const void *s, const void *y, int64_t K, void *out) {
-  BsArgs g = bs_args(tp, s, y, out, K);
+  BsArgs g = bs_args(ctx, tp, s, y, out, K);
   return bs_launch<BS_DSD_T, false>(ctx, device, dt, g);
 }
 
 moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                              const void *x, const void *s, int64_t K, void *out) {
-  BsArgs g = bs_args(tp, x, s, out, K);
+  BsArgs g = bs_args(ctx, tp, x, s, out, K);
   return bs_launch<BS_DDS, false>(ctx, device, dt, g);
 }
 

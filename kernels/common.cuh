@@ -3,7 +3,8 @@
  * dtype storage types and conversions that match the CPU reference in
  * core/dtype.c bit for bit, the launch geometry (merged dims, per-operand
  * strides) passed to kernels by value, the generic contiguous / strided /
- * runtime-dtype kernels and the host-side checks and launch helpers.
+ * runtime-dtype kernels, the host-side checks and launch helpers, and the
+ * scratch type of the launchers (MoeScratch).
  *
  * Conversions (as core/dtype.c): float -> integer truncates toward zero and
  * saturates, NaN gives 0; -> bool is v != 0; integer -> narrower integer
@@ -23,6 +24,7 @@
 #include <string.h>
 #include <type_traits>
 
+#include "cuda_check.h"
 #include "internal.h"
 #include "kerr.h"
 
@@ -37,33 +39,48 @@ __device__ __forceinline__ void moe_kerr_report(moe_kerr *e, int tag, int64_t va
   }
 }
 
-/* ------------------------------------------------------------ host errors */
+/* ------------------------------------------------------- host errors, scratch */
 
-static inline const char *moe_kfile(const char *path) {
-  const char *s = strrchr(path, '/');
-  return s ? s + 1 : path;
-}
+/* Status checks of CUDA and cuBLAS calls: MOE_CUDA_CHECK(ctx, call),
+ * MOE_CUDA_CHECK_LAUNCH(ctx, what) after launches, MOE_CUBLAS_CHECK(ctx,
+ * call) (core/cuda_check.h, shared with core/cuda_runtime.c). */
 
-/* After a launch (or any runtime call): MOE_ERR_CUDA naming what failed. */
-#define MOE_KCHECK(ctx, what)                                                                  \
-  do {                                                                                         \
-    cudaError_t moe_e_ = cudaGetLastError();                                                   \
-    if (moe_e_ != cudaSuccess)                                                                 \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s (%s)", (what),             \
-                       moe_kfile(__FILE__), __LINE__, cudaGetErrorString(moe_e_),              \
-                       cudaGetErrorName(moe_e_));                                              \
-  } while (0)
-
-#define MOE_KCUDA(ctx, call)                                                                   \
-  do {                                                                                         \
-    cudaError_t moe_e_ = (call);                                                               \
-    if (moe_e_ != cudaSuccess) {                                                               \
-      (void)cudaGetLastError();                                                                \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s (%s)", #call,              \
-                       moe_kfile(__FILE__), __LINE__, cudaGetErrorString(moe_e_),              \
-                       cudaGetErrorName(moe_e_));                                              \
-    }                                                                                          \
-  } while (0)
+/*
+ * Temporary device memory of one launcher call: a block of the context's
+ * caching allocator, borrowed by alloc and given back by release or when
+ * the scratch goes out of scope, whichever path leaves the launcher. The
+ * block may be handed out again at once: every later user queues behind the
+ * launcher's work on the same stream. alloc(0) holds no block (ptr NULL) but
+ * still counts as a live allocation until released.
+ *
+ *   MoeScratch tmp(ctx, device);
+ *   MOE_CHECK(tmp.alloc(bytes));
+ *   kernel<<<..., stream>>>((float *)tmp.ptr, ...);
+ */
+struct MoeScratch {
+  moe_ctx *ctx;
+  int device;
+  void *ptr = nullptr;
+  size_t block = 0;  /* the allocator's size of the block */
+  bool held = false; /* alloc succeeded and release has not run */
+  MoeScratch(moe_ctx *c, int d) : ctx(c), device(d) {}
+  MoeScratch(const MoeScratch &) = delete;
+  MoeScratch &operator=(const MoeScratch &) = delete;
+  ~MoeScratch() { release(); }
+  /* nbytes of device memory in ptr; releases what was held before. */
+  moe_status alloc(size_t nbytes) {
+    release();
+    moe_status st = moe_cuda_alloc(ctx, device, nbytes, &ptr, &block);
+    held = st == MOE_OK;
+    return st;
+  }
+  void release() {
+    if (held) moe_cuda_release(ctx, device, ptr, block);
+    held = false;
+    ptr = nullptr;
+    block = 0;
+  }
+};
 
 /* ------------------------------------------------------------ dtype types */
 
@@ -468,7 +485,7 @@ static moe_status moe_ew_launch(moe_ctx *ctx, int device, const char *fn,
     return MOE_OK;
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, fn);
+  MOE_CUDA_CHECK_LAUNCH(ctx, fn);
   return MOE_OK;
 }
 

@@ -77,7 +77,7 @@ extern "C" moe_status moe_cuda_copy(moe_ctx *ctx, int device, const moe_kview *d
   size_t es = moe_dtype_size(dst->dtype);
   if (dst->dtype == src->dtype) {
     if (contig) {
-      MOE_KCUDA(ctx, cudaMemcpyAsync(dst->data, src->data, (size_t)n * es,
+      MOE_CUDA_CHECK(ctx, cudaMemcpyAsync(dst->data, src->data, (size_t)n * es,
                                      cudaMemcpyDeviceToDevice, s));
       return MOE_OK;
     }
@@ -105,7 +105,7 @@ extern "C" moe_status moe_cuda_copy(moe_ctx *ctx, int device, const moe_kview *d
       moe_ew_dynamic_kernel<int64_t, 1><<<moe_blocks(n), MOE_THREADS, 0, s>>>(
           n, dst->data, dst->dtype, in, g, MoeIdentityFn<int64_t>{});
   }
-  MOE_KCHECK(ctx, "cuda copy kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda copy kernel");
   return MOE_OK;
 }
 
@@ -134,7 +134,7 @@ extern "C" moe_status moe_cuda_fill(moe_ctx *ctx, int device, const moe_kview *d
   bool same_bytes = true; /* every byte equal: a memset does it */
   for (size_t k = 1; k < es; k++) same_bytes = same_bytes && bits[k] == bits[0];
   if (moe_geom_contiguous(g) && same_bytes) {
-    MOE_KCUDA(ctx, cudaMemsetAsync(dst->data, bits[0], (size_t)n * es, s));
+    MOE_CUDA_CHECK(ctx, cudaMemsetAsync(dst->data, bits[0], (size_t)n * es, s));
     return MOE_OK;
   }
   switch (es) {
@@ -143,7 +143,7 @@ extern "C" moe_status moe_cuda_fill(moe_ctx *ctx, int device, const moe_kview *d
     case 4: moe_fill_bits_launch<uint32_t>(n, dst, bits, g, s); break;
     default: moe_fill_bits_launch<uint64_t>(n, dst, bits, g, s); break;
   }
-  MOE_KCHECK(ctx, "cuda fill kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda fill kernel");
   return MOE_OK;
 }
 
@@ -171,6 +171,6 @@ extern "C" moe_status moe_cuda_arange(moe_ctx *ctx, int device, const moe_kview 
                                                                                gen);
     return MOE_OK;
   }));
-  MOE_KCHECK(ctx, "cuda arange kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda arange kernel");
   return MOE_OK;
 }

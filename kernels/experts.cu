@@ -240,7 +240,7 @@ extern "C" moe_status moe_cuda_experts_glu_fwd(moe_ctx *ctx, int device, moe_dty
   else
     return moe_error(ctx, MOE_ERR_DTYPE, "glu_experts: CUDA takes f32 or bf16, got %s",
                      moe_dtype_name(dt));
-  MOE_KCHECK(ctx, "glu_experts forward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "glu_experts forward kernel");
   return MOE_OK;
 }
 
@@ -291,7 +291,7 @@ static moe_status ex_bwd_any(moe_ctx *ctx, int device, moe_dtype dt, int bits, i
   else
     return moe_error(ctx, MOE_ERR_DTYPE, "glu_experts: CUDA takes f32 or bf16, got %s",
                      moe_dtype_name(dt));
-  MOE_KCHECK(ctx, "glu_experts backward kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "glu_experts backward kernel");
   return MOE_OK;
 }
 
@@ -454,7 +454,7 @@ extern "C" moe_status moe_cuda_experts_glu_fwd_quant(moe_ctx *ctx, int device, m
   else
     *done = b8 ? ex_fwdq_try<MOE_BF16, 8>(s, act, qh, rows, stochastic, seed, call1, call3, h1, h3, a)
                : ex_fwdq_try<MOE_BF16, 4>(s, act, qh, rows, stochastic, seed, call1, call3, h1, h3, a);
-  if (*done) MOE_KCHECK(ctx, "glu_experts quantizing forward kernel");
+  if (*done) MOE_CUDA_CHECK_LAUNCH(ctx, "glu_experts quantizing forward kernel");
   return MOE_OK;
 }
 
@@ -493,6 +493,6 @@ extern "C" moe_status moe_cuda_experts_take(moe_ctx *ctx, int device, int64_t n,
   } else {
     ex_take_launch<double>(grid, s, n, idx, (const double *)in, out, out_dt);
   }
-  MOE_KCHECK(ctx, "glu_experts gate gather kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "glu_experts gate gather kernel");
   return MOE_OK;
 }

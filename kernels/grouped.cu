@@ -35,30 +35,10 @@
 #include "common.cuh"
 #include "grouped_cuda.h"
 
-#define MOE_GG_BLAS_CHECK(ctx, call)                                                         \
-  do {                                                                                       \
-    cublasStatus_t moe_b_ = (call);                                                          \
-    if (moe_b_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s", #call,                 \
-                       moe_kfile(__FILE__), __LINE__, cublasGetStatusString(moe_b_));        \
-  } while (0)
-
 /* Host arrays of one call, freed on scope exit. */
 struct MoeGgHost {
   void *block = nullptr;
   ~MoeGgHost() { free(block); }
-};
-
-/* A device block of the caching allocator, released on scope exit. */
-struct MoeGgDevice {
-  moe_ctx *ctx;
-  int device;
-  void *ptr = nullptr;
-  size_t block = 0;
-  MoeGgDevice(moe_ctx *c, int d) : ctx(c), device(d) {}
-  ~MoeGgDevice() {
-    if (ptr) moe_cuda_release(ctx, device, ptr, block);
-  }
 };
 
 /* cuBLAS data and compute types of the list's dtype (f32, optionally TF32; bf16). */
@@ -128,16 +108,16 @@ extern "C" moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_
   void *stream = NULL, *handle = NULL;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   MOE_CHECK(moe_cuda_cublas(ctx, device, &handle));
-  MoeGgDevice dev(ctx, device);
-  MOE_CHECK(moe_cuda_alloc(ctx, device, 3 * n * sizeof(void *), &dev.ptr, &dev.block));
-  MOE_KCUDA(ctx, cudaMemcpyAsync(dev.ptr, ptrs, 3 * n * sizeof(void *), cudaMemcpyHostToDevice,
+  MoeScratch dev(ctx, device);
+  MOE_CHECK(dev.alloc(3 * n * sizeof(void *)));
+  MOE_CUDA_CHECK(ctx, cudaMemcpyAsync(dev.ptr, ptrs, 3 * n * sizeof(void *), cudaMemcpyHostToDevice,
                                  (cudaStream_t)stream));
   void **dptrs = (void **)dev.ptr;
   cublasHandle_t h = (cublasHandle_t)handle;
   cublasPointerMode_t mode;
-  MOE_GG_BLAS_CHECK(ctx, cublasGetPointerMode(h, &mode));
+  MOE_CUBLAS_CHECK(ctx, cublasGetPointerMode(h, &mode));
   if (mode != CUBLAS_POINTER_MODE_HOST)
-    MOE_GG_BLAS_CHECK(ctx, cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
+    MOE_CUBLAS_CHECK(ctx, cublasSetPointerMode(h, CUBLAS_POINTER_MODE_HOST));
   cublasStatus_t bs = cublasGemmGroupedBatchedEx_64(
       h, opa, opb, mm, nn, kk, alpha, (const void *const *)dptrs, data, lda,
       (const void *const *)(dptrs + n), data, ldb, beta, dptrs + 2 * n, data, ldc, count, gsize,
@@ -147,7 +127,7 @@ extern "C" moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_
     return moe_error(ctx, MOE_ERR_CUDA,
                      "cublasGemmGroupedBatchedEx_64 failed for %lld groups (%s): %s",
                      (long long)count, moe_dtype_name(g[0].dtype), cublasGetStatusString(bs));
-  MOE_KCHECK(ctx, "cublasGemmGroupedBatchedEx_64");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cublasGemmGroupedBatchedEx_64");
   return MOE_OK;
 }
 
@@ -155,20 +135,16 @@ extern "C" moe_status moe_cuda_gemm_grouped(moe_ctx *ctx, int device, const moe_
 
 #define MOE_GG_STREAMS 8 /* at most; MOE_GROUPED_STREAMS (default 4) are created and used */
 
-/* Side streams one call uses: the environment variable MOE_GROUPED_STREAMS
- * (read once; for experiments), 4 by default. */
-static int moe_gg_streams_wanted(void) {
-  static int n = 0;
-  if (n == 0) {
-    const char *v = getenv("MOE_GROUPED_STREAMS");
-    int x = v ? atoi(v) : 0;
-    n = x >= 1 && x <= MOE_GG_STREAMS ? x : 4;
-  }
-  return n;
+/* Side streams one call uses: the knob grouped_streams (MOE_GROUPED_STREAMS,
+ * for experiments), 4 by default. */
+static int moe_gg_streams_wanted(const moe_ctx *ctx) {
+  const int x = ctx->knobs.grouped_streams;
+  return x >= 1 && x <= MOE_GG_STREAMS ? x : 4;
 }
 
 struct MoeGgSide {
-  bool ready;
+  bool ready; /* fork created */
+  int n;      /* side streams created (with their join events and handles) */
   cudaStream_t stream[MOE_GG_STREAMS];
   cublasHandle_t handle[MOE_GG_STREAMS];
   cudaEvent_t fork, join[MOE_GG_STREAMS];
@@ -176,20 +152,22 @@ struct MoeGgSide {
 
 static MoeGgSide moe_gg_side[MOE_MAX_CUDA_DEVICES];
 
-/* The side streams of `device` (current), created on first use. */
-static moe_status moe_gg_side_get(moe_ctx *ctx, int device, MoeGgSide **out) {
+/* The first `want` side streams of `device` (current), created on first
+ * use (only those used; a later call that wants more creates the rest). */
+static moe_status moe_gg_side_get(moe_ctx *ctx, int device, int want, MoeGgSide **out) {
   if (device < 0 || device >= MOE_MAX_CUDA_DEVICES)
     return moe_error(ctx, MOE_ERR_DEVICE, "cuda grouped gemm: device %d out of range", device);
   MoeGgSide *s = &moe_gg_side[device];
   if (!s->ready) {
-    MOE_KCUDA(ctx, cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
-    for (int i = 0; i < moe_gg_streams_wanted(); i++) { /* only those used */
-      MOE_KCUDA(ctx, cudaStreamCreateWithFlags(&s->stream[i], cudaStreamNonBlocking));
-      MOE_KCUDA(ctx, cudaEventCreateWithFlags(&s->join[i], cudaEventDisableTiming));
-      MOE_GG_BLAS_CHECK(ctx, cublasCreate(&s->handle[i]));
-      MOE_GG_BLAS_CHECK(ctx, cublasSetStream(s->handle[i], s->stream[i]));
-    }
+    MOE_CUDA_CHECK(ctx, cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming));
     s->ready = true;
+  }
+  for (; s->n < want; s->n++) {
+    const int i = s->n;
+    MOE_CUDA_CHECK(ctx, cudaStreamCreateWithFlags(&s->stream[i], cudaStreamNonBlocking));
+    MOE_CUDA_CHECK(ctx, cudaEventCreateWithFlags(&s->join[i], cudaEventDisableTiming));
+    MOE_CUBLAS_CHECK(ctx, cublasCreate(&s->handle[i]));
+    MOE_CUBLAS_CHECK(ctx, cublasSetStream(s->handle[i], s->stream[i]));
   }
   *out = s;
   return MOE_OK;
@@ -217,11 +195,11 @@ extern "C" moe_status moe_cuda_gemm_streams(moe_ctx *ctx, int device, const moe_
   void *main = NULL;
   MOE_CHECK(moe_cuda_stream(ctx, device, &main));
   MoeGgSide *s = NULL;
-  MOE_CHECK(moe_gg_side_get(ctx, device, &s));
-  int want = moe_gg_streams_wanted();
+  const int want = moe_gg_streams_wanted(ctx);
+  MOE_CHECK(moe_gg_side_get(ctx, device, want, &s));
   int used = count < want ? (int)count : want;
-  MOE_KCUDA(ctx, cudaEventRecord(s->fork, (cudaStream_t)main));
-  for (int i = 0; i < used; i++) MOE_KCUDA(ctx, cudaStreamWaitEvent(s->stream[i], s->fork, 0));
+  MOE_CUDA_CHECK(ctx, cudaEventRecord(s->fork, (cudaStream_t)main));
+  for (int i = 0; i < used; i++) MOE_CUDA_CHECK(ctx, cudaStreamWaitEvent(s->stream[i], s->fork, 0));
   /* largest products first, dealt round-robin: the streams finish close together */
   MoeGgHost order;
   order.block = malloc(moe_gg_order_bytes(count));
@@ -255,6 +233,6 @@ extern "C" moe_status moe_cuda_gemm_streams(moe_ctx *ctx, int device, const moe_
     cudaStreamWaitEvent((cudaStream_t)main, s->join[i], 0);
   }
   if (st != MOE_OK) return st;
-  MOE_KCHECK(ctx, "cublasGemmEx_64 on side streams");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cublasGemmEx_64 on side streams");
   return MOE_OK;
 }

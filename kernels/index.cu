@@ -26,24 +26,6 @@
 
 /* ------------------------------------------------------------- helpers */
 
-/* Scratch from the caching allocator, released by the destructor. */
-struct IxScratch {
-  moe_ctx *ctx;
-  int device;
-  void *ptr = nullptr;
-  size_t block = 0;
-  bool held = false;
-  IxScratch(moe_ctx *c, int d) : ctx(c), device(d) {}
-  moe_status get(size_t nbytes) {
-    moe_status st = moe_cuda_alloc(ctx, device, nbytes, &ptr, &block);
-    held = st == MOE_OK;
-    return st;
-  }
-  ~IxScratch() {
-    if (held) moe_cuda_release(ctx, device, ptr, block);
-  }
-};
-
 static inline size_t ix_align(size_t n) { return (n + 255) & ~(size_t)255; }
 
 /* Bits needed to hold keys in [0, maxkey]. */
@@ -132,7 +114,7 @@ extern "C" moe_status moe_cuda_gather(moe_ctx *ctx, int device, const char *fn, 
     return MOE_OK;
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "gather kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "gather kernel");
   return MOE_OK;
 }
 
@@ -197,10 +179,10 @@ static moe_status ix_sort_pairs(moe_ctx *ctx, int device, cudaStream_t s, const 
                                 uint64_t *kout, const int64_t *vin, int64_t *vout, int64_t n,
                                 int bits) {
   size_t bytes = 0;
-  MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, vout, n, 0, bits, s));
-  IxScratch tmp(ctx, device);
-  MOE_CHECK(tmp.get(bytes > 0 ? bytes : 1));
-  MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, vout, n, 0, bits, s));
+  MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, vout, n, 0, bits, s));
+  MoeScratch tmp(ctx, device);
+  MOE_CHECK(tmp.alloc(bytes > 0 ? bytes : 1));
+  MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, vout, n, 0, bits, s));
   return MOE_OK;
 }
 
@@ -228,14 +210,14 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn,
   }
   uint64_t oob = (uint64_t)on;
   size_t kb = ix_align((size_t)n * 8);
-  IxScratch buf(ctx, device);
-  MOE_CHECK(buf.get(4 * kb));
+  MoeScratch buf(ctx, device);
+  MOE_CHECK(buf.alloc(4 * kb));
   char *b = (char *)buf.ptr;
   uint64_t *kin = (uint64_t *)b, *kout = (uint64_t *)(b + kb);
   int64_t *vin = (int64_t *)(b + 2 * kb), *vout = (int64_t *)(b + 3 * kb);
   ix_scatter_keys_kernel<<<moe_blocks(n), MOE_THREADS, 0, s>>>(n, kin, vin, index->data,
                                                                index->dtype == MOE_I32, g, oob);
-  MOE_KCHECK(ctx, "scatter keys kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "scatter keys kernel");
   MOE_CHECK(ix_sort_pairs(ctx, device, s, kin, kout, vin, vout, n, ix_key_bits(oob)));
   bool add = mode == MOE_SCATTER_ADD;
   moe_status st = moe_dtype_dispatch(out->dtype, [&](auto tag) -> moe_status {
@@ -244,7 +226,7 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn,
     return MOE_OK;
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "scatter segment kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "scatter segment kernel");
   return MOE_OK;
 }
 
@@ -295,8 +277,8 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *f
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t s = (cudaStream_t)stream;
   size_t kb = ix_align((size_t)n * 8);
-  IxScratch buf(ctx, device);
-  MOE_CHECK(buf.get(4 * kb));
+  MoeScratch buf(ctx, device);
+  MOE_CHECK(buf.alloc(4 * kb));
   char *b = (char *)buf.ptr;
   uint64_t *kin = (uint64_t *)b, *kout = (uint64_t *)(b + kb);
   int64_t *vin = (int64_t *)(b + 2 * kb), *vout = (int64_t *)(b + 3 * kb);
@@ -304,7 +286,7 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *f
   moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &tag);
   ix_index_keys_kernel<<<moe_blocks(n), MOE_THREADS, 0, s>>>(n, kin, vin, index,
                                                              index_dt == MOE_I32, X, kerr, tag);
-  MOE_KCHECK(ctx, "index_add keys kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "index_add keys kernel");
   MOE_CHECK(ix_sort_pairs(ctx, device, s, kin, kout, vin, vout, n, ix_key_bits((uint64_t)X)));
   int64_t total = outer * n * inner;
   moe_status st = moe_dtype_dispatch(dt, [&](auto tag) -> moe_status {
@@ -313,7 +295,7 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *f
     return MOE_OK;
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "index_add kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "index_add kernel");
   return MOE_OK;
 }
 
@@ -340,7 +322,7 @@ extern "C" moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn,
   moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &tag);
   ix_one_hot_kernel<<<moe_blocks(m), MOE_THREADS, 0, (cudaStream_t)stream>>>(
       m, out, ids, ids_dt == MOE_I32, num_classes, kerr, tag);
-  MOE_KCHECK(ctx, "one_hot kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "one_hot kernel");
   return MOE_OK;
 }
 
@@ -375,12 +357,12 @@ extern "C" moe_status moe_cuda_sort_rows(moe_ctx *ctx, int device, void *values,
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t s = (cudaStream_t)stream;
   size_t vb = ix_align((size_t)n * 8), ob = ix_align((size_t)(rows + 1) * sizeof(int));
-  IxScratch buf(ctx, device);
-  MOE_CHECK(buf.get(vb + ob));
+  MoeScratch buf(ctx, device);
+  MOE_CHECK(buf.alloc(vb + ob));
   int64_t *vin = (int64_t *)buf.ptr;
   int *offsets = (int *)((char *)buf.ptr + vb);
   ix_sort_init_kernel<<<moe_blocks(n), MOE_THREADS, 0, s>>>(n, cols, vin, offsets, rows);
-  MOE_KCHECK(ctx, "sort init kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "sort init kernel");
   return moe_dtype_dispatch(dt, [&](auto tag) -> moe_status {
     using K = typename IxCubKey<decltype(tag)::value>::T;
     const K *kin = (const K *)x;
@@ -389,27 +371,27 @@ extern "C" moe_status moe_cuda_sort_rows(moe_ctx *ctx, int device, void *values,
     int ni = (int)n, nr = (int)rows;
     if (rows == 1) {
       if (descending)
-        MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
+        MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairsDescending(nullptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
       else
-        MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
+        MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
     } else if (descending) {
-      MOE_KCUDA(ctx, cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
+      MOE_CUDA_CHECK(ctx, cub::DeviceSegmentedRadixSort::SortPairsDescending(nullptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
     } else {
-      MOE_KCUDA(ctx, cub::DeviceSegmentedRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
+      MOE_CUDA_CHECK(ctx, cub::DeviceSegmentedRadixSort::SortPairs(nullptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
     }
-    IxScratch tmp(ctx, device);
-    MOE_CHECK(tmp.get(bytes > 0 ? bytes : 1));
+    MoeScratch tmp(ctx, device);
+    MOE_CHECK(tmp.alloc(bytes > 0 ? bytes : 1));
     if (rows == 1) {
       if (descending)
-        MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairsDescending(tmp.ptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
+        MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairsDescending(tmp.ptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
       else
-        MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
+        MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, indices, ni, 0, (int)(sizeof(K) * 8), s));
     } else if (descending) {
-      MOE_KCUDA(ctx, cub::DeviceSegmentedRadixSort::SortPairsDescending(tmp.ptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
+      MOE_CUDA_CHECK(ctx, cub::DeviceSegmentedRadixSort::SortPairsDescending(tmp.ptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
     } else {
-      MOE_KCUDA(ctx, cub::DeviceSegmentedRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
+      MOE_CUDA_CHECK(ctx, cub::DeviceSegmentedRadixSort::SortPairs(tmp.ptr, bytes, kin, kout, vin, indices, ni, nr, offsets, offsets + 1, 0, (int)(sizeof(K) * 8), s));
     }
-    MOE_KCHECK(ctx, "cub sort");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cub sort");
     return MOE_OK;
   });
 }
@@ -507,7 +489,7 @@ extern "C" moe_status moe_cuda_topk_rows(moe_ctx *ctx, int device, void *values,
     return MOE_OK;
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "topk kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "topk kernel");
   return MOE_OK;
 }
 
@@ -588,7 +570,7 @@ extern "C" moe_status moe_cuda_rope(moe_ctx *ctx, int device, const moe_kview *o
     }
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "rope kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "rope kernel");
   return MOE_OK;
 }
 
@@ -692,6 +674,6 @@ extern "C" moe_status moe_cuda_multinomial(moe_ctx *ctx, int device, int64_t *ou
     }
   });
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, "multinomial kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "multinomial kernel");
   return MOE_OK;
 }

@@ -36,14 +36,6 @@
 
 static cublasLtHandle_t moe_lt_handle = NULL;
 
-#define MOE_BLAS_CHECK(ctx, call)                                                            \
-  do {                                                                                       \
-    cublasStatus_t moe_b_ = (call);                                                          \
-    if (moe_b_ != CUBLAS_STATUS_SUCCESS)                                                     \
-      return moe_error((ctx), MOE_ERR_CUDA, "%s failed at %s:%d: %s", #call,                 \
-                       moe_kfile(__FILE__), __LINE__, cublasGetStatusString(moe_b_));        \
-  } while (0)
-
 /* Lt descriptors, destroyed whatever path leaves the launcher. */
 struct MoeLtDescs {
   cublasLtMatmulDesc_t op = nullptr;
@@ -55,18 +47,6 @@ struct MoeLtDescs {
     if (lb) cublasLtMatrixLayoutDestroy(lb);
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (op) cublasLtMatmulDescDestroy(op);
-  }
-};
-
-/* A block of the caching allocator, released on scope exit. */
-struct MoeScratch {
-  moe_ctx *ctx;
-  int device;
-  void *ptr = nullptr;
-  size_t block = 0;
-  MoeScratch(moe_ctx *c, int d) : ctx(c), device(d) {}
-  ~MoeScratch() {
-    if (ptr) moe_cuda_release(ctx, device, ptr, block);
   }
 };
 
@@ -160,16 +140,10 @@ static void moe_gemm_cache_put(const MoeGemmKey &key, bool found,
   if (found) e->algo = *algo;
 }
 
-/* MOE_GEMM_TUNE: 0 none, 1 (unset or anything else) the large GEMMs with
- * the bias epilogue, "all" every large GEMM (an experiment: see below). */
-static int moe_gemm_tune_level(void) {
-  static int level = -1;
-  if (level < 0) {
-    const char *v = getenv("MOE_GEMM_TUNE");
-    level = v && strcmp(v, "0") == 0 ? 0 : v && strcmp(v, "all") == 0 ? 2 : 1;
-  }
-  return level;
-}
+/* The knob gemm_tune, MOE_GEMM_TUNE: 0 none, 1 (unset or anything else)
+ * the large GEMMs with the bias epilogue, "all" every large GEMM (an
+ * experiment: see below). */
+static int moe_gemm_tune_level(const moe_ctx *ctx) { return ctx->knobs.gemm_tune; }
 
 /* CUDA events, destroyed on scope exit. */
 struct MoeEvents {
@@ -233,41 +207,41 @@ static int moe_gemm_tune(const cublasLtMatmulDesc_t op, const cublasLtMatrixLayo
 static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, const moe_gemm *g,
                               const MoeGemmTypes &ty, bool *done) {
   *done = false;
-  if (!moe_lt_handle) MOE_BLAS_CHECK(ctx, cublasLtCreate(&moe_lt_handle));
+  if (!moe_lt_handle) MOE_CUBLAS_CHECK(ctx, cublasLtCreate(&moe_lt_handle));
   size_t es = moe_dtype_size(g->dtype);
   MoeLtDescs d;
   cublasOperation_t opa = g->b_t ? CUBLAS_OP_T : CUBLAS_OP_N; /* Lt's A is our b */
   cublasOperation_t opb = g->a_t ? CUBLAS_OP_T : CUBLAS_OP_N; /* Lt's B is our a */
   cublasLtEpilogue_t epi = g->bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
   const void *epi_ptr = g->bias;
-  MOE_BLAS_CHECK(ctx, cublasLtMatmulDescCreate(&d.op, ty.compute, ty.scale));
-  MOE_BLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa,
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescCreate(&d.op, ty.compute, ty.scale));
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &opa,
                                                      sizeof(opa)));
-  MOE_BLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb,
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &opb,
                                                      sizeof(opb)));
   if (epi_ptr) {
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
                                                        sizeof(epi)));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                        &epi_ptr, sizeof(epi_ptr)));
     cudaDataType_t bt = ty.data;
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulDescSetAttribute(
                             d.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
   /* stored shapes (column-major rows, cols) of Lt's A = b and B = a */
   uint64_t ar = g->b_t ? g->k : g->n, ac = g->b_t ? g->n : g->k;
   uint64_t br = g->a_t ? g->m : g->k, bc = g->a_t ? g->k : g->m;
-  MOE_BLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.la, ty.data, ar, ac, g->ldb));
-  MOE_BLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.lb, ty.data, br, bc, g->lda));
-  MOE_BLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.lc, ty.data, g->n, g->m, g->n));
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.la, ty.data, ar, ac, g->ldb));
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.lb, ty.data, br, bc, g->lda));
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatrixLayoutCreate(&d.lc, ty.data, g->n, g->m, g->n));
   if (g->batch > 1) {
     int32_t count = (int32_t)g->batch;
     const cublasLtMatrixLayout_t ls[3] = {d.la, d.lb, d.lc};
     const int64_t strides[3] = {g->b_bs, g->a_bs, g->c_bs};
     for (int i = 0; i < 3; i++) {
-      MOE_BLAS_CHECK(ctx, cublasLtMatrixLayoutSetAttribute(
+      MOE_CUBLAS_CHECK(ctx, cublasLtMatrixLayoutSetAttribute(
                               ls[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
-      MOE_BLAS_CHECK(ctx, cublasLtMatrixLayoutSetAttribute(
+      MOE_CUBLAS_CHECK(ctx, cublasLtMatrixLayoutSetAttribute(
                               ls[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
                               sizeof(strides[i])));
     }
@@ -296,32 +270,32 @@ static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, con
   MoeScratch ws(ctx, device);
   MoeGemmEntry *hit = moe_gemm_cache_find(key);
   if (hit && !hit->found) return MOE_OK; /* Lt has none: known */
-  MOE_CHECK(moe_cuda_alloc(ctx, device, MOE_GEMM_WORKSPACE, &ws.ptr, &ws.block));
+  MOE_CHECK(ws.alloc(MOE_GEMM_WORKSPACE));
   cublasLtMatmulAlgo_t algo;
   if (hit) {
     algo = hit->algo;
   } else {
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceCreate(&d.pref));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceCreate(&d.pref));
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
                             d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_size,
                             sizeof(ws_size)));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
                             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &key.al_a,
                             sizeof(key.al_a)));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
                             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &key.al_b,
                             sizeof(key.al_b)));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
                             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &key.al_c,
                             sizeof(key.al_c)));
-    MOE_BLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
+    MOE_CUBLAS_CHECK(ctx, cublasLtMatmulPreferenceSetAttribute(
                             d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &key.al_c,
                             sizeof(key.al_c)));
     double flops = 2.0 * (double)g->m * (double)g->n * (double)g->k * (double)g->batch;
     /* By default only GEMMs with the bias epilogue are tuned: for plain
      * GEMMs the heuristic's first choice was as fast or faster in most
      * measurements (MOE_GEMM_TUNE=all tunes them too, to measure that). */
-    int level = moe_gemm_tune_level();
+    int level = moe_gemm_tune_level(ctx);
     int want = flops >= MOE_GEMM_TUNE_FLOPS && (level == 2 || (level == 1 && g->bias))
                    ? MOE_GEMM_TUNE_ALGOS
                    : 1;
@@ -339,9 +313,9 @@ static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, con
     algo = heur[pick].algo;
     moe_gemm_cache_put(key, true, &algo);
   }
-  MOE_BLAS_CHECK(ctx, cublasLtMatmul(moe_lt_handle, d.op, alpha, g->b, d.la, g->a, d.lb, beta,
+  MOE_CUBLAS_CHECK(ctx, cublasLtMatmul(moe_lt_handle, d.op, alpha, g->b, d.la, g->a, d.lb, beta,
                                      g->c, d.lc, g->c, d.lc, &algo, ws.ptr, ws_size, stream));
-  MOE_KCHECK(ctx, "cublasLtMatmul");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cublasLtMatmul");
   *done = true;
   return MOE_OK;
 }
@@ -376,7 +350,7 @@ static moe_status moe_gemm_fallback(moe_ctx *ctx, int device, cudaStream_t strea
             (double *)g->c, (const double *)g->bias, total, g->n);
         break;
     }
-    MOE_KCHECK(ctx, "cuda gemm bias kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "cuda gemm bias kernel");
   }
   float one_f = 1.0f, beta_f = g->bias ? 1.0f : 0.0f;
   double one_d = 1.0, beta_d = g->bias ? 1.0 : 0.0;
@@ -384,12 +358,12 @@ static moe_status moe_gemm_fallback(moe_ctx *ctx, int device, cudaStream_t strea
   const void *beta = g->dtype == MOE_F64 ? (const void *)&beta_d : (const void *)&beta_f;
   cublasOperation_t opa = g->b_t ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t opb = g->a_t ? CUBLAS_OP_T : CUBLAS_OP_N;
-  MOE_BLAS_CHECK(ctx, cublasGemmStridedBatchedEx(
+  MOE_CUBLAS_CHECK(ctx, cublasGemmStridedBatchedEx(
                           (cublasHandle_t)h, opa, opb, (int)g->n, (int)g->m, (int)g->k, alpha,
                           g->b, ty.data, (int)g->ldb, g->b_bs, g->a, ty.data, (int)g->lda,
                           g->a_bs, beta, g->c, ty.data, (int)g->n, g->c_bs, (int)g->batch,
                           ty.compute, CUBLAS_GEMM_DEFAULT));
-  MOE_KCHECK(ctx, "cublasGemmStridedBatchedEx");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cublasGemmStridedBatchedEx");
   return MOE_OK;
 }
 
@@ -477,8 +451,7 @@ static moe_status moe_colsum_run(moe_ctx *ctx, int device, cudaStream_t stream, 
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "cuda colsum: %lld columns are too many",
                      (long long)cols);
   MoeScratch part(ctx, device);
-  MOE_CHECK(moe_cuda_alloc(ctx, device, (size_t)(splits * cols) * sizeof(A), &part.ptr,
-                           &part.block));
+  MOE_CHECK(part.alloc((size_t)(splits * cols) * sizeof(A)));
   dim3 grid((unsigned)bx, (unsigned)splits);
   if (vec)
     moe_colsum_part_kernel<DT, A, VW><<<grid, MOE_COLSUM_THREADS, 0, stream>>>(
@@ -486,10 +459,10 @@ static moe_status moe_colsum_run(moe_ctx *ctx, int device, cudaStream_t stream, 
   else
     moe_colsum_part_kernel<DT, A, 1><<<grid, MOE_COLSUM_THREADS, 0, stream>>>(
         (const T *)src, rows, cols, ld, chunk, (A *)part.ptr);
-  MOE_KCHECK(ctx, "cuda colsum");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda colsum");
   moe_colsum_final_kernel<DT, A><<<moe_blocks(cols), MOE_THREADS, 0, stream>>>(
       (const A *)part.ptr, splits, cols, (T *)dst);
-  MOE_KCHECK(ctx, "cuda colsum");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda colsum");
   return MOE_OK;
 }
 

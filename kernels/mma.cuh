@@ -1,8 +1,8 @@
 /*
  * mma.cuh - the PTX wrappers the mma.sync tensor-core kernels share (private
- * to kernels/attention.cu and kernels/blocksparse.cu): cp.async copies into
- * shared memory, ldmatrix loads (plain and transposed) and the bf16
- * m16n8k16 MMA with f32 accumulators. sm_80 and newer.
+ * to kernels/attention_mma.cu, attention_sm90.cu and blocksparse.cu):
+ * cp.async copies into shared memory, ldmatrix loads (plain and transposed)
+ * and the bf16 m16n8k16 MMA with f32 accumulators. sm_80 and newer.
  */
 #ifndef MOE_KERNELS_MMA_CUH
 #define MOE_KERNELS_MMA_CUH

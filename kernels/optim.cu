@@ -131,7 +131,7 @@ extern "C" moe_status moe_cuda_adamw_step(moe_ctx *ctx, int device, int64_t n, v
   else
     op_adamw_kernel<float><<<moe_blocks(n), MOE_THREADS, 0, stream>>>(
         n, param, pdt, grad, gdt, (float *)m, (float *)v, (float *)master, op_scalars<float>(s));
-  MOE_KCHECK(ctx, "adamw_step kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "adamw_step kernel");
   return MOE_OK;
 }
 
@@ -147,6 +147,6 @@ extern "C" moe_status moe_cuda_sgd_step(moe_ctx *ctx, int device, int64_t n, voi
   else
     op_sgd_kernel<float><<<moe_blocks(n), MOE_THREADS, 0, stream>>>(
         n, param, pdt, grad, gdt, (float *)buf, (float *)master, op_scalars<float>(s));
-  MOE_KCHECK(ctx, "sgd_step kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "sgd_step kernel");
   return MOE_OK;
 }

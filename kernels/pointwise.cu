@@ -410,7 +410,7 @@ static moe_status pw_launch(moe_ctx *ctx, int device, const char *fn, const moe_
     st = moe_error(ctx, MOE_ERR_INTERNAL, "%s: integer compute for a float-only op", fn);
   }
   MOE_CHECK(st);
-  MOE_KCHECK(ctx, fn);
+  MOE_CUDA_CHECK_LAUNCH(ctx, fn);
   return MOE_OK;
 }
 
@@ -468,7 +468,7 @@ extern "C" moe_status moe_cuda_pw_unary(moe_ctx *ctx, int device, moe_pw_kop op,
       return MOE_OK;
     });
   }));
-  MOE_KCHECK(ctx, fn);
+  MOE_CUDA_CHECK_LAUNCH(ctx, fn);
   return MOE_OK;
 }
 
@@ -569,6 +569,6 @@ extern "C" moe_status moe_cuda_pw_dropout(moe_ctx *ctx, int device, const moe_kv
         n, out->data, x->data, seed, call, thr, (float)scale, scale, vec);
     return MOE_OK;
   }));
-  MOE_KCHECK(ctx, fn);
+  MOE_CUDA_CHECK_LAUNCH(ctx, fn);
   return MOE_OK;
 }

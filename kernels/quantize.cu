@@ -247,7 +247,7 @@ static moe_status qz_launch_quantize(moe_ctx *ctx, cudaStream_t s, const void *x
                                      int64_t rows, int64_t cols, int64_t G, bool stochastic,
                                      uint64_t seed, uint64_t call, void *values, float *scales) {
   if (qz_try_vec<DT, BITS>(s, x, ld, rows, cols, G, stochastic, seed, call, values, scales)) {
-    MOE_KCHECK(ctx, "quantize kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "quantize kernel");
     return MOE_OK;
   }
   int64_t ngroups = (cols + G - 1) / G, row_bytes = BITS == 8 ? cols : (cols + 1) / 2;
@@ -261,7 +261,7 @@ static moe_status qz_launch_quantize(moe_ctx *ctx, cudaStream_t s, const void *x
     qz_quantize_kernel<DT, BITS, QZ_THREADS><<<(unsigned)groups, QZ_THREADS, 0, s>>>(
         xp, ld, rows, cols, G, ngroups, row_bytes, stochastic, seed, call, values, scales);
   }
-  MOE_KCHECK(ctx, "quantize kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "quantize kernel");
   return MOE_OK;
 }
 
@@ -275,7 +275,7 @@ static moe_status qz_launch_dequantize(moe_ctx *ctx, cudaStream_t s, const void 
     if (vblocks > 65535LL * 32) vblocks = 65535LL * 32; /* grid-stride beyond */
     qz_dequantize_vec_kernel<DT, BITS><<<(unsigned)vblocks, QZ_THREADS, 0, s>>>(
         values, scales, rows, cols, G, ngroups, (moe_st_t<DT> *)out);
-    MOE_KCHECK(ctx, "dequantize kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "dequantize kernel");
     return MOE_OK;
   }
   int64_t n = rows * ((cols + 1) / 2);
@@ -283,7 +283,7 @@ static moe_status qz_launch_dequantize(moe_ctx *ctx, cudaStream_t s, const void 
   if (blocks > 65535LL * 32) blocks = 65535LL * 32; /* grid-stride beyond */
   qz_dequantize_kernel<DT, BITS><<<(unsigned)blocks, QZ_THREADS, 0, s>>>(
       values, scales, rows, cols, G, ngroups, row_bytes, (moe_st_t<DT> *)out);
-  MOE_KCHECK(ctx, "dequantize kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "dequantize kernel");
   return MOE_OK;
 }
 

@@ -97,6 +97,6 @@ extern "C" moe_status moe_cuda_random(moe_ctx *ctx, int device, const moe_kview 
     MoeIntGen gen{seed, call, ilow, (uint64_t)ihigh - (uint64_t)ilow};
     MOE_CHECK(moe_random_launch(ctx, dst, n, g, gen, s));
   }
-  MOE_KCHECK(ctx, "cuda random kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "cuda random kernel");
   return MOE_OK;
 }

@@ -25,24 +25,6 @@
 
 #define RT_THREADS 256
 
-/* Scratch from the caching allocator, released by the destructor. */
-struct RtScratch {
-  moe_ctx *ctx;
-  int device;
-  void *ptr = nullptr;
-  size_t block = 0;
-  bool held = false;
-  RtScratch(moe_ctx *c, int d) : ctx(c), device(d) {}
-  moe_status get(size_t nbytes) {
-    moe_status st = moe_cuda_alloc(ctx, device, nbytes > 0 ? nbytes : 1, &ptr, &block);
-    held = st == MOE_OK;
-    return st;
-  }
-  ~RtScratch() {
-    if (held) moe_cuda_release(ctx, device, ptr, block);
-  }
-};
-
 static inline size_t rt_align(size_t n) { return (n + 255) & ~(size_t)255; }
 
 static inline unsigned rt_grid(int64_t n, int threads) {
@@ -133,8 +115,8 @@ extern "C" moe_status moe_cuda_routing_sort(moe_ctx *ctx, int device, const moe_
   int64_t T = ids->shape[0], k = ids->shape[1], N = T * k;
   int bits = rt_key_bits((uint64_t)E);
   if (N == 0) {
-    MOE_KCUDA(ctx, cudaMemsetAsync(offsets, 0, sizeof(int64_t) * (size_t)(E + 1), s));
-    MOE_KCUDA(ctx, cudaMemsetAsync(counts, 0, sizeof(int64_t) * (size_t)E, s));
+    MOE_CUDA_CHECK(ctx, cudaMemsetAsync(offsets, 0, sizeof(int64_t) * (size_t)(E + 1), s));
+    MOE_CUDA_CHECK(ctx, cudaMemsetAsync(counts, 0, sizeof(int64_t) * (size_t)E, s));
     return MOE_OK;
   }
   int n = (int)N; /* < 2^31: checked by core/routing.c */
@@ -145,13 +127,14 @@ extern "C" moe_status moe_cuda_routing_sort(moe_ctx *ctx, int device, const moe_
   uint32_t *kin = nullptr, *kout = (uint32_t *)sorted_keys;
   int64_t *vin = nullptr, *vmid = nullptr;
   uint64_t *sk = nullptr, *skout = nullptr;
-  MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, kin, kout, vin, perm, n, 0, bits, s));
+  MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, kin, kout, vin, perm, n, 0, bits, s));
   if (scores)
-    MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairsDescending(nullptr, b2, sk, skout, vin, vmid, n, 0, 64, s));
+    MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairsDescending(nullptr, b2, sk, skout, vin, vmid, n, 0, 64, s));
   if (b2 > cub_bytes) cub_bytes = b2;
   cub_bytes = rt_align(cub_bytes);
-  RtScratch tmp(ctx, device);
-  MOE_CHECK(tmp.get(cub_bytes + kb * 2 + vb * 2 + skb * 2));
+  MoeScratch tmp(ctx, device);
+  const size_t tmp_bytes = cub_bytes + kb * 2 + vb * 2 + skb * 2;
+  MOE_CHECK(tmp.alloc(tmp_bytes > 0 ? tmp_bytes : 1));
   char *base = (char *)tmp.ptr;
   void *cub_tmp = base;
   kin = (uint32_t *)(base + cub_bytes);
@@ -165,25 +148,25 @@ extern "C" moe_status moe_cuda_routing_sort(moe_ctx *ctx, int device, const moe_
   unsigned g = rt_grid(N, RT_THREADS);
   rt_keys_kernel<<<g, RT_THREADS, 0, s>>>(ids->data, ids->dtype == MOE_I32, ids->stride[0],
                                          ids->stride[1], k, N, E, kin, vin);
-  MOE_KCHECK(ctx, "routing_plan keys kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan keys kernel");
   if (!scores) {
-    MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, kin, kout, vin, perm, n, 0, bits, s));
+    MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(cub_tmp, cub_bytes, kin, kout, vin, perm, n, 0, bits, s));
   } else {
     /* score descending (stable: ties keep a ascending), then expert (stable) */
     rt_score_keys_kernel<<<g, RT_THREADS, 0, s>>>(scores->data, scores->dtype, scores->stride[0],
                                                  scores->stride[1], k, N, sk);
-    MOE_KCHECK(ctx, "routing_plan score keys kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan score keys kernel");
     size_t b = cub_bytes;
-    MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairsDescending(cub_tmp, b, sk, skout, vin, vmid, n, 0, 64, s));
+    MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairsDescending(cub_tmp, b, sk, skout, vin, vmid, n, 0, 64, s));
     rt_gather_keys_kernel<<<g, RT_THREADS, 0, s>>>(kin, vmid, N, kmid);
-    MOE_KCHECK(ctx, "routing_plan gather keys kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan gather keys kernel");
     b = cub_bytes;
-    MOE_KCUDA(ctx, cub::DeviceRadixSort::SortPairs(cub_tmp, b, kmid, kout, vmid, perm, n, 0, bits, s));
+    MOE_CUDA_CHECK(ctx, cub::DeviceRadixSort::SortPairs(cub_tmp, b, kmid, kout, vmid, perm, n, 0, bits, s));
   }
   rt_offsets_kernel<<<rt_grid(E + 1, RT_THREADS), RT_THREADS, 0, s>>>(sorted_keys, N, E, offsets, counts);
-  MOE_KCHECK(ctx, "routing_plan offsets kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan offsets kernel");
   rt_inverse_kernel<<<g, RT_THREADS, 0, s>>>(perm, N, inv);
-  MOE_KCHECK(ctx, "routing_plan inverse kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan inverse kernel");
   return MOE_OK;
 }
 
@@ -243,22 +226,22 @@ extern "C" moe_status moe_cuda_routing_layout(moe_ctx *ctx, int device, int64_t 
                                               int64_t *src) {
   cudaStream_t s;
   MOE_CHECK(rt_stream(ctx, device, &s));
-  RtScratch tmp(ctx, device);
-  MOE_CHECK(tmp.get(sizeof(int64_t) * (size_t)(E + 1)));
+  MoeScratch tmp(ctx, device);
+  MOE_CHECK(tmp.alloc(sizeof(int64_t) * (size_t)(E + 1))); /* never 0 bytes */
   int64_t *gpo = (int64_t *)tmp.ptr;
   rt_segments_kernel<<<1, 1, 0, s>>>(counts, E, capacity, block_size, gpo);
-  MOE_KCHECK(ctx, "routing_plan segments kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan segments kernel");
   rt_row_offsets_kernel<<<rt_grid(E + 1, RT_THREADS), RT_THREADS, 0, s>>>(gpo, counts, E, e0, e1,
                                                                           capacity, row_offsets, kept);
-  MOE_KCHECK(ctx, "routing_plan row offsets kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan row offsets kernel");
   if (R > 0) {
     rt_fill_kernel<<<rt_grid(R, RT_THREADS), RT_THREADS, 0, s>>>(src, R, -1);
-    MOE_KCHECK(ctx, "routing_plan fill kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan fill kernel");
   }
   if (N > 0) {
     rt_dest_kernel<<<rt_grid(N, RT_THREADS), RT_THREADS, 0, s>>>(sorted_keys, perm, offsets, gpo, N,
                                                                  E, e0, e1, capacity, R, dest, src);
-    MOE_KCHECK(ctx, "routing_plan dest kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan dest kernel");
   }
   return MOE_OK;
 }
@@ -315,12 +298,12 @@ extern "C" moe_status moe_cuda_routing_topology(moe_ctx *ctx, int device, const 
   int64_t EL = e1 - e0, n = Rb + 1 > EL * F + 1 ? Rb + 1 : EL * F + 1;
   rt_topo_offsets_kernel<<<rt_grid(n, RT_THREADS), RT_THREADS, 0, s>>>(row_offsets, e0, EL, block_size,
                                                                        F, Rb, offsets, offsets_t);
-  MOE_KCHECK(ctx, "routing_plan topology offsets kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan topology offsets kernel");
   if (Rb * F > 0) {
     rt_topo_blocks_kernel<<<rt_grid(Rb * F, RT_THREADS), RT_THREADS, 0, s>>>(
         row_offsets, e0, EL, block_size, F, Rb * F, row_indices, column_indices, column_indices_t,
         block_offsets_t);
-    MOE_KCHECK(ctx, "routing_plan topology blocks kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing_plan topology blocks kernel");
   }
   return MOE_OK;
 }
@@ -336,7 +319,7 @@ extern "C" moe_status moe_cuda_routing_rank_counts(moe_ctx *ctx, int device, con
   MOE_CHECK(rt_stream(ctx, device, &s));
   rt_rank_counts_kernel<<<rt_grid(n_ranks, RT_THREADS), RT_THREADS, 0, s>>>(offsets, E / n_ranks,
                                                                             n_ranks, out);
-  MOE_KCHECK(ctx, "routing_rank_counts kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing_rank_counts kernel");
   return MOE_OK;
 }
 
@@ -493,7 +476,7 @@ extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const mo
     rt_gather_vec_kernel<<<grid, RT_THREADS, 0, s>>>((uint4 *)out->data, (const uint4 *)x->data,
                                                      (int64_t)((size_t)x->stride[0] * es / 16), src,
                                                      k, R, (int64_t)((size_t)d * es / 16));
-    MOE_KCHECK(ctx, "routing gather kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel");
     return MOE_OK;
   }
   return rt_float_dispatch(ctx, "routing_permute", x->dtype, [&](auto tag) -> moe_status {
@@ -503,7 +486,7 @@ extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const mo
         (S *)out->data, (const S *)x->data, x->stride[0], x->stride[1], src,
         gates ? gates->data : nullptr, gates ? gates->dtype : MOE_F32,
         gates ? gates->stride[0] : 0, gates ? gates->stride[1] : 0, k, R, d);
-    MOE_KCHECK(ctx, "routing gather kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel");
     return MOE_OK;
   });
 }
@@ -528,14 +511,14 @@ extern "C" moe_status moe_cuda_routing_combine(moe_ctx *ctx, int device, const m
           gates ? gates->data : nullptr, gates ? gates->dtype : MOE_F32,
           gates ? gates->stride[0] : 0, gates ? gates->stride[1] : 0, k, T,
           (int64_t)((size_t)d * es / 16));
-      MOE_KCHECK(ctx, "routing combine kernel");
+      MOE_CUDA_CHECK_LAUNCH(ctx, "routing combine kernel");
       return MOE_OK;
     }
     rt_combine_kernel<DT><<<grid, RT_THREADS, 0, s>>>(
         (S *)out->data, (const S *)y->data, y->stride[0], y->stride[1], dest,
         gates ? gates->data : nullptr, gates ? gates->dtype : MOE_F32,
         gates ? gates->stride[0] : 0, gates ? gates->stride[1] : 0, k, T, d);
-    MOE_KCHECK(ctx, "routing combine kernel");
+    MOE_CUDA_CHECK_LAUNCH(ctx, "routing combine kernel");
     return MOE_OK;
   });
 }
@@ -556,6 +539,6 @@ extern "C" moe_status moe_cuda_routing_gate_grad(moe_ctx *ctx, int device, const
     rt_gate_grad_kernel<float><<<grid, RT_THREADS, 0, s>>>(
         dgates->data, dgates->dtype, dout->data, dout->dtype, dout->stride[0], dout->stride[1],
         y->data, y->dtype, y->stride[0], y->stride[1], dest, k, N, d);
-  MOE_KCHECK(ctx, "routing gate gradient kernel");
+  MOE_CUDA_CHECK_LAUNCH(ctx, "routing gate gradient kernel");
   return MOE_OK;
 }

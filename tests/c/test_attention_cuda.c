@@ -11,6 +11,7 @@
  */
 #define _POSIX_C_SOURCE 200809L /* setenv */
 #include "harness.h"
+#include "knobs.h" /* moe_knobs_reload after setenv */
 
 #ifdef MOE_WITH_CUDA
 #include "attention_cuda.h" /* moe_cuda_attention_last */
@@ -190,8 +191,10 @@ static void check_autograd(moe_ctx *ctx, bool deterministic) {
 static void test_autograd_determinism(moe_ctx *ctx) {
   check_autograd(ctx, false);
   setenv("MOE_ATTN_DETERMINISTIC", "1", 1);
+  EXPECT_OK(moe_knobs_reload(ctx)); /* the context reads knobs at creation */
   check_autograd(ctx, true);
   unsetenv("MOE_ATTN_DETERMINISTIC");
+  EXPECT_OK(moe_knobs_reload(ctx));
 }
 
 /* The family the default runs here: "tma" on compute capability 9.x. */
@@ -218,11 +221,13 @@ static void test_default_kernels(moe_ctx *ctx) {
 /* The mma.sync kernels (what GPUs other than 9.x run) at every size too. */
 static void test_mma_sync_kernels(moe_ctx *ctx) {
   setenv("MOE_ATTN_WG", "0", 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
   want_family = "mma";
   test_sizes(ctx);
   test_layouts(ctx);
   want_family = NULL;
   unsetenv("MOE_ATTN_WG");
+  EXPECT_OK(moe_knobs_reload(ctx));
 }
 
 /* The persistent TMA kernels with a grid of 3 blocks (MOE_ATTN_PERSISTENT=3):
@@ -230,6 +235,7 @@ static void test_mma_sync_kernels(moe_ctx *ctx) {
 static void test_persistent_small_grid(moe_ctx *ctx) {
   want_family = default_family(ctx);
   setenv("MOE_ATTN_PERSISTENT", "3", 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
   moe_rng_seed(ctx, 14);
   check_config(ctx, 2, 3, 77, 64, true, 1, 0);
   check_config(ctx, 2, 3, 1000, 128, true, 0, 0);
@@ -238,12 +244,15 @@ static void test_persistent_small_grid(moe_ctx *ctx) {
   /* the block-major tile order (MOE_ATTN_ORDER=block; head-major is the
    * default), on 3 blocks and on the full grid */
   setenv("MOE_ATTN_ORDER", "block", 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
   check_config(ctx, 2, 3, 1000, 128, true, 0, 0);
   check_config(ctx, 3, 2, 520, 64, true, 2, 0);
   unsetenv("MOE_ATTN_PERSISTENT");
+  EXPECT_OK(moe_knobs_reload(ctx));
   check_config(ctx, 2, 3, 77, 64, true, 1, 0);
   check_config(ctx, 2, 2, 1000, 128, true, 0, 0);
   unsetenv("MOE_ATTN_ORDER");
+  EXPECT_OK(moe_knobs_reload(ctx));
   want_family = NULL;
 }
 

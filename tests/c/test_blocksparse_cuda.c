@@ -13,6 +13,7 @@
 #include <stdlib.h>
 
 #include "harness.h"
+#include "knobs.h" /* moe_knobs_reload after setenv */
 #include "moe_routing.h"
 
 static const moe_device GPU = {MOE_DEVICE_CUDA, 0};
@@ -177,6 +178,7 @@ static void test_bf16_variants(moe_ctx *ctx) {
   const char *variants[] = {"128", "256", "256k64", "wg"};
   for (int v = 0; v < 4; v++) {
     setenv("MOE_BSMM_TILE", variants[v], 1);
+    EXPECT_OK(moe_knobs_reload(ctx)); /* the context reads knobs at creation */
     int before = harness_failures;
     check_products(ctx, MOE_BF16, 300, 3, 200, 1e-2);
     check_products(ctx, MOE_BF16, 257, 1, 264, 1e-2);
@@ -185,6 +187,7 @@ static void test_bf16_variants(moe_ctx *ctx) {
     if (harness_failures != before) fprintf(stderr, "  variant MOE_BSMM_TILE=%s failed\n", variants[v]);
   }
   unsetenv("MOE_BSMM_TILE");
+  EXPECT_OK(moe_knobs_reload(ctx));
 }
 
 static void test_f32(moe_ctx *ctx) {

@@ -9,6 +9,7 @@
  */
 #include "half.h"
 #include "harness.h"
+#include "knobs.h" /* moe_knobs_reload after setenv */
 #include "moe_routing.h"
 
 static uint64_t rng_state = 0x2545f4914f6cdd1dull;
@@ -251,8 +252,10 @@ static void test_glu_quant_cuda(moe_ctx *ctx) {
           moe_tensor *fused[6] = {0}, *unfused[6] = {0};
           run_opts(ctx, c, ids, vals, gpu, dt, (moe_experts_impl)impl, &o, fused);
           setenv("MOE_GLU_QFUSED", "0", 1);
+          EXPECT_OK(moe_knobs_reload(ctx)); /* the context reads knobs at creation */
           run_opts(ctx, c, ids, vals, gpu, dt, (moe_experts_impl)impl, &o, unfused);
           unsetenv("MOE_GLU_QFUSED");
+          EXPECT_OK(moe_knobs_reload(ctx));
           double worst_fu = 0, worst_off = 0;
           for (int i = 0; i < 6; i++) {
             if (!fused[i] || !unfused[i] || !off[i]) {

@@ -315,15 +315,15 @@ static void test_plan_offsets(moe_ctx *ctx) {
 }
 
 static void test_backend(moe_ctx *ctx) {
-  EXPECT_STR(moe_grouped_backend(), "auto");
+  EXPECT_STR(moe_grouped_backend(ctx), "auto");
   EXPECT_STR(moe_grouped_backends(), "auto,loop,cublas_grouped,streams");
   EXPECT_OK(moe_grouped_set_backend(ctx, "loop"));
-  EXPECT_STR(moe_grouped_backend(), "loop");
+  EXPECT_STR(moe_grouped_backend(ctx), "loop");
   EXPECT_OK(moe_grouped_set_backend(ctx, "cublas_grouped"));
-  EXPECT_STR(moe_grouped_backend(), "cublas_grouped");
+  EXPECT_STR(moe_grouped_backend(ctx), "cublas_grouped");
   EXPECT_ERR_MSG(moe_grouped_set_backend(ctx, "fast"), MOE_ERR_INVALID_ARG,
                  "unknown backend \"fast\" (valid: auto,loop,cublas_grouped,streams)");
-  EXPECT_STR(moe_grouped_backend(), "cublas_grouped");
+  EXPECT_STR(moe_grouped_backend(ctx), "cublas_grouped");
   EXPECT_ERR(moe_grouped_set_backend(ctx, NULL), MOE_ERR_INVALID_ARG);
   /* the CPU ignores the backend */
   int64_t offs[] = {0, 2, 5};
