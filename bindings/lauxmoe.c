@@ -340,7 +340,7 @@ bool lm_field_bool(lua_State *L, int arg, const char *fname, const char *key, bo
 /* ---------------------------------------------------------------- pushers */
 
 void lm_push_device(lua_State *L, moe_device d) {
-  char buf[32];
+  char buf[MOE_DEVICE_STR];
   lua_pushstring(L, moe_device_str(d, buf, sizeof buf));
 }
 

@@ -43,9 +43,8 @@ static void lm_gg_offsets(lua_State *L, lm_state *S, int arg, const char *fname,
     if (!t->t) lm_argerror(L, arg, fname, "attempt to use a freed tensor");
     moe_tensor *o = t->t;
     if (o->dtype != MOE_I64 || o->ndim != 1 || moe_tensor_device(o).type != MOE_DEVICE_CPU) {
-      char s[64];
       lm_argerror(L, arg, fname, "offsets tensor must be a 1-D i64 CPU tensor (G + 1), got %s %s",
-                  moe_dtype_name(o->dtype), moe_shape_str(o->ndim, o->shape, s, sizeof s));
+                  moe_dtype_name(o->dtype), MOE_SHAPE(o));
     }
     n = o->shape[0];
     if (n < 2) lm_argerror(L, arg, fname, "offsets must hold G + 1 >= 2 values, got %d", (int)n);

@@ -279,12 +279,11 @@ static int lm_plan_tostring(lua_State *L) {
     lua_pushliteral(L, "moe.RoutingPlan (freed)");
     return 1;
   }
-  char dev[32];
   moe_routing_plan *p = u->p;
   lua_pushfstring(L, "moe.RoutingPlan(T=%I, k=%I, E=%I, rows=%I, block_size=%I, capacity=%I, device=%s)",
                   (LUAI_UACINT)p->T, (LUAI_UACINT)p->k, (LUAI_UACINT)p->E, (LUAI_UACINT)p->rows,
                   (LUAI_UACINT)p->block_size, (LUAI_UACINT)p->capacity,
-                  moe_device_str(p->device, dev, sizeof dev));
+                  MOE_DEVICE(p->device));
   return 1;
 }
 

@@ -568,9 +568,8 @@ static int lm_t_item(lua_State *L) {
   lm_checkend(L, 1, "item");
   int64_t n = moe_tensor_numel(t);
   if (n != 1) {
-    char shp[160];
     lm_argerror(L, 1, "item", "a tensor with %I elements (shape %s) cannot be converted to a number; "
-                "item() needs exactly one", (LUAI_UACINT)n, moe_shape_str(t->ndim, t->shape, shp, sizeof shp));
+                "item() needs exactly one", (LUAI_UACINT)n, MOE_SHAPE(t));
   }
   void *buf = lm_read_all(L, S, t, "item");
   lm_push_elem(L, lm_kind_of(t->dtype), buf, 0);

@@ -84,27 +84,11 @@ moe_status moe_dim_normalize_fn(moe_ctx *ctx, const char *fn, int64_t dim, int n
 
 /* ------------------------------------------------------- the op kit */
 /*
- * What every op family uses to validate, name and record: one shape-string
- * size, one wording of the device and dtype mismatch errors, one record
+ * What every op family uses to validate, name and record (with the
+ * shape-string size and macros of moe.h, MOE_SHAPE_STR): one wording of the device and dtype mismatch errors, one record
  * function with one failure contract and one zero-gradient helper
  * (core/autograd.c and core/tensor.c).
  */
-
-/* Room for the longest shape moe_shape_str writes: MOE_MAX_DIMS sizes of up
- * to 20 characters, their separators, the brackets and the NUL. */
-#define MOE_SHAPE_STR 200
-#ifndef __cplusplus
-_Static_assert(MOE_SHAPE_STR >= MOE_MAX_DIMS * (20 + 2) + 3, "MOE_SHAPE_STR too small");
-#endif
-/* Room for moe_device_str ("cuda:15"). */
-#define MOE_DEVICE_STR 32
-
-/* A shape or device as a string for an error message, in a buffer that lives
- * to the end of the enclosing block: moe_error(ctx, ..., "%s", MOE_SHAPE(t)). */
-#define MOE_SHAPE(t) moe_shape_str((t)->ndim, (t)->shape, (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
-#define MOE_SHAPE_OF(ndim, shape) \
-  moe_shape_str((ndim), (shape), (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
-#define MOE_DEVICE(d) moe_device_str((d), (char[MOE_DEVICE_STR]){0}, MOE_DEVICE_STR)
 
 /* MOE_ERR_DEVICE unless ad == bd: "fn: a is on cuda:0 but b is on cpu".
  * an and bn name the operands as the user knows them ("weight", "the plan"). */

@@ -229,6 +229,22 @@ moe_status moe_dim_normalize(moe_ctx *ctx, int64_t dim, int ndim, bool for_inser
 /* Writes "[2, 3]" into buf. */
 const char *moe_shape_str(int ndim, const int64_t *shape, char *buf, size_t len);
 
+/* Room for the longest shape moe_shape_str writes: MOE_MAX_DIMS sizes of up
+ * to 20 characters, their separators, the brackets and the NUL. */
+#define MOE_SHAPE_STR 200
+#ifndef __cplusplus
+_Static_assert(MOE_SHAPE_STR >= MOE_MAX_DIMS * (20 + 2) + 3, "MOE_SHAPE_STR too small");
+#endif
+/* Room for moe_device_str ("cuda:15"). */
+#define MOE_DEVICE_STR 32
+
+/* A shape or device as a string for an error message, in a buffer that lives
+ * to the end of the enclosing block: moe_error(ctx, ..., "%s", MOE_SHAPE(t)). */
+#define MOE_SHAPE(t) moe_shape_str((t)->ndim, (t)->shape, (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
+#define MOE_SHAPE_OF(ndim, shape) \
+  moe_shape_str((ndim), (shape), (char[MOE_SHAPE_STR]){0}, MOE_SHAPE_STR)
+#define MOE_DEVICE(d) moe_device_str((d), (char[MOE_DEVICE_STR]){0}, MOE_DEVICE_STR)
+
 /* ------------------------------------------------------------------- views */
 /* Views share storage; none of these copies data. */
 
