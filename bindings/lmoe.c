@@ -347,6 +347,7 @@ lm_tensor *lm_push_empty(lua_State *L) {
   u->t = NULL;
   u->S = NULL;
   luaL_setmetatable(L, LM_TENSOR);
+  lm_scope_track(L); /* moe.scope: the innermost scope frees it (bindings/lscope.c) */
   return u;
 }
 
@@ -1810,6 +1811,7 @@ LUAMOD_API int luaopen_moe(lua_State *L) {
   lm_open_optim(L, mod, methods, sentinel);
   lm_open_data(L, mod, methods, sentinel);
   lm_open_blocksparse(L, mod, methods, sentinel);
+  lm_open_scope(L, mod, methods, sentinel); /* moe.scope, moe.keep (bindings/lscope.c) */
 
 #ifdef MOE_LUA_DIR
   lm_add_lua_dir(L);

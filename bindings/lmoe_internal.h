@@ -141,6 +141,12 @@ void lm_open_grouped(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_experts(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_blocksparse(lua_State *L, int mod, int methods, int sentinel);
 
+/* moe.scope and moe.keep (bindings/lscope.c). lm_scope_track records the
+ * handle at the top of the stack in the calling thread's innermost scope, if
+ * any; lm_push_empty calls it for every new tensor handle. */
+void lm_open_scope(lua_State *L, int mod, int methods, int sentinel);
+void lm_scope_track(lua_State *L);
+
 /* Drops one reference to the state (tensor and event userdata hold one);
  * the context is freed with the last. */
 void lm_state_unref(lm_state *S);
