@@ -28,7 +28,10 @@
  *   (a module's aux loss and stats, read by the training step): when their
  *   scope ends they go to the enclosing scope, still marked, and are freed by
  *   the outermost moe.scope. Freed handles, handles of no scope and other
- *   values are ignored.
+ *   values are ignored, except userdata with a __close metamethod other than
+ *   tensors (a routing plan, which a recomputing backward may still use):
+ *   those join the innermost scope, marked, and are closed by the outermost
+ *   moe.scope.
  * moe.forward_scope(fn, ...) -> fn(...)
  *   moe.scope for nn.Module's __call: the same, except that marked handles
  *   outlive it when it is the outermost scope (left to the caller, as its
@@ -102,12 +105,14 @@ static void lm_push_scopes(lua_State *L) {
  * set, the handles marked by moe.pass_up go to the frame at parent instead
  * (parent 0: they are left alone). */
 static void lm_frame_release(lua_State *L, int frame, bool pass, int parent) {
+  lua_pushnil(L); /* becomes a table of the other userdata to close, when there are some */
+  int closing = lua_gettop(L);
   lua_pushnil(L);
   while (lua_next(L, frame)) {
     bool passed = lua_tointeger(L, -1) == LM_SCOPE_PASSED;
     lua_pop(L, 1);
     lm_tensor *u = lm_testtensor(L, -1);
-    if (u == NULL) continue;
+    if (u == NULL && lua_type(L, -1) != LUA_TUSERDATA) continue;
     if (pass && passed) {
       if (parent) {
         lua_pushvalue(L, -1);
@@ -116,8 +121,25 @@ static void lm_frame_release(lua_State *L, int frame, bool pass, int parent) {
       }
       continue;
     }
-    lm_release(u);
+    if (u) {
+      lm_release(u);
+      continue;
+    }
+    if (lua_isnil(L, closing)) {
+      lua_createtable(L, 4, 0);
+      lua_replace(L, closing);
+    }
+    lua_pushvalue(L, -1);
+    lua_rawseti(L, closing, (lua_Integer)lua_rawlen(L, closing) + 1);
   }
+  if (!lua_isnil(L, closing)) { /* closed after the traversal */
+    for (lua_Integer i = 1, n = (lua_Integer)lua_rawlen(L, closing); i <= n; i++) {
+      lua_rawgeti(L, closing, i);
+      if (luaL_callmeta(L, -1, "__close")) lua_pop(L, 1);
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
 }
 
 /* If the value at v is a handle of the frame, moves it to parent (an index,
@@ -236,7 +258,17 @@ static int lm_pass_up(lua_State *L) {
   lua_rawget(L, -2);
   for (int i = 1; i <= n; i++) {
     lm_tensor *u = lm_testtensor(L, i);
-    if (u == NULL || u->t == NULL) continue;
+    if (u == NULL) {
+      /* another closeable userdata: into the innermost frame, marked */
+      if (lua_type(L, i) == LUA_TUSERDATA && lua_istable(L, -1) && luaL_getmetafield(L, i, "__close") != LUA_TNIL) {
+        lua_pop(L, 1);
+        lua_pushvalue(L, i);
+        lua_pushinteger(L, LM_SCOPE_PASSED);
+        lua_rawset(L, -3);
+      }
+      continue;
+    }
+    if (u->t == NULL) continue;
     if (lm_find_frame(L, i)) {
       lua_pushvalue(L, i);
       lua_pushinteger(L, LM_SCOPE_PASSED);
