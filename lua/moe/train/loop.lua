@@ -174,6 +174,9 @@ function M.run(user_cfg, parts)
     return gn
   end
 
+  -- one full collection before the first step: what building the model, the optimizer
+  -- and the data left behind (temporaries of initialisation); steps free their own
+  collectgarbage()
   local first_step = state.step
   local last_saved = resume_path and state.step or -1
   local last = cfg.stop_at > 0 and math.min(cfg.stop_at, cfg.steps) or cfg.steps
