@@ -147,6 +147,17 @@ describe("moe.pass_up and moe.forward_scope", function()
     assert.has_error(function() return plan.counts end)
   end)
 
+  it("leave a module's parameters and buffers alone when it is built or moved inside a scope", function()
+    local nn = require "moe.nn"
+    local lin = moe.scope(function()
+      local l = nn.Linear(3, 2)
+      l:to(nil, "f64")
+      return l
+    end)
+    assert.are.same({ 5, 2 }, lin(moe.ones({ 5, 3 }, { dtype = "f64" })).shape)
+    assert.is_false(freed(lin.weight))
+  end)
+
   it("run an nn.Module's forward: intermediates freed, results and stats kept for the caller", function()
     local nn = require "moe.nn"
     local Probe = nn.class("Probe", nn.Module)

@@ -120,7 +120,7 @@ function Module:param(name, t)
     error(string.format("%s:param: '%s' must be a tensor, got %s", self.__name, name, type(t)), 2)
   end
   if not t.requires_grad then t:requires_grad_(true) end
-  self[name] = t
+  self[name] = moe.keep(t) -- owned by the module, even when registered inside a scope
   add_name(self._params, name)
   return t
 end
@@ -131,7 +131,7 @@ function Module:buffer(name, t)
   if not moe.is_tensor(t) then
     error(string.format("%s:buffer: '%s' must be a tensor, got %s", self.__name, name, type(t)), 2)
   end
-  self[name] = t
+  self[name] = moe.keep(t)
   add_name(self._buffers, name)
   return t
 end
@@ -311,6 +311,7 @@ function Module:to(device, dtype)
     if (opts.device and opts.device ~= t.device) or (opts.dtype and opts.dtype ~= t.dtype) then
       n = moe.no_grad(function() return t:detach():to(opts) end)
       if trainable then n:requires_grad_(true) end
+      moe.keep(n) -- owned by the module, even when moved inside a scope
     end
     done[t] = n
     return n
