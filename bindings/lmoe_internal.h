@@ -224,4 +224,10 @@ void lm_open_optim(lua_State *L, int ops, int methods, int sentinel);
 void lm_open_data(lua_State *L, int ops, int methods, int sentinel);
 void lm_open_blocksparse(lua_State *L, int ops, int methods, int sentinel);
 
+/* moe.scope and moe.keep (bindings/lscope.c). lm_scope_track records the
+ * handle at the top of the stack in the calling thread's innermost scope, if
+ * any; lm_push_empty calls it for every new tensor handle. */
+void lm_open_scope(lua_State *L, int mod, int methods, int sentinel);
+void lm_scope_track(lua_State *L);
+
 #endif /* LMOE_INTERNAL_H */

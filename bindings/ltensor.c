@@ -47,6 +47,7 @@ lm_tensor *lm_push_empty(lua_State *L) {
   u->t = NULL;
   u->S = NULL;
   luaL_setmetatable(L, LM_TENSOR);
+  lm_scope_track(L); /* moe.scope: the innermost scope frees it (bindings/lscope.c) */
   return u;
 }
 

@@ -12,7 +12,7 @@ vocabulary on the King James Bible unless data= says otherwise.
   moe-lua experiments/ladder.lua size=125m kind=dmoe --help         # every train key and its default
 
 size= and kind= pick the row; every other key=value overrides a moe.train key
-(lua/moe/train.lua). The sizes are the "model" part of MegaBlocks'
+(lua/moe/train/config.lua). The sizes are the "model" part of MegaBlocks'
 exp/gpt2/gpt2_{46m,125m,356m}_*.sh and exp/dmoe/dmoe_{46m,125m,356m}_*.sh
 (layers, hidden, heads, ffn = 4 hidden, 64 experts top-1, moe loss weight
 0.1, lr 6e-4 / 6e-4 / 3e-4 with cosine decay to a tenth, clip 1.0, weight

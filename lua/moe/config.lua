@@ -22,6 +22,7 @@ documented way to override a config; it is exposed as moe.config.
   $ moe-lua experiments/train.lua --help      # every key with its default and type
 
 moe.config(defaults [, argv]) -> cfg, rest
+moe.config(defaults, overrides [, name]) -> cfg, {}
   defaults  a table. Its leaves are numbers, strings, booleans or lists
             (sequences of those); a nested table with string keys is a
             section, and its keys are addressed with dots (model.experts).
@@ -30,6 +31,14 @@ moe.config(defaults [, argv]) -> cfg, rest
   cfg       a deep copy of defaults with every override applied.
   rest      the arguments that are not overrides, in order (positional
             arguments and flags, left for the script).
+  overrides instead of argv, a table of values keyed like defaults
+            ({steps = 5, model = {experts = 4}}): merged over a copy of
+            defaults with the same key checks, values taken as they are
+            (type-checked against the default's type: an integer key takes
+            a whole number). Errors are prefixed with name (default
+            "moe.config"): "train: unknown config key 'stepz' (valid keys:
+            ...)". A table with any non-integer key is overrides; a sequence
+            is argv.
 
 Rules
   - `key=value`, where key is a name or a dotted name, is an override; any
@@ -216,10 +225,58 @@ local function print_help(defaults)
   io.flush()
 end
 
+-- Merges the table `over` into cfg (a copy of defaults) at one level of
+-- sections; root is the whole defaults table, for the list of valid keys.
+local function merge(cfg, defaults, over, prefix, root, name)
+  for k, v in pairs(over) do
+    local key = prefix .. tostring(k)
+    local d = nil
+    if type(k) == "string" then d = defaults[k] end
+    if d == nil then
+      error(("%s: unknown config key '%s' (valid keys: %s)"):format(name, key, key_list(root)), 0)
+    end
+    local kind = kind_of(d)
+    if kind == "section" then
+      if type(v) ~= "table" then
+        error(("%s: config key '%s' is a section, got a %s"):format(name, key, type(v)), 0)
+      end
+      merge(cfg[k], d, v, key .. ".", root, name)
+    else
+      if type(v) ~= type(d) then
+        error(("%s: config key '%s' expects a %s, got a %s (%s)"):format(name, key, type(d), type(v),
+          tostring(v)), 0)
+      end
+      if kind == "integer" and math.type(v) ~= "integer" then
+        local i = math.tointeger(v)
+        if i == nil then
+          error(("%s: config key '%s' expects an integer, got %s"):format(name, key, tostring(v)), 0)
+        end
+        v = i
+      end
+      cfg[k] = deep_copy(v)
+    end
+  end
+end
+
+local function is_overrides(t)
+  for k in pairs(t) do
+    if math.type(k) ~= "integer" then return true end
+  end
+  return false
+end
+
 --- moe.config(defaults [, argv]) -> cfg, rest (see the header of this file).
-function M.config(defaults, argv)
+function M.config(defaults, argv, name)
   if type(defaults) ~= "table" then
     error(("bad argument #1 to 'config' (table of defaults expected, got %s)"):format(type(defaults)), 2)
+  end
+  if type(argv) == "table" and is_overrides(argv) then
+    if name ~= nil and type(name) ~= "string" then
+      error(("bad argument #3 to 'config' (string expected, got %s)"):format(type(name)), 2)
+    end
+    local cfg = deep_copy(defaults)
+    merge(cfg, defaults, argv, "", defaults, name or "moe.config")
+    return cfg, {}
   end
   if argv == nil then
     argv = {}

@@ -16,7 +16,8 @@ it is cut to the last seq_len tokens and each new token runs the model over
 that window, as without a cache (the positions move with the window).
 temperature = 0 is greedy (argmax); top_k = 0 or nil keeps the whole
 vocabulary. Runs under moe.no_grad in eval mode and puts the model back in the
-mode it was in.
+mode it was in. Each token runs inside moe.scope: its logits and temporaries
+are freed when the token is picked (the KV cache keeps its tensors).
 ]]
 local moe = require "moe"
 
@@ -70,27 +71,27 @@ function M.generate(model, prompt, opts)
   local out = {}
   local was_training = model.training
   local cache = opts.kv_cache ~= false and type(model.new_cache) == "function" and model:new_cache() or nil
+  -- the next token id from the model's logits for the context
+  local function next_id()
+    local logits, rows
+    if cache and #ctx > seq_len then cache:free(); cache = nil end -- the window moves on
+    if cache then -- the tokens the cache has not seen (the prompt, then one at a time)
+      local new = table.move(ctx, cache.pos + 1, #ctx, 1, {})
+      logits, rows = model:forward(moe.tensor({ new }, { dtype = "i64", device = device }), cache), #new
+    else
+      local first = math.max(1, #ctx - seq_len + 1)
+      local window = table.move(ctx, first, #ctx, 1, {})
+      logits, rows = model:forward(moe.tensor({ window }, { dtype = "i64", device = device })), #window
+    end
+    return M.pick(logits:select(0, 0):select(0, rows - 1), opts) -- (1, S, V) -> the last row
+  end
   local ok, err = pcall(moe.no_grad, function()
     if model.eval then model:eval() end
     for _ = 1, n do
-      local logits, rows
-      if cache and #ctx > seq_len then cache:free(); cache = nil end -- the window moves on
-      if cache then -- the tokens the cache has not seen (the prompt, then one at a time)
-        local new = table.move(ctx, cache.pos + 1, #ctx, 1, {})
-        logits, rows = model:forward(moe.tensor({ new }, { dtype = "i64", device = device }), cache), #new
-      else
-        local first = math.max(1, #ctx - seq_len + 1)
-        local window = table.move(ctx, first, #ctx, 1, {})
-        logits, rows = model:forward(moe.tensor({ window }, { dtype = "i64", device = device })), #window
-      end
-      local last = logits:select(0, 0):select(0, rows - 1) -- (1, S, V) -> the last row
-      local id = M.pick(last, opts)
+      local id = moe.scope(next_id)
       if opts.stop ~= nil and id == opts.stop then break end
       ctx[#ctx + 1] = id
       out[#out + 1] = id
-      -- this token's tensors are garbage: give their memory back now (the collector
-      -- sees only small handles, not the storage behind them)
-      collectgarbage()
     end
   end)
   if cache then cache:free() end

@@ -280,7 +280,8 @@ function dMoE:group_ids(E, C, device)
   for e = 0, E - 1 do
     for _ = 1, C do v[#v + 1] = { e } end
   end
-  local ids = moe.tensor(v, { dtype = "i64", device = device })
+  local ids = moe.keep(moe.tensor(v, { dtype = "i64", device = device }))
+  if c then c.ids:free() end
   self._group_ids = { E = E, C = C, device = device, ids = ids }
   return ids
 end
@@ -340,6 +341,8 @@ end
 -- Moves the router's aux loss here (added to what this layer holds) and
 -- sets self.stats = the router's stats with expert_counts from the plan.
 function dMoE:record(r, plan)
+  -- the plan's device tensors live until the step ends (a recomputing backward uses it)
+  moe.pass_up(plan)
   local router = self.router
   local a = rawget(router, "aux_loss")
   if a ~= nil then

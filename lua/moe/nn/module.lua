@@ -21,6 +21,16 @@ children are named "0", "1", ...
 Aux losses and stats: a module's forward may set self.aux_loss (a scalar
 tensor, already weighted) and self.stats (a Lua table); pop_aux_loss() sums
 and clears the first over all descendants, collect_stats() lists the second.
+
+Memory: calling a module, m(x), runs forward inside moe.scope, so every
+tensor handle forward makes is freed when it returns, except its results
+(tensors, and tensors in plain tables among them, handed to the caller's
+scope) and self.aux_loss and the tensors of self.stats (moe.pass_up: they
+live until the outermost moe.scope ends, the training step, an eval batch or
+a sampled token, or on when m(x) runs outside any scope). A tensor forward stores for a
+later call (a cache, a table built once) is wrapped in moe.keep. Forward is
+written like the math: no frees. m:forward(x) called directly runs in the
+caller's scope.
 ]]
 local moe = require "moe"
 
@@ -28,7 +38,22 @@ local M = {}
 
 -- ------------------------------------------------------------- classes
 
-local function instance_call(self, ...) return self:forward(...) end
+-- m(...): forward in a scope (moe.forward_scope); the aux loss and the
+-- tensors of the stats are passed up to the outermost scope (moe.pass_up).
+local forward_scope, pass_up, is_tensor = moe.forward_scope, moe.pass_up, moe.is_tensor
+local function pass_outputs(self, ...)
+  local a = rawget(self, "aux_loss")
+  if a ~= nil then pass_up(a) end
+  local st = rawget(self, "stats")
+  if type(st) == "table" then
+    for _, v in pairs(st) do
+      if is_tensor(v) then pass_up(v) end
+    end
+  end
+  return ...
+end
+local function forward(self, ...) return pass_outputs(self, self:forward(...)) end
+local function instance_call(self, ...) return forward_scope(forward, self, ...) end
 local function instance_tostring(self) return self:repr() end
 
 -- nn.class(name [, parent]) -> a class table. Metamethods (__call,
@@ -95,7 +120,7 @@ function Module:param(name, t)
     error(string.format("%s:param: '%s' must be a tensor, got %s", self.__name, name, type(t)), 2)
   end
   if not t.requires_grad then t:requires_grad_(true) end
-  self[name] = t
+  self[name] = moe.keep(t) -- owned by the module, even when registered inside a scope
   add_name(self._params, name)
   return t
 end
@@ -106,7 +131,7 @@ function Module:buffer(name, t)
   if not moe.is_tensor(t) then
     error(string.format("%s:buffer: '%s' must be a tensor, got %s", self.__name, name, type(t)), 2)
   end
-  self[name] = t
+  self[name] = moe.keep(t)
   add_name(self._buffers, name)
   return t
 end
@@ -286,6 +311,7 @@ function Module:to(device, dtype)
     if (opts.device and opts.device ~= t.device) or (opts.dtype and opts.dtype ~= t.dtype) then
       n = moe.no_grad(function() return t:detach():to(opts) end)
       if trainable then n:requires_grad_(true) end
+      moe.keep(n) -- owned by the module, even when moved inside a scope
     end
     done[t] = n
     return n

@@ -19,18 +19,16 @@ local check_opts, check_pos_int = L.check_opts, L.check_pos_int
 
 local M = {}
 
--- Frees the handle t unless it is one of the tensors in keep (an input
--- handed back unchanged): step intermediates are released as soon as they
--- are used (what autograd saved stays alive through its own references), so
--- device memory does not wait for Lua's collector (docs/STYLE: rule 6).
-local function release(t, ...)
-  if t == nil then return end
-  for i = 1, select("#", ...) do
-    if rawequal(t, (select(i, ...))) then return end
-  end
-  t:free()
+-- Memory: each module's forward runs inside moe.scope (nn.Module's __call),
+-- which frees the intermediates when it returns; what a layer keeps for later
+-- calls (rope tables, the causal mask, the KV cache) goes through moe.keep and
+-- is freed here when it is replaced.
+local keep = moe.keep
+
+-- Frees a kept tensor that is being replaced (nil: nothing).
+local function drop(t)
+  if t ~= nil then t:free() end
 end
-M.release = release
 
 local function make_norm(fname, kind, d, eps, bias)
   if kind == "layernorm" then return L.LayerNorm(d, { eps = eps or 1e-5, bias = bias ~= false }) end
@@ -75,7 +73,7 @@ function Attention:init(o)
 end
 
 -- cos, sin (S, head_dim / 2) for x's dtype and device, cached (views of the cached
--- tables when they are longer: free those with release(t, self._rope.cos)). A table
+-- tables when they are longer). A table
 -- that must grow is built for max(S, cap) rows (decoding asks for twice its length,
 -- so it is not rebuilt at every token).
 function Attention:rope_tables(S, dtype, device, cap)
@@ -84,9 +82,9 @@ function Attention:rope_tables(S, dtype, device, cap)
     if c.S == S then return c.cos, c.sin end
     return c.cos:narrow(0, 0, S), c.sin:narrow(0, 0, S)
   end
-  if c then c.cos:free(); c.sin:free() end
+  if c then drop(c.cos); drop(c.sin) end
   local n = math.max(S, cap or 0)
-  local cos, sin = moe.rope_cache(n, self.head_dim, self.rope_base, { dtype = dtype, device = device })
+  local cos, sin = keep(moe.rope_cache(n, self.head_dim, self.rope_base, { dtype = dtype, device = device }))
   self._rope = { S = n, dtype = dtype, device = device, cos = cos, sin = sin }
   if n == S then return cos, sin end
   return cos:narrow(0, 0, S), sin:narrow(0, 0, S)
@@ -108,14 +106,11 @@ function Attention:causal_mask(S, dtype, device, P)
   local c = self._mask
   if c and c.S == S and c.P == P and c.dtype == dtype and c.device == device then return c.mask end
   -- from tensor ops on the device (a Lua table of S (P+S) numbers cost ~5 ms a layer at S 300)
-  local qpos = moe.arange(P, P + S, { dtype = "i64", device = device })
-  local kpos = moe.arange(0, P + S, { dtype = "i64", device = device })
-  local qv, kv = qpos:view({ S, 1 }), kpos:view({ 1, P + S })
-  local allowed = moe.le(kv, qv) -- (S, P+S): key j <= position of query i
-  local zero = moe.zeros({ S, P + S }, { dtype = dtype, device = device })
-  local m = zero:where(allowed, -math.huge)
-  for _, t in ipairs({ qpos, kpos, qv, kv, allowed, zero }) do t:free() end
-  if c then c.mask:free() end
+  local qpos = moe.arange(P, P + S, { dtype = "i64", device = device }):view({ S, 1 })
+  local kpos = moe.arange(0, P + S, { dtype = "i64", device = device }):view({ 1, P + S })
+  local allowed = moe.le(kpos, qpos) -- (S, P+S): key j <= position of query i
+  local m = keep(moe.zeros({ S, P + S }, { dtype = dtype, device = device }):where(allowed, -math.huge))
+  if c then drop(c.mask) end
   self._mask = { S = S, P = P, dtype = dtype, device = device, mask = m }
   return m
 end
@@ -127,21 +122,11 @@ end
 function Attention:attention_math(q, k, v, P)
   P = P or 0
   local S, D = q:size(2), q:size(3)
-  local kt = k:transpose(2, 3) -- (B, H, D, P+S)
-  local s = moe.matmul(q, kt) -- (B, H, S, P+S)
-  release(kt)
-  local scaled = s * (1 / math.sqrt(D))
-  release(s)
+  local s = moe.matmul(q, k:transpose(2, 3)) * (1 / math.sqrt(D)) -- (B, H, S, P+S)
   if S > 1 then -- one query sees every key: no mask
-    local masked = scaled + self:causal_mask(S, q.dtype, q.device, P)
-    release(scaled)
-    scaled = masked
+    s = s + self:causal_mask(S, q.dtype, q.device, P)
   end
-  local p = moe.softmax(scaled, -1)
-  release(scaled)
-  local o = moe.matmul(p, v)
-  release(p)
-  return o
+  return moe.matmul(moe.softmax(s, -1), v)
 end
 
 -- Appends kt, vt (B, H, S, D) after the cache's P positions and returns the
@@ -152,9 +137,7 @@ end
 -- gradients) they are a differentiable moe.cat of the old ones and the new.
 -- buf[:, :, pos .. pos + n) = src (B, H, n, D)
 local function put(buf, pos, src)
-  local dst = buf:narrow(2, pos, src:size(2))
-  dst:copy_(src)
-  release(dst)
+  buf:narrow(2, pos, src:size(2)):copy_(src)
 end
 
 local function cache_append(cache, kt, vt, P)
@@ -173,22 +156,22 @@ local function cache_append(cache, kt, vt, P)
     end
     -- the buffers, if any, no longer back cache.k: the next step without
     -- gradients starts new ones from these
-    release(cache.kbuf); release(cache.vbuf)
+    drop(cache.kbuf); drop(cache.vbuf)
     cache.kbuf, cache.vbuf = nil, nil
   else
     local need = P + S
     if not cache.kbuf or cache.kbuf:size(2) < need then
       local cap, opts = math.max(2 * need, 16), { dtype = kt.dtype, device = kt.device }
-      local kb, vb = moe.empty({ B, H, cap, D }, opts), moe.empty({ B, H, cap, D }, opts)
+      local kb, vb = keep(moe.empty({ B, H, cap, D }, opts), moe.empty({ B, H, cap, D }, opts))
       if P > 0 then put(kb, 0, cache.k); put(vb, 0, cache.v) end
-      release(cache.kbuf); release(cache.vbuf)
+      drop(cache.kbuf); drop(cache.vbuf)
       cache.kbuf, cache.vbuf = kb, vb
     end
     put(cache.kbuf, P, kt); put(cache.vbuf, P, vt)
     kc, vc = cache.kbuf:narrow(2, 0, need), cache.vbuf:narrow(2, 0, need)
   end
-  release(cache.k); release(cache.v)
-  cache.k, cache.v = kc, vc
+  drop(cache.k); drop(cache.v)
+  cache.k, cache.v = keep(kc, vc)
   return kc, vc
 end
 
@@ -204,47 +187,22 @@ function Attention:forward(x, cache)
   local B, S = x:size(0), x:size(1)
   local H, D = self.n_heads, self.head_dim
   local P = cache and cache.pos or 0
-  local h = self.qkv(x) -- (B, S, 3 d)
-  local qkv = h:view({ B, S, 3, H, D })
-  release(h)
+  local qkv = self.qkv(x):view({ B, S, 3, H, D }) -- (B, S, 3 d)
   local q, k, v = qkv:select(2, 0), qkv:select(2, 1), qkv:select(2, 2) -- (B, S, H, D)
-  release(qkv)
   if self.pos == "rope" then
     local cos, sin = self:rope_tables(P + S, x.dtype, x.device, cache and 2 * (P + S) or nil)
-    if P > 0 then -- rows P .. P+S-1
-      local c2, s2 = cos:narrow(0, P, S), sin:narrow(0, P, S)
-      release(cos, self._rope.cos); release(sin, self._rope.sin)
-      cos, sin = c2, s2
-    end
-    local qr, kr = moe.rope(q, cos, sin, "bthd"), moe.rope(k, cos, sin, "bthd")
-    release(cos, self._rope.cos); release(sin, self._rope.sin)
-    release(q); release(k)
-    q, k = qr, kr
+    if P > 0 then cos, sin = cos:narrow(0, P, S), sin:narrow(0, P, S) end -- rows P .. P+S-1
+    q, k = moe.rope(q, cos, sin, "bthd"), moe.rope(k, cos, sin, "bthd")
   end
   local qt, kt, vt = q:transpose(1, 2), k:transpose(1, 2), v:transpose(1, 2) -- (B, H, S, D)
-  release(q); release(k); release(v)
-  if cache then
-    local kc, vc = cache_append(cache, kt, vt, P)
-    release(kt, kc); release(vt, vc)
-    kt, vt = kc, vc
-  end
+  if cache then kt, vt = cache_append(cache, kt, vt, P) end
   local o -- (B, H, S, D)
   if P > 0 or self.math_attention or not fused_attention_ok(qt) then
     o = self:attention_math(qt, kt, vt, P)
   else
     o = moe.scaled_dot_product_attention(qt, kt, vt, { causal = true })
   end
-  release(qt)
-  if not cache then release(kt); release(vt) end
-  local ot = o:transpose(1, 2)
-  release(o)
-  local oc = ot:reshape({ B, S, self.d_model })
-  release(ot)
-  local y = self.proj(oc)
-  release(oc)
-  local out = self.drop(y)
-  release(y, out)
-  return out
+  return self.drop(self.proj(o:transpose(1, 2):reshape({ B, S, self.d_model })))
 end
 
 function Attention:extra_repr()
@@ -280,20 +238,8 @@ function Block:init(o)
 end
 
 function Block:forward(x, cache)
-  local a = self.ln1(x)
-  local b = self.attn(a, cache)
-  release(a, x, b)
-  local x1 = x + b
-  release(b, x)
-  local c = self.ln2(x1)
-  local f = self.ffn(c)
-  release(c, x1, f)
-  local g = self.drop(f)
-  release(f, g, x1)
-  local out = x1 + g
-  release(g, x1)
-  release(x1)
-  return out
+  x = x + self.attn(self.ln1(x), cache)
+  return x + self.drop(self.ffn(self.ln2(x)))
 end
 
 -- ------------------------------------------------------ TransformerLM
@@ -400,36 +346,21 @@ function LM:forward(idx, cache)
       self.cfg.seq_len), 2)
   end
   local dev = self.wte.weight.device
-  local ids = idx.device ~= dev and idx:to(dev) or idx
-  local x = self.wte(ids)
-  release(ids, idx)
-  if self.wpe then
-    local pos = moe.arange(P, P + S, { dtype = "i64", device = dev })
-    local pe = self.wpe(pos)
-    local xp = x + pe
-    release(pos); release(pe); release(x)
-    x = xp
-  end
-  local y = self.drop(x)
-  release(x, y)
-  x = y
+  local x = self.wte(idx.device ~= dev and idx:to(dev) or idx)
+  if self.wpe then x = x + self.wpe(moe.arange(P, P + S, { dtype = "i64", device = dev })) end
+  x = self.drop(x)
   for i = 0, self.blocks.n - 1 do
     local lc
     if cache then
       lc = cache.layers[i + 1] or {}
       cache.layers[i + 1], lc.pos = lc, P
     end
-    y = self.blocks:at(i)(x, lc)
-    release(x, y)
-    x = y
+    x = self.blocks:at(i)(x, lc)
   end
   if cache then cache.pos = P + S end
-  y = self.ln_f(x)
-  release(x, y)
-  local logits
-  if self.lm_head then logits = self.lm_head(y) else logits = moe.linear(y, self.wte.weight) end
-  release(y)
-  return logits
+  x = self.ln_f(x)
+  if self.lm_head then return self.lm_head(x) end
+  return moe.linear(x, self.wte.weight)
 end
 
 -- lm:loss(idx (B, S), targets (B, S)) -> loss (scalar tensor: mean cross
@@ -437,30 +368,16 @@ end
 -- The cross entropy is computed in f32 whatever the model's dtype.
 function LM:loss(idx, targets)
   local logits = self:forward(idx)
-  local V = self.cfg.vocab_size
-  if logits.dtype ~= "f32" and logits.dtype ~= "f64" then
-    local l32 = logits:float()
-    release(logits)
-    logits = l32
-  end
-  local dev = logits.device
-  local tg = targets.device ~= dev and targets:to(dev) or targets
-  local l2, t1 = logits:reshape({ -1, V }), tg:reshape({ -1 })
-  local lm = moe.cross_entropy(l2, t1)
-  release(l2); release(t1); release(logits); release(tg, targets)
+  if logits.dtype ~= "f32" and logits.dtype ~= "f64" then logits = logits:float() end
+  local tg = targets.device ~= logits.device and targets:to(logits.device) or targets
+  local lm = moe.cross_entropy(logits:reshape({ -1, self.cfg.vocab_size }), tg:reshape({ -1 }))
   local aux = self:pop_aux_loss()
   local total = lm
   if aux ~= nil then
-    if aux.dtype ~= lm.dtype then
-      local a32 = aux:to(lm.dtype)
-      release(aux)
-      aux = a32
-    end
+    if aux.dtype ~= lm.dtype then aux = aux:to(lm.dtype) end
     total = lm + aux
   end
-  local info = { lm_loss = lm:item(), aux_loss = aux and aux:item() or 0, stats = self:collect_stats() }
-  if aux ~= nil then release(lm); release(aux) end
-  return total, info
+  return total, { lm_loss = lm:item(), aux_loss = aux and aux:item() or 0, stats = self:collect_stats() }
 end
 
 -- Parameters used per token: every parameter except the embedding tables,

@@ -249,12 +249,10 @@ end
 -- Global L2 norm of the gradients of params (tensors or {name, tensor});
 -- scales them by max_norm / (norm + 1e-6) when the norm exceeds max_norm.
 -- One reduction per gradient on its device, one host read of the total.
-function M.clip_grad_norm(params, max_norm)
-  local fn = "optim.clip_grad_norm"
-  if type(params) ~= "table" then fail(fn, "array of parameters expected, got %s", type(params)) end
-  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
-    fail(fn, "max_norm must be a positive number, got %s", tostring(max_norm))
-  end
+-- Runs in a moe.scope: the temporaries (an fp32 copy of a bf16 gradient, the
+-- norms, the scaled gradient) are freed when it returns, not left to the
+-- collector, which does not see device memory.
+local function clip(fn, params, max_norm)
   local grads, norms, device = {}, {}, nil
   for i, p in ipairs(params) do
     local t = p
@@ -263,47 +261,29 @@ function M.clip_grad_norm(params, max_norm)
     local g = t.grad
     if g then
       device = device or g.device
-      -- Temporaries are freed here, not left to the GC: on a GPU an fp32 copy
-      -- of every gradient would otherwise stay in device memory until Lua
-      -- collects it (Lua's GC does not see device memory).
-      local n
-      if g.dtype == "f64" or g.dtype == "f32" then
-        n = g:norm(2)
-      else
-        local g32 = g:float()
-        n = g32:norm(2)
-        g32:free()
-      end
-      if n.device ~= device then
-        local moved = n:to(device)
-        n:free()
-        n = moved
-      end
-      if n.dtype ~= "f32" then
-        local n32 = n:float()
-        n:free()
-        n = n32
-      end
+      local n = (g.dtype == "f64" or g.dtype == "f32") and g:norm(2) or g:float():norm(2)
+      if n.device ~= device then n = n:to(device) end
+      if n.dtype ~= "f32" then n = n:float() end
       grads[#grads + 1] = g
       norms[#norms + 1] = n
     end
   end
   if #grads == 0 then return 0 end
-  local stacked = moe.stack(norms)
-  local tn = stacked:norm(2)
-  local total = tn:item()
-  tn:free()
-  stacked:free()
-  for _, n in ipairs(norms) do n:free() end
+  local total = moe.stack(norms):norm(2):item()
   if max_norm and total > max_norm then
     local coef = max_norm / (total + 1e-6)
-    for _, g in ipairs(grads) do
-      local scaled = g * coef
-      g:copy_(scaled)
-      scaled:free()
-    end
+    for _, g in ipairs(grads) do g:copy_(g * coef) end
   end
   return total
+end
+
+function M.clip_grad_norm(params, max_norm)
+  local fn = "optim.clip_grad_norm"
+  if type(params) ~= "table" then fail(fn, "array of parameters expected, got %s", type(params)) end
+  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
+    fail(fn, "max_norm must be a positive number, got %s", tostring(max_norm))
+  end
+  return moe.scope(clip, fn, params, max_norm)
 end
 
 M.schedule = schedule

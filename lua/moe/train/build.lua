@@ -1,0 +1,91 @@
+--[[
+moe/train/build.lua - what moe.train builds from its config when the caller
+does not hand it over: the model (moe.nn, moe.layers), the data (moe.data)
+and the optimizer (moe.optim); and a model rebuilt from a checkpoint.
+]]
+local checkpoint = require "moe.checkpoint"
+local tconfig = require "moe.train.config"
+
+local M = {}
+
+--- model(cfg, device) -> an nn.TransformerLM from cfg.model (moe.nn, moe.layers).
+function M.model(cfg, device)
+  local nn = require "moe.nn"
+  local mc = cfg.model
+  local mo = mc.moe
+  local ffn
+  if mc.ffn == "moe" then
+    local layers = require "moe.layers"
+    ffn = function(i)
+      if mo.every > 1 and i % mo.every ~= mo.every - 1 then
+        return nn.MLP { d_model = mc.d_model, d_ff = mc.d_ff, activation = mo.activation }
+      end
+      local opts = {
+        hidden_size = mc.d_model, ffn_hidden_size = mo.ffn_hidden_size, num_experts = mo.num_experts,
+        top_k = mo.top_k, mlp_type = mo.mlp_type, activation_fn = mo.activation,
+        mlp_impl = mo.mlp_impl, moe_loss_weight = mo.loss_weight, moe_zloss_weight = mo.zloss_weight,
+        moe_jitter_eps = mo.jitter_eps,
+      }
+      if mo.kind == "moe" then
+        opts.capacity_factor = mo.capacity_factor
+        return layers.MoE(opts)
+      end
+      return layers.dMoE(opts)
+    end
+  else
+    ffn = function() return nn.MLP { d_model = mc.d_model, d_ff = mc.d_ff, activation = mo.activation } end
+  end
+  local lm = nn.TransformerLM {
+    vocab_size = mc.vocab_size, d_model = mc.d_model, n_layers = mc.n_layers, n_heads = mc.n_heads,
+    seq_len = cfg.seq_len, pos = mc.pos, tie_embeddings = mc.tie_embeddings, dropout = mc.dropout,
+    norm = mc.norm, init_std = mc.init_std, ffn = ffn,
+  }
+  if device ~= "cpu" or cfg.dtype ~= "f32" then lm:to(device, cfg.dtype) end
+  return lm
+end
+
+--- load_model(ckpt_path, device) -> model (eval mode), cfg: the model of a checkpoint,
+--- rebuilt from the config in its state.json and loaded with its weights.
+function M.load_model(path, device)
+  local c = checkpoint.load(path, { device = device })
+  local cfg = tconfig.config(c.state.config or {})
+  local model = M.model(cfg, device)
+  model:load_state_dict(c.model)
+  model:eval()
+  return model, cfg
+end
+
+local function file_exists(path)
+  local f = io.open(path, "rb")
+  if f then f:close() return true end
+  return false
+end
+
+--- data(cfg) -> train_data, valid_data, tokenizer (moe.data).
+function M.data(cfg)
+  local prefix = cfg.data
+  if prefix == "bible" then prefix = require("moe.data").bible_corpus { dir = cfg.data_dir } end
+  if prefix == "" or not (file_exists(prefix .. ".bin") and file_exists(prefix .. ".idx")) then
+    error(("train: data='%s': no dataset %s.bin / %s.idx (preprocess text with `moe-lua preprocess " ..
+      "input=... output=PREFIX`, or use data=bible)"):format(cfg.data, prefix, prefix), 0)
+  end
+  local data = require "moe.data"
+  local ds = data.IndexedDataset(prefix)
+  local function split(name)
+    return data.GPTDataset(ds, { seq_len = cfg.seq_len, seed = cfg.data_seed, split = name,
+      valid_fraction = cfg.valid_fraction })
+  end
+  return split("train"), split("valid"), data.ByteTokenizer()
+end
+
+--- optimizer(named_params, cfg) -> AdamW or SGD (moe.optim) from cfg.
+function M.optimizer(named, cfg)
+  local optim = require "moe.optim"
+  if cfg.optimizer == "sgd" then
+    return optim.SGD(named, { lr = cfg.lr, momentum = 0.9, weight_decay = cfg.weight_decay })
+  end
+  return optim.AdamW(named, { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps,
+    weight_decay = cfg.weight_decay })
+end
+
+return M

@@ -1,0 +1,159 @@
+--[[
+moe/train/log.lua - what a training run reports: the console (lines and the
+progress bar), metrics.jsonl and TensorBoard, and the per-interval averages
+(loss, aux loss, grad norm, tokens/s, MFU, expert load) of the log steps.
+
+  local log = tlog.open(cfg, { device =, resumed =, tokens_per_step =, flops_per_token =, peak = })
+  log:count_experts(info.stats)           -- inside the step, while the stats tensors live
+  log:add_step(lm_loss, aux_loss, grad_norm)
+  if log:due(step, last) then local rec = log:record(step, lr, consumed); log:write(rec) end
+  log:eval(step, val_loss); log:say(line); log:close()
+]]
+local moe = require "moe"
+local metrics = require "moe.metrics"
+
+local M = {}
+
+local Log = {}
+Log.__index = Log
+
+local function new_interval() return { steps = 0, loss = 0, aux = 0, gn = 0, counts = {} } end
+
+--- open(cfg, o) -> a logger. o.resumed: append to metrics.jsonl instead of starting it
+--- anew; o.device, o.tokens_per_step, o.flops_per_token and o.peak (FLOP/s) for
+--- tokens/s and MFU.
+function M.open(cfg, o)
+  local self = setmetatable({ cfg = cfg, device = o.device, tokens_per_step = o.tokens_per_step,
+    flops_per_token = o.flops_per_token, peak = o.peak, console = metrics.console(),
+    interval = new_interval() }, Log)
+  -- a fresh run starts metrics.jsonl anew; a resumed one appends to it
+  self.jsonl = metrics.jsonl(cfg.out_dir .. "/metrics.jsonl", o.resumed and "a" or "w")
+  self.tb = cfg.tensorboard and require("moe.tensorboard").writer(cfg.out_dir .. "/tb") or nil
+  self.t_run, self.t_log = moe.clock(), moe.clock()
+  return self
+end
+
+function Log:say(line)
+  if not self.cfg.quiet then self.console.print(line) end
+end
+
+local function to_list(t)
+  if t == nil then return nil end
+  local c = t
+  if c.device ~= "cpu" then c = c:cpu() end
+  return c:totable()
+end
+
+--- count_experts(stats): sums the per-layer expert counts of a model's collect_stats()
+--- ({name =, stats = {expert_counts = (E) tensor}}) into the interval.
+function Log:count_experts(stats)
+  local acc = self.interval.counts
+  for _, s in ipairs(stats or {}) do
+    local counts = s.stats and to_list(s.stats.expert_counts)
+    if counts then
+      local a = acc[s.name]
+      if not a then
+        a = {}
+        for j = 1, #counts do a[j] = 0 end
+        acc[s.name] = a
+        acc[#acc + 1] = s.name
+      end
+      for j = 1, #counts do a[j] = a[j] + math.tointeger(counts[j]) end
+    end
+  end
+end
+
+--- add_step(lm_loss, aux_loss, grad_norm): one optimizer step into the interval.
+function Log:add_step(lm_loss, aux_loss, grad_norm)
+  local iv = self.interval
+  iv.steps = iv.steps + 1
+  iv.loss = iv.loss + lm_loss
+  iv.aux = iv.aux + aux_loss
+  iv.gn = iv.gn + grad_norm
+end
+
+--- due(step, last) -> whether step is a log step.
+function Log:due(step, last)
+  return step % self.cfg.log_every == 0 or step == last
+end
+
+--- record(step, lr, consumed) -> the metrics.jsonl record of the interval ending at step.
+function Log:record(step, lr, consumed)
+  if self.device == "cuda" then moe.cuda.synchronize() end
+  local now = moe.clock()
+  local dt = now - self.t_log
+  self.t_log = now
+  local iv = self.interval
+  local n = iv.steps
+  local tps = n * self.tokens_per_step / math.max(dt, 1e-9)
+  local rec = {
+    step = step, consumed_tokens = consumed, lr = lr, loss = iv.loss / n,
+    aux_loss = iv.aux / n, grad_norm = iv.gn / n, tokens_per_s = tps,
+    ms_per_iter = 1000 * dt / n, time = os.time(),
+  }
+  if self.flops_per_token and self.peak then rec.mfu = self.flops_per_token * tps / self.peak end
+  if #iv.counts > 0 then
+    rec.expert_counts = {}
+    local worst
+    for _, name in ipairs(iv.counts) do
+      rec.expert_counts[name] = iv.counts[name]
+      local b = metrics.load_balance(iv.counts[name])
+      if b and (worst == nil or b > worst) then worst = b end
+    end
+    rec.load_balance = worst
+  end
+  return rec
+end
+
+--- write(rec): rec (from record, perhaps extended by on_log hooks) to metrics.jsonl,
+--- TensorBoard and the console; starts the next interval.
+function Log:write(rec)
+  local step, tb = rec.step, self.tb
+  if tb and rec.expert_counts then
+    for i, name in ipairs(self.interval.counts) do
+      local counts = rec.expert_counts[name]
+      local total = 0
+      for _, c in ipairs(counts) do total = total + c end
+      local layer = tonumber(name:match("%d+")) or (i - 1) -- the block index in "blocks.<i>.ffn"
+      for j, c in ipairs(counts) do
+        tb:add_scalar(("expert_load/layer%d/e%d"):format(layer, j - 1), total > 0 and c / total or 0, step)
+      end
+    end
+  end
+  self.jsonl:write(rec)
+  if tb then
+    tb:add_scalars(step, { loss = rec.loss, lr = rec.lr, grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s,
+      aux_loss = rec.aux_loss, mfu = rec.mfu, load_balance = rec.load_balance })
+    tb:flush()
+  end
+  self:say(metrics.console_line {
+    iteration = step, iterations = self.cfg.steps, consumed_tokens = rec.consumed_tokens,
+    ms_per_iter = rec.ms_per_iter, lr = rec.lr, loss = rec.loss, aux_loss = rec.aux_loss,
+    grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s, mfu = rec.mfu, load_balance = rec.load_balance })
+  self.interval = new_interval()
+end
+
+--- eval(step, val_loss): the validation loss to metrics.jsonl, TensorBoard and the console.
+function Log:eval(step, vl)
+  self.jsonl:write { step = step, val_loss = vl, val_ppl = math.exp(vl) }
+  if self.tb then self.tb:add_scalar("val_loss", vl, step); self.tb:flush() end
+  self:say(("-"):rep(20) .. (" validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |"):format(
+    step, vl, math.exp(vl)))
+end
+
+--- bar(done, total): the progress bar (not when quiet).
+function Log:bar(done, total)
+  if not self.cfg.quiet then self.console.bar(done, total, moe.clock() - self.t_run) end
+end
+
+--- elapsed() -> seconds since open.
+function Log:elapsed() return moe.clock() - self.t_run end
+
+function Log:finish_bar() self.console.finish() end
+
+function Log:close()
+  self.jsonl:close()
+  if self.tb then self.tb:close() end
+end
+
+return M

@@ -1,0 +1,232 @@
+--[[
+moe/train/loop.lua - the training loop of moe.train: resume, the steps
+(gradient accumulation, clipping, the optimizer), evaluation, samples and
+checkpoints, with the hooks of moe/train/hooks.lua at fixed points.
+
+Memory: each training step and each evaluation batch runs inside
+moe.scope, which frees every tensor handle the step made when it ends (what
+autograd saved was already released by backward), so device memory returns
+to the caching allocator at the end of the step, not when Lua's collector
+gets to the handles. Hooks run inside the step's scope: a tensor a hook
+makes and wants to keep past the step goes through moe.keep.
+]]
+local moe = require "moe"
+local checkpoint = require "moe.checkpoint"
+local metrics = require "moe.metrics"
+local tconfig = require "moe.train.config"
+local build = require "moe.train.build"
+local thooks = require "moe.train.hooks"
+local tlog = require "moe.train.log"
+
+local M = {}
+
+local function with_rng_kept(fn, ...)
+  local rng = moe.get_rng_state()
+  local res = table.pack(pcall(fn, ...))
+  moe.set_rng_state(rng)
+  if not res[1] then error(res[2], 0) end
+  return table.unpack(res, 2, res.n)
+end
+
+local function to_device(t, device)
+  if device == "cpu" then return t end
+  return t:to(device)
+end
+
+-- One evaluation batch in its own scope: the lm loss as a number.
+local function eval_batch(model, data, batch_size, device)
+  local x, y = data:batch(batch_size)
+  local _, info = model:loss(to_device(x, device), to_device(y, device))
+  return info.lm_loss
+end
+
+--- evaluate(model, data, iters, batch_size, device) -> mean lm loss over iters batches
+--- (no grad, eval mode; data is rewound to where it was so each call sees the same batches).
+function M.evaluate(model, data, iters, batch_size, device)
+  if iters == 0 then return nil end
+  local start = data:state()
+  local total = 0
+  moe.no_grad(function()
+    model:eval()
+    for _ = 1, iters do total = total + moe.scope(eval_batch, model, data, batch_size, device) end
+    model:train()
+  end)
+  data:set_state(start)
+  return total / iters
+end
+
+--- run(cfg [, parts]) -> result (see moe/train/init.lua).
+function M.run(user_cfg, parts)
+  parts = parts or {}
+  local cfg = tconfig.config(user_cfg)
+  tconfig.check(cfg)
+  local hooks = thooks.check(parts.hooks)
+  local device = tconfig.resolve_device(cfg.device)
+
+  local prev_tf32 -- restored at the end of the run
+  if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
+  moe.manual_seed(cfg.seed)
+
+  local model = parts.model or build.model(cfg, device)
+  local train_data, valid_data, tokenizer = parts.train_data, parts.valid_data, parts.tokenizer
+  if not train_data then
+    local td, vd, tk = build.data(cfg)
+    train_data, valid_data, tokenizer = td, valid_data or vd, tokenizer or tk
+  end
+  local named = model:named_parameters()
+  local params = {}
+  for i, p in ipairs(named) do params[i] = p[2] end
+  local opt = (parts.optimizer or build.optimizer)(named, cfg)
+  local schedule = parts.schedule or require("moe.optim").schedule {
+    lr = cfg.lr, min_lr = cfg.min_lr, warmup = cfg.warmup, total = cfg.steps, decay = cfg.decay }
+  local clip_grad_norm = parts.clip_grad_norm or require("moe.optim").clip_grad_norm
+
+  checkpoint.mkdir_p(cfg.out_dir)
+  local result = { losses = {}, val_losses = {}, model = model, step = 0 }
+  -- what every hook sees (docs/TRAINING.md): the loop updates it in place
+  local state = { cfg = cfg, device = device, model = model, optimizer = opt, params = params,
+    named_params = named, train_data = train_data, valid_data = valid_data, result = result,
+    step = 0, consumed_tokens = 0 }
+
+  -- resume
+  local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
+  local pending_say
+  if resume_path then
+    local c = checkpoint.load(resume_path, { device = device })
+    thooks.call(hooks.load, state, c)
+    model:load_state_dict(c.model)
+    opt:load_state_dict(c.optim, c.state.optim_scalars or {})
+    moe.set_rng_state(c.state.rng)
+    train_data:set_state(c.state.data)
+    state.step, state.consumed_tokens = c.state.step, c.state.consumed_tokens or 0
+    result.checkpoint = resume_path
+    pending_say = ("resumed from %s at iteration %d"):format(resume_path, state.step)
+  elseif cfg.resume == "latest" then
+    pending_say = ("no checkpoint in %s: starting from scratch"):format(cfg.out_dir)
+  end
+  result.step = state.step
+
+  local n_params = 0
+  for _, p in ipairs(params) do n_params = n_params + p:numel() end
+  local peak
+  if device == "cuda" then
+    peak = metrics.peak_flops_for(moe.cuda.get_device_name(0), cfg.dtype,
+      not cfg.deterministic and moe.matmul_tf32 and moe.matmul_tf32() or false)
+  end
+  local tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+  local log = tlog.open(cfg, { device = device, resumed = resume_path ~= nil, tokens_per_step = tokens_per_step,
+    flops_per_token = model.flops_per_token and model:flops_per_token() or nil, peak = peak })
+  if pending_say then log:say(pending_say) end
+  log:say(("training on %s (%s): %d parameters, %d steps of %d tokens, out_dir=%s"):format(device,
+    cfg.dtype, n_params, cfg.steps, tokens_per_step, cfg.out_dir))
+
+  local function sample_text(n)
+    if not tokenizer then return nil end
+    local sample = require "moe.sample"
+    return with_rng_kept(function()
+      moe.manual_seed(cfg.seed + state.step)
+      return sample.text(model, tokenizer, cfg.sample_prompt, {
+        max_new_tokens = n, temperature = cfg.sample_temperature, top_k = cfg.sample_top_k,
+        seq_len = cfg.seq_len, device = device })
+    end)
+  end
+
+  local function save()
+    local ckpt = {
+      model = model:state_dict(), optim = opt:state_dict(),
+      state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
+        data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
+        optim_scalars = tconfig.plain(opt:state_scalars()) },
+    }
+    -- a save hook may add to ckpt, or write it itself and return the path
+    local path = thooks.call(hooks.save, state, ckpt)
+    if path == nil then path = checkpoint.save(cfg.out_dir, state.step, ckpt, { keep_last = cfg.keep_last }) end
+    result.checkpoint = path
+    state.checkpoint = path
+    log:say(("saved checkpoint %s"):format(path))
+  end
+
+  -- One optimizer step; runs inside moe.scope, so every tensor handle made here
+  -- (batches, activations, losses, gradient handles) is freed when it returns.
+  local function train_step()
+    local loss_sum, aux_sum = 0, 0
+    for micro = 1, cfg.grad_accum do
+      local x, y = train_data:batch(cfg.batch_size)
+      local loss, info = model:loss(to_device(x, device), to_device(y, device))
+      if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
+      loss:backward()
+      loss_sum = loss_sum + info.lm_loss
+      aux_sum = aux_sum + (info.aux_loss or 0)
+      log:count_experts(info.stats)
+      state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
+      thooks.call(hooks.after_backward, state)
+    end
+    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
+    thooks.call(hooks.before_step, state)
+    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
+    opt:step()
+    state.step = state.step + 1
+    state.consumed_tokens = state.consumed_tokens + tokens_per_step
+    state.grad_norm = gn
+    thooks.call(hooks.after_step, state)
+    opt:zero_grad()
+    state.loss, state.micro = nil, nil
+    return gn
+  end
+
+  -- one full collection before the first step: what building the model, the optimizer
+  -- and the data left behind (temporaries of initialisation); steps free their own
+  collectgarbage()
+  local first_step = state.step
+  local last_saved = resume_path and state.step or -1
+  local last = cfg.stop_at > 0 and math.min(cfg.stop_at, cfg.steps) or cfg.steps
+  while state.step < last do
+    local lr = schedule(state.step)
+    opt.lr = lr
+    state.lr = lr
+    local gn = moe.scope(train_step)
+    local step = state.step
+    result.losses[step] = state.lm_loss
+    result.step = step
+    log:add_step(state.lm_loss, state.aux_loss, gn)
+
+    if log:due(step, last) then
+      local rec = log:record(step, lr, state.consumed_tokens)
+      thooks.call(hooks.on_log, state, rec)
+      log:write(rec)
+    end
+
+    local eval_now = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
+    if valid_data and cfg.eval_iters > 0 and eval_now then
+      local vl = with_rng_kept(M.evaluate, model, valid_data, cfg.eval_iters, cfg.batch_size, device)
+      result.val_losses[step] = vl
+      state.val_loss = vl
+      thooks.call(hooks.on_eval, state, vl)
+      log:eval(step, vl)
+    end
+
+    if cfg.sample_every > 0 and step % cfg.sample_every == 0 and step < cfg.steps then
+      local text = sample_text(cfg.sample_tokens)
+      if text then log:say(("sample at iteration %d: %q"):format(step, text)) end
+    end
+
+    if cfg.save_every > 0 and step % cfg.save_every == 0 then
+      save()
+      last_saved = step
+    end
+    log:bar(step - first_step, last - first_step)
+  end
+  log:finish_bar()
+
+  if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
+  log:close()
+  if cfg.sample_tokens > 0 and tokenizer then
+    result.sample = sample_text(cfg.sample_tokens)
+    log:say(("sample: %s"):format(result.sample))
+  end
+  result.seconds = log:elapsed()
+  if prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end
+  return result
+end
+
+return M
