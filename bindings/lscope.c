@@ -45,7 +45,7 @@
  * of the forward has ended. A handle freed by a scope and used later raises
  * "attempt to use a freed tensor".
  *
- * How: every handle is made by lm_push_empty (bindings/lmoe.c), which calls
+ * How: every handle is made by lm_push_empty (bindings/ltensor.c), which calls
  * lm_scope_track. A scope is a frame: a table whose keys are the handles made
  * while it is the innermost scope of the Lua thread that opened it (weak keys,
  * so the collector still frees a handle that becomes garbage inside a long

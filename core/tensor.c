@@ -9,11 +9,38 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "cpu_loop.h"
 #include "internal.h"
 
 #define MOE_HOST_ALIGN 64
+
+/*
+ * Host storages of at least MOE_HOST_MAP_MIN bytes are mapped from the
+ * system (mmap) and given back when released (munmap), the smaller ones come
+ * from malloc. glibc's malloc maps large blocks too, but after the first
+ * such block is freed it raises its threshold to that block's size and serves
+ * later ones from its heap, which it can rarely trim once a step's tensors of
+ * many sizes interleave there: freeing a forward pass's intermediates as soon
+ * as each module returns (moe.scope) then tripled the resident memory of a
+ * CPU training run. Mapping our own large blocks keeps the resident memory
+ * at what is allocated.
+ */
+#define MOE_HOST_MAP_MIN ((size_t)128 << 10)
+
+static void *host_block_alloc(size_t block) {
+  if (block < MOE_HOST_MAP_MIN) return aligned_alloc(MOE_HOST_ALIGN, block);
+  void *p = mmap(NULL, block, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  return p == MAP_FAILED ? NULL : p;
+}
+
+static void host_block_free(void *p, size_t block) {
+  if (block < MOE_HOST_MAP_MIN)
+    free(p);
+  else
+    munmap(p, block);
+}
 
 /* ----------------------------------------------------------------- storage */
 
@@ -46,7 +73,7 @@ moe_status moe_storage_new(moe_ctx *ctx, moe_device d, size_t nbytes, moe_storag
                        "storage_new: %zu bytes is more than a host allocation can hold", nbytes);
     }
     s->block = (nbytes + MOE_HOST_ALIGN - 1) / MOE_HOST_ALIGN * MOE_HOST_ALIGN;
-    s->data = aligned_alloc(MOE_HOST_ALIGN, s->block);
+    s->data = host_block_alloc(s->block);
     if (!s->data) {
       free(s);
       return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
@@ -77,7 +104,7 @@ void moe_storage_release(moe_storage *s) {
   } else {
     moe_memory_stats *m = &s->ctx->cpu_stats;
     if (s->data) {
-      free(s->data);
+      host_block_free(s->data, s->block);
       m->system_frees++;
     }
     m->allocated -= (int64_t)s->nbytes;
