@@ -331,7 +331,7 @@ if not gpu then
   case("synchronize", "cuda:0", function() return moe.cuda.synchronize() end)
   case("get_device_name", "cuda:0", function() return moe.cuda.get_device_name() end)
 else
-  case("add", "device", function() return fx.f + moe.ones(3, { device = "cuda" }) end)
+  case("add", "a is on cpu but b is on cuda:0", function() return fx.f + moe.ones(3, { device = "cuda" }) end)
   case("copy_", "cannot be broadcast", function() return moe.zeros(2, { device = "cuda" }):copy_(moe.ones(3)) end)
   case("view", "is invalid for a tensor of", function() return moe.zeros(6, { device = "cuda" }):view(4, 2) end)
   case("normal_", "needs a float tensor", function() return moe.zeros(2, { device = "cuda", dtype = "i32" }):normal_() end)

@@ -341,7 +341,7 @@ end
 -- Moves the router's aux loss here (added to what this layer holds) and
 -- sets self.stats = the router's stats with expert_counts from the plan.
 function dMoE:record(r, plan)
-  -- the plan's device tensors live until the step ends (a recomputing backward uses it)
+  -- the plan's device tensors live until the micro-batch ends (a recomputing backward uses it)
   moe.pass_up(plan)
   local router = self.router
   local a = rawget(router, "aux_loss")

@@ -100,7 +100,7 @@ function MoA:forward(x)
     error(self.__name .. ": the router must be a token-choice router (kind \"token\")", 2)
   end
   local k = r.ids:size(1)
-  local plan = moe.pass_up(moe.ops.routing_plan(r.ids, E)) -- lives until the step ends
+  local plan = moe.pass_up(moe.ops.routing_plan(r.ids, E)) -- lives until the micro-batch ends
   -- queries of every (token, choice), in the plan's order then in
   -- assignment order a = t k + j (dropless: dest is a permutation)
   local q = util.parallel_linear(x2, self.wq, plan, { impl = self.impl, gather = true }) -- (T k, H D)

@@ -26,7 +26,7 @@ Memory: calling a module, m(x), runs forward inside moe.scope, so every
 tensor handle forward makes is freed when it returns, except its results
 (tensors, and tensors in plain tables among them, handed to the caller's
 scope) and self.aux_loss and the tensors of self.stats (moe.pass_up: they
-live until the outermost moe.scope ends, the training step, an eval batch or
+live until the outermost moe.scope ends, a training micro-batch, an eval batch or
 a sampled token, or on when m(x) runs outside any scope). A tensor forward stores for a
 later call (a cache, a table built once) is wrapped in moe.keep. Forward is
 written like the math: no frees. m:forward(x) called directly runs in the

@@ -249,9 +249,19 @@ end
 -- Global L2 norm of the gradients of params (tensors or {name, tensor});
 -- scales them by max_norm / (norm + 1e-6) when the norm exceeds max_norm.
 -- One reduction per gradient on its device, one host read of the total.
--- Runs in a moe.scope: the temporaries (an fp32 copy of a bf16 gradient, the
--- norms, the scaled gradient) are freed when it returns, not left to the
--- collector, which does not see device memory.
+-- The norm of one gradient as an f32 scalar on device, in a moe.scope of its
+-- own (clip_grad_norm): an fp32 copy of a bf16 gradient is freed before the
+-- next gradient's is made, not left to the collector, which does not see
+-- device memory.
+local function grad_norm(g, device)
+  local n = (g.dtype == "f64" or g.dtype == "f32") and g:norm(2) or g:float():norm(2)
+  if n.device ~= device then n = n:to(device) end
+  if n.dtype ~= "f32" then n = n:float() end
+  return n
+end
+
+local function scale_(g, coef) g:copy_(g * coef) end
+
 local function clip(fn, params, max_norm)
   local grads, norms, device = {}, {}, nil
   for i, p in ipairs(params) do
@@ -261,18 +271,15 @@ local function clip(fn, params, max_norm)
     local g = t.grad
     if g then
       device = device or g.device
-      local n = (g.dtype == "f64" or g.dtype == "f32") and g:norm(2) or g:float():norm(2)
-      if n.device ~= device then n = n:to(device) end
-      if n.dtype ~= "f32" then n = n:float() end
       grads[#grads + 1] = g
-      norms[#norms + 1] = n
+      norms[#norms + 1] = moe.scope(grad_norm, g, device)
     end
   end
   if #grads == 0 then return 0 end
   local total = moe.stack(norms):norm(2):item()
   if max_norm and total > max_norm then
     local coef = max_norm / (total + 1e-6)
-    for _, g in ipairs(grads) do g:copy_(g * coef) end
+    for _, g in ipairs(grads) do moe.scope(scale_, g, coef) end
   end
   return total
 end

@@ -3,12 +3,14 @@ moe/train/loop.lua - the training loop of moe.train: resume, the steps
 (gradient accumulation, clipping, the optimizer), evaluation, samples and
 checkpoints, with the hooks of moe/train/hooks.lua at fixed points.
 
-Memory: each training step and each evaluation batch runs inside
-moe.scope, which frees every tensor handle the step made when it ends (what
-autograd saved was already released by backward), so device memory returns
-to the caching allocator at the end of the step, not when Lua's collector
-gets to the handles. Hooks run inside the step's scope: a tensor a hook
-makes and wants to keep past the step goes through moe.keep.
+Memory: each micro-batch, each optimizer step and each evaluation batch runs
+as an outermost moe.scope, which frees every tensor handle it made when it
+ends (what autograd saved was already released by backward), so device
+memory returns to the caching allocator then, not when Lua's collector gets
+to the handles, and nothing of one micro-batch is alive during the next.
+after_backward runs inside the micro-batch's scope, before_step and
+after_step inside the optimizer step's: a tensor a hook makes and wants to
+keep past it goes through moe.keep.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -146,22 +148,25 @@ function M.run(user_cfg, parts)
     log:say(("saved checkpoint %s"):format(path))
   end
 
-  -- One optimizer step; runs inside moe.scope, so every tensor handle made here
-  -- (batches, activations, losses, gradient handles) is freed when it returns.
-  local function train_step()
-    local loss_sum, aux_sum = 0, 0
-    for micro = 1, cfg.grad_accum do
-      local x, y = train_data:batch(cfg.batch_size)
-      local loss, info = model:loss(to_device(x, device), to_device(y, device))
-      if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
-      loss:backward()
-      loss_sum = loss_sum + info.lm_loss
-      aux_sum = aux_sum + (info.aux_loss or 0)
-      log:count_experts(info.stats)
-      state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
-      thooks.call(hooks.after_backward, state)
-    end
-    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
+  -- One micro-batch: forward, backward and the after_backward hooks. It runs as
+  -- an outermost moe.scope, so what the micro-batch made (the batch, activations
+  -- autograd did not save, the loss, the routers' plans and statistics) is freed
+  -- when it ends, before the next micro-batch or the optimizer step.
+  local function micro_step(micro)
+    local x, y = train_data:batch(cfg.batch_size)
+    local loss, info = model:loss(to_device(x, device), to_device(y, device))
+    if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
+    loss:backward()
+    log:count_experts(info.stats)
+    state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
+    thooks.call(hooks.after_backward, state)
+    state.loss = nil
+    return info.lm_loss, info.aux_loss or 0
+  end
+
+  -- The optimizer step with its hooks, in a moe.scope of its own (a hook's
+  -- temporaries are freed when it ends).
+  local function optimizer_step()
     thooks.call(hooks.before_step, state)
     local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
     opt:step()
@@ -170,7 +175,18 @@ function M.run(user_cfg, parts)
     state.grad_norm = gn
     thooks.call(hooks.after_step, state)
     opt:zero_grad()
-    state.loss, state.micro = nil, nil
+    return gn
+  end
+
+  local function train_step()
+    local loss_sum, aux_sum = 0, 0
+    for micro = 1, cfg.grad_accum do
+      local lm, aux = moe.scope(micro_step, micro)
+      loss_sum, aux_sum = loss_sum + lm, aux_sum + aux
+    end
+    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
+    local gn = moe.scope(optimizer_step)
+    state.micro = nil
     return gn
   end
 
@@ -184,7 +200,7 @@ function M.run(user_cfg, parts)
     local lr = schedule(state.step)
     opt.lr = lr
     state.lr = lr
-    local gn = moe.scope(train_step)
+    local gn = train_step()
     local step = state.step
     result.losses[step] = state.lm_loss
     result.step = step
