@@ -1,7 +1,7 @@
 --[[
 bench/grouped_check.lua - checks every grouped-GEMM backend ("loop",
 "cublas_grouped", "streams", "auto") on the six GEMMs of the GLU expert MLP
-that bench/grouped.lua times (see there), for issue 4's configs:
+that bench/grouped.lua times (see there), for the three MoE configs:
   - on a small problem with each config's E (32 tokens per expert on
     average, odd d = 72 and f = 40) against the CPU (the same bf16 values,
     f32 math);
