@@ -260,7 +260,8 @@ static int lm_pass_up(lua_State *L) {
     lm_tensor *u = lm_testtensor(L, i);
     if (u == NULL) {
       /* another closeable userdata: into the innermost frame, marked */
-      if (lua_type(L, i) == LUA_TUSERDATA && lua_istable(L, -1) && luaL_getmetafield(L, i, "__close") != LUA_TNIL) {
+      if (lua_type(L, i) == LUA_TUSERDATA && lua_istable(L, -1) &&
+          luaL_getmetafield(L, i, "__close") != LUA_TNIL) {
         lua_pop(L, 1);
         lua_pushvalue(L, i);
         lua_pushinteger(L, LM_SCOPE_PASSED);

@@ -132,6 +132,29 @@ describe("moe.config", function()
     end
   end)
 
+  it("merges a table of overrides with the same checks, errors under the given name", function()
+    local cfg = moe.config(defaults, { steps = 5, model = { experts = 4, router = { jitter = 0.1 } } }, "train")
+    assert.are.equal(5, cfg.steps)
+    assert.are.equal(4, cfg.model.experts)
+    assert.are.equal(2, cfg.model.top_k)
+    assert.are.equal(0.1, cfg.model.router.jitter)
+    assert.are.equal(100, defaults.steps) -- the defaults are not touched
+    assert.are.equal(math.type(moe.config(defaults, { steps = 6.0 }).steps), "integer")
+    local cases = {
+      { { stepz = 1 }, "train: unknown config key 'stepz' (valid keys: device, lr" },
+      { { model = { expert = 1 } }, "train: unknown config key 'model.expert'" },
+      { { model = 3 }, "train: config key 'model' is a section, got a number" },
+      { { steps = "ten" }, "train: config key 'steps' expects a number, got a string (ten)" },
+      { { steps = 2.5 }, "train: config key 'steps' expects an integer, got 2.5" },
+      { { resume = 1 }, "train: config key 'resume' expects a boolean, got a number (1)" },
+    }
+    for _, c in ipairs(cases) do
+      local err = err_of(moe.config, defaults, c[1], "train")
+      assert.truthy(err:find(c[2], 1, true), err)
+    end
+    assert.truthy(err_of(moe.config, defaults, { stepz = 1 }):find("moe.config: unknown config key 'stepz'", 1, true))
+  end)
+
   it("checks its own arguments", function()
     assert.truthy(err_of(moe.config, nil):find("bad argument #1 to 'config'", 1, true))
     assert.truthy(err_of(moe.config, {}, "x=1"):find("bad argument #2 to 'config'", 1, true))
