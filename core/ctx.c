@@ -16,6 +16,7 @@
 static const char *const moe_status_names[] = {
     "ok",     "invalid argument", "shape error", "dtype error", "device error", "out of memory",
     "CUDA error", "not supported", "I/O error", "internal error",
+    "communication error",
 };
 _Static_assert(sizeof(moe_status_names) / sizeof(moe_status_names[0]) == MOE_STATUS_COUNT,
                "moe_status_names must name every moe_status");

@@ -43,6 +43,7 @@ typedef enum moe_status {
   MOE_ERR_NOT_SUPPORTED, /* valid request this build or op cannot do */
   MOE_ERR_IO,            /* file errors */
   MOE_ERR_INTERNAL,      /* a bug in moe-lua */
+  MOE_ERR_COMM,          /* a collective failed or timed out (moe_dist.h) */
   MOE_STATUS_COUNT
 } moe_status;
 
@@ -464,5 +465,6 @@ moe_status moe_sum(moe_ctx *ctx, moe_tensor *t, int ndims, const int64_t *dims, 
 #include "moe_optim.h"
 #include "moe_data.h"
 #include "moe_io.h"
+#include "moe_dist.h"
 
 #endif /* MOE_H */

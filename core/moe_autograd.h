@@ -153,6 +153,16 @@ const char *moe_node_name(const moe_node *n);
  * when root has one element: then ones). Leaves' .grad accumulate. */
 moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool retain_graph);
 
+/* Leaf hook: while set, moe_backward calls fn(ctx, leaf, ud) once for each
+ * leaf that requires grad, right after the last gradient this backward
+ * sends to it has been summed into its .grad (a leaf reached by several
+ * edges, as tied weights are, is reported once, after all of them; a leaf
+ * of the graph whose every incoming gradient was skipped is reported too).
+ * A failure of fn stops the backward with fn's status. fn == NULL clears
+ * it. Data parallelism's reducer (moe_dist.h) is the user. */
+typedef moe_status (*moe_grad_ready_fn)(moe_ctx *ctx, moe_tensor *leaf, void *ud);
+void moe_autograd_set_grad_ready(moe_ctx *ctx, moe_grad_ready_fn fn, void *ud);
+
 /* Reduces g (broadcast from shape) back to shape by summing over broadcast
  * dims; returns g retained when the shapes already match. */
 moe_status moe_sum_to_shape(moe_ctx *ctx, moe_tensor *g, int ndim, const int64_t *shape,

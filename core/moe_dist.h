@@ -1,0 +1,199 @@
+/*
+ * moe_dist.h - communicators and collectives (core/dist.c; NCCL in
+ * core/dist_nccl.c when built with CUDA). Included by moe.h.
+ *
+ * Engines, not algorithms of our own: tensors on the CPU go through MPI
+ * (Open MPI), tensors on a GPU through NCCL. MPI also starts the job and
+ * bootstraps NCCL: the NCCL id of a communicator is made by its rank 0 and
+ * broadcast over the communicator's MPI twin.
+ *
+ * The world. moe_dist_init reads the environment: under mpirun (Open MPI's
+ * OMPI_COMM_WORLD_* variables), srun (SLURM_PROCID / SLURM_NTASKS) or
+ * `moe-lua launch`, it initialises MPI and the world has every rank. Started
+ * alone, it does not touch MPI: the world has one rank and every collective
+ * is a local copy (so scripts run unchanged on one process).
+ *
+ * Communicators. A moe_comm is a group of ranks with an MPI communicator
+ * and, once a GPU tensor goes through it, an NCCL communicator on that GPU.
+ * Sub-groups come from moe_comm_split (MPI_Comm_split, and ncclCommSplit
+ * when the parent has an NCCL communicator). Every member must make the same
+ * calls on a communicator in the same order, as MPI and NCCL require.
+ *
+ * Streams. GPU collectives run on the communicator's communication stream.
+ * Before one starts, that stream waits (an event, not the host) for the work
+ * queued so far on the context's compute stream; a synchronous call then
+ * makes the compute stream wait for the collective. An asynchronous call
+ * returns a moe_work; moe_work_wait makes the compute stream wait for it
+ * (the host does not block on a GPU collective). The work holds references
+ * to its tensors until it is waited for or freed, so their device memory
+ * cannot go back to the caching allocator while the collective uses it.
+ * On the CPU the host waits: moe_work_wait returns when the data are there.
+ *
+ * Failure. Every wait has a deadline (moe_comm_set_timeout; default
+ * 600 s; MOE_DIST_TIMEOUT, in seconds, overrides). A collective that misses
+ * it fails with MOE_ERR_COMM and a message naming the collective, the
+ * communicator, this rank and the sizes; its NCCL communicator is aborted
+ * (never left to hang) and the communicator is unusable after that (every
+ * later call on it fails at once with the first message). NCCL's
+ * asynchronous errors are polled while waiting and end the same way. MPI
+ * and NCCL failures are MOE_ERR_COMM too. A rank that dies makes mpirun end
+ * the job (the launcher reports which rank went first).
+ *
+ * Checks. Arguments are checked on each rank (shapes that fit, dtypes, one
+ * device). Agreement between ranks (the same collective, dtype and sizes on
+ * every member) is checked when MOE_DIST_DEBUG=1 (or moe_comm_set_debug):
+ * each collective first all-gathers a small descriptor over MPI and fails
+ * on every rank with a message naming what differs. By default it is not
+ * checked: a disagreement ends in the timeout above, or garbage for
+ * all_to_all splits that disagree (each rank checks that the sum of its
+ * splits fits its tensors).
+ *
+ * Tensors. Every float dtype (f32, f64, bf16, f16) and the integer dtypes
+ * (max/min/sum only on integers). Collectives take contiguous tensors; the
+ * in-place ones (all_reduce, broadcast, recv) write their tensor.
+ */
+#ifndef MOE_DIST_H
+#define MOE_DIST_H
+
+#include "moe.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct moe_comm moe_comm;
+typedef struct moe_work moe_work;
+
+typedef enum moe_reduce_op {
+  MOE_REDUCE_SUM = 0,
+  MOE_REDUCE_AVG, /* sum / size: NCCL's ncclAvg; on MPI a sum then a scale */
+  MOE_REDUCE_MAX,
+  MOE_REDUCE_MIN,
+  MOE_REDUCE_COUNT
+} moe_reduce_op;
+
+const char *moe_reduce_op_name(moe_reduce_op op);       /* "sum", "avg", ... */
+bool moe_reduce_op_parse(const char *name, moe_reduce_op *out);
+
+/* ------------------------------------------------------------- the world */
+
+/* Where the process sits in the job, read from the environment without
+ * initialising anything (Open MPI, Slurm, then torchrun's names; one rank
+ * when none is set). */
+typedef struct moe_dist_env {
+  int rank, world_size;
+  int local_rank, local_world_size;
+  const char *launcher; /* "mpirun", "srun", "torchrun" or "none" */
+} moe_dist_env;
+
+moe_status moe_dist_env_read(moe_ctx *ctx, moe_dist_env *out);
+
+/* Initialises the world once per process (later calls return the same
+ * communicator, borrowed: the process owns it until moe_dist_finalize). */
+moe_status moe_dist_init(moe_ctx *ctx, moe_comm **world);
+bool moe_dist_initialized(void);
+/* Frees every communicator and finalises MPI (at process exit; the host
+ * calls it). Safe when never initialised. */
+void moe_dist_finalize(void);
+/* Ends the whole job at once (MPI_Abort): for a rank that cannot go on and
+ * must not leave the others waiting. Does not return under MPI; returns
+ * when the world has one rank. */
+void moe_dist_abort(int code);
+
+/* --------------------------------------------------------- communicators */
+
+int moe_comm_rank(const moe_comm *c);
+int moe_comm_size(const moe_comm *c);
+/* The communicator's name for messages ("world", "ep", "dp_shard", ...). */
+const char *moe_comm_name(const moe_comm *c);
+/* The world rank of this communicator's rank r. */
+int moe_comm_world_rank(const moe_comm *c, int r);
+
+/* Collective over parent: ranks with the same color form one new
+ * communicator, ordered by key (then by parent rank). name is copied.
+ * The caller owns *out (moe_comm_free). */
+moe_status moe_comm_split(moe_ctx *ctx, moe_comm *parent, int color, int key, const char *name,
+                          moe_comm **out);
+/* Frees a communicator made by split (the world is freed by finalize). */
+void moe_comm_free(moe_comm *c);
+
+/* Seconds a wait may take before it fails (> 0). */
+moe_status moe_comm_set_timeout(moe_ctx *ctx, moe_comm *c, double seconds);
+double moe_comm_timeout(const moe_comm *c);
+/* Cross-rank agreement checks before each collective (see above). */
+void moe_comm_set_debug(moe_comm *c, bool on);
+
+moe_status moe_comm_barrier(moe_ctx *ctx, moe_comm *c);
+
+/* ----------------------------------------------------------- collectives */
+/*
+ * work: NULL for a synchronous call; otherwise *work receives a handle that
+ * the caller waits for (moe_work_wait) and frees (moe_work_free). Outputs
+ * are valid after the wait (on a GPU: for work queued on the compute stream
+ * after the wait).
+ */
+
+/* t <- op over ranks of t, in place. */
+moe_status moe_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_reduce_op op,
+                          moe_work **work);
+/* out (n, ...) <- rank r's share of op over ranks of in (size * n, ...):
+ * rows [r * n, (r + 1) * n) of the reduction. */
+moe_status moe_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                              moe_reduce_op op, moe_work **work);
+/* out (size * n, ...) <- every rank's in (n, ...), in rank order. out may
+ * be any contiguous tensor of size * numel(in) elements (one flat buffer). */
+moe_status moe_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                          moe_work **work);
+/* t <- root's t, in place. */
+moe_status moe_broadcast(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int root, moe_work **work);
+/* All-to-all with variable splits along dim 0: rows
+ * [sum(send[0..j)), + send[j]) of in go to rank j; rows from rank j land at
+ * [sum(recv[0..j)), + recv[j]) of out. send and recv have size entries
+ * (host arrays, rows); the sums must not exceed the tensors' dim 0. On a GPU
+ * this is one NCCL group of ncclSend/ncclRecv. */
+moe_status moe_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                          const int64_t *send, const int64_t *recv, moe_work **work);
+/* Point to point: t to rank peer of c / t <- from rank peer. */
+moe_status moe_send(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work **work);
+moe_status moe_recv(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work **work);
+
+/* Waits as the header says (the compute stream on a GPU, the host on the
+ * CPU), within the communicator's timeout. Waiting twice is allowed. */
+moe_status moe_work_wait(moe_ctx *ctx, moe_work *w);
+/* True when the collective has finished (never blocks). */
+bool moe_work_done(moe_ctx *ctx, moe_work *w);
+/* Frees the handle; an unwaited GPU work is waited for first (ordering the
+ * compute stream after it), so its tensors stay safe. free(NULL) is a no-op. */
+void moe_work_free(moe_ctx *ctx, moe_work *w);
+
+/* ------------------------------------------------- gradient bucketing */
+/*
+ * Data parallelism's gradient all-reduce while backward runs (PyTorch DDP's
+ * Reducer). The reducer holds the parameters (leaves that require grad) in
+ * buckets of about bucket_bytes, filled in reverse order of the list (the
+ * order backward tends to finish them). While armed, autograd tells it when
+ * a parameter's gradient of this backward is complete (moe_autograd leaf
+ * hook); when every parameter of a bucket is ready, and every earlier bucket
+ * was launched, the bucket's gradients are copied into one flat buffer and
+ * an asynchronous all_reduce (avg) starts. moe_reducer_finish launches what
+ * is left (a parameter that got no gradient contributes zeros, on every
+ * rank, so buckets always match), waits, and writes the averaged gradients
+ * back into each parameter's .grad. The order of the sums is the
+ * collective's: deterministic for a given world size.
+ */
+typedef struct moe_reducer moe_reducer;
+
+moe_status moe_reducer_new(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *const *params,
+                           size_t bucket_bytes, moe_reducer **out);
+/* The next backward reports ready gradients to this reducer (one at a
+ * time per context). */
+moe_status moe_reducer_arm(moe_ctx *ctx, moe_reducer *r);
+/* Launches the remaining buckets, waits, writes .grad; disarms. */
+moe_status moe_reducer_finish(moe_ctx *ctx, moe_reducer *r);
+int moe_reducer_buckets(const moe_reducer *r);
+void moe_reducer_free(moe_ctx *ctx, moe_reducer *r);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOE_DIST_H */
