@@ -174,6 +174,38 @@ __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
+/* ADD of 32- and 64-bit integers: atomics, one thread per source element.
+ * Integer addition is associative (two's complement wraps the same in any
+ * order), so the result is as deterministic as the sorted path, without its
+ * serial walk of each run: a histogram whose ids mostly fall in one bin (an
+ * untrained router's expert counts) was one thread summing them all. */
+template <typename T>
+__global__ void __launch_bounds__(MOE_THREADS)
+    ix_scatter_add_int_kernel(int64_t n, T *out, const T *src, const void *index, bool i32,
+                              IxGeom g) {
+  int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < n; p += nthreads) {
+    int64_t r = p, io = 0, so = 0, to = 0;
+    for (int d = g.ndim - 1; d >= 0; d--) {
+      int64_t c = r % g.shape[d];
+      r /= g.shape[d];
+      io += c * g.s0[d];
+      so += c * g.s1[d];
+      if (d != g.dim) to += c * g.s2[d];
+    }
+    int64_t v = ix_load_index(index, i32, io);
+    if (v < 0 || v >= g.dimsize) {
+      moe_kerr_report(g.kerr, g.kerr_tag, v, g.dimsize);
+      continue;
+    }
+    T *dst = out + to + v * g.s2[g.dim];
+    if constexpr (sizeof(T) == 8)
+      atomicAdd((unsigned long long *)dst, (unsigned long long)src[so]);
+    else
+      atomicAdd((int *)dst, (int)src[so]);
+  }
+}
+
 /* Sorts n (key, value) pairs by the low `bits` bits of the keys (stable). */
 static moe_status ix_sort_pairs(moe_ctx *ctx, int device, cudaStream_t s, const uint64_t *kin,
                                 uint64_t *kout, const int64_t *vin, int64_t *vout, int64_t n,
@@ -208,6 +240,18 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn,
     g.s1[d] = src->stride[d];
     g.s2[d] = out->stride[d];
   }
+  bool add = mode == MOE_SCATTER_ADD;
+  if (add && (out->dtype == MOE_I64 || out->dtype == MOE_I32)) {
+    bool i32 = index->dtype == MOE_I32;
+    if (out->dtype == MOE_I64)
+      ix_scatter_add_int_kernel<int64_t><<<moe_blocks(n), MOE_THREADS, 0, s>>>(
+          n, (int64_t *)out->data, (const int64_t *)src->data, index->data, i32, g);
+    else
+      ix_scatter_add_int_kernel<int32_t><<<moe_blocks(n), MOE_THREADS, 0, s>>>(
+          n, (int32_t *)out->data, (const int32_t *)src->data, index->data, i32, g);
+    MOE_CUDA_CHECK_LAUNCH(ctx, "scatter_add integer kernel");
+    return MOE_OK;
+  }
   uint64_t oob = (uint64_t)on;
   size_t kb = ix_align((size_t)n * 8);
   MoeScratch buf(ctx, device);
@@ -219,7 +263,6 @@ extern "C" moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn,
                                                                index->dtype == MOE_I32, g, oob);
   MOE_CUDA_CHECK_LAUNCH(ctx, "scatter keys kernel");
   MOE_CHECK(ix_sort_pairs(ctx, device, s, kin, kout, vin, vout, n, ix_key_bits(oob)));
-  bool add = mode == MOE_SCATTER_ADD;
   moe_status st = moe_dtype_dispatch(out->dtype, [&](auto tag) -> moe_status {
     ix_scatter_seg_kernel<decltype(tag)::value><<<moe_blocks(n), MOE_THREADS, 0, s>>>(
         n, kout, vout, out->data, src->data, g, oob, add);
