@@ -23,7 +23,11 @@
  *     second Ctrl-C before that kills the process, as in lua.c). Added:
  *     SIGTERM does the same with "terminated", and when such an error ends
  *     the run the exit status is 128 + the signal (130, 143), as a shell
- *     reports a process the signal killed.
+ *     reports a process the signal killed. SIGTERMs after the first are
+ *     ignored rather than fatal: a process manager (mpirun stopping a job)
+ *     may send more than one, and follows with SIGKILL anyway; so the
+ *     process gets to report, finalize and write its exit record. The REPL
+ *     ends on SIGTERM.
  *   - lua_close before returning, which runs every finalizer: tensors free
  *     their storage before the moe context, and the context before CUDA goes.
  * Added: `moe` in package.preload, MOE_LUA_DIR and <executable's dir>/../lua
@@ -216,11 +220,11 @@ static void lstop(lua_State *L, lua_Debug *ar) {
 }
 
 /* The signal handler only notes the signal and sets the hook (lua_sethook
- * is signal-safe); the default action comes back, so a second signal kills
- * a stuck process. */
+ * is signal-safe); for SIGINT the default action comes back, so a second
+ * Ctrl-C kills a stuck process; later SIGTERMs are ignored (see the top). */
 static void laction(int sig) {
   got_signal = sig;
-  set_signal(sig, SIG_DFL);
+  set_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
   lua_sethook(globalL, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT, 1);
 }
 
@@ -236,7 +240,7 @@ static int docall(lua_State *L, int narg, int nres) {
   set_signal(SIGTERM, laction);
   int status = lua_pcall(L, narg, nres, base);
   set_signal(SIGINT, SIG_DFL);
-  set_signal(SIGTERM, SIG_DFL);
+  if (got_signal != SIGTERM) set_signal(SIGTERM, SIG_DFL);
   lua_remove(L, base);
   return status;
 }
@@ -428,6 +432,7 @@ static void doREPL(lua_State *L) {
     if (status == LUA_OK) print_results(L, base);
     else report(L, status);
     lua_settop(L, base);
+    if (got_signal == SIGTERM) break;
   }
   fputs("\n", stdout);
   fflush(stdout);
@@ -792,10 +797,12 @@ static int pmain(lua_State *L) {
   }
   if (args & has_i) {
     doREPL(L);
+    if (got_signal == SIGTERM) goto fail;
   } else if (script < 1 && !(args & (has_e | has_v))) {
     if (isatty(0)) {
       if (print_version(L) != LUA_OK) goto fail;
       doREPL(L);
+      if (got_signal == SIGTERM) goto fail;
     } else if (dofile(L, NULL) != LUA_OK) {
       goto fail;
     }
