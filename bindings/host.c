@@ -20,20 +20,47 @@
  *     interpreter when there is no script).
  *   - Ctrl-C while Lua runs sets a hook that raises "interrupted!" at the next
  *     Lua instruction, call or return: a safe point, never inside C code (a
- *     second Ctrl-C before that kills the process, as in lua.c).
+ *     second Ctrl-C before that kills the process, as in lua.c). Added:
+ *     SIGTERM does the same with "terminated", and when such an error ends
+ *     the run the exit status is 128 + the signal (130, 143), as a shell
+ *     reports a process the signal killed. SIGTERMs after the first are
+ *     ignored rather than fatal: a process manager (mpirun stopping a job)
+ *     may send more than one, and follows with SIGKILL anyway; so the
+ *     process gets to report, finalize and write its exit record. The REPL
+ *     ends on SIGTERM.
  *   - lua_close before returning, which runs every finalizer: tensors free
  *     their storage before the moe context, and the context before CUDA goes.
  * Added: `moe` in package.preload, MOE_LUA_DIR and <executable's dir>/../lua
  * first on package.path, --version/--help, subcommands (a first argument that
  * is not a file but names a module moe.cli.<name> runs its main(...)), and
  * package.loaded["moe.host"] = {usage = <the text below>} for `moe-lua help`.
+ *
+ * A rank of a launched job (mpirun, srun, torchrun: moe_dist_env_read), set
+ * up in main before the state exists:
+ *   - RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE are set from the
+ *     launcher's variables (torchrun's names, for tools that expect them);
+ *     MASTER_ADDR and MASTER_PORT are left to the launcher.
+ *   - Ranks other than 0 send stdout to /dev/null unless MOE_DIST_PRINT=all.
+ *   - In a job of several ranks, every line of an error the host reports
+ *     and of a Lua warning starts with "[rank r] ":
+ *     "moe-lua: [rank 1] boom.lua:3: bad".
+ *   - With MOE_LAUNCH_DIR set (by `moe-lua launch`), the process writes
+ *     $MOE_LAUNCH_DIR/rank-<r>.exit when it exits, os.exit included: its
+ *     status, the time and the first line of the error (see
+ *     write_exit_record). A rank killed outright writes nothing. The
+ *     variable is removed from the environment, so that processes this one
+ *     starts do not write the rank's record.
+ * A launcher variable that is not a number (or a rank not below its size)
+ * stops the host at once with the message and status 1.
  */
+#include <fcntl.h>
 #include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "lauxlib.h"
@@ -41,14 +68,23 @@
 #include "lualib.h"
 
 #include "lmoe.h"
-#include "moe_dist.h"
+#include "moe.h"
 
 #define PROGNAME "moe-lua"
 #define INIT_VAR "LUA_INIT"
 #define INIT_VAR_VERSION INIT_VAR LUA_VERSUFFIX
 
 static const char *progname = PROGNAME; /* NULL in the REPL: no prefix */
-static lua_State *globalL = NULL;       /* the state the SIGINT hook goes to */
+static lua_State *globalL = NULL;       /* the state the signal hook goes to */
+static volatile sig_atomic_t got_signal = 0; /* SIGINT or SIGTERM during the last call */
+
+/* The job this process is a rank of (setup_job). */
+static moe_dist_env job = {0, 1, 0, 1, "none"};
+static char rank_prefix[32] = "";         /* "[rank r] " in a job of several ranks */
+static char record_dir[PATH_MAX] = "";    /* MOE_LAUNCH_DIR; "" when unset */
+static char last_error[512] = "";         /* first line of the last error reported */
+static int record_status = -1;            /* the exit status for the record; -1 unknown */
+static int record_signal = 0;             /* the signal that ended the run, 0 none */
 static char *repl_line = NULL;          /* getline's buffer, freed in main */
 static size_t repl_cap = 0;
 
@@ -71,10 +107,50 @@ static const char usage_text[] =
 
 /* ------------------------------------------------------------ messages */
 
+/* Keeps the first line of msg (at most sizeof last_error - 1 bytes) for the
+ * exit record. */
+static void keep_error(const char *msg) {
+  size_t n = strcspn(msg, "\n");
+  if (n > sizeof last_error - 1) n = sizeof last_error - 1;
+  memcpy(last_error, msg, n);
+  last_error[n] = '\0';
+}
+
+/* "pname: msg\n" to stderr in one write; in a job of several ranks every
+ * line of msg starts with the rank prefix ("[rank 1] "), so that the lines of
+ * ranks writing at once can be told apart. */
 static void l_message(const char *pname, const char *msg) {
-  if (pname) fprintf(stderr, "%s: ", pname);
-  fprintf(stderr, "%s\n", msg);
+  keep_error(msg);
+  size_t lp = strlen(rank_prefix), lines = 1;
+  if (lp == 0) {
+    if (pname) fprintf(stderr, "%s: ", pname);
+    fprintf(stderr, "%s\n", msg);
+    fflush(stderr);
+    return;
+  }
+  for (const char *c = msg; *c; c++) lines += *c == '\n';
+  size_t cap = (pname ? strlen(pname) + 2 : 0) + lines * lp + strlen(msg) + 2;
+  char *buf = (char *)malloc(cap), *w = buf;
+  if (buf == NULL) { /* no memory: the same text, in several writes */
+    if (pname) fprintf(stderr, "%s: ", pname);
+    fprintf(stderr, "%s%s\n", rank_prefix, msg);
+    fflush(stderr);
+    return;
+  }
+  if (pname) w += sprintf(w, "%s: ", pname);
+  for (const char *c = msg;;) {
+    memcpy(w, rank_prefix, lp);
+    w += lp;
+    size_t n = strcspn(c, "\n");
+    memcpy(w, c, n);
+    w += n;
+    *w++ = '\n';
+    if (c[n] == '\0') break;
+    c += n + 1;
+  }
+  fwrite(buf, 1, (size_t)(w - buf), stderr);
   fflush(stderr);
+  free(buf);
 }
 
 /* Prints the error message at the top of the stack, if status is an error. */
@@ -90,9 +166,9 @@ static int report(lua_State *L, int status) {
 
 static void print_usage(const char *badoption) {
   if (badoption[1] == 'e' || badoption[1] == 'l')
-    fprintf(stderr, "%s: '%s' needs argument\n", PROGNAME, badoption);
+    fprintf(stderr, "%s: %s'%s' needs argument\n", PROGNAME, rank_prefix, badoption);
   else
-    fprintf(stderr, "%s: unrecognized option '%s'\n", PROGNAME, badoption);
+    fprintf(stderr, "%s: %sunrecognized option '%s'\n", PROGNAME, rank_prefix, badoption);
   fputs(usage_text, stderr);
   fflush(stderr);
 }
@@ -126,7 +202,7 @@ static int msghandler(lua_State *L) {
   return 1;
 }
 
-/* ------------------------------------------------------------- Ctrl-C */
+/* ------------------------------------------------- Ctrl-C and SIGTERM */
 
 static void set_signal(int sig, void (*handler)(int)) {
   struct sigaction sa;
@@ -140,26 +216,31 @@ static void set_signal(int sig, void (*handler)(int)) {
 static void lstop(lua_State *L, lua_Debug *ar) {
   (void)ar;
   lua_sethook(L, NULL, 0, 0);
-  luaL_error(L, "interrupted!");
+  luaL_error(L, got_signal == SIGTERM ? "terminated" : "interrupted!");
 }
 
-/* The signal handler only sets the hook (lua_sethook is signal-safe); the
- * default action comes back, so a second Ctrl-C kills a stuck process. */
+/* The signal handler only notes the signal and sets the hook (lua_sethook
+ * is signal-safe); for SIGINT the default action comes back, so a second
+ * Ctrl-C kills a stuck process; later SIGTERMs are ignored (see the top). */
 static void laction(int sig) {
-  set_signal(sig, SIG_DFL);
+  got_signal = sig;
+  set_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
   lua_sethook(globalL, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT, 1);
 }
 
 /* Calls the function below its narg arguments, with the traceback handler
- * and Ctrl-C armed. */
+ * and Ctrl-C (and SIGTERM) armed. */
 static int docall(lua_State *L, int narg, int nres) {
   int base = lua_gettop(L) - narg;
   lua_pushcfunction(L, msghandler);
   lua_insert(L, base);
   globalL = L;
+  got_signal = 0;
   set_signal(SIGINT, laction);
+  set_signal(SIGTERM, laction);
   int status = lua_pcall(L, narg, nres, base);
   set_signal(SIGINT, SIG_DFL);
+  if (got_signal != SIGTERM) set_signal(SIGTERM, SIG_DFL);
   lua_remove(L, base);
   return status;
 }
@@ -351,6 +432,7 @@ static void doREPL(lua_State *L) {
     if (status == LUA_OK) print_results(L, base);
     else report(L, status);
     lua_settop(L, base);
+    if (got_signal == SIGTERM) break;
   }
   fputs("\n", stdout);
   fflush(stdout);
@@ -537,6 +619,132 @@ static int print_version(lua_State *L) {
   return report(L, status);
 }
 
+/* ------------------------------------------------------------- the job */
+
+/* Writes $MOE_LAUNCH_DIR/rank-<r>.exit (atexit, so os.exit and the return
+ * from main both write it), as key=value lines:
+ *   rank=1
+ *   status=1            exit status; 130/143 after SIGINT/SIGTERM; -1 unknown
+ *   signal=0            the signal that stopped the run (2, 15), 0 none
+ *   wall=1717171717.123456789       CLOCK_REALTIME, seconds
+ *   monotonic=12345.678901234       CLOCK_MONOTONIC, seconds (this host's)
+ *   pid=4242
+ *   error=boom.lua:3: bad           the first line of the last error, or ""
+ * through a temporary name and rename, so a reader never sees half a
+ * record. Errors writing it are ignored (the launcher then reports a rank
+ * without a record). */
+static void write_exit_record(void) {
+  if (record_dir[0] == '\0') return;
+  char path[PATH_MAX + 64], tmp[PATH_MAX + 96];
+  snprintf(path, sizeof path, "%s/rank-%d.exit", record_dir, job.rank);
+  snprintf(tmp, sizeof tmp, "%s/.rank-%d.exit.%ld", record_dir, job.rank, (long)getpid());
+  struct timespec wall, mono;
+  clock_gettime(CLOCK_REALTIME, &wall);
+  clock_gettime(CLOCK_MONOTONIC, &mono);
+  FILE *f = fopen(tmp, "w");
+  if (f == NULL) return;
+  fprintf(f, "rank=%d\nstatus=%d\nsignal=%d\nwall=%lld.%09ld\nmonotonic=%lld.%09ld\npid=%ld\n",
+          job.rank, record_status, record_signal, (long long)wall.tv_sec, wall.tv_nsec,
+          (long long)mono.tv_sec, mono.tv_nsec, (long)getpid());
+  fprintf(f, "error=%s\n", record_status == 0 ? "" : last_error);
+  if (fclose(f) == 0) rename(tmp, path);
+  else unlink(tmp);
+}
+
+static void set_int_env(const char *name, int v) {
+  char buf[16];
+  snprintf(buf, sizeof buf, "%d", v);
+  setenv(name, buf, 1);
+}
+
+/* Reads the job from the environment (moe_dist_env_read) and applies the
+ * policy of the header comment. Returns 0 when the environment is broken
+ * (the message printed). */
+static int setup_job(void) {
+  moe_ctx *ctx = NULL;
+  if (moe_ctx_init(&ctx) != MOE_OK) {
+    l_message(PROGNAME, "cannot create a context: not enough memory");
+    return 0;
+  }
+  moe_status st = moe_dist_env_read(ctx, &job);
+  if (st != MOE_OK) {
+    char msg[600];
+    snprintf(msg, sizeof msg, "cannot tell which rank this is: %s", moe_ctx_error(ctx));
+    moe_ctx_free(ctx);
+    l_message(PROGNAME, msg);
+    return 0;
+  }
+  moe_ctx_free(ctx);
+  const char *dir = getenv("MOE_LAUNCH_DIR");
+  if (dir && *dir && strlen(dir) < sizeof record_dir) {
+    strcpy(record_dir, dir);
+    atexit(write_exit_record);
+  }
+  unsetenv("MOE_LAUNCH_DIR");
+  if (strcmp(job.launcher, "none") == 0) return 1;
+  set_int_env("RANK", job.rank);
+  set_int_env("WORLD_SIZE", job.world_size);
+  set_int_env("LOCAL_RANK", job.local_rank);
+  set_int_env("LOCAL_WORLD_SIZE", job.local_world_size);
+  if (job.world_size > 1) snprintf(rank_prefix, sizeof rank_prefix, "[rank %d] ", job.rank);
+  const char *print = getenv("MOE_DIST_PRINT");
+  if (job.rank != 0 && !(print && strcmp(print, "all") == 0)) {
+    fflush(stdout);
+    int fd = open("/dev/null", O_WRONLY);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      if (fd != STDOUT_FILENO) close(fd);
+    }
+  }
+  return 1;
+}
+
+/* Lua's warnings (lauxlib's warnf, "@on"/"@off" and messages in pieces)
+ * with the rank prefix; installed only in a job of several ranks. */
+static int warn_state = 0; /* 0 off, 1 on, 2 in the middle of a message */
+
+static void host_warnf(void *ud, const char *msg, int tocont) {
+  (void)ud;
+  if (warn_state != 2 && !tocont && msg[0] == '@') { /* a control message */
+    if (strcmp(msg, "@off") == 0) warn_state = 0;
+    else if (strcmp(msg, "@on") == 0) warn_state = 1;
+    return;
+  }
+  if (warn_state == 0) return;
+  if (warn_state == 1) fprintf(stderr, "%sLua warning: ", rank_prefix);
+  fputs(msg, stderr);
+  if (tocont) {
+    warn_state = 2;
+  } else {
+    fputs("\n", stderr);
+    fflush(stderr);
+    warn_state = 1;
+  }
+}
+
+/* os.exit that notes its status for the exit record, then calls Lua's
+ * (upvalue 1) with the same arguments. */
+static int host_os_exit(lua_State *L) {
+  if (lua_isboolean(L, 1)) record_status = lua_toboolean(L, 1) ? EXIT_SUCCESS : EXIT_FAILURE;
+  else record_status = (int)(luaL_optinteger(L, 1, EXIT_SUCCESS) & 0xff);
+  record_signal = 0;
+  lua_pushvalue(L, lua_upvalueindex(1));
+  lua_insert(L, 1);
+  lua_call(L, lua_gettop(L) - 1, 0);
+  return 0;
+}
+
+static void wrap_os_exit(lua_State *L) {
+  if (record_dir[0] == '\0') return;
+  if (lua_getglobal(L, "os") == LUA_TTABLE && lua_getfield(L, -1, "exit") == LUA_TFUNCTION) {
+    lua_pushcclosure(L, host_os_exit, 1);
+    lua_setfield(L, -2, "exit");
+  } else {
+    lua_pop(L, 1);
+  }
+  lua_pop(L, 1);
+}
+
 /* ------------------------------------------------------------- pmain */
 
 /* Everything but the creation of the state, under lua_pcall. Returns the
@@ -565,6 +773,7 @@ static int pmain(lua_State *L) {
     lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
   }
   luaL_openlibs(L);
+  wrap_os_exit(L);
   setup_moe(L);
   setup_path(L);
   createargtable(L, argv, argc, script);
@@ -588,10 +797,12 @@ static int pmain(lua_State *L) {
   }
   if (args & has_i) {
     doREPL(L);
+    if (got_signal == SIGTERM) goto fail;
   } else if (script < 1 && !(args & (has_e | has_v))) {
     if (isatty(0)) {
       if (print_version(L) != LUA_OK) goto fail;
       doREPL(L);
+      if (got_signal == SIGTERM) goto fail;
     } else if (dofile(L, NULL) != LUA_OK) {
       goto fail;
     }
@@ -604,11 +815,14 @@ fail:
 }
 
 int main(int argc, char **argv) {
+  if (!setup_job()) return EXIT_FAILURE;
   lua_State *L = luaL_newstate();
   if (L == NULL) {
     l_message(PROGNAME, "cannot create state: not enough memory");
+    record_status = EXIT_FAILURE;
     return EXIT_FAILURE;
   }
+  if (rank_prefix[0]) lua_setwarnf(L, host_warnf, NULL);
   lua_gc(L, LUA_GCSTOP); /* no collections while handling the arguments */
   lua_pushcfunction(L, pmain);
   lua_pushinteger(L, argc);
@@ -616,8 +830,13 @@ int main(int argc, char **argv) {
   int status = lua_pcall(L, 2, 1, 0);
   int result = status == LUA_OK ? (int)lua_tointeger(L, -1) : EXIT_FAILURE;
   report(L, status);
+  if (result != EXIT_SUCCESS && got_signal) { /* the signal's error ended the run */
+    record_signal = got_signal;
+    result = 128 + got_signal;
+  }
   lua_close(L); /* runs every finalizer: tensors, then the moe context */
   moe_dist_finalize(); /* communicators, NCCL and MPI (moe_dist.h), after every finalizer */
   free(repl_line);
+  record_status = result;
   return result;
 }

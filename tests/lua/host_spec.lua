@@ -2,7 +2,8 @@
 tests/lua/host_spec.lua - the moe-lua executable, run as a subprocess
 ($MOE_BUILD_DIR/moe-lua): options as in lua5.4 (-e, -l, -i, -v, -E, --, -),
 the arg table, errors with a traceback and status 1, subcommands, stdin
-scripts, finalizers at exit, and Ctrl-C stopping a running script.
+scripts, finalizers at exit, and Ctrl-C or SIGTERM stopping a running script
+(status 130 or 143).
 ]]
 local moe = require "moe"
 
@@ -236,12 +237,37 @@ describe("moe-lua", function()
     ]])
     -- --foreground: the signal goes to moe-lua once (not again to the group,
     -- which would be a second Ctrl-C and kill it, as it kills lua5.4).
-    local out, rc = sh("timeout --foreground -s INT 2 " .. q(exe) .. " " .. q(s))
-    assert.are_not.equal(0, rc)
+    -- --preserve-status: moe-lua's status, not timeout's 124.
+    local out, rc = sh("timeout --foreground --preserve-status -k 5 -s INT 2 " .. q(exe) .. " " .. q(s))
+    assert.are.equal(130, rc, out)
     assert.truthy(has(out, "started"), out)
     assert.truthy(has(out, "interrupted!"), out)
     assert.truthy(has(out, "stack traceback:"), out)
     assert.falsy(has(out, "AddressSanitizer"), out)
     assert.falsy(has(out, "LeakSanitizer"), out)
+  end)
+
+  it("stops a running script at a safe point on SIGTERM, status 143", function()
+    local _, has_timeout = sh("command -v timeout")
+    if has_timeout ~= 0 then
+      pending("no timeout(1) on this machine")
+      return
+    end
+    local s = script([[
+      io.write('started\n') io.flush()
+      local ok, err = pcall(function() while true do end end)
+      print('caught', err)
+      error('saved a checkpoint, stopping', 0)
+    ]])
+    -- a pcall may catch the error (to save a checkpoint, say); an error
+    -- that then ends the run still gives 143
+    local out, rc = sh("timeout --foreground --preserve-status -k 5 -s TERM 1 " .. q(exe) .. " " .. q(s))
+    assert.are.equal(143, rc, out)
+    assert.truthy(has(out, "started"), out)
+    assert.truthy(has(out, "caught\tterminated\n"), out)
+    assert.truthy(has(out, "moe-lua: saved a checkpoint, stopping"), out)
+    out, rc = sh("timeout --foreground --preserve-status -k 5 -s TERM 1 " .. q(exe) .. " -e 'while true do end'")
+    assert.are.equal(143, rc, out)
+    assert.are.equal("moe-lua: terminated\n", out)
   end)
 end)

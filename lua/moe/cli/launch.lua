@@ -1,0 +1,388 @@
+--[[
+moe/cli/launch.lua - `moe-lua launch`: runs a script (or a command) on N ranks
+through Open MPI's mpirun, then says how the ranks ended.
+
+  moe-lua launch -n 2 experiments/quickstart.lua steps=100
+  moe-lua launch -n 16 --hostfile hosts --record-dir /shared/run1 train ...
+
+It is not a process manager: mpirun starts, watches and stops the ranks; the
+launcher builds mpirun's command line, runs it (moe.proc.spawn: mpirun's
+stderr passes through unchanged and is also scanned for mpirun's report of a
+dead rank; SIGINT and SIGTERM sent to the launcher go on to mpirun), then
+reads the ranks' exit records.
+
+mpirun gets: -n N, --bind-to none; on one node (no hostfile) --oversubscribe
+and loopback only (--mca btl self,vader --mca oob_tcp_if_include lo); the
+variables MOE_LAUNCH_DIR (where each rank's host writes rank-<r>.exit when it
+exits; bindings/host.c), MASTER_ADDR (127.0.0.1 on one node, else the first
+host of the hostfile) and MASTER_PORT (a free port), each unless already set
+in the environment, and -x for each; OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1 when
+run as root. The ranks run this executable with the script and its
+arguments.
+
+The report (stderr), after mpirun returns:
+  - the rank that failed first: the one mpirun names (a rank killed by a
+    signal, or the first non-zero exit), else the earliest failing exit
+    record, else a rank that left no record (it died without a word);
+  - the exit status: that rank's status (128 + the signal for one killed by
+    a signal), 0 when every rank exited 0, 128 + the signal when the launcher
+    itself was interrupted or terminated, mpirun's own status when no rank
+    left a record. The status of the first failure, not the largest one:
+    after it mpirun stops the other ranks (SIGTERM: status 143), and those
+    are consequences, not causes.
+]]
+local M = {
+  summary = "run a script on N ranks through mpirun and report which rank failed first",
+  usage = [[
+usage: moe-lua launch [options] [--] script.lua|command [args ...]
+Runs the script (or a moe-lua command such as train) on N ranks with Open MPI's
+mpirun, then says which rank failed first and why.
+  -n N             number of ranks (default: one per visible GPU, else 1)
+  --hostfile F     Open MPI hostfile, for several nodes (-n is then required)
+  --mpirun PATH    the mpirun to run (default: $MOE_MPIRUN, else mpirun on PATH)
+  -x NAME[=VALUE]  export a variable to every rank (mpirun -x; repeatable)
+  --record-dir D   folder for the ranks' exit records (default: a fresh temporary
+                   folder, removed afterwards; with --hostfile give a folder that
+                   every node sees, or only mpirun's messages are reported)
+  --dry-run        print the mpirun command line and exit
+  -h, --help       show this help
+Exit status: the status of the rank that failed first (128 + the signal for a
+rank killed by a signal), 0 when every rank exited 0, 130/143 when the launcher
+is interrupted/terminated.]],
+}
+
+local NAME = "moe-lua launch"
+
+local function fail(fmt, ...)
+  io.stderr:write(NAME .. ": " .. fmt:format(...) .. "\n")
+  return 1
+end
+
+local function say(fmt, ...) io.stderr:write(NAME .. ": " .. fmt:format(...) .. "\n") end
+
+local function quote(s)
+  if s:match("^[%w%-%+%./_=:,@]+$") then return s end
+  return "'" .. s:gsub("'", "'\\''") .. "'"
+end
+
+local signames = { [1] = "SIGHUP", [2] = "SIGINT", [3] = "SIGQUIT", [6] = "SIGABRT", [9] = "SIGKILL",
+  [11] = "SIGSEGV", [13] = "SIGPIPE", [15] = "SIGTERM" }
+local function signame(n) return signames[n] or ("signal " .. n) end
+
+-- ------------------------------------------------------------- arguments
+
+-- Returns the options table, or nil and a message.
+local function parse(args)
+  local o = { exports = {}, rest = {} }
+  local i = 1
+  local function value(flag)
+    i = i + 1
+    if args[i] == nil then return nil, ("%s needs a value"):format(flag) end
+    return args[i]
+  end
+  while i <= #args do
+    local a = args[i]
+    local err
+    if a == "--" then
+      i = i + 1
+      break
+    elseif a == "-h" or a == "--help" then
+      o.help = true
+    elseif a == "-n" or a == "-np" or a == "--np" then
+      o.n, err = value(a)
+    elseif a:match("^%-n%d") then
+      o.n = a:sub(3)
+    elseif a == "--hostfile" then
+      o.hostfile, err = value(a)
+    elseif a == "--mpirun" then
+      o.mpirun, err = value(a)
+    elseif a == "--record-dir" then
+      o.record_dir, err = value(a)
+    elseif a == "-x" then
+      local x
+      x, err = value(a)
+      if x and not x:match("^[%a_][%w_]*=?") then err = ("-x '%s' is not NAME or NAME=VALUE"):format(x) end
+      o.exports[#o.exports + 1] = x
+    elseif a == "--dry-run" then
+      o.dry_run = true
+    elseif a:sub(1, 1) == "-" then
+      return nil, ("unknown option '%s'"):format(a)
+    else
+      break
+    end
+    if err then return nil, err end
+    i = i + 1
+  end
+  for j = i, #args do o.rest[#o.rest + 1] = args[j] end
+  if o.n ~= nil then
+    local n = tostring(o.n):match("^%d+$") and tonumber(o.n)
+    if not n or n < 1 or n > 1e6 then return nil, ("bad -n '%s' (a whole number of ranks, at least 1)"):format(o.n) end
+    o.n = math.tointeger(n)
+  end
+  return o
+end
+
+local function file_exists(path)
+  local f = io.open(path, "r")
+  if not f then return false end
+  local ok = f:read(0) ~= nil or f:read("a") ~= nil -- false for a folder
+  f:close()
+  return ok
+end
+
+-- The mpirun to run, or nil and why not.
+local function find_mpirun(proc, given)
+  local function check(path, where)
+    if proc.executable(path) then return path end
+    return nil, ("%s '%s' is not an executable file"):format(where, path)
+  end
+  if given then return check(given, "--mpirun") end
+  local env = os.getenv("MOE_MPIRUN")
+  if env and env ~= "" then return check(env, "MOE_MPIRUN") end
+  for dir in (os.getenv("PATH") or ""):gmatch("[^:]+") do
+    if proc.executable(dir .. "/mpirun") then return dir .. "/mpirun" end
+  end
+  return nil, "mpirun not found on PATH (install Open MPI, e.g. apt-get install openmpi-bin, " ..
+    "or name it with --mpirun PATH or MOE_MPIRUN)"
+end
+
+-- The first host named in an Open MPI hostfile ("node1 slots=4").
+local function first_host(path)
+  for line in io.lines(path) do
+    local host = line:gsub("#.*", ""):match("^%s*(%S+)")
+    if host then return host end
+  end
+end
+
+-- ----------------------------------------------------------- the report
+
+-- rank-<r>.exit (bindings/host.c write_exit_record) as a table, or nil.
+local function read_record(dir, r)
+  local f = io.open(("%s/rank-%d.exit"):format(dir, r), "r")
+  if not f then return nil end
+  local rec = {}
+  for line in f:lines() do
+    local k, v = line:match("^([%w_]+)=(.*)$")
+    if k then rec[k] = v end
+  end
+  f:close()
+  rec.status = math.tointeger(tonumber(rec.status)) or -1
+  rec.signal = math.tointeger(tonumber(rec.signal)) or 0
+  rec.wall = tonumber(rec.wall) or math.huge
+  return rec
+end
+
+local function clock(wall)
+  if wall == math.huge then return "?" end
+  local s = math.floor(wall)
+  return os.date("%H:%M:%S", s) .. (".%03d"):format(math.floor((wall - s) * 1000))
+end
+
+-- What mpirun said about the ranks: the rank killed by a signal it
+-- noticed, or the first one to exit non-zero.
+local function mpirun_said(lines)
+  local said = {}
+  for _, line in ipairs(lines) do
+    local r, pid, node, sig, what =
+      line:match("mpirun noticed that process rank (%d+) with PID (%d+) on node (%S+) exited on signal (%d+) %(([^)]*)%)")
+    if r then
+      said.signal_rank, said.signal, said.signal_text = tonumber(r), tonumber(sig), what
+      said.node, said.pid, said.line = node, pid, line:gsub("^%s+", "")
+    end
+    local pr = line:match("Process name:%s*%[%[%d+,%d+%],(%d+)%]")
+    if pr and not said.exit_rank then said.exit_rank = tonumber(pr) end
+    local code = line:match("Exit code:%s*(%d+)")
+    if code and not said.exit_code then said.exit_code = tonumber(code) end
+  end
+  return said
+end
+
+-- "exit 1 at 12:00:01.123" / "terminated by SIGTERM at ..." for a record.
+local function how(rec)
+  if rec.signal ~= 0 then
+    return ("stopped by %s, status %d, at %s"):format(signame(rec.signal), rec.status, clock(rec.wall))
+  elseif rec.status < 0 then
+    return ("exit status unknown at %s"):format(clock(rec.wall))
+  end
+  return ("exit %d at %s"):format(rec.status, clock(rec.wall))
+end
+
+-- One line on the ranks other than `first` that did not exit 0.
+local function say_others(n, records, complete, first)
+  local others = {}
+  for r = 0, n - 1 do
+    if r ~= first then
+      local o = records[r]
+      if o and o.status ~= 0 then
+        others[#others + 1] = ("rank %d %s"):format(r, o.signal ~= 0 and ("stopped by " .. signame(o.signal))
+          or ("exit " .. o.status))
+      elseif not o and complete then
+        others[#others + 1] = ("rank %d left no record"):format(r)
+      end
+    end
+  end
+  if #others > 0 then
+    local shown = table.concat(others, ", ", 1, math.min(#others, 8))
+    say("%s: %s%s", first and "other ranks" or "ranks", shown,
+      #others > 8 and (", and %d more"):format(#others - 8) or "")
+  end
+end
+
+-- Prints the report; returns the exit status.
+local function report(n, records, complete, result, lines)
+  local said = mpirun_said(lines)
+  if result.forwarded then
+    say("%s received and sent on to mpirun", signame(result.forwarded))
+    say_others(n, records, complete, nil)
+    return 128 + result.forwarded
+  end
+  -- the rank that failed first
+  local first
+  if said.signal_rank and said.signal_rank < n then
+    first = said.signal_rank
+  elseif said.exit_rank and said.exit_rank < n then
+    first = said.exit_rank
+  else
+    for r = 0, n - 1 do
+      local rec = records[r]
+      if rec and rec.status ~= 0 and (first == nil or rec.wall < records[first].wall) then first = r end
+    end
+    if first == nil and complete then
+      for r = 0, n - 1 do
+        if not records[r] then
+          first = r
+          break
+        end
+      end
+    end
+  end
+  local mpirun_status = result.signal and 128 + result.signal or result.status
+  if first == nil then
+    if mpirun_status == 0 then return 0 end
+    local any = next(records) ~= nil
+    if any then
+      say("mpirun exited with status %d though no rank failed", mpirun_status)
+    else
+      say("mpirun exited with status %d and no rank left an exit record (did the ranks start? " ..
+        "see mpirun's messages above)", mpirun_status)
+    end
+    return mpirun_status
+  end
+  local rec, status = records[first], nil
+  if rec and rec.status ~= 0 then
+    local msg = rec.error ~= "" and (": " .. rec.error) or ""
+    say("rank %d failed first (%s)%s", first, how(rec), msg)
+    status = rec.status > 0 and rec.status or 1
+  elseif said.signal_rank == first then
+    say("rank %d died without a word (mpirun: exited on signal %d (%s) on node %s)", first,
+      said.signal, said.signal_text, said.node)
+    status = 128 + said.signal
+  elseif said.exit_rank == first and said.exit_code and said.exit_code ~= 0 then
+    say("rank %d failed first (exit %d, says mpirun; it left no exit record)", first, said.exit_code)
+    status = said.exit_code
+  else
+    say("rank %d died without a word (killed by a signal? it left no exit record)", first)
+    status = mpirun_status ~= 0 and mpirun_status or 1
+  end
+  say_others(n, records, complete, first)
+  return status
+end
+
+-- ------------------------------------------------------------------ main
+
+function M.main(...)
+  local args = { ... }
+  local moe = require "moe"
+  local proc = moe.proc
+  local o, err = parse(args)
+  if not o then return fail("%s (%s --help lists the options)", err, NAME) end
+  if o.help then
+    print(M.usage)
+    return 0
+  end
+  local script = o.rest[1]
+  if not script then return fail("no script given\n%s", M.usage:match("^[^\n]*")) end
+  if not file_exists(script) then
+    local is_command = script:match("^[%a][%w_%-]*$") and package.searchpath("moe.cli." .. script, package.path)
+    if not is_command then return fail("cannot open %s (no such file or command)", script) end
+  end
+  if o.hostfile and not file_exists(o.hostfile) then return fail("cannot open hostfile %s", o.hostfile) end
+  if o.hostfile and not o.n then return fail("with --hostfile, give -n (the number of ranks in all)") end
+  local n = o.n
+  if not n then
+    local gpus = moe.cuda.device_count()
+    n = gpus > 0 and gpus or 1
+    say("no -n given: %d rank%s (%s)", n, n == 1 and "" or "s",
+      gpus > 0 and "one per visible GPU" or "no GPU visible")
+  end
+  local mpirun, why = find_mpirun(proc, o.mpirun)
+  if not mpirun then return fail("%s", why) end
+
+  -- what the ranks get
+  local env = {}
+  local master_addr = os.getenv("MASTER_ADDR")
+  if not master_addr or master_addr == "" then
+    master_addr = o.hostfile and first_host(o.hostfile) or "127.0.0.1"
+    if not master_addr then return fail("hostfile %s names no host", o.hostfile) end
+    env.MASTER_ADDR = master_addr
+  end
+  local master_port = os.getenv("MASTER_PORT")
+  if not master_port or master_port == "" then env.MASTER_PORT = tostring(proc.free_port()) end
+  if proc.geteuid() == 0 then
+    env.OMPI_ALLOW_RUN_AS_ROOT = os.getenv("OMPI_ALLOW_RUN_AS_ROOT") or "1"
+    env.OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = os.getenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") or "1"
+  end
+  local dir, made_dir = o.record_dir, false
+  if o.dry_run then
+    env.MOE_LAUNCH_DIR = dir or "<a fresh temporary folder>"
+  else
+    if not dir then
+      dir, made_dir = proc.mkdtemp("moe-launch"), true
+    end
+    env.MOE_LAUNCH_DIR = dir
+  end
+
+  local argv = { mpirun, "-n", tostring(n) }
+  local function add(...) for _, a in ipairs({ ... }) do argv[#argv + 1] = a end end
+  if o.hostfile then
+    add("--hostfile", o.hostfile)
+  else
+    add("--oversubscribe", "--mca", "btl", "self,vader", "--mca", "oob_tcp_if_include", "lo")
+  end
+  add("--bind-to", "none")
+  add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT")
+  for _, x in ipairs(o.exports) do add("-x", x) end
+  add(proc.exe())
+  for _, a in ipairs(o.rest) do add(a) end
+
+  if o.dry_run then
+    local words = {}
+    for _, k in ipairs({ "MOE_LAUNCH_DIR", "MASTER_ADDR", "MASTER_PORT", "OMPI_ALLOW_RUN_AS_ROOT",
+      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" }) do
+      if env[k] then words[#words + 1] = k .. "=" .. quote(env[k]) end
+    end
+    for _, a in ipairs(argv) do words[#words + 1] = quote(a) end
+    print(table.concat(words, " "))
+    return 0
+  end
+
+  -- clear records a previous run left in a folder we were given
+  for r = 0, n - 1 do os.remove(("%s/rank-%d.exit"):format(dir, r)) end
+  local ok, result = pcall(proc.spawn, argv, {
+    env = env,
+    keep = { "mpirun noticed that process rank", "Process name:", "Exit code:" },
+  })
+  if not ok then
+    if made_dir then os.remove(dir) end
+    return fail("%s", tostring(result))
+  end
+  local records = {}
+  for r = 0, n - 1 do records[r] = read_record(dir, r) end
+  if made_dir then os.execute("rm -rf " .. quote(dir)) end -- with what a killed rank left half-written
+  -- on several nodes a record folder that is not shared leaves records
+  -- missing: then only records that are there and mpirun's word count
+  local complete = not o.hostfile or o.record_dir ~= nil
+  return report(n, records, complete, result, result.lines)
+end
+
+return M
