@@ -217,6 +217,8 @@ void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
 /* moe.dist (bindings/ldist.c): a table of its own, made in the module. */
 void lm_open_dist(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_proc(lua_State *L, int mod, int methods, int sentinel); /* moe.proc */
+/* moe.dist.reducer (bindings/lreducer.c), into moe.dist: opened after it. */
+void lm_open_reducer(lua_State *L, int mod, int methods, int sentinel);
 /* ops is moe.ops (made by luaopen_moe alone): their functions are
  * moe.ops.<name>. */
 void lm_open_routing(lua_State *L, int ops, int methods, int sentinel);

@@ -2,7 +2,7 @@
  * autograd.c - the reverse-mode engine behind moe_autograd.h: per-tensor
  * autograd state (requires_grad, .grad, grad_fn), graph nodes and their
  * edges, saved tensors (through the saved-tensor hooks when pushed), grad
- * mode, moe_backward and moe_sum_to_shape.
+ * mode, moe_backward (with its leaf hook) and moe_sum_to_shape.
  *
  * Ownership, chosen so that the graph has no reference cycles and frees
  * deterministically:
@@ -533,6 +533,14 @@ moe_status moe_node_set_output(moe_ctx *ctx, moe_node *n, int k, moe_tensor *out
   return MOE_OK;
 }
 
+/* ---------------------------------------------------------- leaf hook */
+
+void moe_autograd_set_grad_ready(moe_ctx *ctx, moe_grad_ready_fn fn, void *ud) {
+  if (!ctx) return;
+  ctx->grad_ready = fn;
+  ctx->grad_ready_ud = fn ? ud : NULL;
+}
+
 /* ---------------------------------------------------------- sum_to_shape */
 
 moe_status moe_sum_to_shape(moe_ctx *ctx, moe_tensor *g, int ndim, const int64_t *shape,
@@ -645,9 +653,61 @@ static void graph_free(bw_graph *g) {
   free(g->slot);
 }
 
+/* The leaves a backward reaches, for the leaf hook: an open-addressing hash
+ * of leaf pointers with, for each, the edges to it whose node has not run. */
+typedef struct leaf_table {
+  moe_tensor **key; /* (nslot) NULL when empty */
+  int64_t *count;   /* (nslot) edges still to run */
+  int64_t n, nslot;
+} leaf_table;
+
+/* The slot holding t, or the empty slot where it would go. */
+static int64_t leaf_slot(const leaf_table *lt, const moe_tensor *t) {
+  uint64_t mask = (uint64_t)lt->nslot - 1, h = ptr_hash(t) & mask;
+  while (lt->key[h] && lt->key[h] != t) h = (h + 1) & mask;
+  return (int64_t)h;
+}
+
+/* One more edge to leaf t. */
+static moe_status leaf_add_edge(moe_ctx *ctx, leaf_table *lt, moe_tensor *t) {
+  if ((lt->n + 1) * 2 > lt->nslot) { /* keep the table at most half full */
+    int64_t nslot = lt->nslot ? lt->nslot * 2 : 64;
+    moe_tensor **key = calloc((size_t)nslot, sizeof(*key));
+    int64_t *count = calloc((size_t)nslot, sizeof(*count));
+    if (!key || !count) {
+      free(key);
+      free(count);
+      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "backward: out of host memory");
+    }
+    leaf_table grown = {key, count, lt->n, nslot};
+    for (int64_t i = 0; i < lt->nslot; i++) {
+      if (!lt->key[i]) continue;
+      int64_t h = leaf_slot(&grown, lt->key[i]);
+      key[h] = lt->key[i];
+      count[h] = lt->count[i];
+    }
+    free(lt->key);
+    free(lt->count);
+    *lt = grown;
+  }
+  int64_t h = leaf_slot(lt, t);
+  if (!lt->key[h]) {
+    lt->key[h] = t;
+    lt->n++;
+  }
+  lt->count[h]++;
+  return MOE_OK;
+}
+
+static void leaf_table_free(leaf_table *lt) {
+  free(lt->key);
+  free(lt->count);
+}
+
 /* Collects every node reachable from root (iterative depth-first search)
- * and counts, for each, the edges that reach it from collected nodes. */
-static moe_status graph_collect(moe_ctx *ctx, bw_graph *g, moe_node *root) {
+ * and counts, for each, the edges that reach it from collected nodes; with
+ * lt, also the edges that reach each leaf. */
+static moe_status graph_collect(moe_ctx *ctx, bw_graph *g, moe_node *root, leaf_table *lt) {
   int64_t idx, cap = 64, top = 0;
   moe_node **stack = malloc(sizeof(*stack) * (size_t)cap);
   if (!stack) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "backward: out of host memory");
@@ -657,7 +717,10 @@ static moe_status graph_collect(moe_ctx *ctx, bw_graph *g, moe_node *root) {
     moe_node *n = stack[--top];
     for (int i = 0; i < n->n_inputs && st == MOE_OK; i++) {
       moe_node *p = n->next[i].node;
-      if (!p) continue;
+      if (!p) {
+        if (lt && n->next[i].leaf) st = leaf_add_edge(ctx, lt, n->next[i].leaf);
+        continue;
+      }
       idx = graph_find(g, p);
       if (idx >= 0) {
         g->e[idx].deps++;
@@ -820,18 +883,24 @@ moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool r
     /* a header without history, so a grad that requires grad adds nothing */
     MOE_CHECK(header_alias(ctx, "backward", grad, &g0));
   }
+  /* the leaf hook as it is now (a hook that changes it affects the next backward) */
+  moe_grad_ready_fn ready_fn = ctx->grad_ready;
+  void *ready_ud = ctx->grad_ready_ud;
   bool prev = moe_grad_set(ctx, false);
   moe_status st = MOE_OK;
   moe_autograd_meta *rm = meta_of(root);
   if (!rm->grad_fn) { /* a leaf: its own gradient */
     st = leaf_accumulate(ctx, root, g0);
+    if (st == MOE_OK && ready_fn) st = ready_fn(ctx, root, ready_ud);
     moe_grad_set(ctx, prev);
     return st;
   }
   bw_graph g;
   memset(&g, 0, sizeof(g));
+  leaf_table lt;
+  memset(&lt, 0, sizeof(lt));
   int64_t *ready = NULL;
-  st = graph_collect(ctx, &g, rm->grad_fn);
+  st = graph_collect(ctx, &g, rm->grad_fn, ready_fn ? &lt : NULL);
   if (st == MOE_OK) {
     g.e[0].grad[rm->output] = g0;
     g0 = NULL;
@@ -859,9 +928,19 @@ moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool r
       int64_t pi = graph_find(&g, p);
       if (--g.e[pi].deps == 0) ready[top++] = pi;
     }
+    /* the leaf hook: a leaf whose last edge this node was has its gradient
+     * (or got none from this backward) */
+    for (int i = 0; ready_fn && i < n->n_inputs && st == MOE_OK; i++) {
+      moe_tensor *leaf = n->next[i].leaf;
+      if (!leaf) continue;
+      int64_t h = leaf_slot(&lt, leaf);
+      MOE_ASSERT(lt.key[h] == leaf && lt.count[h] > 0);
+      if (--lt.count[h] == 0) st = ready_fn(ctx, leaf, ready_ud);
+    }
   }
   moe_tensor_release(g0);
   free(ready);
+  leaf_table_free(&lt);
   graph_free(&g);
   moe_grad_set(ctx, prev);
   return st;

@@ -33,6 +33,8 @@ struct moe_ctx {
   bool grad_enabled;          /* true unless inside no_grad */
   int n_hooks;                /* saved-tensor hooks stack depth */
   struct moe_saved_hooks *hooks[16]; /* (n_hooks) each holds one reference */
+  moe_grad_ready_fn grad_ready; /* leaf hook of moe_backward, or NULL */
+  void *grad_ready_ud;          /* its argument */
   moe_knobs knobs;            /* kernel tuning knobs, read at creation (knobs.h) */
 };
 

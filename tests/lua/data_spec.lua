@@ -288,6 +288,34 @@ describe("GPTDataset", function()
     assert.are.same(a, g2:batch(6):totable())
   end)
 
+  it("gives each rank its rows of the global batch (shard_batch)", function()
+    local ds = numbered("g4")
+    local n = data.GPTDataset(ds, { seq_len = 4, seed = 7 }):num_samples()
+    local B, R = 3, 4
+    -- across an epoch boundary: start near the end of epoch 0
+    local whole = data.GPTDataset(ds, { seq_len = 4, seed = 7 })
+    whole:set_state({ epoch = 0, position = n - 5 })
+    local wx, wy = whole:batch(R * B)
+    wx, wy = wx:totable(), wy:totable()
+    for r = 0, R - 1 do
+      local gd = data.GPTDataset(ds, { seq_len = 4, seed = 7 })
+      gd:set_state({ epoch = 0, position = n - 5 })
+      local x, y = gd:shard_batch(B, r, R)
+      assert.are.same({ B, 4 }, x.shape)
+      local xt, yt = x:totable(), y:totable()
+      for b = 1, B do
+        assert.are.same(wx[r * B + b], xt[b])
+        assert.are.same(wy[r * B + b], yt[b])
+      end
+      assert.are.same(whole:state(), gd:state()) -- where batch(R * B) leaves it
+    end
+    local gd = data.GPTDataset(ds, { seq_len = 4, seed = 7 })
+    assert.has_error(function() gd:shard_batch(2, 2, 2) end,
+      "GPTDataset:shard_batch: rank must be an integer in [0, ranks), got rank 2 of 2")
+    assert.has_error(function() gd:shard_batch(0, 0, 2) end,
+      "GPTDataset:shard_batch: batch size must be an integer >= 1, got 0")
+  end)
+
   it("rejects bad options", function()
     local ds = numbered("g3")
     assert.has_error(function() data.GPTDataset(ds, { seq_len = 4, shuffle = true }) end,

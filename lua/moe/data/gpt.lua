@@ -5,6 +5,7 @@ indexed dataset (data.GPTDataset).
   local gd = data.GPTDataset(ds, {seq_len=, seed=1234, split="train"|"valid",
                                   valid_fraction=0.05})
   local x, y = gd:batch(B)   -- (B, seq_len) i64 CPU tensors, y = x shifted by one
+  local x, y = gd:shard_batch(B, rank, ranks)  -- rows [rank*B, (rank+1)*B) of batch(ranks*B)
   gd:state() -> {epoch=, position=}; gd:set_state(s); gd:reset(); gd:num_samples()
 
 Split: the last valid_fraction of the documents (at least one when there are
@@ -98,13 +99,10 @@ end
 function GPT:num_samples() return self.samples end
 function GPT:num_tokens() return self.tokens end
 
--- x, y: (B, seq_len) i64 CPU tensors.
-function GPT:batch(B)
-  if math.type(B) ~= "integer" or B < 1 then
-    error(("GPTDataset:batch: batch size must be an integer >= 1, got %s"):format(tostring(B)), 2)
-  end
+-- The start tokens of the next n samples (advancing epoch and position).
+local function draw(self, n)
   local starts = {}
-  for b = 1, B do
+  for b = 1, n do
     if self.position >= self.samples then
       self.epoch = self.epoch + 1
       self.position = 0
@@ -113,11 +111,41 @@ function GPT:batch(B)
     starts[b] = self.perm[self.position + 1] * self.seq_len
     self.position = self.position + 1
   end
+  return starts
+end
+
+local function windows(self, starts)
   local w = self.ds:windows(self.seq_begin, self.seq_end, starts, self.seq_len + 1)
   local x = w:narrow(1, 0, self.seq_len):contiguous()
   local y = w:narrow(1, 1, self.seq_len):contiguous()
   w:free()
   return x, y
+end
+
+local function check_batch(fn, B)
+  if math.type(B) ~= "integer" or B < 1 then
+    error(("GPTDataset:%s: batch size must be an integer >= 1, got %s"):format(fn, tostring(B)), 3)
+  end
+end
+
+-- x, y: (B, seq_len) i64 CPU tensors.
+function GPT:batch(B)
+  check_batch("batch", B)
+  return windows(self, draw(self, B))
+end
+
+-- x, y: rows [rank * B, (rank + 1) * B) of what batch(ranks * B) would return,
+-- leaving the dataset where batch(ranks * B) leaves it (data parallelism: every
+-- rank draws the same global batch and reads only its own rows).
+function GPT:shard_batch(B, rank, ranks)
+  check_batch("shard_batch", B)
+  if math.type(ranks) ~= "integer" or ranks < 1 or math.type(rank) ~= "integer" or rank < 0
+      or rank >= ranks then
+    error(("GPTDataset:shard_batch: rank must be an integer in [0, ranks), got rank %s of %s"):format(
+      tostring(rank), tostring(ranks)), 2)
+  end
+  local starts = draw(self, B * ranks)
+  return windows(self, table.move(starts, rank * B + 1, (rank + 1) * B, 1, {}))
 end
 
 function GPT:state() return { epoch = self.epoch, position = self.position } end

@@ -33,6 +33,7 @@ function M.defaults()
     out_dir = "out", resume = "", deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
+    parallel = { dp = 0, bucket_mb = 25.0 },
   }
 end
 
@@ -55,6 +56,10 @@ function M.check(cfg)
   pos("steps", cfg.steps, true); pos("eval_every", cfg.eval_every, true); pos("eval_iters", cfg.eval_iters, true)
   pos("log_every", cfg.log_every); pos("save_every", cfg.save_every, true); pos("keep_last", cfg.keep_last, true)
   pos("stop_at", cfg.stop_at, true); pos("warmup", cfg.warmup, true)
+  pos("parallel.dp", cfg.parallel.dp, true)
+  if cfg.parallel.bucket_mb < 0 then
+    error(("train: parallel.bucket_mb must be a number >= 0, got %s"):format(tostring(cfg.parallel.bucket_mb)), 0)
+  end
   local function one_of(key, v, list)
     for _, x in ipairs(list) do if v == x then return end end
     error(("train: %s must be one of %s, got '%s'"):format(key, table.concat(list, ", "), tostring(v)), 0)
@@ -71,6 +76,12 @@ function M.check(cfg)
       tostring(cfg.decay), cfg.steps), 0)
   end
 end
+
+--- is_cuda(device) -> whether a resolved device ("cpu", "cuda", "cuda:1") is a GPU.
+function M.is_cuda(device) return device:sub(1, 4) == "cuda" end
+
+--- cuda_index(device) -> the ordinal of "cuda" (0) or "cuda:<i>".
+function M.cuda_index(device) return math.tointeger(device:match("^cuda:(%d+)$")) or 0 end
 
 --- resolve_device(name) -> "cpu" or "cuda" ("auto": cuda when available).
 function M.resolve_device(name)

@@ -9,7 +9,7 @@ TensorBoard), atomic checkpoints, exact resumption and hooks.
 
 The parts: moe/train/config.lua (keys, defaults, checks), build.lua (model,
 data, optimizer from cfg), loop.lua (the loop), log.lua (console, jsonl,
-TensorBoard), hooks.lua (the hook points).
+TensorBoard), hooks.lua (the hook points), parallel.lua (data parallelism).
 
 cfg keys (train.defaults() holds every key with its default; an unknown key
 is an error listing the valid ones):
@@ -33,6 +33,10 @@ is an error listing the valid ones):
   device ("auto" | "cpu" | "cuda"), dtype ("f32" | "bf16"), seed
   tensorboard, sample_every (0: only at the end), sample_tokens, sample_prompt,
   sample_temperature, sample_top_k, quiet
+  parallel.dp     data-parallel ranks (0: the job's world size; 1: no data parallelism);
+                  each rank reads rows [r * batch_size, (r + 1) * batch_size) of a global
+                  batch of dp * batch_size, gradients are averaged over ranks in buckets of
+                  parallel.bucket_mb MiB (moe/train/parallel.lua, docs/DISTRIBUTED.md)
 
 parts (optional; each replaces what run would build from cfg):
   model       a module with named_parameters, state_dict, load_state_dict, train/eval and
@@ -60,7 +64,7 @@ return {
   build_model = build.model,               -- (cfg, device) -> nn.TransformerLM
   load_model = build.load_model,           -- (ckpt_path, device) -> model (eval mode), cfg
   build_data = build.data,                 -- (cfg) -> train_data, valid_data, tokenizer
-  evaluate = loop.evaluate,                -- (model, data, iters, batch_size, device) -> mean loss
+  evaluate = loop.evaluate,                -- (model, data, iters, batch_size, device [, par]) -> mean loss
   run = loop.run,                          -- (cfg [, parts]) -> result
   hooks = require("moe.train.hooks").names, -- the hook names, in the order they first run
 }

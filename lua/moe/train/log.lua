@@ -21,20 +21,24 @@ local function new_interval() return { steps = 0, loss = 0, aux = 0, gn = 0, cou
 
 --- open(cfg, o) -> a logger. o.resumed: append to metrics.jsonl instead of starting it
 --- anew; o.device, o.tokens_per_step, o.flops_per_token and o.peak (FLOP/s) for
---- tokens/s and MFU.
+--- tokens/s and MFU (tokens_per_step of the whole job: with data parallelism every
+--- rank's tokens). o.writer = false (data parallelism's ranks other than 0): no
+--- console, no files; the logger still keeps the interval's numbers.
 function M.open(cfg, o)
   local self = setmetatable({ cfg = cfg, device = o.device, tokens_per_step = o.tokens_per_step,
     flops_per_token = o.flops_per_token, peak = o.peak, console = metrics.console(),
-    interval = new_interval() }, Log)
-  -- a fresh run starts metrics.jsonl anew; a resumed one appends to it
-  self.jsonl = metrics.jsonl(cfg.out_dir .. "/metrics.jsonl", o.resumed and "a" or "w")
-  self.tb = cfg.tensorboard and require("moe.tensorboard").writer(cfg.out_dir .. "/tb") or nil
+    interval = new_interval(), writer = o.writer ~= false }, Log)
+  if self.writer then
+    -- a fresh run starts metrics.jsonl anew; a resumed one appends to it
+    self.jsonl = metrics.jsonl(cfg.out_dir .. "/metrics.jsonl", o.resumed and "a" or "w")
+    self.tb = cfg.tensorboard and require("moe.tensorboard").writer(cfg.out_dir .. "/tb") or nil
+  end
   self.t_run, self.t_log = moe.clock(), moe.clock()
   return self
 end
 
 function Log:say(line)
-  if not self.cfg.quiet then self.console.print(line) end
+  if self.writer and not self.cfg.quiet then self.console.print(line) end
 end
 
 local function to_list(t)
@@ -79,7 +83,7 @@ end
 
 --- record(step, lr, consumed) -> the metrics.jsonl record of the interval ending at step.
 function Log:record(step, lr, consumed)
-  if self.device == "cuda" then moe.cuda.synchronize() end
+  if self.device:sub(1, 4) == "cuda" then moe.cuda.synchronize(self.device) end
   local now = moe.clock()
   local dt = now - self.t_log
   self.t_log = now
@@ -120,7 +124,7 @@ function Log:write(rec)
       end
     end
   end
-  self.jsonl:write(rec)
+  if self.jsonl then self.jsonl:write(rec) end
   if tb then
     tb:add_scalars(step, { loss = rec.loss, lr = rec.lr, grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s,
       aux_loss = rec.aux_loss, mfu = rec.mfu, load_balance = rec.load_balance })
@@ -135,7 +139,7 @@ end
 
 --- eval(step, val_loss): the validation loss to metrics.jsonl, TensorBoard and the console.
 function Log:eval(step, vl)
-  self.jsonl:write { step = step, val_loss = vl, val_ppl = math.exp(vl) }
+  if self.jsonl then self.jsonl:write { step = step, val_loss = vl, val_ppl = math.exp(vl) } end
   if self.tb then self.tb:add_scalar("val_loss", vl, step); self.tb:flush() end
   self:say(("-"):rep(20) .. (" validation loss at iteration %d | lm loss value: %.6E | lm loss PPL: %.6E |"):format(
     step, vl, math.exp(vl)))
@@ -143,15 +147,43 @@ end
 
 --- bar(done, total): the progress bar (not when quiet).
 function Log:bar(done, total)
-  if not self.cfg.quiet then self.console.bar(done, total, moe.clock() - self.t_run) end
+  if self.writer and not self.cfg.quiet then self.console.bar(done, total, moe.clock() - self.t_run) end
 end
 
 --- elapsed() -> seconds since open.
 function Log:elapsed() return moe.clock() - self.t_run end
 
-function Log:finish_bar() self.console.finish() end
+function Log:finish_bar()
+  if self.writer then self.console.finish() end
+end
+
+--- global(par, losses): data parallelism at a log step: the interval's lm and aux
+--- losses become the means over ranks and its expert counts the sums, in one
+--- collective (par:sum); losses = {{step, lm, aux}, ...} of the interval's steps
+--- (each lm replaced by its global mean). Nothing to do when dp == 1.
+function Log:global(par, losses)
+  if par.dp == 1 then return end
+  local iv, v = self.interval, {}
+  for _, e in ipairs(losses) do v[#v + 1] = e[2]; v[#v + 1] = e[3] end
+  for _, name in ipairs(iv.counts) do
+    for _, c in ipairs(iv.counts[name]) do v[#v + 1] = c end
+  end
+  local s = par:sum(v)
+  iv.loss, iv.aux = 0, 0
+  for i, e in ipairs(losses) do
+    e[2], e[3] = s[2 * i - 1] / par.dp, s[2 * i] / par.dp
+    iv.loss = iv.loss + e[2] -- in step order, as add_step summed them
+    iv.aux = iv.aux + e[3]
+  end
+  local k = 2 * #losses
+  for _, name in ipairs(iv.counts) do
+    local a = iv.counts[name]
+    for j = 1, #a do k = k + 1; a[j] = math.tointeger(s[k]) or s[k] end
+  end
+end
 
 function Log:close()
+  if not self.writer then return end
   self.jsonl:close()
   if self.tb then self.tb:close() end
 end

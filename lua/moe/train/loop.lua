@@ -19,6 +19,7 @@ local tconfig = require "moe.train.config"
 local build = require "moe.train.build"
 local thooks = require "moe.train.hooks"
 local tlog = require "moe.train.log"
+local parallel = require "moe.train.parallel"
 
 local M = {}
 
@@ -36,24 +37,28 @@ local function to_device(t, device)
 end
 
 -- One evaluation batch in its own scope: the lm loss as a number.
-local function eval_batch(model, data, batch_size, device)
-  local x, y = data:batch(batch_size)
+local function eval_batch(model, data, batch_size, device, par)
+  local x, y
+  if par then x, y = par:batch(data, batch_size) else x, y = data:batch(batch_size) end
   local _, info = model:loss(to_device(x, device), to_device(y, device))
   return info.lm_loss
 end
 
---- evaluate(model, data, iters, batch_size, device) -> mean lm loss over iters batches
---- (no grad, eval mode; data is rewound to where it was so each call sees the same batches).
-function M.evaluate(model, data, iters, batch_size, device)
+--- evaluate(model, data, iters, batch_size, device [, par]) -> mean lm loss over iters
+--- batches (no grad, eval mode; data is rewound to where it was so each call sees the
+--- same batches). With par (moe/train/parallel.lua) each rank evaluates its rows of
+--- global batches of dp * batch_size and the result is the mean over ranks.
+function M.evaluate(model, data, iters, batch_size, device, par)
   if iters == 0 then return nil end
   local start = data:state()
   local total = 0
   moe.no_grad(function()
     model:eval()
-    for _ = 1, iters do total = total + moe.scope(eval_batch, model, data, batch_size, device) end
+    for _ = 1, iters do total = total + moe.scope(eval_batch, model, data, batch_size, device, par) end
     model:train()
   end)
   data:set_state(start)
+  if par then return par:mean({ total / iters })[1] end
   return total / iters
 end
 
@@ -63,7 +68,9 @@ function M.run(user_cfg, parts)
   local cfg = tconfig.config(user_cfg)
   tconfig.check(cfg)
   local hooks = thooks.check(parts.hooks)
-  local device = tconfig.resolve_device(cfg.device)
+  -- data parallelism (moe/train/parallel.lua): the ranks, and each rank's device
+  local par = parallel.setup(cfg)
+  local device = par.device or tconfig.resolve_device(cfg.device)
 
   local prev_tf32 -- restored at the end of the run
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
@@ -78,17 +85,23 @@ function M.run(user_cfg, parts)
   local named = model:named_parameters()
   local params = {}
   for i, p in ipairs(named) do params[i] = p[2] end
+  -- the same seed made the same model on every rank; rank 0's values make sure of it
+  -- (before the optimizer copies master weights from the parameters)
+  par:broadcast_params(params)
   local opt = (parts.optimizer or build.optimizer)(named, cfg)
   local schedule = parts.schedule or require("moe.optim").schedule {
     lr = cfg.lr, min_lr = cfg.min_lr, warmup = cfg.warmup, total = cfg.steps, decay = cfg.decay }
   local clip_grad_norm = parts.clip_grad_norm or require("moe.optim").clip_grad_norm
 
-  checkpoint.mkdir_p(cfg.out_dir)
+  -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
+  if par.writer then checkpoint.mkdir_p(cfg.out_dir) end
   local result = { losses = {}, val_losses = {}, model = model, step = 0 }
   -- what every hook sees (docs/TRAINING.md): the loop updates it in place
   local state = { cfg = cfg, device = device, model = model, optimizer = opt, params = params,
     named_params = named, train_data = train_data, valid_data = valid_data, result = result,
-    step = 0, consumed_tokens = 0 }
+    step = 0, consumed_tokens = 0, parallel = par }
+  -- the gradients' all_reduce (avg) over ranks, armed for the last micro-batch of a step
+  local reducer = par:reducer(params, cfg.parallel.bucket_mb)
 
   -- resume
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
@@ -111,19 +124,25 @@ function M.run(user_cfg, parts)
   local n_params = 0
   for _, p in ipairs(params) do n_params = n_params + p:numel() end
   local peak
-  if device == "cuda" then
-    peak = metrics.peak_flops_for(moe.cuda.get_device_name(0), cfg.dtype,
+  if tconfig.is_cuda(device) then
+    peak = par.dp * metrics.peak_flops_for(moe.cuda.get_device_name(tconfig.cuda_index(device)), cfg.dtype,
       not cfg.deterministic and moe.matmul_tf32 and moe.matmul_tf32() or false)
   end
-  local tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len
+  -- tokens of the whole job per step (every rank's)
+  local tokens_per_step = par.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
   local log = tlog.open(cfg, { device = device, resumed = resume_path ~= nil, tokens_per_step = tokens_per_step,
-    flops_per_token = model.flops_per_token and model:flops_per_token() or nil, peak = peak })
+    flops_per_token = model.flops_per_token and model:flops_per_token() or nil, peak = peak,
+    writer = par.writer })
   if pending_say then log:say(pending_say) end
   log:say(("training on %s (%s): %d parameters, %d steps of %d tokens, out_dir=%s"):format(device,
     cfg.dtype, n_params, cfg.steps, tokens_per_step, cfg.out_dir))
+  if par.dp > 1 then
+    log:say(("data parallel over %d ranks: %d sequences per rank per micro-batch, gradients in %d bucket%s"):format(
+      par.dp, cfg.batch_size, reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
+  end
 
   local function sample_text(n)
-    if not tokenizer then return nil end
+    if not tokenizer or not par.writer then return nil end
     local sample = require "moe.sample"
     return with_rng_kept(function()
       moe.manual_seed(cfg.seed + state.step)
@@ -134,6 +153,7 @@ function M.run(user_cfg, parts)
   end
 
   local function save()
+    if not par.writer then return end -- rank 0 writes; the others hold the same state
     local ckpt = {
       model = model:state_dict(), optim = opt:state_dict(),
       state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
@@ -152,11 +172,18 @@ function M.run(user_cfg, parts)
   -- an outermost moe.scope, so what the micro-batch made (the batch, activations
   -- autograd did not save, the loss, the routers' plans and statistics) is freed
   -- when it ends, before the next micro-batch or the optimizer step.
+  -- With data parallelism each rank reads its rows of the global batch, and the
+  -- last micro-batch's backward all-reduces the gradients (the earlier ones
+  -- accumulate locally, as DDP's no_sync): finished before after_backward, so
+  -- hooks and clipping see the global gradient.
   local function micro_step(micro)
-    local x, y = train_data:batch(cfg.batch_size)
+    local x, y = par:batch(train_data, cfg.batch_size)
     local loss, info = model:loss(to_device(x, device), to_device(y, device))
     if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
+    local sync = reducer and micro == cfg.grad_accum
+    if sync then reducer:arm() end
     loss:backward()
+    if sync then reducer:finish() end
     log:count_experts(info.stats)
     state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
     thooks.call(hooks.after_backward, state)
@@ -195,6 +222,7 @@ function M.run(user_cfg, parts)
   collectgarbage()
   local first_step = state.step
   local last_saved = resume_path and state.step or -1
+  local interval = {} -- {step, lm, aux} of the steps since the last log (data parallelism)
   local last = cfg.stop_at > 0 and math.min(cfg.stop_at, cfg.steps) or cfg.steps
   while state.step < last do
     local lr = schedule(state.step)
@@ -205,8 +233,13 @@ function M.run(user_cfg, parts)
     result.losses[step] = state.lm_loss
     result.step = step
     log:add_step(state.lm_loss, state.aux_loss, gn)
+    interval[#interval + 1] = { step, state.lm_loss, state.aux_loss }
 
     if log:due(step, last) then
+      -- the global means of the interval's losses (one collective per log step)
+      log:global(par, interval)
+      for _, e in ipairs(interval) do result.losses[e[1]] = e[2] end
+      interval = {}
       local rec = log:record(step, lr, state.consumed_tokens)
       thooks.call(hooks.on_log, state, rec)
       log:write(rec)
@@ -214,7 +247,8 @@ function M.run(user_cfg, parts)
 
     local eval_now = cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps)
     if valid_data and cfg.eval_iters > 0 and eval_now then
-      local vl = with_rng_kept(M.evaluate, model, valid_data, cfg.eval_iters, cfg.batch_size, device)
+      local vl = with_rng_kept(M.evaluate, model, valid_data, cfg.eval_iters, cfg.batch_size, device,
+        par.dp > 1 and par or nil)
       result.val_losses[step] = vl
       state.val_loss = vl
       thooks.call(hooks.on_eval, state, vl)
@@ -236,6 +270,8 @@ function M.run(user_cfg, parts)
 
   if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
   log:close()
+  if reducer then reducer:free() end
+  par:barrier() -- no rank returns before rank 0 has written its last checkpoint
   if cfg.sample_tokens > 0 and tokenizer then
     result.sample = sample_text(cfg.sample_tokens)
     log:say(("sample: %s"):format(result.sample))

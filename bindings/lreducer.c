@@ -1,0 +1,196 @@
+/*
+ * lreducer.c - moe.dist.reducer: the gradient reducer of data parallelism
+ * (moe_dist.h "gradient bucketing", core/dist_reducer.c) as a Lua object.
+ *
+ *   local r = moe.dist.reducer(params, {bucket_mb = 25, group = moe.dist.world})
+ *   r:arm()            -- the next backward all-reduces (avg) bucket by bucket
+ *   loss:backward()
+ *   r:finish()         -- the rest launched, all waited for: .grad is the average
+ *   r:buckets()        -- how many buckets
+ *   r:free()           -- also by <close> and __gc
+ *
+ * params is a list of tensors (leaves that require grad) or of {name, tensor}
+ * pairs (model:named_parameters()). bucket_mb may be fractional; 0 puts each
+ * parameter in a bucket of its own. The reducer holds one reference to the
+ * state, like a tensor, and its parameters through the core; r:free(),
+ * __close and __gc share one idempotent function (which also disarms it and
+ * waits for what is in flight), and a freed reducer raises "attempt to use a
+ * freed reducer". The reducer keeps its group's handle alive (a group freed
+ * explicitly with g:free() while a reducer uses it is the caller's error).
+ */
+#include <stdlib.h>
+
+#include "lmoe_internal.h"
+
+#define LM_REDUCER "moe.Reducer"
+
+typedef struct lm_reducer {
+  moe_reducer *r; /* NULL before creation and after free */
+  lm_state *S;    /* one reference while r is not NULL */
+} lm_reducer;
+
+static lm_reducer *lm_checkreducer(lua_State *L, int arg, const char *fname) {
+  lm_reducer *u = (lm_reducer *)luaL_testudata(L, arg, LM_REDUCER);
+  if (u == NULL) lm_argerror(L, arg, fname, "reducer expected, got %s", lm_typename(L, arg));
+  if (u->r == NULL) lm_argerror(L, arg, fname, "attempt to use a freed reducer");
+  return u;
+}
+
+static int lm_reducer_release(lua_State *L) {
+  lm_reducer *u = (lm_reducer *)luaL_checkudata(L, 1, LM_REDUCER);
+  if (u->r) {
+    moe_reducer_free(u->S->ctx, u->r);
+    u->r = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+  return 0;
+}
+
+/* A moe.Group (bindings/ldist.c) at idx: its communicator. ldist.c keeps the
+ * group's layout private; its first field is the moe_comm (NULL once freed). */
+#define LM_GROUP "moe.Group"
+static moe_comm *lm_reducer_checkgroup(lua_State *L, int idx, int arg, const char *fname) {
+  void *g = luaL_testudata(L, idx, LM_GROUP);
+  if (g == NULL) lm_argerror(L, arg, fname, "group must be a group (moe.dist.world, g:split), got %s", lm_typename(L, idx));
+  moe_comm *c = *(moe_comm **)g;
+  if (c == NULL) lm_argerror(L, arg, fname, "attempt to use a freed group");
+  return c;
+}
+
+/* The communicator of the group option at table index opts (the group value
+ * is left on the stack), or the world (nil left). */
+static moe_comm *lm_reducer_group(lua_State *L, lm_state *S, int opts) {
+  moe_comm *c = NULL;
+  if (opts > 0 && lua_getfield(L, opts, "group") != LUA_TNIL)
+    return lm_reducer_checkgroup(L, lua_gettop(L), opts, "reducer");
+  if (opts == 0) lua_pushnil(L);
+  if (moe_dist_init(S->ctx, &c) != MOE_OK) lm_corefail(L, S, "reducer", 0);
+  return c;
+}
+
+/* moe.dist.reducer(params [, {bucket_mb = 25, group = world}]) -> reducer */
+static int lm_reducer_new(lua_State *L) {
+  static const char *const known[] = {"bucket_mb", "group", NULL};
+  const char *fn = "reducer";
+  lm_state *S = lm_S(L);
+  if (lua_type(L, 1) != LUA_TTABLE)
+    lm_argerror(L, 1, fn, "a list of parameters expected, got %s", lm_typename(L, 1));
+  int opts = 0;
+  double mb = 25.0;
+  if (!lua_isnoneornil(L, 2)) {
+    if (lua_type(L, 2) != LUA_TTABLE)
+      lm_argerror(L, 2, fn, "options table expected, got %s", lm_typename(L, 2));
+    lm_checkkeys(L, 2, fn, known);
+    opts = 2;
+    if (lua_getfield(L, 2, "bucket_mb") != LUA_TNIL) {
+      int isnum = 0;
+      mb = (double)lua_tonumberx(L, -1, &isnum);
+      if (!isnum || !(mb >= 0) || mb > 1e6)
+        lm_argerror(L, 2, fn, "bucket_mb must be a number in [0, 1e6], got %s", lm_describe(L, -1));
+    }
+    lua_pop(L, 1);
+  }
+  lm_checkend(L, 2, fn);
+  lua_Unsigned len = lua_rawlen(L, 1);
+  if (len > 10000000) lm_argerror(L, 1, fn, "%I parameters is too many", (LUAI_UACINT)len);
+  moe_tensor **params = NULL;
+  void **box = lm_push_scratch(L);
+  if (len > 0) {
+    params = (moe_tensor **)calloc((size_t)len, sizeof(*params));
+    if (!params) return luaL_error(L, "reducer: not enough memory");
+    *box = params;
+  }
+  for (lua_Unsigned i = 0; i < len; i++) {
+    lua_rawgeti(L, 1, (lua_Integer)i + 1);
+    if (lua_type(L, -1) == LUA_TTABLE) { /* {name, tensor} */
+      lua_rawgeti(L, -1, 2);
+      lua_remove(L, -2);
+    }
+    lm_tensor *t = lm_testtensor(L, -1);
+    if (t == NULL || t->t == NULL)
+      lm_argerror(L, 1, fn, "parameter %I must be a tensor or {name, tensor}, got %s",
+                  (LUAI_UACINT)(i + 1), t ? "freed tensor" : lm_typename(L, -1));
+    params[i] = t->t; /* the list keeps it alive until the core retains it */
+    lua_pop(L, 1);
+  }
+  moe_comm *c = lm_reducer_group(L, S, opts);
+  int group = lua_gettop(L);
+  lm_reducer *u = (lm_reducer *)lua_newuserdatauv(L, sizeof *u, 1);
+  u->r = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_REDUCER);
+  lua_pushvalue(L, group); /* the group's handle lives as long as the reducer */
+  lua_setiuservalue(L, -2, 1);
+  moe_reducer *r = NULL;
+  size_t bytes = (size_t)(mb * 1024.0 * 1024.0);
+  if (moe_reducer_new(S->ctx, c, (int)len, params, bytes, &r) != MOE_OK)
+    return lm_corefail(L, S, fn, 1); /* params: freed by the box's __gc */
+  free(params);
+  *box = NULL;
+  u->r = r;
+  u->S = S;
+  S->refs++;
+  return 1;
+}
+
+static int lm_reducer_arm(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "arm");
+  lm_checkend(L, 1, "arm");
+  if (moe_reducer_arm(u->S->ctx, u->r) != MOE_OK) return lm_corefail(L, u->S, "arm", 0);
+  return 0;
+}
+
+static int lm_reducer_finish(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "finish");
+  lm_checkend(L, 1, "finish");
+  moe_status st;
+  LM_CALL(L, st, moe_reducer_finish(u->S->ctx, u->r));
+  if (st != MOE_OK) return lm_corefail(L, u->S, "finish", 0);
+  return 0;
+}
+
+static int lm_reducer_buckets(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "buckets");
+  lm_checkend(L, 1, "buckets");
+  lua_pushinteger(L, moe_reducer_buckets(u->r));
+  return 1;
+}
+
+static int lm_reducer_tostring(lua_State *L) {
+  lm_reducer *u = (lm_reducer *)luaL_checkudata(L, 1, LM_REDUCER);
+  if (u->r)
+    lua_pushfstring(L, "moe.Reducer (%d buckets)", moe_reducer_buckets(u->r));
+  else
+    lua_pushliteral(L, "moe.Reducer (freed)");
+  return 1;
+}
+
+static const luaL_Reg lm_reducer_methods[] = {{"arm", lm_reducer_arm},
+                                              {"finish", lm_reducer_finish},
+                                              {"buckets", lm_reducer_buckets},
+                                              {"free", lm_reducer_release},
+                                              {NULL, NULL}};
+
+static const luaL_Reg lm_reducer_functions[] = {{"reducer", lm_reducer_new}, {NULL, NULL}};
+
+/* Registers moe.dist.reducer into the module's moe.dist table (made by
+ * lm_open_dist, which linit.c opens first). */
+void lm_open_reducer(lua_State *L, int mod, int methods, int sentinel) {
+  if (luaL_newmetatable(L, LM_REDUCER)) {
+    lua_pushcfunction(L, lm_reducer_release);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, lm_reducer_release);
+    lua_setfield(L, -2, "__close");
+    lua_pushcfunction(L, lm_reducer_tostring);
+    lua_setfield(L, -2, "__tostring");
+    luaL_newlibtable(L, lm_reducer_methods);
+    luaL_setfuncs(L, lm_reducer_methods, 0);
+    lua_setfield(L, -2, "__index");
+  }
+  lua_pop(L, 1);
+  if (lua_getfield(L, mod, "dist") != LUA_TTABLE)
+    luaL_error(L, "moe: moe.dist must be opened before its reducer");
+  lm_register(L, -1, methods, sentinel, lm_reducer_functions, NULL);
+  lua_pop(L, 1);
+}

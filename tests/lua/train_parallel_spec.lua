@@ -1,0 +1,112 @@
+--[[
+tests/lua/train_parallel_spec.lua - data parallelism in one process: the
+config checks of parallel.dp and parallel.bucket_mb, moe.train.parallel's
+helpers in a world of one, and moe.dist.reducer where all_reduce is the
+identity (gradients unchanged bit for bit, .grad views of the buckets, the
+bucket count, errors). The multi-rank test is tests/dist/dp_equivalence.lua.
+]]
+local moe = require "moe"
+local train = require "moe.train"
+local parallel = require "moe.train.parallel"
+
+describe("parallel config", function()
+  it("rejects a dp other than 1 or the world size, and bad bucket sizes", function()
+    local world = tonumber(os.getenv("OMPI_COMM_WORLD_SIZE") or "1")
+    local cfg = train.config { parallel = { dp = world + 1 }, steps = 1, warmup = 0 }
+    assert.has_error(function() train.run(cfg) end,
+      ("train: parallel.dp=%d but the job has %d rank%s: data parallelism spans every rank for now " ..
+       "(launch %d ranks, or set parallel.dp=%d, or parallel.dp=1 to train each rank alone)"):format(
+       world + 1, world, world == 1 and "" or "s", world + 1, world))
+    local bad = train.config { parallel = { bucket_mb = -1 } }
+    assert.has_error(function() require("moe.train.config").check(bad) end,
+      "train: parallel.bucket_mb must be a number >= 0, got -1")
+    assert.has_error(function() train.config { parallel = { dp = 1.5 } } end)
+  end)
+
+  it("is one rank when started alone", function()
+    local par = parallel.setup(train.config {})
+    assert.are.equal(1, par.dp)
+    assert.are.equal(0, par.rank)
+    assert.is_true(par.writer)
+    assert.are.same({ 1.5, 2 }, par:mean({ 1.5, 2 }))
+    assert.is_nil(par:reducer({}))
+    -- batch: the dataset's own batch
+    local calls = {}
+    local fake = { batch = function(_, B) calls[#calls + 1] = B; return B end }
+    assert.are.equal(3, par:batch(fake, 3))
+    assert.are.same({ 3 }, calls)
+  end)
+end)
+
+describe("moe.dist.reducer in a world of one", function()
+  local dist = moe.dist
+  if not (dist and dist.reducer) then
+    it("is not in this build", function() end)
+    return
+  end
+
+  local function params()
+    moe.manual_seed(3)
+    local ps = {}
+    for i, shape in ipairs({ { 4, 3 }, { 3 }, { 5, 2 }, { 7 } }) do
+      ps[i] = (moe.randn(shape)):requires_grad_(true)
+    end
+    return ps
+  end
+
+  local function loss_of(ps)
+    local a = (ps[1] * ps[2]):sum() -- (4, 3) * (3)
+    local b = (ps[3] * ps[3]):sum()
+    return a + b * 0.5 + (ps[1]:sum() * 2) -- ps[4] unused
+  end
+
+  it("leaves gradients unchanged, as views of its buckets", function()
+    local ref = params()
+    loss_of(ref):backward()
+    local ps = params()
+    local r = dist.reducer(ps, { bucket_mb = 0 })
+    assert.are.equal(4, r:buckets())
+    r:arm()
+    loss_of(ps):backward()
+    r:finish()
+    for i = 1, 3 do assert.are.same(ref[i].grad:totable(), ps[i].grad:totable()) end
+    assert.is_nil(ps[4].grad) -- no gradient on any rank: left nil
+    assert.matches("moe.Reducer %(4 buckets%)", tostring(r))
+    r:free()
+    r:free() -- idempotent
+    assert.matches("freed", tostring(r))
+    assert.has_error(function() r:arm() end, "bad argument #1 to 'arm' (attempt to use a freed reducer)")
+    local named = {}
+    for i, p in ipairs(ps) do named[i] = { "p" .. i, p } end
+    local r2 = dist.reducer(named, { bucket_mb = 1 })
+    assert.are.equal(1, r2:buckets())
+    r2:free()
+  end)
+
+  it("reports misuse", function()
+    local ps = params()
+    assert.has_error(function() dist.reducer(ps, { bucket = 1 }) end)
+    assert.has_error(function() dist.reducer(ps, { bucket_mb = -1 }) end,
+      "bad argument #2 to 'reducer' (bucket_mb must be a number in [0, 1e6], got -1)")
+    assert.has_error(function() dist.reducer({ ps[1], 3 }) end,
+      "bad argument #1 to 'reducer' (parameter 2 must be a tensor or {name, tensor}, got number)")
+    assert.has_error(function() dist.reducer({ ps[1], ps[1] }) end,
+      "bad argument #1 to 'reducer' (parameters 0 and 1 are the same tensor (list each once))")
+    local r = dist.reducer(ps)
+    assert.has_error(function() r:finish() end)
+    r:arm()
+    assert.has_error(function() r:arm() end)
+    local other = dist.reducer({ ps[2] })
+    assert.has_error(function() other:arm() end)
+    r:finish()
+    other:arm()
+    other:finish()
+    do
+      local closed <close> = dist.reducer(ps)
+      closed:arm() -- freed (and disarmed) when the block ends
+    end
+    r:arm()
+    r:free()
+    other:free()
+  end)
+end)
