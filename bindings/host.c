@@ -834,6 +834,16 @@ int main(int argc, char **argv) {
     record_signal = got_signal;
     result = 128 + got_signal;
   }
+  if (result != EXIT_SUCCESS && moe_dist_initialized() && job.world_size > 1) {
+    /* A failed rank of a job: MPI_Finalize would wait for the other ranks,
+     * which may wait in a collective for this one until their timeout, and
+     * finalizers may wait for collectives too. End the whole job now: the
+     * exit record says why, mpirun stops the others. */
+    record_status = result;
+    write_exit_record();
+    record_dir[0] = '\0'; /* written once */
+    moe_dist_abort(result);
+  }
   lua_close(L); /* runs every finalizer: tensors, then the moe context */
   moe_dist_finalize(); /* communicators, NCCL and MPI (moe_dist.h), after every finalizer */
   free(repl_line);

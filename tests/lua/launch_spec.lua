@@ -238,6 +238,18 @@ describe("moe-lua launch", function()
     assert.falsy(has(err, "was not stopped"), err)
   end)
 
+  it("ends the job at once when a rank fails while another waits in a collective", function()
+    if not have_mpirun then return pending("no mpirun on this machine") end
+    local t0 = os.time()
+    local out, err, rc = launch("-n 2 " .. dist .. "/launch_fail_collective.lua")
+    assert.truthy(os.time() - t0 < 30, "took " .. (os.time() - t0) .. " s (the collective's timeout is 120 s)")
+    assert.are.equal(1, rc, err)
+    assert.are.equal("", out)
+    assert.truthy(err:match("moe%-lua launch: rank 1 failed first %(exit 1 at [%d:.]+%): [^\n]*boom in step 3 of rank 1"),
+      err)
+    assert.falsy(has(err, "was not stopped"), err)
+  end)
+
   it("names a rank killed by SIGKILL; mpirun stops the other", function()
     if not have_mpirun then return pending("no mpirun on this machine") end
     local dir = mkdtemp()
