@@ -102,7 +102,7 @@ static void lm_push_world(lua_State *L, lm_state *S, const char *fname) {
   lua_setfield(L, LUA_REGISTRYINDEX, LM_WORLD_KEY);
 }
 
-static moe_comm *lm_checkgroup_at(lua_State *L, int idx, int arg, const char *fname) {
+moe_comm *lm_checkgroup_at(lua_State *L, int idx, int arg, const char *fname) {
   lm_group *g = (lm_group *)luaL_testudata(L, idx, LM_GROUP);
   if (g == NULL) lm_argerror(L, arg, fname, "group expected, got %s", lm_typename(L, idx));
   if (g->c == NULL) lm_argerror(L, arg, fname, "attempt to use a freed group");

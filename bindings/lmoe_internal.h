@@ -216,6 +216,9 @@ void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
 /* moe.dist (bindings/ldist.c): a table of its own, made in the module. */
 void lm_open_dist(lua_State *L, int mod, int methods, int sentinel);
+/* The communicator of the moe.Group at idx; a Lua error for argument arg of
+ * fname when it is not a group or was freed. */
+moe_comm *lm_checkgroup_at(lua_State *L, int idx, int arg, const char *fname);
 void lm_open_proc(lua_State *L, int mod, int methods, int sentinel); /* moe.proc */
 /* moe.dist.reducer (bindings/lreducer.c), into moe.dist: opened after it. */
 void lm_open_reducer(lua_State *L, int mod, int methods, int sentinel);

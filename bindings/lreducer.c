@@ -47,23 +47,12 @@ static int lm_reducer_release(lua_State *L) {
   return 0;
 }
 
-/* A moe.Group (bindings/ldist.c) at idx: its communicator. ldist.c keeps the
- * group's layout private; its first field is the moe_comm (NULL once freed). */
-#define LM_GROUP "moe.Group"
-static moe_comm *lm_reducer_checkgroup(lua_State *L, int idx, int arg, const char *fname) {
-  void *g = luaL_testudata(L, idx, LM_GROUP);
-  if (g == NULL) lm_argerror(L, arg, fname, "group must be a group (moe.dist.world, g:split), got %s", lm_typename(L, idx));
-  moe_comm *c = *(moe_comm **)g;
-  if (c == NULL) lm_argerror(L, arg, fname, "attempt to use a freed group");
-  return c;
-}
-
 /* The communicator of the group option at table index opts (the group value
  * is left on the stack), or the world (nil left). */
 static moe_comm *lm_reducer_group(lua_State *L, lm_state *S, int opts) {
   moe_comm *c = NULL;
   if (opts > 0 && lua_getfield(L, opts, "group") != LUA_TNIL)
-    return lm_reducer_checkgroup(L, lua_gettop(L), opts, "reducer");
+    return lm_checkgroup_at(L, lua_gettop(L), opts, "reducer");
   if (opts == 0) lua_pushnil(L);
   if (moe_dist_init(S->ctx, &c) != MOE_OK) lm_corefail(L, S, "reducer", 0);
   return c;
