@@ -215,14 +215,18 @@ local function moe_environment()
   f:close()
   local out = {}
   for entry in text:gmatch("[^%z]+") do
-    if entry:match("^MOE_[%w_]*=") and not entry:match("^MOE_BUILD_DIR=") then out[#out + 1] = entry end
+    if entry:match("^MOE_[%w_]*=") and not entry:match("^MOE_BUILD_DIR=") and
+       not entry:match("^MOE_LAUNCH_DIR=") then
+      out[#out + 1] = entry
+    end
   end
   table.sort(out)
   return out
 end
 
 --- bench.command([argv]) -> the command line that ran this script, with the
--- MOE_* environment variables in front.
+-- MOE_* environment variables in front (`moe-lua launch -n N` for a rank of
+-- a job of N ranks).
 function M.command(argv)
   local parts = {}
   for _, e in ipairs(moe_environment()) do
@@ -230,6 +234,8 @@ function M.command(argv)
     parts[#parts + 1] = k .. "=" .. sh_quote(v)
   end
   parts[#parts + 1] = "moe-lua"
+  local n = tonumber(os.getenv("WORLD_SIZE") or "")
+  if n and n > 1 then parts[#parts + 1] = "launch -n " .. math.tointeger(n) end
   parts[#parts + 1] = sh_quote((type(arg) == "table" and arg[0]) or "?")
   for _, a in ipairs(argv or M.argv or copy_args(nil)) do parts[#parts + 1] = sh_quote(a) end
   return table.concat(parts, " ")

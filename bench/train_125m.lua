@@ -14,6 +14,9 @@ device memory, the loss curve) for bench/train_report.py.
   moe-lua bench/train_125m.lua data=PREFIX steps=200 batch_size=8 experts=64 \
       export=DIR out_dir=DIR json=FILE
   kind=dense trains the dense GPT of the same active size (ffn 3072) instead.
+Under `moe-lua launch -n N` it trains with data parallelism (parallel.dp = N,
+batch_size per rank, each rank on cuda:<local rank>); tokens/s is then per
+GPU, and rank 0 alone reports (its metrics are the job's).
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -43,7 +46,13 @@ local cfg = train.config {
   sample_tokens = 0,
 }
 
+local dist = moe.dist
+local dp = dist.world_size() -- 1 when started alone (no MPI)
 local device = train.resolve_device(cfg.device)
+if dp > 1 then
+  device = dist.device()
+  cfg.device = device
+end
 moe.manual_seed(cfg.seed)
 local t0 = moe.clock()
 local model = train.build_model(cfg, device)
@@ -81,12 +90,14 @@ do
   first.logits = nil
 end
 
-if device == "cuda" then
-  moe.cuda.synchronize()
-  moe.reset_peak_memory_stats("cuda")
+local on_gpu = device:match("^cuda") ~= nil
+if on_gpu then
+  moe.cuda.synchronize(device)
+  moe.reset_peak_memory_stats(device)
 end
 local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer })
-local mem = device == "cuda" and moe.memory_stats("cuda") or {}
+local mem = on_gpu and moe.memory_stats(device) or {}
+if dist.rank() ~= 0 then return end -- rank 0 reports the job
 
 -- throughput over the log intervals after the first (which holds the warm-up steps)
 local recs = {}
@@ -100,6 +111,7 @@ for i = 2, #recs do
   steps_timed, secs = steps_timed + n, secs + n * r.ms_per_iter / 1000
   mfu_sum = mfu_sum + (r.mfu or 0) * n
 end
+-- metrics' tokens/s is the job's; per GPU it is one rank's share
 local tokens_per_step = cfg.batch_size * cfg.seq_len
 -- the expert implementation the dMoE layers ran ("auto" resolves per device)
 local mlp_impl = "none"
@@ -107,7 +119,7 @@ for _, m in ipairs(model:modules()) do
   if m.resolve_impl then mlp_impl = m.mlp_impl break end
 end
 local out = {
-  impl = "moe-lua", kind = o.kind, device = device == "cuda" and moe.cuda.get_device_name(0) or "cpu",
+  impl = "moe-lua", kind = o.kind, dp = dp, device = on_gpu and moe.cuda.get_device_name(device) or "cpu",
   version = moe.version_report and moe.version_report() or nil, date = os.date("!%Y-%m-%dT%H:%M:%SZ"),
   config = o, params = n_params, active_params = n_active, flops_per_token = model:flops_per_token(),
   tokens_per_step = tokens_per_step, steps = result.step, steps_timed = steps_timed, mlp_impl = mlp_impl,
