@@ -319,6 +319,21 @@ static void *moe_nccl_watchdog(void *arg) {
   return NULL;
 }
 
+/* Stops the watchdog and waits for it (moe_nccl_finalize; also at exit,
+ * before the CUDA runtime's own teardown, for a process that ends without
+ * finalize). */
+static void moe_nccl_watchdog_stop(void) {
+  pthread_mutex_lock(&g_wd.mu);
+  bool started = g_wd.started;
+  g_wd.stop = true;
+  if (g_wd.cv_ready) pthread_cond_broadcast(&g_wd.cv);
+  pthread_mutex_unlock(&g_wd.mu);
+  if (started) pthread_join(g_wd.thread, NULL);
+  pthread_mutex_lock(&g_wd.mu);
+  g_wd.started = false;
+  pthread_mutex_unlock(&g_wd.mu);
+}
+
 /* Starts the watchdog once (g_wd.mu held). */
 static moe_status moe_nccl_watchdog_start_locked(moe_ctx *ctx) {
   if (g_wd.started) return MOE_OK;
@@ -339,6 +354,8 @@ static moe_status moe_nccl_watchdog_start_locked(moe_ctx *ctx) {
     return moe_error(ctx, MOE_ERR_INTERNAL, "cannot start the NCCL watchdog thread: %s",
                      strerror(e));
   g_wd.started = true;
+  static bool at_exit = false;
+  if (!at_exit) at_exit = atexit(moe_nccl_watchdog_stop) == 0;
   return MOE_OK;
 }
 
@@ -882,14 +899,8 @@ void moe_nccl_comm_free(moe_comm *c) {
 }
 
 void moe_nccl_finalize(void) {
+  moe_nccl_watchdog_stop();
   pthread_mutex_lock(&g_wd.mu);
-  bool started = g_wd.started;
-  g_wd.stop = true;
-  if (g_wd.cv_ready) pthread_cond_broadcast(&g_wd.cv);
-  pthread_mutex_unlock(&g_wd.mu);
-  if (started) pthread_join(g_wd.thread, NULL);
-  pthread_mutex_lock(&g_wd.mu);
-  g_wd.started = false;
   moe_nccl_state *left = g_wd.states;
   pthread_mutex_unlock(&g_wd.mu);
   /* Communicators dist.c did not free (it frees them before this). */
