@@ -41,6 +41,7 @@
 #include "lualib.h"
 
 #include "lmoe.h"
+#include "moe_dist.h"
 
 #define PROGNAME "moe-lua"
 #define INIT_VAR "LUA_INIT"
@@ -616,6 +617,7 @@ int main(int argc, char **argv) {
   int result = status == LUA_OK ? (int)lua_tointeger(L, -1) : EXIT_FAILURE;
   report(L, status);
   lua_close(L); /* runs every finalizer: tensors, then the moe context */
+  moe_dist_finalize(); /* communicators, NCCL and MPI (moe_dist.h), after every finalizer */
   free(repl_line);
   return result;
 }

@@ -131,7 +131,8 @@ typedef void (*lm_opener)(lua_State *L, int lib, int methods, int sentinel);
 static const lm_opener lm_families[] = {
     lm_open_tensor, lm_open_device, lm_open_autograd, lm_open_pointwise,
     lm_open_reduce, lm_open_index,  lm_open_matmul,   lm_open_attention,
-    lm_open_event,  lm_open_io,     lm_open_scope,    NULL};
+    lm_open_event,  lm_open_io,     lm_open_scope,    lm_open_dist,
+    NULL};
 
 /* The families whose functions are moe.ops.<name>: their opener gets the
  * moe.ops table where the others get the module. */

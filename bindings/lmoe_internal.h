@@ -214,6 +214,8 @@ void lm_open_matmul(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_attention(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_event(lua_State *L, int mod, int methods, int sentinel);
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel);
+/* moe.dist (bindings/ldist.c): a table of its own, made in the module. */
+void lm_open_dist(lua_State *L, int mod, int methods, int sentinel);
 /* ops is moe.ops (made by luaopen_moe alone): their functions are
  * moe.ops.<name>. */
 void lm_open_routing(lua_State *L, int ops, int methods, int sentinel);

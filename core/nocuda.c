@@ -7,6 +7,7 @@
  * without #ifdef and this file is the one place that says "no CUDA".
  */
 #include "internal.h"
+#include "dist_internal.h"
 #include "attention_cuda.h"
 #include "blocksparse_cuda.h"
 #include "experts_cuda.h"
@@ -384,3 +385,46 @@ moe_status moe_cuda_routing_gate_grad(moe_ctx *ctx, int device, const moe_kview 
                                       const int64_t *dest, int64_t k) {
   return NO_CUDA_FN(ctx, "moe_cuda_routing_gate_grad");
 }
+
+/* dist_internal.h: NCCL's half of the collectives. dist.c hands over only
+ * tensors on a GPU, which this build cannot make; a split, a free and the
+ * finalize have no NCCL communicator to touch and succeed. */
+#define NO_NCCL(ctx, fn)                                                                      \
+  moe_error((ctx), MOE_ERR_NOT_SUPPORTED,                                                     \
+            "%s: GPU tensors need a build with CUDA (configure with -DMOE_CUDA=ON on a "      \
+            "machine with the CUDA toolkit and NCCL)",                                        \
+            (fn))
+moe_status moe_nccl_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_reduce_op op,
+                               moe_work *w) {
+  return NO_NCCL(ctx, "all_reduce");
+}
+moe_status moe_nccl_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                                   moe_reduce_op op, moe_work *w) {
+  return NO_NCCL(ctx, "reduce_scatter");
+}
+moe_status moe_nccl_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                               moe_work *w) {
+  return NO_NCCL(ctx, "all_gather");
+}
+moe_status moe_nccl_broadcast(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int root, moe_work *w) {
+  return NO_NCCL(ctx, "broadcast");
+}
+moe_status moe_nccl_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
+                               const int64_t *send, const int64_t *recv, moe_work *w) {
+  return NO_NCCL(ctx, "all_to_all");
+}
+moe_status moe_nccl_send(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work *w) {
+  return NO_NCCL(ctx, "send");
+}
+moe_status moe_nccl_recv(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work *w) {
+  return NO_NCCL(ctx, "recv");
+}
+moe_status moe_nccl_work_wait(moe_ctx *ctx, moe_work *w) { return NO_NCCL(ctx, "wait"); }
+bool moe_nccl_work_done(moe_work *w) { return true; }
+void moe_nccl_work_release(moe_work *w) {}
+moe_status moe_nccl_comm_split(moe_ctx *ctx, moe_comm *parent, moe_comm *child, int color,
+                               int key) {
+  return MOE_OK;
+}
+void moe_nccl_comm_free(moe_comm *c) {}
+void moe_nccl_finalize(void) {}

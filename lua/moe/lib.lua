@@ -12,6 +12,7 @@ moe.config = require "moe.config"
 moe.autograd = require "moe.autograd"
 moe.gradcheck = require "moe.gradcheck"
 moe.quantize = require "moe.quantize"
+moe.dist = require "moe.dist" -- adds the mesh and dist.functional to the C part
 -- The model library loads on first use (moe.nn, moe.optim, ...), so a script
 -- that only uses tensors does not pay for it.
 local lazy = {
