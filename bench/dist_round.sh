@@ -32,12 +32,15 @@ for s in "${steps[@]}"; do
   t0=$(date +%s)
   case $s in
     tests)
-      for part in collectives timeout; do
-        timeout 300 "${mpi[@]}" $ml tests/dist/gpu_collectives.lua part=$part > "$out/test_$part.log" 2>&1
-        rc=$?
-        note "tests/dist/gpu_collectives.lua part=$part: rc=$rc, $(grep -c '^PASS' "$out/test_$part.log") PASS ($(($(date +%s) - t0)) s)"
-        [ $rc -eq 0 ] || tail -15 "$out/test_$part.log"
-        grep -E "moe-lua: \[rank|rank 0: " "$out/test_$part.log" | head -5
+      timeout 300 "${mpi[@]}" $ml tests/dist/gpu_collectives.lua > "$out/test_gpu_collectives.log" 2>&1
+      rc=$?
+      note "tests/dist/gpu_collectives.lua: rc=$rc, $(grep -c '^PASS' "$out/test_gpu_collectives.log") PASS, $(grep -c ': OK$' "$out/test_gpu_collectives.log") ranks OK ($(($(date +%s) - t0)) s)"
+      [ $rc -eq 0 ] || tail -20 "$out/test_gpu_collectives.log"
+      grep -E "moe-lua: \[rank|rank 0: " "$out/test_gpu_collectives.log" | head -5
+      # the CPU (MPI) dist tests of the suite, on this machine too
+      for sc in collectives functional debug timeout; do
+        timeout 300 "${mpi[@]}" $ml tests/dist/$sc.lua > "$out/test_cpu_$sc.log" 2>&1
+        note "tests/dist/$sc.lua (CPU, 2 ranks): rc=$?"
       done ;;
     bench)
       for n in $(seq 1 "${DIST_ROUNDS:-1}"); do

@@ -266,8 +266,8 @@ static void moe_nccl_poll_locked(void) {
     } else if (now > t->deadline) {
       char why[200];
       snprintf(why, sizeof why,
-               "did not complete within %g s (a member that did not call it, or called "
-               "another collective, leaves the others waiting)", t->timeout);
+               "did not complete within %g s: another rank did not join it (is a rank "
+               "stuck, dead, or calling a different collective?)", t->timeout);
       moe_nccl_fail_locked(t, why);
     } else {
       t->nc->busy = true;
