@@ -70,6 +70,7 @@
  * first connection between two peers) is not interrupted.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -410,6 +411,15 @@ fail:
   return st;
 }
 
+/* What rank 0 sends the others to make an NCCL communicator, and the
+ * requests that carry it. */
+typedef struct moe_nccl_boot {
+  ncclUniqueId id;
+  int ok;                /* rank 0 made the id */
+  int code;              /* its ncclResult_t otherwise */
+  MPI_Request reqs[2];   /* the broadcast, the barrier (not sent) */
+} moe_nccl_boot;
+
 /* Waits for reqs, polling, until c's timeout from now. */
 static moe_status moe_nccl_mpi_wait(moe_ctx *ctx, moe_comm *c, int device, int n,
                                     MPI_Request *reqs) {
@@ -453,34 +463,35 @@ static moe_status moe_nccl_state_get(moe_ctx *ctx, moe_comm *c, int device,
   }
   char where[160];
   moe_nccl_where(c, device, where, sizeof where);
-  struct {
-    ncclUniqueId id;
-    int ok;           /* rank 0 made the id */
-    int code;         /* its ncclResult_t otherwise */
-  } boot;
-  memset(&boot, 0, sizeof boot);
+  /* On the heap: MPI may still write into it after a timeout, when it is
+   * left to the end of the process. */
+  moe_nccl_boot *boot = (moe_nccl_boot *)calloc(1, sizeof(*boot));
+  if (!boot) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "out of host memory for NCCL setup");
   if (c->rank == 0) {
-    ncclResult_t r = ncclGetUniqueId(&boot.id);
-    boot.ok = r == ncclSuccess;
-    boot.code = (int)r;
+    ncclResult_t r = ncclGetUniqueId(&boot->id);
+    boot->ok = r == ncclSuccess;
+    boot->code = (int)r;
   }
   if (c->size > 1 && c->mpi != MPI_COMM_NULL) {
-    MPI_Request reqs[2];
-    int rc = MPI_Ibcast(&boot, (int)sizeof boot, MPI_BYTE, 0, c->mpi, &reqs[0]);
-    if (rc == MPI_SUCCESS) rc = MPI_Ibarrier(c->mpi, &reqs[1]);
+    int rc = MPI_Ibcast(boot, (int)offsetof(moe_nccl_boot, reqs), MPI_BYTE, 0, c->mpi,
+                        &boot->reqs[0]);
+    if (rc == MPI_SUCCESS) rc = MPI_Ibarrier(c->mpi, &boot->reqs[1]);
     if (rc != MPI_SUCCESS)
       return moe_comm_fail(ctx, c, "NCCL setup of %s: MPI failed (error %d) to send the NCCL "
-                           "id", where, rc);
-    MOE_CHECK(moe_nccl_mpi_wait(ctx, c, device, 2, reqs));
+                           "id", where, rc); /* boot may be in use: left */
+    MOE_CHECK(moe_nccl_mpi_wait(ctx, c, device, 2, boot->reqs)); /* likewise */
   }
-  if (!boot.ok)
+  ncclUniqueId id = boot->id;
+  int ok = boot->ok, code = boot->code;
+  free(boot);
+  if (!ok)
     return moe_comm_fail(ctx, c, "NCCL setup of %s: rank 0 could not make the NCCL id: %s",
-                         where, ncclGetErrorString((ncclResult_t)boot.code));
+                         where, ncclGetErrorString((ncclResult_t)code));
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
   cfg.blocking = 1;
   cfg.commName = c->name;
   ncclComm_t comm = NULL;
-  ncclResult_t r = ncclCommInitRankConfig(&comm, c->size, boot.id, c->rank, &cfg);
+  ncclResult_t r = ncclCommInitRankConfig(&comm, c->size, id, c->rank, &cfg);
   if (r != ncclSuccess)
     return moe_comm_fail(ctx, c, "NCCL setup of %s: ncclCommInitRankConfig failed: %s (%s)",
                          where, ncclGetErrorString(r), ncclGetLastError(NULL));
