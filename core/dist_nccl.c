@@ -537,13 +537,14 @@ static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, moe_nccl
                                  const char *fmt, ...) {
   memset(k, 0, sizeof *k);
   k->device = device;
-  char head[160], where[160];
   va_list ap;
   va_start(ap, fmt);
-  vsnprintf(head, sizeof head, fmt, ap);
+  int n = vsnprintf(k->what, sizeof k->what, fmt, ap);
   va_end(ap);
-  moe_nccl_where(c, device, where, sizeof where);
-  snprintf(k->what, sizeof k->what, "%s on %s", head, where);
+  if (n >= 0 && (size_t)n + 4 < sizeof k->what) {
+    memcpy(k->what + n, " on ", 5);
+    moe_nccl_where(c, device, k->what + n + 4, sizeof k->what - (size_t)n - 4);
+  }
 
   MOE_CHECK(moe_nccl_state_get(ctx, c, device, &k->nc));
   void *s;
@@ -646,8 +647,8 @@ static int moe_nccl_device(const moe_tensor *t) { return moe_tensor_device(t).in
 
 moe_status moe_nccl_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_reduce_op op,
                                moe_work *w) {
-  ncclDataType_t dt;
-  ncclRedOp_t nop;
+  ncclDataType_t dt = ncclFloat32;
+  ncclRedOp_t nop = ncclSum;
   MOE_CHECK(moe_nccl_types(ctx, "all_reduce", t->dtype, (int)op, &dt, &nop));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
@@ -660,8 +661,8 @@ moe_status moe_nccl_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_red
 
 moe_status moe_nccl_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
                                    moe_reduce_op op, moe_work *w) {
-  ncclDataType_t dt;
-  ncclRedOp_t nop;
+  ncclDataType_t dt = ncclFloat32;
+  ncclRedOp_t nop = ncclSum;
   MOE_CHECK(moe_nccl_types(ctx, "reduce_scatter", in->dtype, (int)op, &dt, &nop));
   size_t n = (size_t)moe_tensor_numel(out); /* per rank */
   moe_nccl_call k;
@@ -676,7 +677,7 @@ moe_status moe_nccl_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, m
 
 moe_status moe_nccl_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
                                moe_work *w) {
-  ncclDataType_t dt;
+  ncclDataType_t dt = ncclFloat32;
   MOE_CHECK(moe_nccl_types(ctx, "all_gather", in->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(in); /* per rank */
   moe_nccl_call k;
@@ -689,7 +690,7 @@ moe_status moe_nccl_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_t
 }
 
 moe_status moe_nccl_broadcast(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int root, moe_work *w) {
-  ncclDataType_t dt;
+  ncclDataType_t dt = ncclFloat32;
   MOE_CHECK(moe_nccl_types(ctx, "broadcast", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
@@ -710,7 +711,7 @@ static size_t moe_nccl_row_elems(const moe_tensor *t) {
 
 moe_status moe_nccl_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
                                const int64_t *send, const int64_t *recv, moe_work *w) {
-  ncclDataType_t dt;
+  ncclDataType_t dt = ncclFloat32;
   MOE_CHECK(moe_nccl_types(ctx, "all_to_all", in->dtype, -1, &dt, NULL));
   size_t es = moe_dtype_size(in->dtype);
   size_t rin = moe_nccl_row_elems(in), rout = moe_nccl_row_elems(out);
@@ -754,7 +755,7 @@ moe_status moe_nccl_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_t
 }
 
 moe_status moe_nccl_send(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work *w) {
-  ncclDataType_t dt;
+  ncclDataType_t dt = ncclFloat32;
   MOE_CHECK(moe_nccl_types(ctx, "send", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
@@ -766,7 +767,7 @@ moe_status moe_nccl_send(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe
 }
 
 moe_status moe_nccl_recv(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work *w) {
-  ncclDataType_t dt;
+  ncclDataType_t dt = ncclFloat32;
   MOE_CHECK(moe_nccl_types(ctx, "recv", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
