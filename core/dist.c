@@ -19,10 +19,11 @@
  * neither does any communicator of one rank: every collective is then a
  * local copy. Otherwise each CPU collective is one non-blocking MPI call
  * (MPI_Iallreduce, MPI_Ialltoallv, ...); the host waits with MPI_Testall
- * and a sleep that backs off from 20 us to 1 ms, until the communicator's
- * timeout counted from the start of the wait. MPI progresses a
- * non-blocking collective while it is tested, so an asynchronous CPU
- * collective moves when it is waited for (or polled with moe_work_done).
+ * (a few polls, then a sleep between polls that backs off from 20 us to
+ * 1 ms), until the communicator's timeout counted from the start of the
+ * wait. MPI progresses a non-blocking collective while it is tested, so
+ * an asynchronous CPU collective moves when it is waited for (or polled
+ * with moe_work_done).
  *
  * MPI counts are ints: one call moves at most 2^31 - 1 elements per rank
  * (an error says so beyond that).
@@ -39,6 +40,7 @@
 
 #define DIST_SLEEP_MIN_NS 20000L   /* first sleep of a wait */
 #define DIST_SLEEP_MAX_NS 1000000L /* its cap */
+#define DIST_SPIN_POLLS 32         /* MPI_Testall calls before the first sleep */
 #define DIST_TAG_DATA 0            /* send / recv payloads */
 #define DIST_TAG_DESC 1            /* debug descriptors of send / recv */
 #define DIST_DEFAULT_TIMEOUT 600.0
@@ -514,7 +516,7 @@ static moe_status wait_reqs(moe_ctx *ctx, moe_comm *c, int n, MPI_Request *reqs,
     return moe_error(ctx, MOE_ERR_COMM, "%s: the group failed earlier: %s", what, c->failure);
   double deadline = moe_dist_now() + c->timeout;
   long ns = DIST_SLEEP_MIN_NS;
-  for (;;) {
+  for (int polls = 0;; polls++) {
     int done = 0;
     int rc = MPI_Testall(n, reqs, &done, statuses);
     if (rc == MPI_ERR_IN_STATUS && statuses != MPI_STATUSES_IGNORE) {
@@ -536,6 +538,7 @@ static moe_status wait_reqs(moe_ctx *ctx, moe_comm *c, int n, MPI_Request *reqs,
                            "rank stuck, dead, or calling a different collective?)",
                            what, c->timeout);
     }
+    if (polls < DIST_SPIN_POLLS) continue; /* a short collective ends without a sleep */
     dist_sleep(ns);
     ns = ns * 2 > DIST_SLEEP_MAX_NS ? DIST_SLEEP_MAX_NS : ns * 2;
   }

@@ -28,7 +28,7 @@ struct moe_comm {
   bool debug;         /* cross-rank agreement checks */
   bool failed;        /* after a timeout or an engine error: every call fails */
   char failure[512];  /* the first failure's message */
-  uint64_t seq;       /* collectives issued on this communicator */
+  uint64_t seq;       /* collectives issued on this communicator (not send/recv) */
   void *nccl;         /* dist_nccl.c's state, NULL until a GPU tensor uses it */
 };
 
@@ -37,7 +37,7 @@ typedef enum moe_work_kind { MOE_WORK_CPU = 0, MOE_WORK_GPU = 1 } moe_work_kind;
 struct moe_work {
   moe_comm *comm;
   moe_work_kind kind;
-  char what[256];      /* "all_reduce(sum) of 1048576 bf16 on 'dp' (rank 1 of 2)" */
+  char what[256];      /* "all_reduce(sum) of 1048576 bf16 on group 'dp' (rank 1 of 2)" */
   double deadline;     /* monotonic seconds when the wait fails */
   bool waited;
   /* CPU: MPI requests, then finish() (a scale for avg, a copy back, ...) */
@@ -69,7 +69,17 @@ moe_status moe_comm_fail(moe_ctx *ctx, moe_comm *c, const char *fmt, ...)
 /* Each enqueues the collective on c's communication stream for the device
  * of its tensors (creating the NCCL communicator on first use: rank 0's id
  * broadcast over c->mpi), after an event wait on the compute stream, and
- * records w->done. Arguments are already checked by dist.c. */
+ * records w->done. Arguments are already checked by dist.c.
+ *
+ * What dist.c does around them: it calls them only for groups of more than
+ * one rank (a group of one copies on the compute stream itself), after the
+ * debug-mode check; it fills w->comm, kind (MOE_WORK_GPU), what, deadline
+ * (now + the group's timeout), device (the tensors' CUDA ordinal) and hold
+ * (the tensors, retained) before the call. After a failed call it calls
+ * moe_nccl_work_release(w) (so that must accept a work whose done is still
+ * NULL) and frees the work. A synchronous collective is the same call
+ * followed by moe_nccl_work_wait. dist.c releases the held tensors itself,
+ * after a successful moe_nccl_work_wait and after moe_nccl_work_release. */
 moe_status moe_nccl_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_reduce_op op,
                                moe_work *w);
 moe_status moe_nccl_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor *in,
@@ -87,11 +97,15 @@ moe_status moe_nccl_work_wait(moe_ctx *ctx, moe_work *w);
 bool moe_nccl_work_done(moe_work *w);
 void moe_nccl_work_release(moe_work *w);
 /* ncclCommSplit of parent's NCCL communicator into child's when parent has
- * one (collective over parent); a no-op otherwise. */
+ * one (collective over parent); a no-op otherwise. dist.c calls it on every
+ * rank of parent, for every split, after child's MPI communicator, rank,
+ * size and world_ranks are set; on failure child is freed (with
+ * moe_nccl_comm_free). */
 moe_status moe_nccl_comm_split(moe_ctx *ctx, moe_comm *parent, moe_comm *child, int color,
                                int key);
 void moe_nccl_comm_free(moe_comm *c);
-/* Stops the watchdog and destroys what is left (moe_dist_finalize). */
+/* Stops the watchdog and destroys what is left (moe_dist_finalize, after
+ * moe_nccl_comm_free of every communicator and before MPI_Finalize). */
 void moe_nccl_finalize(void);
 
 #ifdef __cplusplus

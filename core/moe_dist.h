@@ -30,27 +30,38 @@
  * On the CPU the host waits: moe_work_wait returns when the data are there.
  *
  * Failure. Every wait has a deadline (moe_comm_set_timeout; default
- * 600 s; MOE_DIST_TIMEOUT, in seconds, overrides). A collective that misses
+ * 600 s; MOE_DIST_TIMEOUT, in seconds, overrides; on the CPU it counts
+ * from the start of the wait, and a split inherits its parent's). A collective that misses
  * it fails with MOE_ERR_COMM and a message naming the collective, the
  * communicator, this rank and the sizes; its NCCL communicator is aborted
  * (never left to hang) and the communicator is unusable after that (every
  * later call on it fails at once with the first message). NCCL's
  * asynchronous errors are polled while waiting and end the same way. MPI
  * and NCCL failures are MOE_ERR_COMM too. A rank that dies makes mpirun end
- * the job (the launcher reports which rank went first).
+ * the job (the launcher reports which rank went first). The tensors of a
+ * CPU collective that failed stay allocated until the process ends: MPI
+ * can neither cancel nor free its request and may still write them.
  *
  * Checks. Arguments are checked on each rank (shapes that fit, dtypes, one
  * device). Agreement between ranks (the same collective, dtype and sizes on
  * every member) is checked when MOE_DIST_DEBUG=1 (or moe_comm_set_debug):
  * each collective first all-gathers a small descriptor over MPI and fails
- * on every rank with a message naming what differs. By default it is not
+ * on every rank with a message naming what differs (ranks, collective,
+ * dtype, sizes, root; all_to_all also gathers the splits and checks that
+ * every rank sends what its peer expects; send and recv exchange their
+ * descriptors between the two ends). The group stays usable after such a
+ * failure. By default it is not
  * checked: a disagreement ends in the timeout above, or garbage for
  * all_to_all splits that disagree (each rank checks that the sum of its
  * splits fits its tensors).
  *
  * Tensors. Every float dtype (f32, f64, bf16, f16) and the integer dtypes
- * (max/min/sum only on integers). Collectives take contiguous tensors; the
- * in-place ones (all_reduce, broadcast, recv) write their tensor.
+ * (max/min/sum only on integers; bool: max and min only). bf16 and f16
+ * reduce over MPI through ops that add (or compare) in float and round
+ * each partial result. Collectives take contiguous tensors; the in-place
+ * ones (all_reduce, broadcast, recv) write their tensor; an output may not
+ * overlap its input. Over MPI one call moves at most 2^31 - 1 elements per
+ * rank (MPI's int counts): more is MOE_ERR_NOT_SUPPORTED.
  */
 #ifndef MOE_DIST_H
 #define MOE_DIST_H
@@ -93,7 +104,9 @@ moe_status moe_dist_env_read(moe_ctx *ctx, moe_dist_env *out);
 moe_status moe_dist_init(moe_ctx *ctx, moe_comm **world);
 bool moe_dist_initialized(void);
 /* Frees every communicator and finalises MPI (at process exit; the host
- * calls it). Safe when never initialised. */
+ * calls it). Safe when never initialised, and twice. A world without MPI
+ * can be initialised again afterwards; after MPI_Finalize moe_dist_init
+ * fails (MPI starts once per process). */
 void moe_dist_finalize(void);
 /* Ends the whole job at once (MPI_Abort): for a rank that cannot go on and
  * must not leave the others waiting. Does not return under MPI; returns
@@ -109,12 +122,14 @@ const char *moe_comm_name(const moe_comm *c);
 /* The world rank of this communicator's rank r. */
 int moe_comm_world_rank(const moe_comm *c, int r);
 
-/* Collective over parent: ranks with the same color form one new
- * communicator, ordered by key (then by parent rank). name is copied.
- * The caller owns *out (moe_comm_free). */
+/* Collective over parent: ranks with the same color (>= 0) form one new
+ * communicator, ordered by key (then by parent rank). name (1 to
+ * MOE_COMM_NAME - 1 characters) is copied. The new communicator inherits
+ * parent's timeout and debug setting. The caller owns *out (moe_comm_free). */
 moe_status moe_comm_split(moe_ctx *ctx, moe_comm *parent, int color, int key, const char *name,
                           moe_comm **out);
-/* Frees a communicator made by split (the world is freed by finalize). */
+/* Frees a communicator made by split (the world is freed by finalize; a
+ * communicator that finalize already freed is ignored). */
 void moe_comm_free(moe_comm *c);
 
 /* Seconds a wait may take before it fails (> 0). */
@@ -160,7 +175,8 @@ moe_status moe_recv(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe_work
 /* Waits as the header says (the compute stream on a GPU, the host on the
  * CPU), within the communicator's timeout. Waiting twice is allowed. */
 moe_status moe_work_wait(moe_ctx *ctx, moe_work *w);
-/* True when the collective has finished (never blocks). */
+/* True when the collective has finished (never blocks; on the CPU it also
+ * moves MPI along). A CPU avg's scale is applied by the wait. */
 bool moe_work_done(moe_ctx *ctx, moe_work *w);
 /* Frees the handle; an unwaited GPU work is waited for first (ordering the
  * compute stream after it), so its tensors stay safe. free(NULL) is a no-op. */
