@@ -830,8 +830,11 @@ moe_status moe_nccl_comm_split(moe_ctx *ctx, moe_comm *parent, moe_comm *child, 
   cfg.blocking = 1;
   cfg.commName = child->name;
   ncclComm_t comm = NULL;
+  /* Every rank of parent takes part; a group of one never uses NCCL (dist.c
+   * copies), so its rank asks for no communicator. */
+  int ncolor = child->size == 1 ? NCCL_SPLIT_NOCOLOR : color;
   pthread_mutex_lock(&p->mu);
-  ncclResult_t r = p->comm ? ncclCommSplit(p->comm, color, key, &comm, &cfg) : ncclInvalidUsage;
+  ncclResult_t r = p->comm ? ncclCommSplit(p->comm, ncolor, key, &comm, &cfg) : ncclInvalidUsage;
   const char *last = p->comm ? ncclGetLastError(p->comm) : "aborted";
   pthread_mutex_unlock(&p->mu);
   char where[160];
@@ -839,6 +842,7 @@ moe_status moe_nccl_comm_split(moe_ctx *ctx, moe_comm *parent, moe_comm *child, 
   if (r != ncclSuccess)
     return moe_error(ctx, MOE_ERR_COMM, "splitting '%s' from %s: ncclCommSplit failed: %s (%s)",
                      child->name, where, ncclGetErrorString(r), last);
+  if (ncolor == NCCL_SPLIT_NOCOLOR) return MOE_OK;
   int nr = -1, rk = -1;
   if (!comm || ncclCommCount(comm, &nr) != ncclSuccess ||
       ncclCommUserRank(comm, &rk) != ncclSuccess || nr != child->size || rk != child->rank) {
