@@ -21,10 +21,14 @@
  *     cudaFree'd and the cudaMalloc tried once more; if that fails too the
  *     call returns MOE_ERR_OUT_OF_MEMORY with the sizes in the message. A
  *     request larger than the device's memory fails at once, cache untouched.
- *   - there is one stream per device, so a released block may be handed out
- *     again at once: every kernel that used it was queued before any later
- *     use on the same stream. No cross-stream events are recorded; a second
- *     stream (NCCL's, say) will need them before it may share blocks.
+ *   - there is one compute stream per device, so a released block may be
+ *     handed out again at once: every kernel that used it was queued before
+ *     any later use on the same stream. No cross-stream events are recorded.
+ *     NCCL's communication streams (core/dist_nccl.c) keep this true without
+ *     them: a collective starts after an event recorded on the compute
+ *     stream, and the tensors it uses are held until the compute stream has
+ *     been made to wait for its end, so their blocks come back here only
+ *     after that wait is queued (the reasoning is in dist_nccl.c).
  * Storages are charged their block size (moe_storage.block) in `allocated`.
  *
  * Constraints: C11; includes CUDA, cuBLAS and NCCL headers but never lua.h;
