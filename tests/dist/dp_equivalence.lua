@@ -2,8 +2,10 @@
 tests/dist/dp_equivalence.lua - data parallelism (moe.train's parallel.dp)
 against single-process training, on the CPU, under
 
-  mpirun -n 2 moe-lua tests/dist/dp_equivalence.lua [steps=20] [verbose=true] [loss_weight=0.01]
-      [tie_embeddings=true]
+  moe-lua launch -n 2 tests/dist/dp_equivalence.lua [steps=20] [verbose=true] [loss_weight=0.01]
+      [tie_embeddings=true] [device=cpu|cuda]
+
+(device=cuda: each rank on cuda:<local rank>, gradients through NCCL.)
 
 For a small dMoE and a small dense GPT, 20 steps with dp = 2 and micro-batch
 B are compared, step by step (the lm loss), with two single-process runs made
@@ -39,7 +41,8 @@ local moe = require "moe"
 local train = require "moe.train"
 local data = require "moe.data"
 
-local opts = moe.config { steps = 20, verbose = false, loss_weight = 0.01, tie_embeddings = true }
+local opts = moe.config { steps = 20, verbose = false, loss_weight = 0.01, tie_embeddings = true,
+  device = "cpu" }
 local dist = moe.dist
 dist.init()
 local rank, world = dist.rank(), dist.world_size()
@@ -80,7 +83,7 @@ local function base_cfg(name, ffn, over)
     data = prefix, valid_fraction = 0.1, seq_len = 16, batch_size = B, grad_accum = 1,
     steps = opts.steps, lr = 3e-3, min_lr = 3e-4, warmup = 2, clip = 1.0, eval_every = 10,
     eval_iters = 2, log_every = 1, save_every = 0, keep_last = 0, tensorboard = false,
-    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = "cpu", seed = 7,
+    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = opts.device, seed = 7,
     out_dir = root .. "/" .. name,
   }
   for k, v in pairs(over or {}) do
