@@ -4,7 +4,13 @@
 # each under `mpirun -n 2 --bind-to none`. Over a build made here and packed with
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
-#   bash bench/dist_round.sh [tests] [bench]        (both by default)
+#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index]   (tests bench by default)
+#
+#   dp       tests/dist/dp_equivalence.lua with device=cuda (dp = 2 against one process, NCCL)
+#   train46  the 46M dMoE of the MegaBlocks ladder (6 x 512, 64 experts top-1, seq 1024,
+#            micro-batch 16 per GPU) on one GPU, then with `moe-lua launch -n 2` (dp = 2):
+#            tokens/s per GPU, weak scaling
+#   index    the CUDA index/routing tests (scatter_add's integer path)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -76,6 +82,26 @@ for k in sorted(set(m) | set(t), key=lambda k: (k[0], k[1])):
           f"{f(a, 'busbw_gbps', '%.1f')} | {f(b, 'busbw_gbps', '%.1f')} | {ratio} |")
 EOF
       ;;
+    dp)
+      timeout 600 $ml launch -n 2 tests/dist/dp_equivalence.lua device=cuda verbose=true \
+        > "$out/dp_equivalence_cuda.log" 2>&1
+      note "dp_equivalence (cuda, 2 GPUs): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "max rel|bit-identical|FAILED|ok$|error" "$out/dp_equivalence_cuda.log" | head -14 ;;
+    train46)
+      a46=(bench/train_125m.lua n_layers=6 d_model=512 n_heads=8 ffn=2048 experts=64 batch_size=16
+           steps=${TRAIN46_STEPS:-120} log_every=20 data=data/bible_kjv)
+      timeout 600 $ml "${a46[@]}" out_dir=/tmp/t46_dp1 json="$out/train46_dp1.json" \
+        > "$out/train46_dp1.log" 2>&1
+      note "train46 dp=1: rc=$? ($(($(date +%s) - t0)) s)"
+      timeout 600 $ml launch -n 2 "${a46[@]}" out_dir=/tmp/t46_dp2 json="$out/train46_dp2.json" \
+        > "$out/train46_dp2.log" 2>&1
+      note "train46 dp=2: rc=$? ($(($(date +%s) - t0)) s)"
+      python3 bench/train46_compare.py "$out" > "$out/train46_compare.md" 2>&1
+      cat "$out/train46_compare.md" ;;
+    index)
+      (cd build-gpu && ctest -R "index_cuda|routing_cuda|routers|grouped_cuda" --output-on-failure) \
+        > "$out/index_tests.log" 2>&1
+      note "index tests: rc=$? $(grep -E 'tests passed' "$out/index_tests.log")" ;;
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
