@@ -49,10 +49,7 @@ local cfg = train.config {
 local dist = moe.dist
 local dp = dist.world_size() -- 1 when started alone (no MPI)
 local device = train.resolve_device(cfg.device)
-if dp > 1 then
-  device = dist.device()
-  cfg.device = device
-end
+if dp > 1 then device = dist.device() end -- train.run's data parallelism picks the same GPU
 moe.manual_seed(cfg.seed)
 local t0 = moe.clock()
 local model = train.build_model(cfg, device)

@@ -624,8 +624,9 @@ moe_status moe_work_wait(moe_ctx *ctx, moe_work *w) {
 
 bool moe_work_done(moe_ctx *ctx, moe_work *w) {
   if (!w) return false;
-  if (w->waited) return true;
+  /* a GPU wait only orders the compute stream: the collective may still run */
   if (w->kind == MOE_WORK_GPU) return moe_nccl_work_done(w);
+  if (w->waited) return true;
   if (w->nreq == 0 || w->comm->failed) return w->nreq == 0;
   p2p_scratch *s = p2p_of(w);
   int done = 0;

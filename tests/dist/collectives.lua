@@ -15,7 +15,8 @@ dist.init { timeout = 60 }
 T.check(dist.world:size() == P and dist.world:rank() == R, "world group")
 T.check(dist.world:name() == "world", "world name")
 T.check(dist.local_world_size() == P and dist.local_rank() == R, "local rank (one node)")
-T.check(dist.device() == "cpu", "device")
+local gpus = moe.cuda and moe.cuda.is_available() and moe.cuda.device_count() or 0
+T.check(dist.device() == (gpus > 0 and "cuda:" .. (R % gpus) or "cpu"), "device")
 T.check(dist.launcher() == "mpirun", "launcher")
 
 local FLOATS = { "f32", "f64", "bf16", "f16" }

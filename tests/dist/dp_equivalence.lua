@@ -101,7 +101,7 @@ end
 local function check_replicas(model, what)
   local sums = {}
   for _, p in ipairs(model:named_parameters()) do
-    sums[#sums + 1] = p[2]:double():sum():item()
+    sums[#sums + 1] = p[2]:cpu():double():sum():item()
   end
   local hi, lo = moe.tensor(sums, { dtype = "f64" }), moe.tensor(sums, { dtype = "f64" })
   dist.all_reduce(hi, "max")
