@@ -21,6 +21,9 @@
  * (max, over MPI on the host: a few bytes) which parameters had a gradient on
  * some rank, waits for the buckets in order and disarms.
  *
+ * A bucket of one parameter whose .grad is a contiguous tensor nobody else
+ * holds skips the buffer: the all_reduce averages the .grad itself.
+ *
  * Write-back without a copy. When a parameter's slice is filled, its .grad
  * becomes a view of that slice (its old gradient tensor is released at once,
  * so a round holds about one copy of the gradients, not two); the all_reduce
@@ -125,6 +128,26 @@ static moe_status param_view(moe_ctx *ctx, moe_tensor *buf, int64_t offset, cons
 static moe_status bucket_launch(moe_ctx *ctx, moe_reducer *r, int k) {
   bucket *bk = &r->b[k];
   MOE_ASSERT(!bk->buf && !bk->work);
+  if (bk->count == 1) {
+    /* A parameter with a bucket of its own (one larger than the bucket
+     * size: an MoE layer's expert weights) whose gradient nobody else holds
+     * is averaged in place: no buffer, no copy. */
+    int i = r->order[bk->first];
+    moe_tensor *g = moe_tensor_grad(r->params[i]);
+    if (g && g->refcount == 1 && g->storage->refcount == 1 && moe_tensor_is_contiguous(g) &&
+        g->dtype == bk->dtype) {
+      r->had_grad[i] = true;
+      moe_tensor_retain(g);
+      bk->buf = g;
+      moe_status st = moe_all_reduce(ctx, r->comm, g, MOE_REDUCE_AVG, &bk->work);
+      if (st != MOE_OK) {
+        moe_tensor_release(bk->buf);
+        bk->buf = NULL;
+        bk->work = NULL;
+      }
+      return st;
+    }
+  }
   MOE_CHECK(moe_tensor_empty(ctx, 1, &bk->numel, bk->dtype, bk->device, &bk->buf));
   moe_status st = MOE_OK;
   for (int j = 0; j < bk->count && st == MOE_OK; j++) {

@@ -126,9 +126,13 @@ static void test_identity(moe_ctx *ctx) {
     }
     EXPECT_OK(model_loss(ctx, p, false, &loss));
     EXPECT_OK(moe_backward(ctx, loss, NULL, false));
+    moe_tensor *g1_before = moe_tensor_grad(p[1]);
     if (pass == 1) {
       EXPECT_OK(moe_reducer_finish(ctx, r));
-      /* p1 and p0 are alone in theirs; p2's grad is a view of a buffer */
+      /* p1 and p0 are alone in theirs: p1's gradient (nobody else holds it)
+       * is averaged in place, the same tensor; p2's grad is a view of a
+       * buffer */
+      EXPECT(moe_tensor_grad(p[1]) == g1_before);
       moe_tensor *g2 = moe_tensor_grad(p[2]);
       EXPECT(g2 && g2->storage->nbytes == (24 + 12) && g2->offset == 6);
       EXPECT(moe_tensor_grad(p[3]) == NULL); /* never reached, on no rank */
