@@ -23,27 +23,36 @@ run() { # name "ENV=V ..." "launcher prefix" "extra key=value"
     json="$out/sweep_$name.json" > "$out/sweep_$name.log" 2>&1
   echo "$name: rc=$?"
 }
-run dp1_a "MOE_X=1" "" ""
-run dp2_b25 "MOE_X=1" "launch -n 2" "bucket_mb=25"
-run dp2_b100 "MOE_X=1" "launch -n 2" "bucket_mb=100"
-run dp2_b5 "MOE_X=1" "launch -n 2" "bucket_mb=5"
-run dp2_b25_ctas8 "NCCL_MAX_CTAS=8" "launch -n 2" "bucket_mb=25"
-run dp2_b25_ch4 "NCCL_MAX_NCHANNELS=4" "launch -n 2" "bucket_mb=25"
-run dp1_b "MOE_X=1" "" ""
+declare -A spec=(
+  [dp1]='MOE_X=1||' [dp1_a]='MOE_X=1||' [dp1_b]='MOE_X=1||'
+  [dp2_b25]='MOE_X=1|launch -n 2|bucket_mb=25' [dp2_b100]='MOE_X=1|launch -n 2|bucket_mb=100'
+  [dp2_b5]='MOE_X=1|launch -n 2|bucket_mb=5'
+  [dp2_b25_ctas8]='NCCL_MAX_CTAS=8|launch -n 2|bucket_mb=25'
+  [dp2_b25_ch4]='NCCL_MAX_NCHANNELS=4|launch -n 2|bucket_mb=25'
+)
+# SWEEP_RUNS picks (and orders) the runs; the one-GPU baseline opens and closes the list.
+# A suffix _r<k> repeats a run (dp2_b25_r2): the table then shows the median of each.
+for name in ${SWEEP_RUNS:-dp1_a dp2_b25 dp2_b100 dp2_b5 dp2_b25_ctas8 dp2_b25_ch4 dp1_b}; do
+  IFS='|' read -r e p x <<< "${spec[${name%_r[0-9]*}]}"
+  run "$name" "$e" "$p" "$x"
+done
 python3 - "$out" <<'PY'
-import json, os, sys
+import json, os, re, statistics, sys
 out = sys.argv[1]
-def get(n):
-    p = os.path.join(out, f"sweep_{n}.json")
-    return json.load(open(p)) if os.path.exists(p) else None
-base = [r["tokens_per_s"] for r in (get("dp1_a"), get("dp1_b")) if r]
-b = sum(base) / len(base) if base else None
-print("| run | tokens/s per GPU | ms/step | vs one GPU (mean of two) |")
-print("|---|---|---|---|")
-for n in ["dp1_a", "dp1_b", "dp2_b25", "dp2_b100", "dp2_b5", "dp2_b25_ctas8", "dp2_b25_ch4"]:
-    r = get(n)
-    if not r:
-        print(f"| {n} | not run | | |"); continue
-    print(f"| {n} | {r['tokens_per_s']:.0f} | {r['ms_per_step']:.2f} | "
-          f"{r['tokens_per_s'] / b:.3f} |" if b else f"| {n} | {r['tokens_per_s']:.0f} | | |")
+runs = {}
+for f in sorted(os.listdir(out)):
+    m = re.match(r"sweep_(.+?)(_r\d+)?\.json$", f)
+    if m:
+        runs.setdefault(m.group(1), []).append(json.load(open(os.path.join(out, f))))
+base = [r["tokens_per_s"] for k in ("dp1", "dp1_a", "dp1_b") for r in runs.get(k, [])]
+b = statistics.median(base) if base else None
+print("| run | n | tokens/s per GPU (median) | all | ms/step (median) | vs one GPU |")
+print("|---|---|---|---|---|---|")
+for k, rs in runs.items():
+    t = [r["tokens_per_s"] for r in rs]
+    ms = statistics.median(r["ms_per_step"] for r in rs)
+    tm = statistics.median(t)
+    print(f"| {k} | {len(t)} | {tm:.0f} | {' '.join('%.0f' % x for x in t)} | {ms:.2f} | "
+          + (f"{tm / b:.3f} |" if b else "|"))
 PY
+(cd "$out" && tar czf /tmp/dp_sweep.tgz sweep_* && rm -f sweep_* && mv /tmp/dp_sweep.tgz .)
