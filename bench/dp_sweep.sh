@@ -24,9 +24,9 @@ run() { # name "ENV=V ..." "launcher prefix" "extra key=value"
   echo "$name: rc=$?"
 }
 declare -A spec=(
-  [dp1]='MOE_X=1||' [dp1_a]='MOE_X=1||' [dp1_b]='MOE_X=1||'
-  [dp2_b25]='MOE_X=1|launch -n 2|bucket_mb=25' [dp2_b100]='MOE_X=1|launch -n 2|bucket_mb=100'
-  [dp2_b5]='MOE_X=1|launch -n 2|bucket_mb=5'
+  [dp1]='||' [dp1_a]='||' [dp1_b]='||'
+  [dp2_b25]='|launch -n 2|bucket_mb=25' [dp2_b100]='|launch -n 2|bucket_mb=100'
+  [dp2_b5]='|launch -n 2|bucket_mb=5'
   [dp2_b25_ctas8]='NCCL_MAX_CTAS=8|launch -n 2|bucket_mb=25'
   [dp2_b25_ch4]='NCCL_MAX_NCHANNELS=4|launch -n 2|bucket_mb=25'
 )
