@@ -44,6 +44,11 @@ for s in "${steps[@]}"; do
       [ $rc -eq 0 ] || tail -20 "$out/test_gpu_collectives.log"
       grep -E "moe-lua: \[rank|rank 0: " "$out/test_gpu_collectives.log" | head -5
       # the CPU (MPI) dist tests of the suite, on this machine too
+      MOE_DIST_DEVICE=cuda timeout 300 $ml launch -n 2 tests/dist/functional.lua \
+        > "$out/test_gpu_functional.log" 2>&1
+      note "tests/dist/functional.lua (GPU tensors, NCCL): rc=$?"
+      timeout 300 $ml launch -n 2 tests/dist/dp_layers.lua device=cuda > "$out/test_gpu_dp_layers.log" 2>&1
+      note "tests/dist/dp_layers.lua (GPU, NCCL): rc=$? $(grep -c '^ok' "$out/test_gpu_dp_layers.log") ok"
       for sc in collectives functional debug timeout; do
         timeout 300 "${mpi[@]}" $ml tests/dist/$sc.lua > "$out/test_cpu_$sc.log" 2>&1
         note "tests/dist/$sc.lua (CPU, 2 ranks): rc=$?"

@@ -6,11 +6,16 @@ name the rank. A failed assertion raises: moe-lua exits 1 and mpirun fails
 the test.
 
   local T = dofile(arg[0]:match("^(.*/)") .. "common.lua")
+
+MOE_DIST_DEVICE=cuda makes T.make's tensors GPU tensors (functional.lua
+runs that way on the 2-GPU machine: bench/dist_round.sh tests).
 ]]
 local moe = require "moe"
 
 local T = { moe = moe, dist = moe.dist }
 T.rank, T.size = T.dist.rank(), T.dist.world_size()
+-- MOE_DIST_DEVICE=cuda: T.make puts tensors on this rank's GPU (collectives through NCCL)
+T.device = os.getenv("MOE_DIST_DEVICE") == "cuda" and T.dist.device() or "cpu"
 
 function T.fail(fmt, ...)
   error(string.format("[rank %d] " .. fmt, T.rank, ...), 2)
@@ -68,7 +73,9 @@ function T.make(shape, dtype, f)
   for _, s in ipairs(shape) do n = n * s end
   local v = {}
   for i = 0, n - 1 do v[i + 1] = f(i) end
-  return moe.tensor(v, { dtype = dtype }):reshape(shape)
+  local t = moe.tensor(v, { dtype = dtype }):reshape(shape)
+  if T.device ~= "cpu" then t = t:to(T.device) end
+  return t
 end
 
 function T.ok(name)

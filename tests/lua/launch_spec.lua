@@ -272,6 +272,17 @@ describe("moe-lua launch", function()
     rmdir(dir)
   end)
 
+  it("ends data-parallel training when a rank is killed mid-step, naming it", function()
+    if not have_mpirun then return pending("no mpirun on this machine") end
+    local t0 = os.time()
+    local out, err, rc = launch("-n 2 " .. dist .. "/launch_kill_train.lua")
+    assert.truthy(os.time() - t0 < 60, "took " .. (os.time() - t0) .. " s")
+    assert.are.equal(137, rc, err)
+    assert.truthy(has(err, "ready 1 pid="), err) -- rank 1 was training
+    assert.truthy(has(err, "moe-lua launch: rank 1 died without a word (mpirun: exited on signal 9 (Killed)"), err)
+    assert.falsy(has(out .. err, "was not stopped"), err)
+  end)
+
   it("sends SIGTERM on to both ranks and exits 143", function()
     if not have_mpirun then return pending("no mpirun on this machine") end
     local dir = mkdtemp()
