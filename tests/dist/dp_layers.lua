@@ -24,8 +24,10 @@ local device = o.device == "cpu" and "cpu" or dist.device()
 local function make(name)
   moe.manual_seed(11) -- the same weights on every rank
   local d = 32
-  if name == "MoA" then
-    return layers.MoA { d_model = d, n_heads = 2, num_experts = 4, top_k = 2, device = device }
+  if name == "MoA" then -- CUDA attention takes bf16 with head dim 64 or 128
+    local gpu = device ~= "cpu"
+    return layers.MoA { d_model = gpu and 128 or d, n_heads = 2, num_experts = 4, top_k = 2, device = device,
+      dtype = gpu and "bf16" or nil }
   elseif name == "MoE" then
     return layers.MoE { hidden_size = d, ffn_hidden_size = 48, num_experts = 4, top_k = 2,
       capacity_factor = 1.0, device = device }
@@ -33,11 +35,12 @@ local function make(name)
   return layers.dMoE { hidden_size = d, ffn_hidden_size = 48, num_experts = 4, top_k = 2, device = device }
 end
 
-local function loss_of(layer)
+local function loss_of(layer, name)
   moe.manual_seed(100 + rank) -- each rank its own batch
-  local x = moe.randn({ 2, 8, 32 }):to(device)
+  local gpu_moa = name == "MoA" and device ~= "cpu"
+  local x = moe.randn({ 2, 8, gpu_moa and 128 or 32 }):to(device, gpu_moa and "bf16" or "f32")
   local y = layer:forward(x)
-  local l = (y * y):mean()
+  local l = (y * y):float():mean()
   local aux = rawget(layer, "aux_loss")
   if aux then l = l + aux end
   return l
@@ -62,7 +65,7 @@ end
 for _, name in ipairs { "MoA", "MoE", "dMoE" } do
   -- reference: plain backward, then one all_reduce(avg) per gradient
   local layer = make(name)
-  moe.scope(function() loss_of(layer):backward() end)
+  moe.scope(function() loss_of(layer, name):backward() end)
   for _, p in ipairs(layer:parameters()) do
     if p.grad then dist.all_reduce(p.grad, "avg") end
   end
@@ -71,7 +74,7 @@ for _, name in ipairs { "MoA", "MoE", "dMoE" } do
   layer = make(name)
   local r = dist.reducer(layer:parameters(), { bucket_mb = 0.001 })
   r:arm()
-  moe.scope(function() loss_of(layer):backward() end)
+  moe.scope(function() loss_of(layer, name):backward() end)
   r:finish()
   local got = grads(layer)
   assert(r:buckets() > 1, name .. ": expected several buckets, got " .. r:buckets())
