@@ -49,6 +49,12 @@ for s in "${steps[@]}"; do
       note "tests/dist/functional.lua (GPU tensors, NCCL): rc=$?"
       timeout 300 $ml launch -n 2 tests/dist/dp_layers.lua device=cuda > "$out/test_gpu_dp_layers.log" 2>&1
       note "tests/dist/dp_layers.lua (GPU, NCCL): rc=$? $(grep -c '^ok' "$out/test_gpu_dp_layers.log") ok"
+      MOE_DIST_DEVICE=cuda timeout 300 $ml launch -n 2 tests/dist/debug.lua > "$out/test_gpu_debug.log" 2>&1
+      note "tests/dist/debug.lua (GPU tensors): rc=$?"
+      t1=$(date +%s)
+      MOE_DIST_DEVICE=cuda timeout 300 $ml launch -n 2 tests/dist/launch_kill_train.lua \
+        > "$out/test_gpu_kill.log" 2>&1
+      note "kill -9 of rank 1 mid-step (GPU training): launcher rc=$? after $(($(date +%s) - t1)) s; $(grep -o 'rank 1 died without a word[^)]*)' "$out/test_gpu_kill.log" | head -1)"
       for sc in collectives functional debug timeout; do
         timeout 300 "${mpi[@]}" $ml tests/dist/$sc.lua > "$out/test_cpu_$sc.log" 2>&1
         note "tests/dist/$sc.lua (CPU, 2 ranks): rc=$?"

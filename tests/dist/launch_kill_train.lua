@@ -3,7 +3,8 @@
 -- the middle of step 3, between its backward and its optimizer step (the
 -- before_step hook). Rank 0 goes on into the step's collectives and waits
 -- for a rank that is gone; mpirun sees rank 1 die and stops rank 0. The
--- data is a small corpus written by each rank for itself.
+-- data is a small corpus written by each rank for itself. MOE_DIST_DEVICE=cuda
+-- trains on the ranks' GPUs (NCCL).
 local moe = require "moe"
 local train = require "moe.train"
 local data = require "moe.data"
@@ -25,7 +26,7 @@ local cfg = train.config {
     moe = { num_experts = 4, top_k = 1, ffn_hidden_size = 32 } },
   data = dir .. "/words", seq_len = 16, batch_size = 2, steps = 1000, warmup = 1, eval_every = 0,
   eval_iters = 0, log_every = 1, save_every = 0, keep_last = 0, tensorboard = false, sample_tokens = 0,
-  device = "cpu", out_dir = dir .. "/out", quiet = true,
+  device = os.getenv("MOE_DIST_DEVICE") == "cuda" and "cuda" or "cpu", out_dir = dir .. "/out", quiet = true,
 }
 local pid = moe.proc.getpid()
 io.stderr:write(("ready %d pid=%d\n"):format(rank, pid))
