@@ -480,6 +480,15 @@ static int lm_dist_abort(lua_State *L) {
 
 /* ----------------------------------------------------------- collectives */
 
+/* After the arguments are checked: the work userdata an async call hands
+ * back, made before the core is called (so its __gc owns the work even if
+ * a later step raises); its stack index, or 0 for a synchronous call. */
+static int lm_coll_begin(lua_State *L, bool async) {
+  if (!async) return 0;
+  lm_push_work(L);
+  return lua_gettop(L);
+}
+
 /* dist.all_reduce(t, op, opts) */
 static int lm_all_reduce(lua_State *L) {
   const char *fn = "all_reduce";
@@ -489,11 +498,7 @@ static int lm_all_reduce(lua_State *L) {
   bool async;
   moe_comm *c = lm_collopts(L, S, 3, fn, &async);
   lm_checkend(L, 3, fn);
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = moe_all_reduce(S->ctx, c, t, op, async ? &w : NULL);
   return lm_coll_end(L, S, st, async, wi, w, fn);
@@ -509,11 +514,7 @@ static int lm_reduce_scatter(lua_State *L) {
   bool async;
   moe_comm *c = lm_collopts(L, S, 4, fn, &async);
   lm_checkend(L, 4, fn);
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = moe_reduce_scatter(S->ctx, c, out, in, op, async ? &w : NULL);
   return lm_coll_end(L, S, st, async, wi, w, fn);
@@ -528,11 +529,7 @@ static int lm_all_gather(lua_State *L) {
   bool async;
   moe_comm *c = lm_collopts(L, S, 3, fn, &async);
   lm_checkend(L, 3, fn);
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = moe_all_gather(S->ctx, c, out, in, async ? &w : NULL);
   return lm_coll_end(L, S, st, async, wi, w, fn);
@@ -550,11 +547,7 @@ static int lm_broadcast(lua_State *L) {
   if (root < 0 || root >= moe_comm_size(c))
     lm_argerror(L, 2, fn, "root %d is not a rank of group '%s' (0..%d)", (int)root,
                 moe_comm_name(c), moe_comm_size(c) - 1);
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = moe_broadcast(S->ctx, c, t, (int)root, async ? &w : NULL);
   return lm_coll_end(L, S, st, async, wi, w, fn);
@@ -572,11 +565,7 @@ static int lm_all_to_all(lua_State *L) {
   int n = moe_comm_size(c);
   int64_t *send = lm_checksplits(L, S, 3, fn, "send", n);
   int64_t *recv = lm_checksplits(L, S, 4, fn, "recv", n);
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = moe_all_to_all(S->ctx, c, out, in, send, recv, async ? &w : NULL);
   return lm_coll_end(L, S, st, async, wi, w, fn);
@@ -593,11 +582,7 @@ static int lm_p2p(lua_State *L, bool is_send) {
   if (peer < 0 || peer >= moe_comm_size(c) || peer == moe_comm_rank(c))
     lm_argerror(L, 2, fn, "peer %d is not another rank of group '%s' (0..%d, this rank is %d)",
                 (int)peer, moe_comm_name(c), moe_comm_size(c) - 1, moe_comm_rank(c));
-  int wi = 0;
-  if (async) {
-    lm_push_work(L);
-    wi = lua_gettop(L);
-  }
+  int wi = lm_coll_begin(L, async);
   moe_work *w = NULL;
   moe_status st = is_send ? moe_send(S->ctx, c, t, (int)peer, async ? &w : NULL)
                           : moe_recv(S->ctx, c, t, (int)peer, async ? &w : NULL);
