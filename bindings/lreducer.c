@@ -9,6 +9,21 @@
  *   r:buckets()        -- how many buckets
  *   r:free()           -- also by <close> and __gc
  *
+ * Sharded (ZeRO-2; moe_dist.h, MOE_REDUCER_REDUCE_SCATTER):
+ *
+ *   local r = moe.dist.reducer(params, {mode = "reduce_scatter", group = shard_group,
+ *                                       replicate_group = nil})
+ *   r:arm(); loss:backward(); r:finish()   -- .grad released; the shards hold the average
+ *   r:mode()           -- "all_reduce" or "reduce_scatter"
+ *   r:layout()         -- {rank =, size =, buckets = {{dtype =, device =, numel =, padded =,
+ *                      --   shard_numel =, shard_offset =, segments = {{param =, param_offset =,
+ *                      --   shard_offset =, numel =}, ...}}, ...},
+ *                      --   params = {{bucket =, offset =}, ...}}  (param, bucket: 1-based;
+ *                      --   offsets: 0-based elements)
+ *   r:shard(k)         -- bucket k's (1-based) averaged gradient shard of this round, or nil
+ *   r:had_grad(i)      -- parameter i (1-based) had a gradient on some rank last round
+ *   r:clear()          -- drops the shards (zero_grad)
+ *
  * params is a list of tensors (leaves that require grad) or of {name, tensor}
  * pairs (model:named_parameters()). bucket_mb may be fractional; 0 puts each
  * parameter in a bucket of its own. The reducer holds one reference to the
@@ -16,9 +31,12 @@
  * __close and __gc share one idempotent function (which also disarms it and
  * waits for what is in flight), and a freed reducer raises "attempt to use a
  * freed reducer". The reducer keeps its group's handle alive (a group freed
- * explicitly with g:free() while a reducer uses it is the caller's error).
+ * explicitly with g:free() while a reducer uses it is the caller's error), and
+ * its replicate group's.
  */
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "lmoe_internal.h"
 
@@ -58,15 +76,19 @@ static moe_comm *lm_reducer_group(lua_State *L, lm_state *S, int opts) {
   return c;
 }
 
-/* moe.dist.reducer(params [, {bucket_mb = 25, group = world}]) -> reducer */
+static const char *const lm_reducer_modes[] = {"all_reduce", "reduce_scatter", NULL};
+
+/* moe.dist.reducer(params [, {bucket_mb = 25, group = world, mode = "all_reduce",
+ * replicate_group = nil}]) -> reducer */
 static int lm_reducer_new(lua_State *L) {
-  static const char *const known[] = {"bucket_mb", "group", NULL};
+  static const char *const known[] = {"bucket_mb", "group", "mode", "replicate_group", NULL};
   const char *fn = "reducer";
   lm_state *S = lm_S(L);
   if (lua_type(L, 1) != LUA_TTABLE)
     lm_argerror(L, 1, fn, "a list of parameters expected, got %s", lm_typename(L, 1));
   int opts = 0;
   double mb = 25.0;
+  moe_reducer_mode mode = MOE_REDUCER_ALL_REDUCE;
   if (!lua_isnoneornil(L, 2)) {
     if (lua_type(L, 2) != LUA_TTABLE)
       lm_argerror(L, 2, fn, "options table expected, got %s", lm_typename(L, 2));
@@ -77,6 +99,17 @@ static int lm_reducer_new(lua_State *L) {
       mb = (double)lua_tonumberx(L, -1, &isnum);
       if (!isnum || !(mb >= 0) || mb > 1e6)
         lm_argerror(L, 2, fn, "bucket_mb must be a number in [0, 1e6], got %s", lm_describe(L, -1));
+    }
+    lua_pop(L, 1);
+    if (lua_getfield(L, 2, "mode") != LUA_TNIL) {
+      const char *m = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : NULL;
+      int found = -1;
+      for (int i = 0; m && lm_reducer_modes[i]; i++)
+        if (strcmp(m, lm_reducer_modes[i]) == 0) found = i;
+      if (found < 0)
+        lm_argerror(L, 2, fn, "mode must be 'all_reduce' or 'reduce_scatter', got %s",
+                    lm_describe(L, -1));
+      mode = (moe_reducer_mode)found;
     }
     lua_pop(L, 1);
   }
@@ -105,15 +138,24 @@ static int lm_reducer_new(lua_State *L) {
   }
   moe_comm *c = lm_reducer_group(L, S, opts);
   int group = lua_gettop(L);
-  lm_reducer *u = (lm_reducer *)lua_newuserdatauv(L, sizeof *u, 1);
+  moe_comm *rc = NULL;
+  if (opts > 0 && lua_getfield(L, opts, "replicate_group") != LUA_TNIL) {
+    rc = lm_checkgroup_at(L, lua_gettop(L), opts, fn);
+    if (mode != MOE_REDUCER_REDUCE_SCATTER)
+      lm_argerror(L, opts, fn, "replicate_group needs mode = 'reduce_scatter'");
+  }
+  int rgroup = lua_gettop(L); /* nil or the replicate group */
+  lm_reducer *u = (lm_reducer *)lua_newuserdatauv(L, sizeof *u, 2);
   u->r = NULL;
   u->S = NULL;
   luaL_setmetatable(L, LM_REDUCER);
-  lua_pushvalue(L, group); /* the group's handle lives as long as the reducer */
+  lua_pushvalue(L, group); /* the groups' handles live as long as the reducer */
   lua_setiuservalue(L, -2, 1);
+  lua_pushvalue(L, rgroup);
+  lua_setiuservalue(L, -2, 2);
   moe_reducer *r = NULL;
-  size_t bytes = (size_t)(mb * 1024.0 * 1024.0);
-  if (moe_reducer_new(S->ctx, c, (int)len, params, bytes, &r) != MOE_OK)
+  moe_reducer_opts ro = {(size_t)(mb * 1024.0 * 1024.0), mode, rc};
+  if (moe_reducer_new_opts(S->ctx, c, (int)len, params, &ro, &r) != MOE_OK)
     return lm_corefail(L, S, fn, 1); /* params: freed by the box's __gc */
   free(params);
   *box = NULL;
@@ -146,6 +188,112 @@ static int lm_reducer_buckets(lua_State *L) {
   return 1;
 }
 
+static int lm_reducer_mode(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "mode");
+  lm_checkend(L, 1, "mode");
+  lua_pushstring(L, lm_reducer_modes[moe_reducer_get_mode(u->r)]);
+  return 1;
+}
+
+static void lm_setint(lua_State *L, const char *key, int64_t v) {
+  lua_pushinteger(L, (lua_Integer)v);
+  lua_setfield(L, -2, key);
+}
+
+/* r:layout() -> {rank =, size =, buckets = {...}} (see the header comment) */
+static int lm_reducer_layout(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "layout");
+  lm_checkend(L, 1, "layout");
+  moe_reducer *r = u->r;
+  int nb = moe_reducer_buckets(r);
+  lua_createtable(L, 0, 3);
+  lua_createtable(L, nb, 0);
+  int64_t P = 1, rank = 0;
+  for (int k = 0; k < nb; k++) {
+    moe_reducer_bucket bi;
+    if (moe_reducer_bucket_info(u->S->ctx, r, k, &bi) != MOE_OK) return lm_corefail(L, u->S, "layout", 0);
+    P = bi.padded / (bi.shard_numel > 0 ? bi.shard_numel : 1);
+    rank = bi.shard_numel > 0 ? bi.shard_offset / bi.shard_numel : 0;
+    lua_createtable(L, 0, 8);
+    lua_pushstring(L, moe_dtype_name(bi.dtype));
+    lua_setfield(L, -2, "dtype");
+    lm_push_device(L, bi.device);
+    lua_setfield(L, -2, "device");
+    lm_setint(L, "numel", bi.numel);
+    lm_setint(L, "padded", bi.padded);
+    lm_setint(L, "shard_numel", bi.shard_numel);
+    lm_setint(L, "shard_offset", bi.shard_offset);
+    int ns = moe_reducer_segments(r, k, NULL, 0);
+    moe_reducer_segment *seg = (moe_reducer_segment *)lua_newuserdatauv(
+        L, sizeof(*seg) * (size_t)(ns > 0 ? ns : 1), 0);
+    moe_reducer_segments(r, k, seg, ns);
+    lua_createtable(L, ns, 0);
+    for (int j = 0; j < ns; j++) {
+      lua_createtable(L, 0, 4);
+      lm_setint(L, "param", seg[j].param + 1);
+      lm_setint(L, "param_offset", seg[j].param_offset);
+      lm_setint(L, "shard_offset", seg[j].shard_offset);
+      lm_setint(L, "numel", seg[j].numel);
+      lua_rawseti(L, -2, j + 1);
+    }
+    lua_setfield(L, -3, "segments");
+    lua_pop(L, 1); /* the segments' scratch */
+    lua_rawseti(L, -2, k + 1);
+  }
+  lua_setfield(L, -2, "buckets");
+  int n = 0;
+  while (moe_reducer_param_offset(r, n, NULL, NULL)) n++;
+  lua_createtable(L, n, 0);
+  for (int i = 0; i < n; i++) {
+    int b = 0;
+    int64_t off = 0;
+    moe_reducer_param_offset(r, i, &b, &off);
+    lua_createtable(L, 0, 2);
+    lm_setint(L, "bucket", b + 1);
+    lm_setint(L, "offset", off);
+    lua_rawseti(L, -2, i + 1);
+  }
+  lua_setfield(L, -2, "params");
+  if (moe_reducer_get_mode(r) == MOE_REDUCER_ALL_REDUCE) P = 1, rank = 0;
+  lm_setint(L, "size", P);
+  lm_setint(L, "rank", rank);
+  return 1;
+}
+
+/* r:shard(k) -> bucket k's gradient shard of the last round, or nil */
+static int lm_reducer_shard(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "shard");
+  lua_Integer k = luaL_checkinteger(L, 2);
+  lm_checkend(L, 2, "shard");
+  int nb = moe_reducer_buckets(u->r);
+  if (k < 1 || k > nb) lm_argerror(L, 2, "shard", "bucket %I out of range [1, %d]", (LUAI_UACINT)k, nb);
+  moe_tensor *t = moe_reducer_shard(u->r, (int)k - 1);
+  if (!t) {
+    lua_pushnil(L);
+    return 1;
+  }
+  lm_tensor *h = lm_push_empty(L);
+  moe_tensor_retain(t);
+  lm_adopt(h, u->S, t);
+  return 1;
+}
+
+/* r:had_grad(i) -> boolean */
+static int lm_reducer_had_grad(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "had_grad");
+  lua_Integer i = luaL_checkinteger(L, 2);
+  lm_checkend(L, 2, "had_grad");
+  lua_pushboolean(L, i >= 1 && i <= INT32_MAX && moe_reducer_had_grad(u->r, (int)i - 1));
+  return 1;
+}
+
+static int lm_reducer_clear(lua_State *L) {
+  lm_reducer *u = lm_checkreducer(L, 1, "clear");
+  lm_checkend(L, 1, "clear");
+  moe_reducer_clear(u->r);
+  return 0;
+}
+
 static int lm_reducer_tostring(lua_State *L) {
   lm_reducer *u = (lm_reducer *)luaL_checkudata(L, 1, LM_REDUCER);
   if (u->r)
@@ -158,6 +306,11 @@ static int lm_reducer_tostring(lua_State *L) {
 static const luaL_Reg lm_reducer_methods[] = {{"arm", lm_reducer_arm},
                                               {"finish", lm_reducer_finish},
                                               {"buckets", lm_reducer_buckets},
+                                              {"mode", lm_reducer_mode},
+                                              {"layout", lm_reducer_layout},
+                                              {"shard", lm_reducer_shard},
+                                              {"had_grad", lm_reducer_had_grad},
+                                              {"clear", lm_reducer_clear},
                                               {"free", lm_reducer_release},
                                               {NULL, NULL}};
 

@@ -191,22 +191,101 @@ void moe_work_free(moe_ctx *ctx, moe_work *w);
  * a parameter's gradient of this backward is complete (moe_autograd leaf
  * hook); when every parameter of a bucket is ready, and every earlier bucket
  * was launched, the bucket's gradients are copied into one flat buffer and
- * an asynchronous all_reduce (avg) starts. moe_reducer_finish launches what
- * is left (a parameter that got no gradient contributes zeros, on every
- * rank, so buckets always match), waits, and writes the averaged gradients
- * back into each parameter's .grad. The order of the sums is the
+ * an asynchronous collective starts. moe_reducer_finish launches what is
+ * left (a parameter that got no gradient contributes zeros, on every rank,
+ * so buckets always match) and waits. The order of the sums is the
  * collective's: deterministic for a given world size.
+ *
+ * Two modes:
+ *
+ * MOE_REDUCER_ALL_REDUCE (DDP): each bucket is all_reduce'd (avg) and
+ * finish leaves the averaged gradients in each parameter's .grad.
+ *
+ * MOE_REDUCER_REDUCE_SCATTER (ZeRO-2, the gradient half of FSDP): a bucket's
+ * flat buffer is padded with zeros to padded = P * shard_numel elements (P
+ * the communicator's size) and reduce_scatter'ed (avg): rank r keeps
+ * elements [r * shard_numel, (r + 1) * shard_numel) of the average, its
+ * shard. Each .grad is released as soon as its bucket is launched (the full
+ * gradients live only until their bucket's collective has read them), so
+ * after finish every parameter's .grad is NULL and the gradient is the
+ * shards (moe_reducer_shard), valid until the next arm or
+ * moe_reducer_clear. With a replicate communicator (HSDP: shard within a
+ * group, replicate across groups), each shard is then all_reduce'd (avg)
+ * over it, launched in bucket order as soon as the bucket's reduce_scatter
+ * is done (polled while backward runs, waited for by finish): the shard is
+ * then the average over shard x replicate ranks. moe_reducer_segments maps
+ * a shard to the parameters' elements it covers, for an optimiser that
+ * updates only those.
  */
 typedef struct moe_reducer moe_reducer;
 
+typedef enum moe_reducer_mode {
+  MOE_REDUCER_ALL_REDUCE = 0,
+  MOE_REDUCER_REDUCE_SCATTER,
+  MOE_REDUCER_MODE_COUNT
+} moe_reducer_mode;
+
+typedef struct moe_reducer_opts {
+  size_t bucket_bytes;     /* about this many bytes per bucket; 0: one parameter each */
+  moe_reducer_mode mode;
+  moe_comm *replicate;     /* REDUCE_SCATTER only: all_reduce(avg) of the shards over
+                            * it (HSDP); NULL: none */
+} moe_reducer_opts;
+
+/* The DDP reducer: mode ALL_REDUCE, no replicate communicator. */
 moe_status moe_reducer_new(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *const *params,
                            size_t bucket_bytes, moe_reducer **out);
+moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *const *params,
+                                const moe_reducer_opts *o, moe_reducer **out);
 /* The next backward reports ready gradients to this reducer (one at a
- * time per context). */
+ * time per context). Drops the previous round's shards. */
 moe_status moe_reducer_arm(moe_ctx *ctx, moe_reducer *r);
-/* Launches the remaining buckets, waits, writes .grad; disarms. */
+/* Launches the remaining buckets, waits; ALL_REDUCE writes .grad, REDUCE_SCATTER
+ * leaves the shards; disarms. */
 moe_status moe_reducer_finish(moe_ctx *ctx, moe_reducer *r);
 int moe_reducer_buckets(const moe_reducer *r);
+moe_reducer_mode moe_reducer_get_mode(const moe_reducer *r);
+
+/* Bucket k (0-based) as laid out at creation. For ALL_REDUCE, padded =
+ * shard_numel = numel and shard_offset = 0. */
+typedef struct moe_reducer_bucket {
+  moe_dtype dtype;
+  moe_device device;
+  int nparams;          /* parameters in the bucket */
+  int64_t numel;        /* elements of its parameters */
+  int64_t padded;       /* numel rounded up to a multiple of the group size */
+  int64_t shard_numel;  /* padded / group size */
+  int64_t shard_offset; /* this rank's first element: rank * shard_numel */
+} moe_reducer_bucket;
+
+moe_status moe_reducer_bucket_info(moe_ctx *ctx, const moe_reducer *r, int k,
+                                   moe_reducer_bucket *out);
+
+/* Elements [param_offset, + numel) of parameter param (its index in the
+ * list given to new, flattened row-major) are elements [shard_offset,
+ * + numel) of this rank's shard of the bucket. */
+typedef struct moe_reducer_segment {
+  int param;
+  int64_t param_offset, shard_offset, numel;
+} moe_reducer_segment;
+
+/* The segments of this rank's shard of bucket k, in shard order (the
+ * padding at the end of the last rank's shard belongs to none). Writes up to
+ * cap of them into out (out may be NULL when cap is 0) and returns how many
+ * there are; -1 when k is out of range. */
+int moe_reducer_segments(const moe_reducer *r, int k, moe_reducer_segment *out, int cap);
+/* Where parameter i sits: its bucket and its first element in the bucket's
+ * flat (padded) buffer; false when i is out of range. */
+bool moe_reducer_param_offset(const moe_reducer *r, int i, int *bucket, int64_t *offset);
+/* REDUCE_SCATTER: this round's averaged gradient shard of bucket k,
+ * (shard_numel) of the bucket's dtype, borrowed; NULL before finish, after
+ * clear, in ALL_REDUCE mode, or when k is out of range. */
+moe_tensor *moe_reducer_shard(const moe_reducer *r, int k);
+/* Whether parameter i had a gradient on some rank in the last finished round
+ * (of the shard and the replicate communicators). */
+bool moe_reducer_had_grad(const moe_reducer *r, int i);
+/* Drops the shards (the optimiser's zero_grad). */
+void moe_reducer_clear(moe_reducer *r);
 void moe_reducer_free(moe_ctx *ctx, moe_reducer *r);
 
 #ifdef __cplusplus

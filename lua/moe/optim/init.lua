@@ -11,6 +11,8 @@ moe/optim/init.lua - optimisers, learning-rate schedules and gradient clipping
   optim.schedule{lr=, min_lr=0, warmup=0, total=, decay="cosine"|"linear"|"constant"}
       -> function(step (0-based)) -> lr
   optim.clip_grad_norm(params, max_norm) -> total norm (one host read)
+  optim.ShardedAdamW(named_params, {..., group =, replicate_group =, bucket_mb =})
+      -> AdamW with state for this rank's shard only (moe/optim/zero.lua)
 
 named_params is model:named_parameters() (an array of {name, tensor}); a plain
 array of tensors is accepted too (names "0", "1", ...). The update itself is
@@ -294,5 +296,10 @@ function M.clip_grad_norm(params, max_norm)
 end
 
 M.schedule = schedule
+
+--- ShardedAdamW(named_params, opts): ZeRO-2 AdamW (moe/optim/zero.lua).
+function M.ShardedAdamW(named_params, opts)
+  return require("moe.optim.zero").AdamW(named_params, opts)
+end
 
 return M

@@ -62,6 +62,33 @@ function M.evaluate(model, data, iters, batch_size, device, par)
   return total / iters
 end
 
+-- Sharded data parallelism (parallel.dp_shard; moe/train/parallel.lua): the
+-- optimizer is optim.ShardedAdamW, whose reducer (reduce_scatter) replaces the
+-- DDP one and whose clip_grad_norm takes the global norm of the shards. A
+-- caller's optimizer cannot be sharded for it.
+local function sharded_optimizer(par, named, cfg, parts)
+  if parts.optimizer then
+    error("train: parts.optimizer cannot be used with parallel.dp_shard (the optimizer is sharded: " ..
+      "optim.ShardedAdamW, from cfg's AdamW settings)", 0)
+  end
+  local opt = par:sharded_optimizer(named, cfg)
+  local clip = parts.clip_grad_norm or function(_, max_norm) return opt:clip_grad_norm(max_norm) end
+  return opt, opt.reducer, clip
+end
+
+-- What a checkpoint of a sharded run holds: the model, not the optimizer
+-- state (each rank has 1/P of it; sharded checkpoints are not implemented).
+-- Warns once.
+local function sharded_checkpoint(ckpt, log, warned)
+  ckpt.optim = {}
+  ckpt.state.optim_sharded = true
+  if not warned then
+    log:say("warning: parallel.dp_shard: checkpoints hold the model only, not the sharded optimizer " ..
+      "state (training cannot resume from them)")
+  end
+  return true
+end
+
 --- run(cfg [, parts]) -> result (see moe/train/init.lua).
 function M.run(user_cfg, parts)
   parts = parts or {}
@@ -88,10 +115,15 @@ function M.run(user_cfg, parts)
   -- the same seed made the same model on every rank; rank 0's values make sure of it
   -- (before the optimizer copies master weights from the parameters)
   par:broadcast_params(params)
-  local opt = (parts.optimizer or build.optimizer)(named, cfg)
+  local opt, sharded_reducer, sharded_clip
+  if par.sharded then
+    opt, sharded_reducer, sharded_clip = sharded_optimizer(par, named, cfg, parts)
+  else
+    opt = (parts.optimizer or build.optimizer)(named, cfg)
+  end
   local schedule = parts.schedule or require("moe.optim").schedule {
     lr = cfg.lr, min_lr = cfg.min_lr, warmup = cfg.warmup, total = cfg.steps, decay = cfg.decay }
-  local clip_grad_norm = parts.clip_grad_norm or require("moe.optim").clip_grad_norm
+  local clip_grad_norm = sharded_clip or parts.clip_grad_norm or require("moe.optim").clip_grad_norm
 
   -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
   if par.writer then checkpoint.mkdir_p(cfg.out_dir) end
@@ -101,11 +133,15 @@ function M.run(user_cfg, parts)
     named_params = named, train_data = train_data, valid_data = valid_data, result = result,
     step = 0, consumed_tokens = 0, parallel = par }
   -- the gradients' all_reduce (avg) over ranks, armed for the last micro-batch of a step
-  local reducer = par:reducer(params, cfg.parallel.bucket_mb)
+  local reducer = sharded_reducer or par:reducer(params, cfg.parallel.bucket_mb)
 
   -- resume
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
   local pending_say
+  if resume_path and par.sharded then
+    error(("train: cannot resume %s with parallel.dp_shard: the sharded optimizer state is not " ..
+      "saved in checkpoints"):format(resume_path), 0)
+  end
   if resume_path then
     local c = checkpoint.load(resume_path, { device = device })
     thooks.call(hooks.load, state, c)
@@ -136,7 +172,11 @@ function M.run(user_cfg, parts)
   if pending_say then log:say(pending_say) end
   log:say(("training on %s (%s): %d parameters, %d steps of %d tokens, out_dir=%s"):format(device,
     cfg.dtype, n_params, cfg.steps, tokens_per_step, cfg.out_dir))
-  if par.dp > 1 then
+  if par.sharded then
+    log:say(("sharded data parallel (ZeRO-2) over %d ranks: optimizer state and gradients sharded over " ..
+      "%d, replicated %d times; gradients in %d bucket%s"):format(par.dp, par.dp_shard, par.dp_replicate,
+      reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
+  elseif par.dp > 1 then
     log:say(("data parallel over %d ranks: %d sequences per rank per micro-batch, gradients in %d bucket%s"):format(
       par.dp, cfg.batch_size, reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
   end
@@ -152,14 +192,16 @@ function M.run(user_cfg, parts)
     end)
   end
 
+  local warned_sharded
   local function save()
     if not par.writer then return end -- rank 0 writes; the others hold the same state
     local ckpt = {
-      model = model:state_dict(), optim = opt:state_dict(),
+      model = model:state_dict(), optim = not par.sharded and opt:state_dict() or nil,
       state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
         data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
         optim_scalars = tconfig.plain(opt:state_scalars()) },
     }
+    if par.sharded then warned_sharded = sharded_checkpoint(ckpt, log, warned_sharded) end
     -- a save hook may add to ckpt, or write it itself and return the path
     local path = thooks.call(hooks.save, state, ckpt)
     if path == nil then path = checkpoint.save(cfg.out_dir, state.step, ckpt, { keep_last = cfg.keep_last }) end
@@ -271,6 +313,7 @@ function M.run(user_cfg, parts)
   if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
   log:close()
   if reducer then reducer:free() end
+  if par.sharded then opt:free() end
   par:barrier() -- no rank returns before rank 0 has written its last checkpoint
   if cfg.sample_tokens > 0 and tokenizer then
     result.sample = sample_text(cfg.sample_tokens)

@@ -11,11 +11,20 @@ rank, the gradient reducer, and the global means of what is logged.
   par:mean(values)                    -- {v1, ...} -> their means over ranks (one collective)
   par:barrier(), par:close()
 
+Sharded data parallelism (ZeRO-2, HSDP; docs/DISTRIBUTED.md "Sharded data
+parallelism"): parallel.dp_shard = N (and dp_replicate = M, default 1) with
+N * M = the world size. The data are still split over all N * M ranks (par.dp
+is the world size); the gradients are reduce_scatter'ed over the dp_shard
+group and the optimizer state is sharded over it (par:sharded_optimizer).
+
+  par.sharded, par.dp_shard, par.dp_replicate, par.shard_group, par.replicate_group
+  par:sharded_optimizer(named, cfg)   -- optim.ShardedAdamW; its reducer is opt.reducer
+
 parallel.dp = 0 (the default) means the job's world size: under mpirun, srun
 or `moe-lua launch` every rank holds the whole model; started alone, dp = 1.
 dp = 1 in a job of several ranks turns data parallelism off: each process
 trains alone (a reference run inside a job). Any other dp must equal the
-world size for now (expert and sharded data parallelism come later).
+world size for now (expert parallelism comes later).
 ]]
 local moe = require "moe"
 
@@ -48,13 +57,49 @@ local function launched_world_size()
     or int("WORLD_SIZE") or 1
 end
 
---- setup(cfg) -> par. Initialises moe.dist when dp > 1.
+-- dp_shard, dp_replicate of cfg.parallel, checked against the world size; nil
+-- when sharding is off.
+local function sharding_of(cfg, world)
+  local pc = cfg.parallel
+  if pc.dp_shard == 0 and pc.dp_replicate == 0 then return nil end
+  if pc.dp_shard == 0 then
+    error(("train: parallel.dp_replicate=%d needs parallel.dp_shard (the ranks each replica is " ..
+      "sharded over)"):format(pc.dp_replicate), 0)
+  end
+  local shard, rep = pc.dp_shard, pc.dp_replicate == 0 and 1 or pc.dp_replicate
+  if shard * rep ~= world then
+    error(("train: parallel.dp_shard=%d x dp_replicate=%d = %d but the job has %d rank%s (their " ..
+      "product must be the world size)"):format(shard, rep, shard * rep, world, world == 1 and "" or "s"), 0)
+  end
+  if pc.dp ~= 0 and pc.dp ~= world then
+    error(("train: parallel.dp=%d with dp_shard=%d x dp_replicate=%d: data parallelism spans the %d ranks " ..
+      "(leave dp at 0)"):format(pc.dp, shard, rep, world), 0)
+  end
+  if cfg.optimizer ~= "adamw" then
+    error(("train: parallel.dp_shard needs optimizer=adamw (the sharded optimizer is AdamW), got %s"):format(
+      tostring(cfg.optimizer)), 0)
+  end
+  return shard, rep
+end
+
+-- The shard and replicate groups of a dp_replicate x dp_shard mesh (dp_shard
+-- varies fastest: a shard group is consecutive ranks).
+local function setup_sharding(par, shard, rep)
+  local mesh = par.dist.mesh { dp_replicate = rep, dp_shard = shard }
+  par.sharded, par.dp_shard, par.dp_replicate = true, shard, rep
+  par.mesh = mesh
+  par.shard_group = mesh:group("dp_shard")
+  if rep > 1 then par.replicate_group = mesh:group("dp_replicate") end
+end
+
+--- setup(cfg) -> par. Initialises moe.dist when dp > 1 or sharding is on.
 function M.setup(cfg)
   local pc = cfg.parallel
   local world = launched_world_size()
-  local dp = pc.dp == 0 and world or pc.dp
+  local shard, rep = sharding_of(cfg, world)
+  local dp = (pc.dp == 0 or shard) and world or pc.dp
   local par = setmetatable({ dp = dp, rank = 0, writer = true, world = world }, Par)
-  if dp == 1 then return par end
+  if dp == 1 and not shard then return par end
   if dp ~= world then
     error(("train: parallel.dp=%d but the job has %d rank%s: data parallelism spans every rank for " ..
       "now (launch %d ranks, or set parallel.dp=%d, or parallel.dp=1 to train each rank alone)"):format(
@@ -79,7 +124,17 @@ function M.setup(cfg)
   else
     par.device = dist.device()
   end
+  if shard then setup_sharding(par, shard, rep) end
   return par
+end
+
+--- par:sharded_optimizer(named, cfg) -> optim.ShardedAdamW over the dp_shard group
+--- (and the dp_replicate group), from cfg's AdamW settings; opt.reducer is its
+--- reduce_scatter reducer.
+function Par:sharded_optimizer(named, cfg)
+  return require("moe.optim").ShardedAdamW(named, { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 },
+    eps = cfg.eps, weight_decay = cfg.weight_decay, group = self.shard_group,
+    replicate_group = self.replicate_group, bucket_mb = cfg.parallel.bucket_mb })
 end
 
 --- par:batch(data, B) -> x, y: rows [rank * B, (rank + 1) * B) of the global batch
