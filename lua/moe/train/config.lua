@@ -33,7 +33,7 @@ function M.defaults()
     out_dir = "out", resume = "", deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
-    parallel = { dp = 0, bucket_mb = 25.0 },
+    parallel = { dp = 0, ep = 1, bucket_mb = 25.0 },
   }
 end
 
@@ -57,6 +57,7 @@ function M.check(cfg)
   pos("log_every", cfg.log_every); pos("save_every", cfg.save_every, true); pos("keep_last", cfg.keep_last, true)
   pos("stop_at", cfg.stop_at, true); pos("warmup", cfg.warmup, true)
   pos("parallel.dp", cfg.parallel.dp, true)
+  pos("parallel.ep", cfg.parallel.ep)
   if cfg.parallel.bucket_mb < 0 then
     error(("train: parallel.bucket_mb must be a number >= 0, got %s"):format(tostring(cfg.parallel.bucket_mb)), 0)
   end
