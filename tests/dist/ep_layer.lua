@@ -119,6 +119,8 @@ local function check_case(c, group)
   -- the EP layer: this rank's tokens only
   local ep = build(c, group)
   T.check(ep.experts.w1:size(0) == E // P, "%s: %d local experts, wanted %d", c.name, ep.experts.w1:size(0), E // P)
+  T.check(ep:num_active_parameters() == ref:num_active_parameters(), "%s: active parameters %d, wanted %d",
+    c.name, ep:num_active_parameters(), ref:num_active_parameters())
   local x, cw = data(me)
   local syncs, lsyncs, M
   local worst = 0

@@ -373,7 +373,8 @@ end
 -- expert and the bias (for nn.TransformerLM:flops_per_token()).
 function dMoE:num_active_parameters()
   local ex = self.experts
-  local n = self.router:num_parameters() + ex:num_parameters() * self.top_k // self.num_experts
+  local shards = self.ep and self.ep.size or 1 -- expert parallelism: this rank holds 1 / size of them
+  local n = self.router:num_parameters() + ex:num_parameters() * shards * self.top_k // self.num_experts
   if self.shared_expert then n = n + self.shared_expert:num_parameters() end
   if self.bias then n = n + self.bias:numel() end
   return n
