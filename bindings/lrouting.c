@@ -4,7 +4,7 @@
  *
  *   local plan = moe.ops.routing_plan(ids, E, {block_size =, ffn_hidden =,
  *       capacity_factor =, drop_policy = "position" | "score", scores =,
- *       experts = {e0, e1}, counts_to_host =})
+ *       experts = {e0, e1}, counts_to_host =, known_counts =})
  *   local xs = moe.ops.permute(x, plan)          -- (R, d), also plan:permute(x)
  *   local out = moe.ops.combine(y, plan, gates)  -- (T, d), also plan:combine(y, gates)
  *
@@ -17,13 +17,16 @@
  * plan.rows, plan.T, plan.k, plan.E, plan.capacity, plan.block_size,
  * plan.nnz, plan.host_syncs are integers. plan:counts_to_host() returns the
  * per-expert counts as a Lua list (the one host synchronisation, counted),
- * plan:rank_counts(n) the per-rank counts tensor. plan:free(), __close and
+ * plan:rank_counts(n) the per-rank counts tensor. known_counts (a list of
+ * E integers) are counts the caller already holds on the host: the plan
+ * takes them instead of copying (core/moe_routing.h "Known counts"). plan:free(), __close and
  * __gc share one idempotent release. Registered by luaopen_moe through
  * lm_open_routing (see lmoe_internal.h).
  *
  * `permute` and `combine` are not tensor methods: t:permute is the
  * dimension permutation of the view family.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "lmoe_internal.h"
@@ -86,7 +89,8 @@ static void lm_plan_opts(lua_State *L, const char *fname, int64_t E, moe_routing
   if (lua_type(L, 3) != LUA_TTABLE)
     lm_argerror(L, 3, fname, "options table expected, got %s", lm_typename(L, 3));
   static const char *const known[] = {"block_size", "padded",  "ffn_hidden",     "capacity_factor",
-                                      "drop_policy", "scores", "experts", "counts_to_host", NULL};
+                                      "drop_policy", "scores", "experts", "counts_to_host",
+                                      "known_counts", NULL};
   lm_checkkeys(L, 3, fname, known);
   bool padded = false;
   if (lua_getfield(L, 3, "padded") != LUA_TNIL) {
@@ -151,6 +155,24 @@ static int lm_routing_plan(lua_State *L) {
   moe_routing_opts o;
   lm_plan_opts(L, fname, E, &o);
   lm_checkend(L, 3, fname);
+  if (lua_istable(L, 3) && lua_getfield(L, 3, "known_counts") != LUA_TNIL) {
+    if (lua_type(L, -1) != LUA_TTABLE || (int64_t)lua_rawlen(L, -1) != E)
+      lm_argerror(L, 3, fname, "option known_counts must be a list of %d integers, got %s", (int)E,
+                  lm_describe(L, -1));
+    int kc = lua_gettop(L);
+    void **box = lm_push_scratch(L); /* freed by the collector, errors included */
+    *box = malloc(sizeof(int64_t) * (size_t)E);
+    if (!*box) luaL_error(L, "%s: out of memory", fname);
+    for (int64_t e = 0; e < E; e++) {
+      lua_rawgeti(L, kc, (lua_Integer)(e + 1));
+      if (!lua_isinteger(L, -1))
+        lm_argerror(L, 3, fname, "known_counts[%d] must be an integer, got %s", (int)(e + 1),
+                    lm_describe(L, -1));
+      ((int64_t *)*box)[e] = (int64_t)lua_tointeger(L, -1);
+      lua_pop(L, 1);
+    }
+    o.known_counts = (const int64_t *)*box;
+  }
   lm_plan *u = (lm_plan *)lua_newuserdatauv(L, sizeof *u, 0);
   u->p = NULL;
   u->S = NULL;

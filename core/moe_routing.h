@@ -88,6 +88,7 @@ typedef struct moe_routing_opts {
   int64_t expert_begin;         /* local experts [expert_begin, expert_end); */
   int64_t expert_end;           /* both 0: all experts */
   bool counts_to_host;          /* copy the counts to the host now (the one sync) */
+  const int64_t *known_counts;  /* (E) or NULL: the counts, already on the host (borrowed) */
 } moe_routing_opts;
 
 /* Dropless, unpadded, all experts, no host copy. */

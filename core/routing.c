@@ -241,27 +241,78 @@ static void rt_cpu_topology(const int64_t *row_offsets, int64_t e0, int64_t e1, 
 
 /* -------------------------------------------------------- host copy */
 
+/* Sets the host counts and row offsets from the (E + 1) exclusive scan of the
+ * counts; off[E] must be N. synced: whether off came from a device copy
+ * (counted in host_syncs). */
+static moe_status rt_set_host(moe_ctx *ctx, moe_routing_plan *p, int64_t *off, bool synced);
+
 moe_status moe_routing_plan_counts_to_host(moe_ctx *ctx, moe_routing_plan *p) {
   if (!p) return moe_error(ctx, MOE_ERR_INVALID_ARG, "routing_plan_counts_to_host: plan is NULL");
   if (p->counts_host) return MOE_OK; /* the one copy is already made */
   int64_t E = p->E;
   int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-  int64_t *counts = (int64_t *)malloc(sizeof(int64_t) * (size_t)E);
-  int64_t *ro = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
-  moe_status st = MOE_OK;
-  if (!off || !counts || !ro) {
-    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "routing_plan_counts_to_host: no host memory");
-    goto fail;
-  }
+  if (!off) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "routing_plan_counts_to_host: no host memory");
   /* the offsets carry both the counts and the number of valid ids */
   if (rt_cuda(p->offsets)) {
-    st = moe_cuda_memcpy(ctx, off, MOE_CPU, moe_tensor_data(p->offsets), p->device,
-                         sizeof(int64_t) * (size_t)(E + 1));
-    if (st != MOE_OK) goto fail;
+    moe_status st = moe_cuda_memcpy(ctx, off, MOE_CPU, moe_tensor_data(p->offsets), p->device,
+                                    sizeof(int64_t) * (size_t)(E + 1));
+    if (st != MOE_OK) {
+      free(off);
+      return st;
+    }
   } else {
     memcpy(off, moe_tensor_data(p->offsets), sizeof(int64_t) * (size_t)(E + 1));
   }
-  p->host_syncs++;
+  return rt_set_host(ctx, p, off, true);
+}
+
+/* The host counts from opts.known_counts (no device copy): checked as the
+ * header says. */
+static moe_status rt_known_counts(moe_ctx *ctx, moe_routing_plan *p, const int64_t *known) {
+  int64_t E = p->E;
+  int64_t *off = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+  if (!off) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "routing_plan: no host memory");
+  off[0] = 0;
+  for (int64_t e = 0; e < E; e++) {
+    if (known[e] < 0) {
+      free(off);
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "routing_plan: known_counts[%lld] = %lld is negative",
+                       (long long)e, (long long)known[e]);
+    }
+    off[e + 1] = off[e] + known[e];
+  }
+  if (off[E] != p->N) {
+    moe_status st = moe_error(ctx, MOE_ERR_INVALID_ARG,
+                              "routing_plan: known_counts sum to %lld but there are %lld assignments",
+                              (long long)off[E], (long long)p->N);
+    free(off);
+    return st;
+  }
+  if (!rt_cuda(p->counts)) {
+    const int64_t *c = (const int64_t *)moe_tensor_data(p->counts);
+    for (int64_t e = 0; e < E; e++) {
+      if (c[e] != known[e]) {
+        moe_status st = moe_error(ctx, MOE_ERR_INVALID_ARG,
+                                  "routing_plan: known_counts[%lld] = %lld but the ids give %lld",
+                                  (long long)e, (long long)known[e], (long long)c[e]);
+        free(off);
+        return st;
+      }
+    }
+  }
+  return rt_set_host(ctx, p, off, false);
+}
+
+static moe_status rt_set_host(moe_ctx *ctx, moe_routing_plan *p, int64_t *off, bool synced) {
+  int64_t E = p->E;
+  int64_t *counts = (int64_t *)calloc((size_t)E, sizeof(int64_t));
+  int64_t *ro = (int64_t *)malloc(sizeof(int64_t) * (size_t)(E + 1));
+  moe_status st = MOE_OK;
+  if (!counts || !ro) {
+    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "routing_plan_counts_to_host: no host memory");
+    goto fail;
+  }
+  if (synced) p->host_syncs++;
   if (off[E] != p->N) {
     st = moe_error(ctx, MOE_ERR_INVALID_ARG,
                    "routing_plan: %lld of the %lld ids are not experts in [0, %lld) (CUDA plans "
@@ -395,6 +446,7 @@ moe_status moe_routing_plan_new(moe_ctx *ctx, const moe_tensor *ids, int64_t E,
   /* the one host copy, when asked or when R depends on the data */
   bool local = p->e0 != 0 || p->e1 != E;
   bool data_rows = p->capacity == 0 && (p->block_size > 0 || local);
+  if (o.known_counts) MOE_CHECK_GOTO(rt_known_counts(ctx, p, o.known_counts), st, fail);
   if (o.counts_to_host || data_rows) MOE_CHECK_GOTO(moe_routing_plan_counts_to_host(ctx, p), st, fail);
   if (p->capacity > 0) p->rows = (p->e1 - p->e0) * p->capacity;
   else if (data_rows) p->rows = p->row_offsets_host[E];

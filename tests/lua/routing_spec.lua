@@ -99,6 +99,25 @@ describe("routing_plan", function()
     assert.are.equal(1, moe.ops.routing_plan(i64(IDS), 3, { counts_to_host = true }).host_syncs)
   end)
 
+  it("takes known counts without a host synchronisation, checked on the CPU", function()
+    local p = moe.ops.routing_plan(i64(IDS), 3, { known_counts = { 3, 1, 4 } })
+    assert.are.same({ 3, 1, 4 }, p:counts_to_host())
+    assert.are.equal(0, p.host_syncs)
+    -- padded: the rows follow from the known counts (no copy either)
+    local q = moe.ops.routing_plan(i64(IDS), 3, { known_counts = { 3, 1, 4 }, block_size = 2 })
+    assert.are.equal(10, q.rows)
+    assert.are.equal(0, q.host_syncs)
+    local function err(kc)
+      local ok, e = pcall(moe.ops.routing_plan, i64(IDS), 3, { known_counts = kc })
+      assert.is_false(ok)
+      return e
+    end
+    assert.matches("known_counts%[1%] = 2 but the ids give 1", err({ 3, 2, 3 }))
+    assert.matches("known_counts sum to 9 but there are 8 assignments", err({ 3, 2, 4 }))
+    assert.matches("known_counts must be a list of 3 integers", err({ 3, 5 }))
+    assert.matches("known_counts%[0%] = %-1 is negative", err({ -1, 5, 4 }))
+  end)
+
   it("frees once, by free, <close> or the collector", function()
     local p = moe.ops.routing_plan(i64(IDS), 3)
     p:free()
@@ -158,7 +177,7 @@ describe("permute and combine", function()
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 0) end,
       "bad argument #2 to 'routing_plan' (number of experts must be >= 1, got 0)")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { capacity = 2 }) end,
-      "bad argument #3 to 'routing_plan' (unknown option 'capacity' (valid options: block_size, padded, ffn_hidden, capacity_factor, drop_policy, scores, experts, counts_to_host))")
+      "bad argument #3 to 'routing_plan' (unknown option 'capacity' (valid options: block_size, padded, ffn_hidden, capacity_factor, drop_policy, scores, experts, counts_to_host, known_counts))")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { drop_policy = "random" }) end,
       "bad argument #3 to 'routing_plan' (option drop_policy must be \"position\" or \"score\", got \"random\")")
     assert.has_error(function() moe.ops.routing_plan(i64(IDS), 3, { experts = { 2, 5 } }) end,

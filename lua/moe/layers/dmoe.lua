@@ -22,6 +22,10 @@ sparse: ffn_hidden_size must be a multiple of block_size). A router whose
 forward returns kind "expert" (routers.ExpertChoice) is also accepted: the
 tokens each expert chose are gathered (index_select), run as E equal groups
 and added back (index_add). See docs/LAYERS.md for every option.
+
+Expert parallelism: moe_expert_model_parallelism = true spreads the experts
+over expert_parallel_group (a moe.dist group; default moe.dist.world), each
+rank holding num_experts / size of them (moe/layers/ep.lua).
 ]]
 local moe = require "moe"
 local nn = require "moe.nn"
@@ -131,10 +135,9 @@ function dMoE:configure(o, name, level)
     fail(name, string.format("mlp_impl \"sparse\" needs ffn_hidden_size (%d) to be a multiple of block_size (%d)",
       f, o.block_size), level)
   end
-  if o.moe_expert_model_parallelism or o.moe_weight_parallelism or o.expert_parallel_group ~= nil
-      or o.weight_parallel_group ~= nil then
-    fail(name, "expert and weight parallelism are not available in moe-lua's layers (one process: leave "
-      .. "moe_expert_model_parallelism and moe_weight_parallelism false)", level)
+  if o.moe_weight_parallelism or o.weight_parallel_group ~= nil then
+    fail(name, "weight parallelism is not available in moe-lua's layers (leave moe_weight_parallelism false)",
+      level)
   end
   if o.pipeline_model_parallel_size ~= 1 or o.num_layers_per_virtual_pipeline_stage ~= nil then
     fail(name, "pipeline parallelism is not available (pipeline_model_parallel_size must be 1)", level)
@@ -223,6 +226,10 @@ function dMoE:configure(o, name, level)
     self:param("bias", moe.zeros({ d }, { dtype = dtype or "f32", device = o.device or "cpu" })) -- (d)
   end
   self.uniform_expert_assignment = o.uniform_expert_assignment
+  -- expert parallelism (moe/layers/ep.lua): this rank keeps its slice of the experts
+  if o.moe_expert_model_parallelism or o.expert_parallel_group ~= nil then
+    require("moe.layers.ep").setup(self, o, name, level)
+  end
 end
 
 -- mlp_impl "auto" picks the implementation on the device of the input: the
@@ -268,6 +275,7 @@ end
 function dMoE:route_tokens(x2, r)
   local ids = r.ids
   if self.uniform_expert_assignment then ids = uniform_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
+  if self.ep then return require("moe.layers.ep").route_tokens(self, x2, ids, r.gates) end
   local plan = moe.ops.routing_plan(ids, self.num_experts, self:plan_opts(r.gates))
   return self.experts(x2, plan, r.gates), plan
 end
@@ -289,6 +297,9 @@ end
 -- Expert choice: tokens (E, C) gathered per expert, E equal groups through
 -- the experts (gated), added back to their tokens.
 function dMoE:route_experts(x2, r)
+  if self.ep then
+    error(self.__name .. ": expert parallelism takes token-choice routers only (not expert choice)", 3)
+  end
   local E, C = r.tokens:size(0), r.tokens:size(1)
   if E ~= self.num_experts then
     error(string.format("%s: the router chose tokens for %d experts, the layer has %d", self.__name, E,
@@ -362,7 +373,8 @@ end
 -- expert and the bias (for nn.TransformerLM:flops_per_token()).
 function dMoE:num_active_parameters()
   local ex = self.experts
-  local n = self.router:num_parameters() + ex:num_parameters() * self.top_k // self.num_experts
+  local shards = self.ep and self.ep.size or 1 -- expert parallelism: this rank holds 1 / size of them
+  local n = self.router:num_parameters() + ex:num_parameters() * shards * self.top_k // self.num_experts
   if self.shared_expert then n = n + self.shared_expert:num_parameters() end
   if self.bias then n = n + self.bias:numel() end
   return n

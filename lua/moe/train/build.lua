@@ -8,8 +8,10 @@ local tconfig = require "moe.train.config"
 
 local M = {}
 
---- model(cfg, device) -> an nn.TransformerLM from cfg.model (moe.nn, moe.layers).
-function M.model(cfg, device)
+--- model(cfg, device [, ep_group]) -> an nn.TransformerLM from cfg.model (moe.nn,
+--- moe.layers); with ep_group (a moe.dist group) the MoE layers spread their
+--- experts over it (expert parallelism).
+function M.model(cfg, device, ep_group)
   local nn = require "moe.nn"
   local mc = cfg.model
   local mo = mc.moe
@@ -26,6 +28,9 @@ function M.model(cfg, device)
         mlp_impl = mo.mlp_impl, moe_loss_weight = mo.loss_weight, moe_zloss_weight = mo.zloss_weight,
         moe_jitter_eps = mo.jitter_eps,
       }
+      if ep_group then
+        opts.moe_expert_model_parallelism, opts.expert_parallel_group = true, ep_group
+      end
       if mo.kind == "moe" then
         opts.capacity_factor = mo.capacity_factor
         return layers.MoE(opts)

@@ -103,7 +103,7 @@ function M.run(user_cfg, parts)
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
   moe.manual_seed(cfg.seed)
 
-  local model = parts.model or build.model(cfg, device)
+  local model = parts.model or build.model(cfg, device, par.ep_group)
   local train_data, valid_data, tokenizer = parts.train_data, parts.valid_data, parts.tokenizer
   if not train_data then
     local td, vd, tk = build.data(cfg)
@@ -112,6 +112,7 @@ function M.run(user_cfg, parts)
   local named = model:named_parameters()
   local params = {}
   for i, p in ipairs(named) do params[i] = p[2] end
+  par:attach(model) -- expert parallelism: which parameters are expert shards
   -- the same seed made the same model on every rank; rank 0's values make sure of it
   -- (before the optimizer copies master weights from the parameters)
   par:broadcast_params(params)
@@ -124,6 +125,7 @@ function M.run(user_cfg, parts)
   local schedule = parts.schedule or require("moe.optim").schedule {
     lr = cfg.lr, min_lr = cfg.min_lr, warmup = cfg.warmup, total = cfg.steps, decay = cfg.decay }
   local clip_grad_norm = sharded_clip or parts.clip_grad_norm or require("moe.optim").clip_grad_norm
+  clip_grad_norm = par:ep_clip(clip_grad_norm) -- expert shards: the norm over every rank's
 
   -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
   if par.writer then checkpoint.mkdir_p(cfg.out_dir) end
@@ -137,6 +139,10 @@ function M.run(user_cfg, parts)
 
   -- resume
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
+  if resume_path and par.ep > 1 then
+    error(("train: resuming %s with parallel.ep=%d: checkpoints of expert-parallel models are not " ..
+      "supported yet"):format(resume_path, par.ep), 0)
+  end
   local pending_say
   if resume_path and par.sharded then
     error(("train: cannot resume %s with parallel.dp_shard: the sharded optimizer state is not " ..
@@ -180,9 +186,14 @@ function M.run(user_cfg, parts)
     log:say(("data parallel over %d ranks: %d sequences per rank per micro-batch, gradients in %d bucket%s"):format(
       par.dp, cfg.batch_size, reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
   end
+  if par.ep > 1 then
+    log:say(("expert parallel over groups of %d ranks: %d expert tensors sharded"):format(par.ep,
+      #par.expert_params))
+  end
 
   local function sample_text(n)
-    if not tokenizer or not par.writer then return nil end
+    -- an expert-parallel model runs collectives: rank 0 cannot generate alone
+    if not tokenizer or not par.writer or par.ep > 1 then return nil end
     local sample = require "moe.sample"
     return with_rng_kept(function()
       moe.manual_seed(cfg.seed + state.step)
@@ -193,7 +204,16 @@ function M.run(user_cfg, parts)
   end
 
   local warned_sharded
+  local warned_save = false
   local function save()
+    if par.ep > 1 then -- each rank holds its experts only: rank 0's file would miss the others'
+      if not warned_save then
+        log:say(("warning: checkpoints are skipped with parallel.ep=%d (expert-parallel models cannot be " ..
+          "saved yet: rank 0 holds only its experts)"):format(par.ep))
+        warned_save = true
+      end
+      return
+    end
     if not par.writer then return end -- rank 0 writes; the others hold the same state
     local ckpt = {
       model = model:state_dict(), optim = not par.sharded and opt:state_dict() or nil,
@@ -225,7 +245,10 @@ function M.run(user_cfg, parts)
     local sync = reducer and micro == cfg.grad_accum
     if sync then reducer:arm() end
     loss:backward()
-    if sync then reducer:finish() end
+    if sync then
+      reducer:finish()
+      par:finish_experts() -- expert shards: the replicas' mean, / ep
+    end
     log:count_experts(info.stats)
     state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
     thooks.call(hooks.after_backward, state)
@@ -317,7 +340,7 @@ function M.run(user_cfg, parts)
   par:barrier() -- no rank returns before rank 0 has written its last checkpoint
   if cfg.sample_tokens > 0 and tokenizer then
     result.sample = sample_text(cfg.sample_tokens)
-    log:say(("sample: %s"):format(result.sample))
+    if result.sample then log:say(("sample: %s"):format(result.sample)) end
   end
   result.seconds = log:elapsed()
   if prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end

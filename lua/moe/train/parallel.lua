@@ -24,7 +24,17 @@ parallel.dp = 0 (the default) means the job's world size: under mpirun, srun
 or `moe-lua launch` every rank holds the whole model; started alone, dp = 1.
 dp = 1 in a job of several ranks turns data parallelism off: each process
 trains alone (a reference run inside a job). Any other dp must equal the
-world size for now (expert parallelism comes later).
+world size for now (expert parallelism divides the ranks further: below;
+sharded data parallelism: parallel.dp_shard / dp_replicate).
+
+parallel.ep = N > 1 (expert parallelism, docs/DISTRIBUTED.md "Expert
+parallelism"): the MoE layers' experts are sharded over groups of N ranks
+(the mesh {dp = world / N, ep = N}); data parallelism still spans the world.
+The EP part is setup_ep and the Par methods below it:
+  par:attach(model)            which parameters are expert shards
+  par:finish_experts()         after the reducer: the expert gradients averaged
+                               over the ranks holding the same experts, / N
+  par:ep_clip(clip_fn)         clipping by the norm over every shard
 ]]
 local moe = require "moe"
 
@@ -97,9 +107,19 @@ function M.setup(cfg)
   local pc = cfg.parallel
   local world = launched_world_size()
   local shard, rep = sharding_of(cfg, world)
+  if shard and pc.ep > 1 then
+    error(("train: parallel.ep=%d with parallel.dp_shard=%d: expert parallelism and sharded data " ..
+      "parallelism do not combine yet (use one of them)"):format(pc.ep, shard), 0)
+  end
   local dp = (pc.dp == 0 or shard) and world or pc.dp
-  local par = setmetatable({ dp = dp, rank = 0, writer = true, world = world }, Par)
-  if dp == 1 and not shard then return par end
+  local par = setmetatable({ dp = dp, ep = 1, rank = 0, writer = true, world = world }, Par)
+  if dp == 1 and not shard then
+    if pc.ep > 1 then
+      error(("train: parallel.ep=%d needs data parallelism over the job's ranks (launch a multiple of %d " ..
+        "ranks and leave parallel.dp=0)"):format(pc.ep, pc.ep), 0)
+    end
+    return par
+  end
   if dp ~= world then
     error(("train: parallel.dp=%d but the job has %d rank%s: data parallelism spans every rank for " ..
       "now (launch %d ranks, or set parallel.dp=%d, or parallel.dp=1 to train each rank alone)"):format(
@@ -113,6 +133,7 @@ function M.setup(cfg)
   if dist.world_size() ~= dp then
     error(("train: parallel.dp=%d but moe.dist found %d ranks"):format(dp, dist.world_size()), 0)
   end
+  if pc.ep > 1 then M.setup_ep(par, pc.ep) end
   -- each rank its GPU: cuda:<local rank>
   if cfg.device == "cpu" then
     par.device = "cpu"
@@ -148,22 +169,30 @@ function Par:batch(data, B)
   return x:narrow(0, self.rank * B, B):contiguous(), y:narrow(0, self.rank * B, B):contiguous()
 end
 
---- par:broadcast_params(params): every parameter takes rank 0's values.
+--- par:broadcast_params(params): every parameter takes rank 0's values (an
+--- expert shard: those of the first rank holding the same experts).
 function Par:broadcast_params(params)
   if self.dp == 1 then return end
-  local dist = self.dist
+  local dist, experts = self.dist, self.expert_set or {}
   moe.no_grad(function()
-    for _, p in ipairs(params) do dist.broadcast(p, 0) end
+    for _, p in ipairs(params) do
+      if not experts[p] then
+        dist.broadcast(p, 0)
+      elseif self.replica_group then
+        dist.broadcast(p, 0, { group = self.replica_group })
+      end
+    end
   end)
 end
 
 --- par:reducer(params, bucket_mb) -> the gradient reducer over the parameters
---- that require grad, or nil when dp == 1.
+--- that require grad (expert shards excepted: par:finish_experts), or nil when
+--- dp == 1.
 function Par:reducer(params, bucket_mb)
   if self.dp == 1 then return nil end
-  local list = {}
+  local list, experts = {}, self.expert_set or {}
   for _, p in ipairs(params) do
-    if p.requires_grad then list[#list + 1] = p end
+    if p.requires_grad and not experts[p] then list[#list + 1] = p end
   end
   return self.dist.reducer(list, { bucket_mb = bucket_mb })
 end
@@ -191,6 +220,84 @@ end
 
 function Par:barrier()
   if self.dp > 1 then self.dist.barrier() end
+end
+
+-- ------------------------------------------------------ expert parallelism
+
+--- setup_ep(par, ep): the mesh {dp = world / ep, ep = ep}; par.ep_group (the
+--- experts' group: the model's MoE layers shard their experts over it) and
+--- par.replica_group (the ranks holding the same experts; nil when alone).
+function M.setup_ep(par, ep)
+  if par.dp % ep ~= 0 then
+    error(("train: parallel.ep=%d does not divide the job's %d ranks"):format(ep, par.dp), 0)
+  end
+  local dist = par.dist
+  par.ep = ep
+  par.mesh = dist.mesh { { "dp", par.dp // ep }, { "ep", ep } }
+  par.ep_group = par.mesh:group("ep")
+  if par.dp // ep > 1 then par.replica_group = par.mesh:group("dp") end
+end
+
+--- par:attach(model): finds the expert shards (moe/layers/ep.lua); an error when
+--- parallel.ep > 1 and the model has no expert-parallel layer.
+function Par:attach(model)
+  if self.ep == 1 then return end
+  local list, size = require("moe.layers.ep").expert_params(model)
+  if #list == 0 or size ~= self.ep then
+    error(("train: parallel.ep=%d but the model has no MoE layer whose experts are spread over %d ranks " ..
+      "(model.ffn=moe, or a model built with expert_parallel_group = par.ep_group)"):format(self.ep, self.ep), 0)
+  end
+  self.expert_params, self.expert_set = list, {}
+  for _, p in ipairs(list) do self.expert_set[p] = true end
+end
+
+--- par:finish_experts(): after the reducer finished (the last micro-batch of a
+--- step). An expert shard's gradient on its owner is the sum, over the ep ranks
+--- that sent it tokens, of their own losses' gradients; the job's loss is the
+--- mean over the world of the ranks' losses. So: the mean over the replica group
+--- (the dp ranks holding the same experts), then / ep. A shard no token reached
+--- gets a zero gradient (one process has one for every expert).
+function Par:finish_experts()
+  if self.ep == 1 then return end
+  local dist, scale = self.dist, 1 / self.ep
+  for _, p in ipairs(self.expert_params) do
+    local g = p.grad
+    if g == nil then
+      p.grad = moe.zeros(p.shape, { dtype = p.dtype, device = p.device })
+    else
+      if self.replica_group then dist.all_reduce(g, "avg", { group = self.replica_group }) end
+      g:copy_(g * scale)
+    end
+  end
+end
+
+--- par:ep_clip(clip_fn) -> clip(params, max_norm): clip_fn (optim.clip_grad_norm)
+--- with the norm over the whole model: the replicated parameters' norm and the
+--- shards' norms summed (in squares) over the ep group, so every rank scales by
+--- the same coefficient, as one process would.
+function Par:ep_clip(clip_fn)
+  if self.ep == 1 then return clip_fn end
+  return function(params, max_norm)
+    local dense, experts = {}, {}
+    for _, p in ipairs(params) do
+      if self.expert_set[p] then experts[#experts + 1] = p else dense[#dense + 1] = p end
+    end
+    local a, b = clip_fn(dense, nil), clip_fn(experts, nil)
+    local t = moe.tensor({ b * b }, { dtype = "f64" })
+    self.dist.all_reduce(t, "sum", { group = self.ep_group })
+    local total = math.sqrt(a * a + t:item())
+    t:free()
+    if max_norm and total > max_norm then
+      local coef = max_norm / (total + 1e-6)
+      moe.scope(function()
+        for _, p in ipairs(params) do
+          local g = p.grad
+          if g then g:copy_(g * coef) end
+        end
+      end)
+    end
+    return total
+  end
 end
 
 return M

@@ -1,0 +1,121 @@
+--[[
+tests/dist/ep_train.lua - expert parallelism in moe.train (parallel.ep)
+against single-process training, on the CPU, under
+
+  moe-lua launch -n 2 tests/dist/ep_train.lua [steps=15] [verbose=true]
+  moe-lua launch -n 4 tests/dist/ep_train.lua      (ep = 2: two replicas of each shard)
+
+A small GPT whose feed-forward layers are dMoEs (8 experts, top 2) trains
+`steps` steps with parallel = {ep = 2} on W ranks (micro-batch B each; with
+W = 4 the mesh is {dp = 2, ep = 2}) and, on every rank alone (parallel.dp =
+1), with grad_accum = W micro-batches of B: the same global batch, the same
+loss, and the gradient rule of docs/DISTRIBUTED.md "Expert parallelism"
+(non-expert gradients averaged over the world, an expert shard's gradient
+averaged over its replicas and divided by ep). Then:
+  losses      the job's logged loss at every step against the reference's,
+              relative 1e-5
+  parameters  every rank's non-expert parameters and its expert shard against
+              the reference's (the rows of its experts), relative 1e-4 of the
+              largest value of the tensor
+Not bit for bit: an expert's gradient is one grouped GEMM over the rows of
+every rank (the reference: one per micro-batch, added), and the clipping norm
+sums the shards' squares in f64 (the reference: one f32 norm of the norms);
+rounding differences that Adam carries on. The measured differences are
+printed.
+]]
+local moe = require "moe"
+local train = require "moe.train"
+local data = require "moe.data"
+
+local opts = moe.config { steps = 15, verbose = false }
+local dist = moe.dist
+dist.init { timeout = 300 }
+local rank, world = dist.rank(), dist.world_size()
+assert(world == 2 or world == 4, ("run under moe-lua launch -n 2 or -n 4 (world size %d)"):format(world))
+
+local function say(...) if rank == 0 then print(string.format(...)) end end
+
+-- each rank its own copy of the data (same bytes)
+local root = os.tmpname()
+os.remove(root)
+root = root .. "-r" .. rank
+assert(os.execute("mkdir -p '" .. root .. "'"))
+
+local function make_dataset(prefix)
+  local words = { "the ", "king ", "and ", "of ", "his ", "house ", "said ", "unto ", "lord ", "land ",
+    "in ", "was ", "to ", "a ", "people ", "went ", "out ", "day ", ". ", "\n" }
+  local x = 12345
+  local function rnd(n) x = (x * 1103515245 + 12345) % 2147483648; return x % n end
+  local b = data.IndexedDatasetBuilder(prefix, { dtype = "u16" })
+  for _ = 1, 60 do
+    local ids = {}
+    for _ = 1, 20 + rnd(30) do
+      for c in words[rnd(#words) + 1]:gmatch(".") do ids[#ids + 1] = c:byte() end
+    end
+    ids[#ids + 1] = 256
+    b:add_document(ids)
+  end
+  return b:finalize()
+end
+local prefix = make_dataset(root .. "/words")
+
+local B = 4
+local function cfg(name, over)
+  local c = {
+    model = { vocab_size = 257, d_model = 32, n_layers = 2, n_heads = 2, ffn = "moe", d_ff = 64,
+      tie_embeddings = false,
+      moe = { num_experts = 8, top_k = 2, ffn_hidden_size = 32, loss_weight = 0.01 } },
+    data = prefix, valid_fraction = 0.1, seq_len = 16, batch_size = B, grad_accum = 1,
+    steps = opts.steps, lr = 3e-3, min_lr = 3e-4, warmup = 2, clip = 1.0, eval_every = 5,
+    eval_iters = 2, log_every = 1, save_every = 0, keep_last = 0, tensorboard = false,
+    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = "cpu", seed = 7,
+    out_dir = root .. "/" .. name,
+  }
+  for k, v in pairs(over) do c[k] = v end
+  return c
+end
+
+-- One comparison: the reference (this rank alone, grad_accum = world) and
+-- parallel.ep = 2, with the optimizer given. Validation runs through the EP
+-- layers too (its batches differ from the reference's: not compared).
+local function compare(optimizer)
+  local over = { optimizer = optimizer, lr = optimizer == "sgd" and 0.1 or 3e-3 }
+  local function with(t) for k, v in pairs(over) do t[k] = v end return t end
+  local ref = train.run(cfg(optimizer .. "-ref", with { grad_accum = world, parallel = { dp = 1 } }))
+  local ep = train.run(cfg(optimizer .. "-ep", with { parallel = { ep = 2 } }))
+  local worst = 0
+  for s = 1, opts.steps do
+    local a, b = ep.losses[s], ref.losses[s]
+    local d = math.abs(a - b) / math.abs(b)
+    if d > worst then worst = d end
+    assert(d <= 1e-5, ("rank %d, %s, step %d: ep loss %.9g, reference %.9g"):format(rank, optimizer, s, a, b))
+  end
+  -- parameters: the non-expert ones whole, the experts' rows of this rank's shard
+  local E, P = 8, 2
+  local q = rank % P -- the ep coordinate of the mesh {dp, ep}
+  local El = E // P
+  local rp = {}
+  for _, np in ipairs(ref.model:named_parameters()) do rp[np[1]] = np[2] end
+  local pworst, n_expert = 0, 0
+  for _, np in ipairs(ep.model:named_parameters()) do
+    local name, got = np[1], np[2]
+    local want = rp[name]
+    assert(want, "no reference parameter " .. name)
+    if name:match("%.experts%.w%d$") then
+      want = want:narrow(0, q * El, El)
+      n_expert = n_expert + 1
+    end
+    assert(table.concat(got.shape, ",") == table.concat(want.shape, ","), name .. ": shapes differ")
+    local scale = want:abs():max():item()
+    local d = (got - want):abs():max():item() / math.max(scale, 1e-30)
+    if d > pworst then pworst = d end
+    assert(d <= 1e-4, ("rank %d: parameter %s differs by %.3g of its largest value"):format(rank, name, d))
+  end
+  assert(n_expert > 0, "no expert parameter found")
+  say("ok   ep_train: %s, parallel.ep=2 on %d ranks == grad_accum=%d alone, %d steps: losses within %.2e "
+    .. "(relative), parameters %.2e of their largest value (rank 0)", optimizer, world, world,
+    opts.steps, worst, pworst)
+end
+compare("adamw") -- Adam is nearly blind to a constant factor in a gradient: clipping sees it
+compare("sgd")   -- SGD is not: a wrong expert-gradient scale shows at once
+os.execute("rm -rf '" .. root .. "'")
