@@ -2,7 +2,7 @@
 tests/dist/ep_train.lua - expert parallelism in moe.train (parallel.ep)
 against single-process training, on the CPU, under
 
-  moe-lua launch -n 2 tests/dist/ep_train.lua [steps=15] [verbose=true]
+  moe-lua launch -n 2 tests/dist/ep_train.lua [steps=15] [verbose=true] [device=cpu|cuda]
   moe-lua launch -n 4 tests/dist/ep_train.lua      (ep = 2: two replicas of each shard)
 
 A small GPT whose feed-forward layers are dMoEs (8 experts, top 2) trains
@@ -27,7 +27,7 @@ local moe = require "moe"
 local train = require "moe.train"
 local data = require "moe.data"
 
-local opts = moe.config { steps = 15, verbose = false }
+local opts = moe.config { steps = 15, verbose = false, device = "cpu" }
 local dist = moe.dist
 dist.init { timeout = 300 }
 local rank, world = dist.rank(), dist.world_size()
@@ -68,7 +68,7 @@ local function cfg(name, over)
     data = prefix, valid_fraction = 0.1, seq_len = 16, batch_size = B, grad_accum = 1,
     steps = opts.steps, lr = 3e-3, min_lr = 3e-4, warmup = 2, clip = 1.0, eval_every = 5,
     eval_iters = 2, log_every = 1, save_every = 0, keep_last = 0, tensorboard = false,
-    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = "cpu", seed = 7,
+    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = opts.device, seed = 7,
     out_dir = root .. "/" .. name,
   }
   for k, v in pairs(over) do c[k] = v end
