@@ -98,9 +98,10 @@ local function compare(optimizer)
   for _, np in ipairs(ref.model:named_parameters()) do rp[np[1]] = np[2] end
   local pworst, n_expert = 0, 0
   for _, np in ipairs(ep.model:named_parameters()) do
-    local name, got = np[1], np[2]
+    local name, got = np[1], np[2]:cpu() -- the reference of every rank trained on cuda:0
     local want = rp[name]
     assert(want, "no reference parameter " .. name)
+    want = want:cpu()
     if name:match("%.experts%.w%d$") then
       want = want:narrow(0, q * El, El)
       n_expert = n_expert + 1
