@@ -27,6 +27,7 @@ declare -A spec=(
   [dp1]='||' [dp1_a]='||' [dp1_b]='||'
   [dp2_b25]='|launch -n 2|bucket_mb=25' [dp2_b100]='|launch -n 2|bucket_mb=100'
   [dp2_b5]='|launch -n 2|bucket_mb=5'
+  [ep2]='|launch -n 2|ep=2'
   [dp2_b25_ctas8]='NCCL_MAX_CTAS=8|launch -n 2|bucket_mb=25'
   [dp2_b25_ch4]='NCCL_MAX_NCHANNELS=4|launch -n 2|bucket_mb=25'
 )

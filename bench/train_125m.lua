@@ -17,7 +17,7 @@ device memory, the loss curve) for bench/train_report.py.
 Under `moe-lua launch -n N` it trains with data parallelism (parallel.dp = N,
 batch_size per rank, each rank on cuda:<local rank>); tokens/s is then per
 GPU, and rank 0 alone reports (its metrics are the job's); bucket_mb= sets the
-gradient buckets (parallel.bucket_mb).
+gradient buckets (parallel.bucket_mb), ep= expert parallelism (parallel.ep).
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -29,7 +29,7 @@ local o = moe.config {
   seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
-  bucket_mb = 25,
+  bucket_mb = 25, ep = 1,
 }
 
 local cfg = train.config {
@@ -45,7 +45,7 @@ local cfg = train.config {
   lr = o.lr, min_lr = o.min_lr, warmup = math.min(o.warmup, o.steps), decay = "cosine", weight_decay = 0.1,
   clip = 1.0, eval_every = 0, eval_iters = 0, log_every = o.log_every, save_every = 0, keep_last = 0,
   out_dir = o.out_dir, device = o.device, dtype = o.dtype, seed = o.seed, tensorboard = true,
-  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb },
+  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep },
 }
 
 local dist = moe.dist
@@ -54,16 +54,20 @@ local device = train.resolve_device(cfg.device)
 if dp > 1 then device = dist.device() end -- train.run's data parallelism picks the same GPU
 moe.manual_seed(cfg.seed)
 local t0 = moe.clock()
-local model = train.build_model(cfg, device)
+-- with expert parallelism train.run builds the model (its MoE layers take the EP group),
+-- and the first-batch export below (one process's whole model) is skipped
+local model = o.ep == 1 and train.build_model(cfg, device) or nil
 local train_data, _, tokenizer = train.build_data(cfg)
-local n_params = model:num_parameters()
-local n_active = model:num_active_parameters()
-print(("train_125m: %s, %d parameters (%d active), built in %.1f s"):format(o.kind, n_params, n_active,
-  moe.clock() - t0))
+local n_params, n_active
+if model then
+  n_params, n_active = model:num_parameters(), model:num_active_parameters()
+  print(("train_125m: %s, %d parameters (%d active), built in %.1f s"):format(o.kind, n_params, n_active,
+    moe.clock() - t0))
+end
 
 -- the first batch, its loss and logits at the initial weights (eval mode: no jitter, no aux loss)
 local first = {}
-do
+if model then
   local s0 = train_data:state()
   local x, y = train_data:batch(cfg.batch_size)
   train_data:set_state(s0)
@@ -95,6 +99,9 @@ if on_gpu then
   moe.reset_peak_memory_stats(device)
 end
 local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer })
+model = model or result.model
+n_params = n_params or model:num_parameters() -- this rank's (its expert shards)
+n_active = n_active or model:num_active_parameters()
 local mem = on_gpu and moe.memory_stats(device) or {}
 if dist.rank() ~= 0 then return end -- rank 0 reports the job
 
