@@ -239,10 +239,20 @@ end
 -- on mixtral's 8 large experts), the grouped path otherwise (on the CPU the
 -- grouped path was 1.3x faster at 32 experts, d 128, f 256). Sets the built-in
 -- experts' impl too; a user's experts module decides for itself.
+-- With expert parallelism on CUDA the block-sparse path is not available yet
+-- (its backward fails building a TMA descriptor on the exchanged rows): auto
+-- takes the grouped path there, and an explicit "sparse" is an error.
 function dMoE:resolve_impl(device)
-  if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
+  local cuda = device:sub(1, 4) == "cuda"
+  if self.mlp_impl_option ~= "auto" then
+    if self.ep and cuda and self.mlp_impl == "sparse" then
+      error("dMoE: mlp_impl=\"sparse\" with expert parallelism is not supported on CUDA yet " ..
+        "(use mlp_impl=\"grouped\" or \"auto\")", 0)
+    end
+    return self.mlp_impl
+  end
   local impl = "grouped"
-  if device:sub(1, 4) == "cuda" and self.num_experts > 16 and self.ffn_hidden_size % self.block_size == 0 then
+  if cuda and not self.ep and self.num_experts > 16 and self.ffn_hidden_size % self.block_size == 0 then
     impl = "sparse"
   end
   self.mlp_impl = impl
