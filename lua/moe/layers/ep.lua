@@ -167,14 +167,17 @@ function M.route_tokens(layer, x2, ids, gates)
   local send, recv, lc = {}, {}, {}
   for p = 0, P - 1 do send[p + 1] = sum(seg, p * El + 1, (p + 1) * El) end
   for el = 1, El do lc[el] = 0 end
-  local rows = {}
+  -- the received rows come in P El segments (source s, then local expert el):
+  -- their starts, for the local expert of each row below
+  local starts, M = {}, 0
   for s = 0, P - 1 do
     local base = s * E + q * El
     recv[s + 1] = sum(g, base + 1, base + El)
     for el = 1, El do
       local n = g[base + el]
       lc[el] = lc[el] + n
-      for _ = 1, n do rows[#rows + 1] = el - 1 end
+      starts[#starts + 1] = M
+      M = M + n
     end
   end
   -- 3. the rows to their experts' ranks
@@ -184,8 +187,22 @@ function M.route_tokens(layer, x2, ids, gates)
   local lo = {}
   if layer.mlp_impl == "sparse" then lo = { block_size = layer.block_size, ffn_hidden = layer.ffn_hidden_size } end
   lo.known_counts = lc
-  local lids = moe.tensor(#rows > 0 and rows or { 0 }, { dtype = "i64", device = x2.device })
-  lids = lids:narrow(0, 0, #rows):reshape({ #rows, 1 })
+  -- row r's segment is the last one starting at or before r (empty segments
+  -- share their start with the next one, so they are never the last): the
+  -- count of starts <= r, minus one; its local expert is that index mod El.
+  -- On the device, without a loop over the rows: (M, P El) comparisons.
+  local dev = x2.device
+  local st = moe.tensor(starts, { dtype = "i64", device = dev }):reshape({ 1, P * El })
+  local seg_el = {}
+  for i = 0, P * El - 1 do seg_el[i + 1] = i % El end
+  local lids
+  if M > 0 then
+    local r = moe.arange(0, M, 1, { dtype = "i64", device = dev }):reshape({ M, 1 })
+    local si = moe.sum(moe.ge(r, st), 1) - 1
+    lids = moe.index_select(moe.tensor(seg_el, { dtype = "i64", device = dev }), 0, si):reshape({ M, 1 })
+  else
+    lids = moe.zeros({ 0, 1 }, { dtype = "i64", device = dev })
+  end
   local lplan = moe.ops.routing_plan(lids, El, lo)
   local ye = layer.experts(xr, lplan, nil) -- (M, d), received order
   -- 5. back to the sources, and the gated sum of each token's rows
