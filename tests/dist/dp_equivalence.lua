@@ -39,7 +39,6 @@ ranks (max and min of a per-parameter checksum over ranks agree).
 ]]
 local moe = require "moe"
 local train = require "moe.train"
-local data = require "moe.data"
 
 local opts = moe.config { steps = 20, verbose = false, loss_weight = 0.01, tie_embeddings = true,
   device = "cpu" }
@@ -52,28 +51,7 @@ local function say(...) if rank == 0 then print(string.format(...)) end end
 
 -- ------------------------------------------------------------ the data
 -- each rank its own copy (same bytes): no rank reads a file another writes
-local root = os.tmpname()
-os.remove(root)
-root = root .. "-r" .. rank
-assert(os.execute("mkdir -p '" .. root .. "'"))
-
-local function make_dataset(prefix)
-  local words = { "the ", "king ", "and ", "of ", "his ", "house ", "said ", "unto ", "lord ", "land ",
-    "in ", "was ", "to ", "a ", "people ", "went ", "out ", "day ", ". ", "\n" }
-  local x = 12345
-  local function rnd(n) x = (x * 1103515245 + 12345) % 2147483648; return x % n end
-  local b = data.IndexedDatasetBuilder(prefix, { dtype = "u16" })
-  for _ = 1, 60 do
-    local ids = {}
-    for _ = 1, 20 + rnd(30) do
-      for c in words[rnd(#words) + 1]:gmatch(".") do ids[#ids + 1] = c:byte() end
-    end
-    ids[#ids + 1] = 256
-    b:add_document(ids)
-  end
-  return b:finalize()
-end
-local prefix = make_dataset(root .. "/words")
+local root, prefix = dofile(arg[0]:match("^(.*/)") .. "corpus.lua")(rank)
 
 local B = 4
 local function base_cfg(name, ffn, over)

@@ -25,7 +25,6 @@ printed.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
-local data = require "moe.data"
 
 local opts = moe.config { steps = 15, verbose = false, device = "cpu" }
 local dist = moe.dist
@@ -36,28 +35,7 @@ assert(world == 2 or world == 4, ("run under moe-lua launch -n 2 or -n 4 (world 
 local function say(...) if rank == 0 then print(string.format(...)) end end
 
 -- each rank its own copy of the data (same bytes)
-local root = os.tmpname()
-os.remove(root)
-root = root .. "-r" .. rank
-assert(os.execute("mkdir -p '" .. root .. "'"))
-
-local function make_dataset(prefix)
-  local words = { "the ", "king ", "and ", "of ", "his ", "house ", "said ", "unto ", "lord ", "land ",
-    "in ", "was ", "to ", "a ", "people ", "went ", "out ", "day ", ". ", "\n" }
-  local x = 12345
-  local function rnd(n) x = (x * 1103515245 + 12345) % 2147483648; return x % n end
-  local b = data.IndexedDatasetBuilder(prefix, { dtype = "u16" })
-  for _ = 1, 60 do
-    local ids = {}
-    for _ = 1, 20 + rnd(30) do
-      for c in words[rnd(#words) + 1]:gmatch(".") do ids[#ids + 1] = c:byte() end
-    end
-    ids[#ids + 1] = 256
-    b:add_document(ids)
-  end
-  return b:finalize()
-end
-local prefix = make_dataset(root .. "/words")
+local root, prefix = dofile(arg[0]:match("^(.*/)") .. "corpus.lua")(rank)
 
 local B = 4
 local function cfg(name, over)
