@@ -11,6 +11,7 @@ atomically, the last N kept.
   local path = ckpt.save(out_dir, step, {model = sd, optim = osd, state = tbl}, {keep_last = 3})
   local c = ckpt.load(ckpt.latest(out_dir), {device = "cuda"})   -- c.model, c.optim, c.state
   ckpt.list(out_dir) -> sorted steps;  ckpt.resolve(out_dir, "latest" | path) -> path or nil
+  ckpt.folders(out_dir), ckpt.remove_unfinished(out_dir), ckpt.remove_run(out_dir)
 
 Atomicity: everything is written into out_dir/.tmp-ckpt-<step>-<n> first;
 only when all three files are complete is that folder renamed to ckpt-<step>
@@ -74,6 +75,78 @@ function M.list(out_dir)
   end
   table.sort(steps)
   return steps
+end
+
+-- The names in dir (hidden ones too), sorted; none when dir does not exist.
+local function entries(dir)
+  local names = {}
+  local p = io.popen("ls -1A " .. sh_quote(dir) .. " 2>/dev/null")
+  if p then
+    for name in p:lines() do names[#names + 1] = name end
+    p:close()
+  end
+  table.sort(names)
+  return names
+end
+
+--- folders(out_dir) -> sorted names of every ckpt-<step> folder in out_dir,
+--- complete or not (what a fresh run would mix with its own).
+function M.folders(out_dir)
+  local names = {}
+  for _, name in ipairs(entries(out_dir)) do
+    if name:match("^ckpt%-%d+$") then names[#names + 1] = name end
+  end
+  return names
+end
+
+--- remove_unfinished(out_dir) -> the names of the .tmp-ckpt-* folders (saves that
+--- were killed before their rename) it removed from out_dir.
+function M.remove_unfinished(out_dir)
+  local removed = {}
+  for _, name in ipairs(entries(out_dir)) do
+    if name:match("^%.tmp%-ckpt%-") then
+      M.rm_rf(out_dir .. "/" .. name)
+      removed[#removed + 1] = name
+    end
+  end
+  return removed
+end
+
+--- remove_run(out_dir) -> the names it removed: what moe.train writes into out_dir
+--- (ckpt-<step> and .tmp-ckpt-* folders, metrics.jsonl, config.json, the event files
+--- of tb/ and tb/ itself once empty); nothing else in out_dir is touched.
+function M.remove_run(out_dir)
+  local removed = {}
+  for _, name in ipairs(entries(out_dir)) do
+    if name:match("^ckpt%-%d+$") or name:match("^%.tmp%-ckpt%-") or name == "metrics.jsonl"
+        or name == "config.json" then
+      M.rm_rf(out_dir .. "/" .. name)
+      removed[#removed + 1] = name
+    end
+  end
+  local tb = out_dir .. "/tb"
+  local events = 0
+  for _, name in ipairs(entries(tb)) do
+    if name:match("^events%.out%.tfevents%.") then
+      assert(os.remove(tb .. "/" .. name))
+      events = events + 1
+    end
+  end
+  if events > 0 then removed[#removed + 1] = ("tb/ (%d event file%s)"):format(events, events == 1 and "" or "s") end
+  if #entries(tb) == 0 then os.remove(tb) end -- rmdir: only when empty
+  return removed
+end
+
+--- write_atomic(path, text): text into path through path.tmp and a rename, so a
+--- reader never sees half a file.
+function M.write_atomic(path, text)
+  local tmp = path .. ".tmp"
+  write_file(tmp, text)
+  local ok, err = os.rename(tmp, path)
+  if not ok then
+    os.remove(tmp)
+    error(("checkpoint: cannot rename '%s' to '%s': %s"):format(tmp, path, err), 0)
+  end
 end
 
 --- latest(out_dir) -> path of the newest checkpoint, or nil when there is none.

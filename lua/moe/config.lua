@@ -41,9 +41,16 @@ moe.config(defaults, overrides [, name]) -> cfg, {}
             is argv.
 
 Rules
-  - `key=value`, where key is a name or a dotted name, is an override; any
-    other argument is left alone. The last override of a key wins.
-  - The key must exist in defaults, else an error lists the valid keys.
+  - `key=value`, where key is an ASCII name or a dotted name, is an
+    override. The last override of a key wins.
+  - An argument that looks like a mistaken override is an error naming it
+    (no traceback): a flag (--steps=3, -v), an argument with '=' whose key
+    is not such a name ("ste ps=1", a non-ASCII name, "=1" left by a shell
+    that split "steps =1"), or the bare name of a key ("steps" of "steps 3").
+    Any other argument (a word such as "run", a path) is left alone and
+    returned in rest, for the script to take or refuse.
+  - The key must exist in defaults, else an error names the nearest valid
+    keys (edit distance: "did you mean 'steps'?") and lists them all.
   - The value is parsed against the type of the default:
       integer  1000, 1e3, 0x10 (must be a whole number)
       number   3e-4, 0.5, 2
@@ -58,6 +65,8 @@ Rules
 ]]
 
 local M = {}
+
+local malformed -- defined below
 
 local function is_list(t)
   local n = #t
@@ -110,6 +119,44 @@ local function key_list(defaults, prefix)
   local names = {}
   for _, e in ipairs(sorted_keys(defaults)) do names[#names + 1] = (prefix or "") .. e.key end
   return table.concat(names, ", ")
+end
+
+-- Levenshtein distance between two strings (bytes).
+local function distance(a, b)
+  local prev = {}
+  for j = 0, #b do prev[j] = j end
+  for i = 1, #a do
+    local cur = { [0] = i }
+    for j = 1, #b do
+      local cost = a:byte(i) == b:byte(j) and 0 or 1
+      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+    end
+    prev = cur
+  end
+  return prev[#b]
+end
+
+-- The valid keys nearest to an unknown one (at most 3): by edit distance to
+-- the whole dotted key or to its last part (model.d_modl -> model.d_model,
+-- experts -> model.experts), within a third of the key's length (at least 2).
+local function nearest(defaults, key)
+  local last = key:match("([^.]*)$")
+  local best, found = math.huge, {}
+  for _, e in ipairs(sorted_keys(defaults)) do
+    local d = math.min(distance(key, e.key), distance(last, e.key:match("([^.]*)$")) + 0.5)
+    if d < best then best, found = d, { e.key }
+    elseif d == best and #found < 3 then found[#found + 1] = e.key end
+  end
+  if best > math.max(2, #key // 3) then return {} end
+  return found
+end
+
+-- "unknown key 'stepz' (did you mean 'steps'? valid keys: ...)"
+local function unknown_key(defaults, key, what)
+  local near = nearest(defaults, key)
+  local hint = ""
+  if #near > 0 then hint = ("did you mean '%s'? "):format(table.concat(near, "' or '")) end
+  return ("unknown %s '%s' (%svalid keys: %s)"):format(what or "key", key, hint, key_list(defaults))
 end
 
 local article = { integer = "an integer", number = "a number", boolean = "a boolean", string = "a string" }
@@ -181,13 +228,13 @@ local function locate(cfg, defaults, key)
   for i = 1, #parts - 1 do
     local p = parts[i]
     if type(d[p]) ~= "table" or kind_of(d[p]) ~= "section" then
-      return nil, ("unknown key '%s' (valid keys: %s)"):format(key, key_list(defaults))
+      return nil, unknown_key(defaults, key)
     end
     t, d = t[p], d[p]
   end
   local last = parts[#parts]
   if d[last] == nil then
-    return nil, ("unknown key '%s' (valid keys: %s)"):format(key, key_list(defaults))
+    return nil, unknown_key(defaults, key)
   end
   if kind_of(d[last]) == "section" then
     return nil, ("'%s' is a section, not a value; set one of its keys: %s"):format(
@@ -233,7 +280,7 @@ local function merge(cfg, defaults, over, prefix, root, name)
     local d = nil
     if type(k) == "string" then d = defaults[k] end
     if d == nil then
-      error(("%s: unknown config key '%s' (valid keys: %s)"):format(name, key, key_list(root)), 0)
+      error(("%s: %s"):format(name, unknown_key(root, key, "config key")), 0)
     end
     local kind = kind_of(d)
     if kind == "section" then
@@ -256,6 +303,41 @@ local function merge(cfg, defaults, over, prefix, root, name)
       cfg[k] = deep_copy(v)
     end
   end
+end
+
+-- Whether argv[i], which is not key=value, is a mistaken override rather than
+-- a positional argument for the script: a flag (--steps=3, -n), an '=' with
+-- no key or a key that is not a plain ASCII name ("steps =1" split by the
+-- shell, "ste ps=1", a non-ASCII name), or a bare name of a key ("steps" of
+-- "steps 3"). Returns the message, or nil.
+malformed = function(defaults, argv, i)
+  local a = tostring(argv[i])
+  local hint = "overrides are key=value, one argument each, with no spaces around '='"
+  local flag = a:match("^%-%-?([%a_][%w_%-%.]*=.*)$")
+  if flag then
+    return ("bad argument '%s': %s (write %s)"):format(a, hint, flag)
+  end
+  if a:match("^%-.") then -- "-" alone (stdin, by convention) is a positional argument
+    return ("bad argument '%s': flags are not taken; %s (--help lists the keys)"):format(a, hint)
+  end
+  if a:match("^=") then
+    local prev = argv[i - 1] and tostring(argv[i - 1])
+    if prev and prev:match("^[%a_][%w_%-%.]*$") then
+      return ("bad arguments '%s' '%s': %s (write %s%s)"):format(prev, a, hint, prev, a)
+    end
+    return ("bad argument '%s': no key before '='; %s"):format(a, hint)
+  end
+  local k = a:match("^([^=]*)=")
+  if k then
+    return ("bad argument '%s': '%s' is not a key (keys are ASCII names and dotted names such as " ..
+      "model.experts); %s"):format(a, k, hint)
+  end
+  local t, _, default = locate(deep_copy(defaults), defaults, a)
+  if a:match("^[%a_][%w_%-%.]*$") and t ~= nil then
+    return ("bad argument '%s': a key with no value; write %s=%s"):format(a, a,
+      argv[i + 1] and tostring(argv[i + 1]):gsub("^=", "") or show(default))
+  end
+  return nil
 end
 
 local function is_overrides(t)
@@ -296,16 +378,24 @@ function M.config(defaults, argv, name)
 
   local cfg = deep_copy(defaults)
   local rest = {}
-  for _, a in ipairs(argv) do
-    local key, text = tostring(a):match("^([%a_][%w_%-%.]*)=(.*)$")
+  for i, a in ipairs(argv) do
+    a = tostring(a)
+    local key, text = a:match("^([%a_][%w_%-%.]*)=(.*)$")
     if key == nil then
+      -- level 0: a message for the user, printed by moe-lua without a traceback
+      local bad = malformed(defaults, argv, i)
+      if bad then error("moe.config: " .. bad, 0) end
       rest[#rest + 1] = a
     else
       local t, name, default = locate(cfg, defaults, key)
-      -- level 0: a message for the user, printed by moe-lua without a traceback
       if t == nil then error("moe.config: " .. name, 0) end
       local v, err = parse_value(key, default, text)
-      if v == nil then error("moe.config: " .. err, 0) end
+      if v == nil then
+        if text == "" and argv[i + 1] ~= nil then
+          err = err .. (" (a space after '='? write %s=<value> as one argument)"):format(key)
+        end
+        error("moe.config: " .. err, 0)
+      end
       t[name] = v
     end
   end

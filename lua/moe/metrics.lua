@@ -216,6 +216,45 @@ function Jsonl:close()
   if self.file then self.file:close(); self.file = nil end
 end
 
+--- truncate_jsonl(path, step) -> how many records it dropped: the records of a JSONL
+--- file whose step is > step (what a run resumed from step redoes), and lines that do
+--- not parse (the half-written last line of a killed run). The file is rewritten
+--- through path.tmp and a rename; kept lines are copied byte for byte. A missing
+--- file is left missing (0).
+function M.truncate_jsonl(path, step)
+  local f = io.open(path, "rb")
+  if not f then return 0 end
+  local kept, dropped = {}, 0
+  for line in f:lines() do
+    if line:find("%S") then
+      local ok, v = pcall(json.decode, line)
+      if ok and type(v) == "table" and not (math.type(v.step) and v.step > step) then
+        kept[#kept + 1] = line
+      else
+        dropped = dropped + 1
+      end
+    end
+  end
+  f:close()
+  if dropped == 0 then return 0 end
+  local tmp = path .. ".tmp"
+  local out, err = io.open(tmp, "wb")
+  if not out then error(("metrics.truncate_jsonl: cannot open '%s': %s"):format(tmp, err), 2) end
+  local ok, werr = true, nil
+  if #kept > 0 then ok, werr = out:write(table.concat(kept, "\n"), "\n") end
+  local cok, cerr = out:close()
+  if not ok or not cok then
+    os.remove(tmp)
+    error(("metrics.truncate_jsonl: cannot write '%s': %s"):format(tmp, tostring(werr or cerr)), 2)
+  end
+  local rok, rerr = os.rename(tmp, path)
+  if not rok then
+    os.remove(tmp)
+    error(("metrics.truncate_jsonl: cannot rename '%s' to '%s': %s"):format(tmp, path, rerr), 2)
+  end
+  return dropped
+end
+
 --- read_jsonl(path) -> array of the objects of a JSONL file (blank lines skipped).
 function M.read_jsonl(path)
   local f, err = io.open(path, "r")

@@ -15,7 +15,10 @@ Format (what TensorBoard's event_file_loader reads):
   - data = an Event protobuf: wall_time double (field 1), step int64 (field
     2), file_version string (field 3, "brain.Event:2", first event only),
     summary (field 5): Summary { repeated Value value = 1 { string tag = 1;
-    float simple_value = 2 } }.
+    float simple_value = 2 } }; or session_log (field 6): SessionLog {
+    SessionStatus status = 1 } with START = 1, which tells TensorBoard's
+    loaders (purge_orphaned_data, on by default) to drop the run's events
+    of this step and later read before it: what a resumed run redoes.
 crc32c is the Castagnoli polynomial (reflected 0x82F63B78), table-driven.
 This module owns nothing else: no dependency on the tensor library.
 ]]
@@ -80,6 +83,12 @@ local function encode_event(wall_time, step, file_version, scalars)
     parts[#parts + 1] = len_field(5, table.concat(values))
   end
   return table.concat(parts)
+end
+
+-- A SessionLog START event at step.
+local function encode_session_start(wall_time, step)
+  return key(1, 1) .. string.pack("<d", wall_time) .. key(2, 0) .. varint(step) ..
+    len_field(6, key(1, 0) .. varint(1))
 end
 
 --- record(data) -> the TFRecord framing of the string data.
@@ -168,6 +177,15 @@ function Writer:add_scalars(step, values, wall_time)
   if #list > 0 then self:_write(encode_event(wall_time or now(), step, nil, list)) end
 end
 
+--- w:session_start(step): a SessionLog START at step: TensorBoard discards the events
+--- at step and after that it read before this one (a resumed run's redone steps).
+function Writer:session_start(step, wall_time)
+  if math.type(step) ~= "integer" then
+    error(("bad argument #1 to 'session_start' (integer step expected, got %s)"):format(tostring(step)), 2)
+  end
+  self:_write(encode_session_start(wall_time or now(), step))
+end
+
 function Writer:flush()
   if self.file then self.file:flush() end
 end
@@ -227,7 +245,7 @@ local function parse_fields(s)
   return out
 end
 
--- Decodes one Event: {wall_time=, step=, file_version=, values={{tag=, value=}...}}.
+-- Decodes one Event: {wall_time=, step=, file_version=, session_status=, values={{tag=, value=}...}}.
 local function decode_event(data)
   local ev = { step = 0, values = {} }
   for _, f in ipairs(parse_fields(data)) do
@@ -235,6 +253,10 @@ local function decode_event(data)
     if field == 1 and f[2] == 1 then ev.wall_time = string.unpack("<d", v)
     elseif field == 2 and f[2] == 0 then ev.step = v
     elseif field == 3 and f[2] == 2 then ev.file_version = v
+    elseif field == 6 and f[2] == 2 then
+      for _, x in ipairs(parse_fields(v)) do
+        if x[1] == 1 and x[2] == 0 then ev.session_status = x[3] end
+      end
     elseif field == 5 and f[2] == 2 then
       for _, vf in ipairs(parse_fields(v)) do
         if vf[1] == 1 and vf[2] == 2 then

@@ -39,7 +39,7 @@ describe("bench.config", function()
 
   it("rejects the old --flags, unknown keys and bad values", function()
     assert.error_matches(function() bench.config({}, { "--json", "out.json" }) end,
-      "unexpected argument '%-%-json'")
+      "bad argument '%-%-json': flags are not taken")
     assert.error_matches(function() bench.config({}, { "jsn=out.json" }) end, "unknown key 'jsn'")
     assert.error_matches(function() bench.config({}, { "repeats=many" }) end, "repeats expects an integer")
     assert.error_matches(function() bench.config({}, { "run" }) end, "unexpected argument 'run'")

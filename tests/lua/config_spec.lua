@@ -88,10 +88,42 @@ describe("moe.config", function()
     assert.are.same({ 3 }, moe.config(defaults, { "tags=3" }).tags)
   end)
 
-  it("leaves arguments that are not key=value alone; the last override wins", function()
-    local cfg, rest = moe.config(defaults, { "data.txt", "steps=1", "--verbose", "steps=2", "-" })
+  it("leaves positional arguments alone; the last override wins", function()
+    local cfg, rest = moe.config(defaults, { "data.txt", "steps=1", "run", "steps=2", "-" })
     assert.are.equal(2, cfg.steps)
-    assert.are.same({ "data.txt", "--verbose", "-" }, rest)
+    assert.are.same({ "data.txt", "run", "-" }, rest)
+  end)
+
+  it("rejects mistaken overrides, naming the argument", function()
+    local cases = {
+      { { "--steps=3" }, "bad argument '--steps=3': overrides are key=value, one argument each, " ..
+        "with no spaces around '=' (write steps=3)" },
+      { { "-v" }, "bad argument '-v': flags are not taken" },
+      { { "--verbose" }, "bad argument '--verbose'" },
+      { { "steps", "=1" }, "bad argument 'steps': a key with no value; write steps=1" },
+      { { "model.experts", "4" }, "bad argument 'model.experts': a key with no value; write model.experts=4" },
+      { { "x", "=1" }, "bad arguments 'x' '=1'" },
+      { { "=1" }, "bad argument '=1': no key before '='" },
+      { { "st\195\169ps=1" }, "bad argument 'st\195\169ps=1': 'st\195\169ps' is not a key (keys are ASCII names" },
+      { { "ste ps=1" }, "bad argument 'ste ps=1': 'ste ps' is not a key" },
+      { { "steps=", "1" }, "steps expects an integer, got '' (a space after '='? write steps=<value> as one argument)" },
+    }
+    for _, c in ipairs(cases) do
+      local err = err_of(moe.config, defaults, c[1])
+      assert.truthy(err:find("moe.config: " .. c[2], 1, true), err)
+    end
+  end)
+
+  it("suggests the nearest keys for an unknown one", function()
+    local function hint(k) return err_of(moe.config, defaults, { k .. "=1" }):match("did you mean (.-)%?") end
+    assert.are.equal("'steps'", hint("stpes"))
+    assert.are.equal("'steps'", hint("step"))
+    assert.are.equal("'model.experts'", hint("model.expert"))
+    assert.are.equal("'model.experts'", hint("experts")) -- the last part of a dotted key
+    assert.are.equal("'model.top_k'", hint("topk"))
+    assert.is_nil(hint("zzzzzzzz"))
+    local err = err_of(moe.config, defaults, { stepz = 1 }, "train")
+    assert.truthy(err:find("train: unknown config key 'stepz' (did you mean 'steps'? valid keys: device", 1, true), err)
   end)
 
   it("reads the script's arguments from the global arg by default", function()
@@ -141,7 +173,7 @@ describe("moe.config", function()
     assert.are.equal(100, defaults.steps) -- the defaults are not touched
     assert.are.equal(math.type(moe.config(defaults, { steps = 6.0 }).steps), "integer")
     local cases = {
-      { { stepz = 1 }, "train: unknown config key 'stepz' (valid keys: device, lr" },
+      { { stepz = 1 }, "train: unknown config key 'stepz' (did you mean 'steps'? valid keys: device, lr" },
       { { model = { expert = 1 } }, "train: unknown config key 'model.expert'" },
       { { model = 3 }, "train: config key 'model' is a section, got a number" },
       { { steps = "ten" }, "train: config key 'steps' expects a number, got a string (ten)" },
@@ -193,10 +225,21 @@ print("rest", table.concat(rest, " "))
   it("an unknown key stops the script with the list of keys and status 1", function()
     local out, rc = run_script(script, { "stpes=5" })
     assert.are.equal(1, rc)
-    assert.truthy(out:find("moe.config: unknown key 'stpes' (valid keys: lr, model.experts, model.hidden, steps, tag)",
-      1, true), out)
+    assert.truthy(out:find("moe.config: unknown key 'stpes' (did you mean 'steps'? valid keys: lr, model.experts, " ..
+      "model.hidden, steps, tag)", 1, true), out)
     -- a message for the user: no position, no traceback (MOE_TRACEBACK=1 adds it)
     assert.truthy(out:find("moe-lua: moe.config: unknown key", 1, true), out)
     assert.falsy(out:find("stack traceback", 1, true), out)
+  end)
+
+  it("a flag or a split override stops the script naming the argument, without a traceback", function()
+    for _, c in ipairs({ { { "--steps=3" }, "bad argument '--steps=3'" }, { { "steps", "=1" }, "bad argument 'steps'" },
+      { { "st\195\169ps=1" }, "bad argument 'st\195\169ps=1'" } }) do
+      local out, rc = run_script(script, c[1])
+      assert.are.equal(1, rc, out)
+      assert.truthy(out:find("moe-lua: moe.config: " .. c[2], 1, true), out)
+      assert.falsy(out:find("stack traceback", 1, true), out)
+      assert.falsy(out:find("steps\t", 1, true), out) -- the script stopped
+    end
   end)
 end)

@@ -230,7 +230,7 @@ describe("train.run", function()
   it("writes metrics.jsonl, TensorBoard scalars and checkpoints", function()
     local d = fresh_dir()
     local r = train.run(cfg { out_dir = d, steps = 6, save_every = 2, keep_last = 2 }, parts())
-    assert.are.same({ "ckpt-4", "ckpt-6", "metrics.jsonl", "tb" }, ls(d))
+    assert.are.same({ "ckpt-4", "ckpt-6", "config.json", "metrics.jsonl", "tb" }, ls(d))
     assert.are.same({ "model.safetensors", "optim.safetensors", "state.json" }, ls(d .. "/ckpt-6"))
     assert.are.equal(d .. "/ckpt-6", r.checkpoint)
     -- valid safetensors with the model's tensors
@@ -277,6 +277,81 @@ describe("train.run", function()
     assert.is_number(seen["expert_load/layer0/e0@6"])
   end)
 
+  it("refuses a fresh run into an out_dir with checkpoints; overwrite=true starts afresh", function()
+    local d = fresh_dir()
+    train.run(cfg { out_dir = d, steps = 4, save_every = 2 }, parts())
+    assert.is_true(os.execute("mkdir -p " .. sh_quote(d .. "/tb/keep") .. " && echo mine > " .. sh_quote(d .. "/notes.txt")))
+    local before = ls(d)
+    local f = io.open(d .. "/metrics.jsonl"); local metrics_before = f:read("a"); f:close()
+    local ok, err = pcall(train.run, cfg { out_dir = d, steps = 2 }, parts())
+    assert.is_false(ok)
+    assert.truthy(err:find("train: out_dir '" .. d .. "' already holds checkpoints (ckpt-2, ckpt-4)", 1, true), err)
+    assert.truthy(err:find("resume=latest", 1, true), err)
+    assert.truthy(err:find("overwrite=true", 1, true), err)
+    assert.are.same(before, ls(d)) -- nothing written, nothing pruned
+    f = io.open(d .. "/metrics.jsonl"); assert.are.equal(metrics_before, f:read("a")); f:close()
+    ok, err = pcall(train.run, cfg { out_dir = d, steps = 2, resume = "latest", overwrite = true }, parts())
+    assert.is_false(ok)
+    assert.truthy(err:find("overwrite=true starts afresh but resume='latest' continues a run", 1, true), err)
+    -- overwrite=true: moe-lua's own files go, the folder's other content stays
+    local old_tb = ls(d .. "/tb")
+    local r = train.run(cfg { out_dir = d, steps = 3, overwrite = true }, parts())
+    assert.are.equal(3, r.step)
+    assert.are.same({ "ckpt-3", "config.json", "metrics.jsonl", "notes.txt", "tb" }, ls(d))
+    local tb_now = ls(d .. "/tb")
+    assert.are.equal(2, #tb_now) -- keep/ and the new run's event file
+    for _, name in ipairs(tb_now) do
+      for _, o in ipairs(old_tb) do if o ~= "keep" then assert.are_not.equal(o, name) end end
+    end
+    local logged = {}
+    for _, rec in ipairs(metrics.read_jsonl(d .. "/metrics.jsonl")) do
+      if rec.loss then logged[#logged + 1] = rec.step end
+    end
+    assert.are.same({ 2, 3 }, logged)
+  end)
+
+  it("writes the resolved config to out_dir/config.json", function()
+    local d = fresh_dir()
+    train.run(cfg { out_dir = d, steps = 2, model = { d_model = 16 } }, parts())
+    local f = io.open(d .. "/config.json")
+    local c = metrics.json.decode(f:read("a"))
+    f:close()
+    assert.are.equal(2, c.steps)
+    assert.are.equal(d, c.out_dir)
+    assert.are.equal(16, c.model.d_model)
+    assert.are.equal(8, c.model.moe.num_experts) -- defaults filled in
+    assert.is_false(c.overwrite)
+  end)
+
+  it("after a resume metrics.jsonl holds each step once; TensorBoard is told to purge", function()
+    local d = fresh_dir()
+    train.run(cfg { out_dir = d, steps = 8, save_every = 5 }, parts())
+    checkpoint.rm_rf(d .. "/ckpt-8") -- killed after logging step 8, before its checkpoint
+    -- and a save killed half way
+    assert.is_true(os.execute("mkdir -p " .. sh_quote(d .. "/.tmp-ckpt-8-1-1") .. " && echo x > " ..
+      sh_quote(d .. "/.tmp-ckpt-8-1-1/model.safetensors")))
+    local f = io.open(d .. "/metrics.jsonl", "a"); f:write('{"step": 9, "lo'); f:close() -- a half line
+    local r = train.run(cfg { out_dir = d, steps = 8, resume = "latest" }, parts())
+    assert.are.equal(d .. "/ckpt-8", r.checkpoint)
+    assert.are.same({ "ckpt-5", "ckpt-8", "config.json", "metrics.jsonl", "tb" }, ls(d)) -- no .tmp-ckpt-*
+    local logged, evals = {}, {}
+    for _, rec in ipairs(metrics.read_jsonl(d .. "/metrics.jsonl")) do
+      if rec.loss then logged[#logged + 1] = rec.step else evals[#evals + 1] = rec.step end
+    end
+    assert.are.same({ 2, 4, 6, 8 }, logged)
+    assert.are.same({ 5, 8 }, evals)
+    -- the resumed run's event file starts with a SessionLog START at the first redone step
+    local files = ls(d .. "/tb")
+    assert.are.equal(2, #files)
+    local starts = {}
+    for _, name in ipairs(files) do
+      for _, ev in ipairs(tensorboard.read(d .. "/tb/" .. name)) do
+        if ev.session_status then starts[#starts + 1] = { ev.session_status, ev.step } end
+      end
+    end
+    assert.are.same({ { 1, 6 } }, starts)
+  end)
+
   it("resume='latest' with no checkpoint starts from scratch; a bad resume path is an error", function()
     local d = fresh_dir()
     local r = train.run(cfg { out_dir = d, steps = 2, resume = "latest" }, parts())
@@ -288,7 +363,7 @@ describe("train.run", function()
   it("rejects bad config keys and values with a clear message", function()
     local ok, err = pcall(train.run, cfg { stepz = 3 }, parts())
     assert.is_false(ok)
-    assert.matches("unknown config key 'stepz' %(valid keys: .*steps", err)
+    assert.matches("unknown config key 'stepz' %(did you mean 'steps'%? valid keys: .*steps", err)
     ok, err = pcall(train.run, cfg { model = { d_modl = 3 } }, parts())
     assert.is_false(ok)
     assert.matches("unknown config key 'model.d_modl'", err)

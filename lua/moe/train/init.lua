@@ -28,6 +28,8 @@ is an error listing the valid ones):
   log_every, save_every (0: at the end only), keep_last, out_dir, resume ("" | "latest" | path)
   stop_at         stop after this step as if interrupted (0: run to `steps`); the schedule
                   still spans `steps`, a checkpoint is written; resume=latest continues
+  overwrite       a fresh run into an out_dir with ckpt-* folders is an error unless true;
+                  then the old checkpoints, metrics.jsonl and tb/ event files are deleted
   deterministic   TF32 off; with the same seed a run (and a stopped-and-resumed run) gives
                   bit-identical losses on the same machine
   device ("auto" | "cpu" | "cuda"), dtype ("f32" | "bf16"), seed

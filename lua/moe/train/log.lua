@@ -20,7 +20,8 @@ Log.__index = Log
 local function new_interval() return { steps = 0, loss = 0, aux = 0, gn = 0, counts = {} } end
 
 --- open(cfg, o) -> a logger. o.resumed: append to metrics.jsonl instead of starting it
---- anew; o.device, o.tokens_per_step, o.flops_per_token and o.peak (FLOP/s) for
+--- anew, once the records past step o.resume_step are dropped (self.dropped: how many);
+--- o.device, o.tokens_per_step, o.flops_per_token and o.peak (FLOP/s) for
 --- tokens/s and MFU (tokens_per_step of the whole job: with data parallelism every
 --- rank's tokens). o.writer = false (data parallelism's ranks other than 0): no
 --- console, no files; the logger still keeps the interval's numbers.
@@ -29,9 +30,15 @@ function M.open(cfg, o)
     flops_per_token = o.flops_per_token, peak = o.peak, console = metrics.console(),
     interval = new_interval(), writer = o.writer ~= false }, Log)
   if self.writer then
-    -- a fresh run starts metrics.jsonl anew; a resumed one appends to it
-    self.jsonl = metrics.jsonl(cfg.out_dir .. "/metrics.jsonl", o.resumed and "a" or "w")
+    -- a fresh run starts metrics.jsonl anew; a resumed one appends to it, after dropping
+    -- the records past the checkpoint's step (the steps it redoes): each step once
+    local path = cfg.out_dir .. "/metrics.jsonl"
+    if o.resumed then self.dropped = metrics.truncate_jsonl(path, o.resume_step or 0) end
+    self.jsonl = metrics.jsonl(path, o.resumed and "a" or "w")
     self.tb = cfg.tensorboard and require("moe.tensorboard").writer(cfg.out_dir .. "/tb") or nil
+    -- TensorBoard files cannot be edited: a SessionLog START tells its loaders to drop
+    -- the earlier files' events past the checkpoint
+    if self.tb and o.resumed then self.tb:session_start((o.resume_step or 0) + 1); self.tb:flush() end
   end
   self.t_run, self.t_log = moe.clock(), moe.clock()
   return self

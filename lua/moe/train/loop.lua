@@ -89,6 +89,40 @@ local function sharded_checkpoint(ckpt, log, warned)
   return true
 end
 
+-- Makes out_dir safe to start in, before anything is built or written; returns the
+-- lines to print once the log is open. A fresh run (resume empty) into an out_dir
+-- that holds ckpt-* folders is an error, raised on every rank (each reads out_dir),
+-- unless overwrite=true: then rank 0 removes what an earlier run wrote there
+-- (checkpoint.remove_run). Rank 0 also removes the .tmp-ckpt-* folders of saves that
+-- were killed.
+local function prepare_out_dir(cfg, writer)
+  local fresh = cfg.resume == "" or cfg.resume == "none"
+  if cfg.overwrite and not fresh then
+    error(("train: overwrite=true starts afresh but resume='%s' continues a run: pass one of them"):format(
+      cfg.resume), 0)
+  end
+  local old = checkpoint.folders(cfg.out_dir)
+  if fresh and #old > 0 and not cfg.overwrite then
+    error(("train: out_dir '%s' already holds checkpoints (%s) and this run would mix with them: pass " ..
+      "resume=latest to continue that run, or overwrite=true to delete its checkpoints, metrics.jsonl and " ..
+      "tb/ and start afresh (or choose another out_dir)"):format(cfg.out_dir, table.concat(old, ", ")), 0)
+  end
+  local notes = {}
+  if not writer then return notes end
+  if fresh and cfg.overwrite then
+    local removed = checkpoint.remove_run(cfg.out_dir)
+    if #removed > 0 then
+      notes[#notes + 1] = ("overwrite=true: removed %s from %s"):format(table.concat(removed, ", "), cfg.out_dir)
+    end
+  end
+  local unfinished = checkpoint.remove_unfinished(cfg.out_dir)
+  if #unfinished > 0 then
+    notes[#notes + 1] = ("removed the unfinished checkpoint%s of an interrupted save from %s: %s"):format(
+      #unfinished == 1 and "" or "s", cfg.out_dir, table.concat(unfinished, ", "))
+  end
+  return notes
+end
+
 --- run(cfg [, parts]) -> result (see moe/train/init.lua).
 function M.run(user_cfg, parts)
   parts = parts or {}
@@ -98,6 +132,7 @@ function M.run(user_cfg, parts)
   -- data parallelism (moe/train/parallel.lua): the ranks, and each rank's device
   local par = parallel.setup(cfg)
   local device = par.device or tconfig.resolve_device(cfg.device)
+  local notes = prepare_out_dir(cfg, par.writer)
 
   local prev_tf32 -- restored at the end of the run
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
@@ -128,7 +163,11 @@ function M.run(user_cfg, parts)
   clip_grad_norm = par:ep_clip(clip_grad_norm) -- expert shards: the norm over every rank's
 
   -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
-  if par.writer then checkpoint.mkdir_p(cfg.out_dir) end
+  if par.writer then
+    checkpoint.mkdir_p(cfg.out_dir)
+    -- the resolved config of this run (a resumed run writes its own)
+    checkpoint.write_atomic(cfg.out_dir .. "/config.json", metrics.json.encode(tconfig.plain(cfg)) .. "\n")
+  end
   local result = { losses = {}, val_losses = {}, model = model, step = 0 }
   -- what every hook sees (docs/TRAINING.md): the loop updates it in place
   local state = { cfg = cfg, device = device, model = model, optimizer = opt, params = params,
@@ -172,10 +211,16 @@ function M.run(user_cfg, parts)
   end
   -- tokens of the whole job per step (every rank's)
   local tokens_per_step = par.dp * cfg.batch_size * cfg.grad_accum * cfg.seq_len
-  local log = tlog.open(cfg, { device = device, resumed = resume_path ~= nil, tokens_per_step = tokens_per_step,
+  local log = tlog.open(cfg, { device = device, resumed = resume_path ~= nil, resume_step = state.step,
+    tokens_per_step = tokens_per_step,
     flops_per_token = model.flops_per_token and model:flops_per_token() or nil, peak = peak,
     writer = par.writer })
+  for _, line in ipairs(notes) do log:say(line) end
   if pending_say then log:say(pending_say) end
+  if log.dropped and log.dropped > 0 then
+    log:say(("metrics.jsonl: dropped %d record%s past iteration %d (the steps this run redoes)"):format(
+      log.dropped, log.dropped == 1 and "" or "s", state.step))
+  end
   log:say(("training on %s (%s): %d parameters, %d steps of %d tokens, out_dir=%s"):format(device,
     cfg.dtype, n_params, cfg.steps, tokens_per_step, cfg.out_dir))
   if par.sharded then
