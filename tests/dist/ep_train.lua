@@ -35,7 +35,7 @@ assert(world == 2 or world == 4, ("run under moe-lua launch -n 2 or -n 4 (world 
 local function say(...) if rank == 0 then print(string.format(...)) end end
 
 -- each rank its own copy of the data (same bytes)
-local root, prefix = dofile(arg[0]:match("^(.*/)") .. "corpus.lua")(rank)
+local root, prefix = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua").corpus(rank)
 
 local B = 4
 local function cfg(name, over)

@@ -40,39 +40,14 @@ local function say(...) if rank == 0 then print(string.format(...)) end end
 
 -- ------------------------------------------------------------ the data
 -- each rank its own copy (same bytes): no rank reads a file another writes
-local root, prefix = dofile(arg[0]:match("^(.*/)") .. "corpus.lua")(rank)
+local K = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua")
+local root, prefix = K.corpus(rank)
 
-local B = 4
-local function base_cfg(name, ffn, over)
-  local c = {
-    model = { vocab_size = 257, d_model = 32, n_layers = 2, n_heads = 2, ffn = ffn, d_ff = 64,
-      moe = { num_experts = 4, top_k = 2, ffn_hidden_size = 32, loss_weight = opts.loss_weight } },
-    data = prefix, valid_fraction = 0.1, seq_len = 16, batch_size = B, grad_accum = 1,
-    steps = opts.steps, lr = 3e-3, min_lr = 3e-4, warmup = 2, clip = 1.0, eval_every = 10,
-    eval_iters = 2, log_every = 1, save_every = 0, keep_last = 0, tensorboard = false,
-    sample_tokens = 0, quiet = not opts.verbose, deterministic = true, device = opts.device, seed = 7,
-    out_dir = root .. "/" .. name,
-  }
-  for k, v in pairs(over or {}) do
-    if type(v) == "table" and type(c[k]) == "table" then
-      for k2, v2 in pairs(v) do c[k][k2] = v2 end
-    else
-      c[k] = v
-    end
-  end
-  return c
-end
+local function base_cfg(name, ffn, over) return K.base_cfg(opts, root, prefix, name, ffn, over) end
 
 
 -- max over steps of |a - b| / |b|
-local function max_rel(a, b, steps)
-  local m = 0
-  for s = 1, steps do
-    local d = math.abs(a[s] - b[s]) / math.abs(b[s])
-    if d > m then m = d end
-  end
-  return m
-end
+local max_rel = K.max_rel
 
 -- parameters of a and b: how many bit-identical, the largest |difference|
 local function compare_params(ma, mb)
