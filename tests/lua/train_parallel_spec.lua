@@ -23,6 +23,21 @@ describe("parallel config", function()
     assert.has_error(function() train.config { parallel = { dp = 1.5 } } end)
   end)
 
+  it("rejects layouts that do not fit the job or each other, before anything starts", function()
+    local parallel = require "moe.train.parallel"
+    local function fails(over, msg)
+      local ok, err = pcall(parallel.setup, train.config { parallel = over })
+      assert.is_false(ok)
+      assert.are.equal(msg, err)
+    end
+    fails({ ep = 2, dp_shard = 1 }, "train: parallel.ep=2 with parallel.dp_shard=1: expert parallelism and " ..
+      "sharded data parallelism do not combine yet (use one of them)")
+    fails({ ep = 2 }, "train: parallel.ep=2 needs data parallelism over the job's ranks (launch a multiple " ..
+      "of 2 ranks and leave parallel.dp=0)")
+    fails({ dp_shard = 2 }, "train: parallel.dp_shard=2 x dp_replicate=1 = 2 but the job has 1 rank " ..
+      "(their product must be the world size)")
+  end)
+
   it("is one rank when started alone", function()
     local par = parallel.setup(train.config {})
     assert.are.equal(1, par.dp)
