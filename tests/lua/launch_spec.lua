@@ -317,7 +317,9 @@ describe("moe-lua launch", function()
       end
     end
     assert.truthy(records > 0, log)
-    assert.truthy(has(log, "[rank 0] tests/dist/launch_spin.lua:") or has(log, "[rank 1] tests/dist/launch_spin.lua:"), log)
+    -- the error names the script's line, unless the signal's hook fired on
+    -- entering a C function (os.time here), which has none
+    assert.truthy(log:find("%[rank [01]%] [^\n]*terminated") ~= nil, log)
     rmdir(dir)
   end)
 
