@@ -14,17 +14,27 @@
  *   b:add(tokens)   -- a Lua array of integers or a tensor, one sequence
  *   b:end_document(); b:finalize(); b:free()
  *
+ *   local e = moe.ops.bpe_encoder(byte_ids, left, right, result, "gpt2"|"none")
+ *   e:encode(str) -> array of ids; e:free()  (also __close and __gc)
+ *       byte-level BPE (core/moe_bpe.h): byte_ids[b + 1] is the id of byte b
+ *       (-1: none), merge r joins left[r], right[r] into result[r]
+ *   moe.ops.gpt2_pieces(str) -> the pieces of the GPT-2 pre-tokenizer
+ *   moe.ops.unicode_class(code_point) -> "letter", "number", "space" or "other"
+ *
  * lua/moe/data/ builds IndexedDataset, the builder, GPTDataset and the
  * preprocessing on these. Registered by luaopen_moe through lm_open_data.
  */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "lmoe_internal.h"
+#include "moe_bpe.h"
 #include "moe_data.h"
 
 #define LM_DATASET "moe.IndexedDataset"
 #define LM_BUILDER "moe.IndexedBuilder"
+#define LM_BPE "moe.BPEEncoder"
 
 typedef struct lm_dataset {
   moe_indexed_dataset *ds; /* NULL after close */
@@ -302,6 +312,121 @@ static const luaL_Reg lm_builder_methods[] = {{"add", lm_builder_add},
                                               {"free", lm_builder_free},
                                               {NULL, NULL}};
 
+/* ------------------------------------------------------------ BPE */
+
+typedef struct lm_bpe {
+  moe_bpe *b; /* NULL after free */
+} lm_bpe;
+
+/* The integers of the array at arg into a new int32 array in a scratch box
+ * (pushed); *n gets the length. Each must be in [lo, INT32_MAX]. */
+static int32_t *lm_bpe_ints(lua_State *L, int arg, const char *fname, const char *what, int32_t lo,
+                            int64_t *n) {
+  if (lua_type(L, arg) != LUA_TTABLE) lm_argerror(L, arg, fname, "array of %s expected, got %s",
+                                                   what, lm_typename(L, arg));
+  *n = (int64_t)lua_rawlen(L, arg);
+  void **box = lm_push_scratch(L);
+  *box = malloc(sizeof(int32_t) * (size_t)(*n > 0 ? *n : 1));
+  if (!*box) luaL_error(L, "%s: out of memory", fname);
+  int32_t *v = (int32_t *)*box;
+  for (int64_t i = 0; i < *n; i++) {
+    lua_rawgeti(L, arg, (lua_Integer)(i + 1));
+    int ok = 0;
+    lua_Integer x = lua_tointegerx(L, -1, &ok);
+    if (!ok || x < lo || x > INT32_MAX)
+      lm_argerror(L, arg, fname, "%s[%I] must be an integer in [%d, %d], got %s", what,
+                  (LUAI_UACINT)(i + 1), (int)lo, (int)INT32_MAX, lm_describe(L, -1));
+    v[i] = (int32_t)x;
+    lua_pop(L, 1);
+  }
+  return v;
+}
+
+static int lm_bpe_new(lua_State *L) {
+  const char *fname = "bpe_encoder";
+  lm_state *S = lm_S(L);
+  static const char *const splits[] = {"gpt2", "none", NULL};
+  lm_checkend(L, 5, fname);
+  int64_t nb, nl, nr, nres;
+  int32_t *bytes = lm_bpe_ints(L, 1, fname, "byte ids", -1, &nb);
+  if (nb != 256) lm_argerror(L, 1, fname, "256 byte ids expected, got %I", (LUAI_UACINT)nb);
+  int32_t *left = lm_bpe_ints(L, 2, fname, "left ids", 0, &nl);
+  int32_t *right = lm_bpe_ints(L, 3, fname, "right ids", 0, &nr);
+  int32_t *result = lm_bpe_ints(L, 4, fname, "result ids", 0, &nres);
+  if (nr != nl || nres != nl)
+    lm_argerror(L, 3, fname, "left, right and result must have one length, got %I, %I and %I",
+                (LUAI_UACINT)nl, (LUAI_UACINT)nr, (LUAI_UACINT)nres);
+  int split = luaL_checkoption(L, 5, "gpt2", splits);
+  lm_bpe *u = (lm_bpe *)lua_newuserdatauv(L, sizeof *u, 0);
+  u->b = NULL;
+  luaL_setmetatable(L, LM_BPE);
+  if (moe_bpe_new(S->ctx, bytes, nl, left, right, result, (moe_bpe_split)split, &u->b) != MOE_OK)
+    return lm_corefail(L, S, fname, 0);
+  return 1;
+}
+
+static int lm_bpe_free(lua_State *L) {
+  lm_bpe *u = (lm_bpe *)luaL_checkudata(L, 1, LM_BPE);
+  moe_bpe_free(u->b);
+  u->b = NULL;
+  return 0;
+}
+
+static int lm_bpe_encode(lua_State *L) {
+  const char *fname = "encode";
+  lm_state *S = lm_S(L);
+  lm_bpe *u = (lm_bpe *)luaL_testudata(L, 1, LM_BPE);
+  if (u == NULL) lm_argerror(L, 1, fname, "BPE encoder expected, got %s", lm_typename(L, 1));
+  if (u->b == NULL) lm_argerror(L, 1, fname, "attempt to use a freed BPE encoder");
+  if (lua_type(L, 2) != LUA_TSTRING)
+    lm_argerror(L, 2, fname, "string expected, got %s", lm_typename(L, 2));
+  lm_checkend(L, 2, fname);
+  size_t len;
+  const char *s = lua_tolstring(L, 2, &len);
+  const int32_t *ids;
+  size_t n;
+  if (moe_bpe_encode(S->ctx, u->b, s, len, &ids, &n) != MOE_OK) return lm_corefail(L, S, fname, 2);
+  if (n > (size_t)INT_MAX) return luaL_error(L, "%s: %zu ids do not fit a Lua array", fname, n);
+  lua_createtable(L, (int)n, 0);
+  for (size_t i = 0; i < n; i++) {
+    lua_pushinteger(L, (lua_Integer)ids[i]);
+    lua_rawseti(L, -2, (lua_Integer)(i + 1));
+  }
+  return 1;
+}
+
+static const luaL_Reg lm_bpe_methods[] = {{"encode", lm_bpe_encode}, {"free", lm_bpe_free},
+                                          {NULL, NULL}};
+
+static int lm_gpt2_pieces(lua_State *L) {
+  const char *fname = "gpt2_pieces";
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, fname, "string expected, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, fname);
+  size_t len;
+  const unsigned char *s = (const unsigned char *)lua_tolstring(L, 1, &len);
+  lua_newtable(L);
+  lua_Integer k = 0;
+  for (size_t pos = 0; pos < len;) {
+    size_t end = moe_gpt2_piece_end(s, len, pos);
+    lua_pushlstring(L, (const char *)s + pos, end - pos);
+    lua_rawseti(L, -2, ++k);
+    pos = end;
+  }
+  return 1;
+}
+
+static int lm_unicode_class(lua_State *L) {
+  const char *fname = "unicode_class";
+  static const char *const names[] = {"other", "letter", "number", "space"};
+  int64_t cp = lm_checkint(L, 1, fname, "code point");
+  if (cp < 0 || cp > 0x10FFFF)
+    lm_argerror(L, 1, fname, "code point %I out of range [0, 0x10FFFF]", (LUAI_UACINT)cp);
+  lm_checkend(L, 1, fname);
+  lua_pushstring(L, names[moe_unicode_class_of((uint32_t)cp)]);
+  return 1;
+}
+
 /* ------------------------------------------------------------ open */
 
 static void lm_data_metatable(lua_State *L, const char *name, lua_CFunction release,
@@ -320,6 +445,9 @@ static void lm_data_metatable(lua_State *L, const char *name, lua_CFunction rele
 
 static const luaL_Reg lm_data_functions[] = {{"indexed_dataset", lm_dataset_open},
                                              {"indexed_builder", lm_builder_open},
+                                             {"bpe_encoder", lm_bpe_new},
+                                             {"gpt2_pieces", lm_gpt2_pieces},
+                                             {"unicode_class", lm_unicode_class},
                                              {NULL, NULL}};
 
 void lm_open_data(lua_State *L, int ops, int methods, int sentinel) {
@@ -331,6 +459,8 @@ void lm_open_data(lua_State *L, int ops, int methods, int sentinel) {
   lua_setfield(L, -2, "__tostring");
   lua_pop(L, 1);
   lm_data_metatable(L, LM_BUILDER, lm_builder_free, lm_builder_methods, sentinel);
+  lua_pop(L, 1);
+  lm_data_metatable(L, LM_BPE, lm_bpe_free, lm_bpe_methods, sentinel);
   lua_pop(L, 1);
   lm_register(L, ops, methods, sentinel, lm_data_functions, NULL);
 }
