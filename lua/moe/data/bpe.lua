@@ -4,7 +4,7 @@ moe/data/bpe.lua - a small byte-level BPE tokenizer and its trainer
 
   local tok = data.train_bpe(text_or_array_of_texts, {vocab_size = 512})
   tok:encode(str) -> array of ids; tok:decode(ids) -> str; tok.vocab_size; tok.eod
-  tok:save(path); local tok2 = data.BPETokenizer.load(path)
+  tok:save(path); local tok2 = data.BPETokenizer.load(path); tok:serialize() -> the file's text
 
 Ids 0..255 are bytes, 256 is EOD (as in ByteTokenizer, so byte-level data
 stays compatible), 257.. are merges in the order they were learned. Text is
@@ -106,11 +106,17 @@ function Tok:decode(ids)
   return table.concat(parts)
 end
 
+-- The file's text (what save writes).
+function Tok:serialize()
+  local lines = { "moe-bpe 1" }
+  for i, m in ipairs(self.merges) do lines[i + 1] = m[1] .. " " .. m[2] end
+  return table.concat(lines, "\n") .. "\n"
+end
+
 function Tok:save(path)
   local f, err = io.open(path, "wb")
   if not f then error("BPETokenizer:save: cannot open " .. path .. ": " .. tostring(err), 2) end
-  f:write("moe-bpe 1\n")
-  for _, m in ipairs(self.merges) do f:write(m[1], " ", m[2], "\n") end
+  f:write(self:serialize())
   f:close()
 end
 

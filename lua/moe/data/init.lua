@@ -11,6 +11,12 @@ moe/data/init.lua - datasets (`local data = require "moe.data"`).
   data.ByteTokenizer()                   bytes 0..255 and EOD 256 (vocab_size 257)
   data.train_bpe(text, {vocab_size=512}) a small byte-level BPE (moe/data/bpe.lua);
       data.BPETokenizer.load(path), tok:save(path)
+  data.load_tokenizer(spec)              "byte", "bpe:FILE", or a GPT-2 / Hugging Face
+      byte-level BPE: a directory, tokenizer.json, or vocab.json (+ merges.txt beside it)
+      (moe/data/tokenizer.lua, moe/data/gpt2.lua); data.GPT2Tokenizer.from_files(vocab,
+      merges), data.GPT2Tokenizer.from_tokenizer_json(path)
+  data.dataset_tokenizer(prefix)         the tokenizer preprocess recorded beside a
+      dataset (prefix.meta.json) and the meta table, or nil
   data.preprocess{inputs=, output_prefix=, tokenizer="byte", split_documents="line"}
   data.bible_corpus{dir="data"}          the King James Bible, preprocessed once
   data.GPTDataset(ds, {seq_len=, seed=1234, split="train", valid_fraction=0.05})
@@ -123,13 +129,16 @@ local bpe = require "moe.data.bpe"
 M.train_bpe = bpe.train_bpe
 M.BPETokenizer = bpe.BPETokenizer
 
--- "byte", "bpe:<merges file>" or a tokenizer object (encode, decode, eod, vocab_size).
-function M.tokenizer(name)
-  if name == nil or name == "byte" then return M.ByteTokenizer() end
-  if type(name) == "table" and name.encode then return name end
-  if type(name) == "string" and name:sub(1, 4) == "bpe:" then return bpe.BPETokenizer.load(name:sub(5)) end
-  error(("data: unknown tokenizer '%s' (available: byte, bpe:<merges file>)"):format(tostring(name)), 3)
-end
+local tokenizer = require "moe.data.tokenizer"
+local gpt2 = require "moe.data.gpt2"
+M.GPT2Tokenizer = { from_files = gpt2.from_files, from_tokenizer_json = gpt2.from_tokenizer_json }
+
+-- "byte", "bpe:<file>", a directory or file of a GPT-2 / Hugging Face byte-level BPE
+-- (tokenizer.json, vocab.json + merges.txt) or a tokenizer object (moe/data/tokenizer.lua).
+M.load_tokenizer = tokenizer.load
+M.tokenizer = tokenizer.load
+-- The tokenizer recorded beside a dataset (prefix.meta.json), or nil.
+M.dataset_tokenizer = tokenizer.for_dataset
 
 -- ------------------------------------------------------------------ the rest
 

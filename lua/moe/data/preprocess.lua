@@ -6,7 +6,14 @@ Documents: split_documents = "line" (every non-empty line), "blank_line"
 (paragraphs separated by blank lines) or "file" (a whole file). Every
 document is tokenized and followed by the tokenizer's EOD (Megatron's
 --append-eod), so GPTDataset can concatenate documents as stored.
+
+tokenizer: any spec of data.load_tokenizer (moe/data/tokenizer.lua). The
+tokenizer is recorded beside the dataset: PREFIX.meta.json (kind,
+vocab_size, eod, counts) and a copy of its files (PREFIX.tokenizer.json, ...),
+which moe.train reads when the data opens.
 ]]
+local tokenizers = require "moe.data.tokenizer"
+
 local M = {}
 
 local function fail(fn, msg, ...) error(("%s: " .. msg):format(fn, ...), 4) end
@@ -68,9 +75,18 @@ function M.preprocess(data, opts)
   if how ~= "line" and how ~= "file" and how ~= "blank_line" then
     fail(fn, "split_documents must be \"line\", \"file\" or \"blank_line\", got %s", tostring(how))
   end
-  local tok = data.tokenizer(opts.tokenizer)
-  local texts = {}
-  for i, path in ipairs(inputs) do texts[i] = read_file(fn, path) end -- all readable first
+  local ok_tok, tok = pcall(data.load_tokenizer, opts.tokenizer)
+  if not ok_tok then error(tostring(tok), 0) end
+  if math.type(tok.eod) ~= "integer" then
+    fail(fn, "tokenizer %s has no end-of-document token (<|endoftext|>, </s>, <|end_of_text|> or <eos>)",
+         tostring(opts.tokenizer))
+  end
+  local texts, bytes = {}, 0
+  for i, path in ipairs(inputs) do -- all readable first
+    texts[i] = read_file(fn, path)
+    bytes = bytes + #texts[i]
+  end
+  local t0 = os.clock()
   local b = data.IndexedDatasetBuilder(opts.output_prefix,
                                        { dtype = opts.dtype or (tok.vocab_size <= 65536 and "u16" or "i32") })
   local ok, err = pcall(function()
@@ -80,8 +96,12 @@ function M.preprocess(data, opts)
     b:free()
     error(err, 0)
   end
-  local stats = { documents = b.documents, tokens = b.tokens }
+  local stats = { documents = b.documents, tokens = b.tokens, bytes = bytes, seconds = os.clock() - t0,
+                  tokenizer = tok.name, vocab_size = tok.vocab_size }
   b:finalize()
+  if not tokenizers.write_dataset_meta(b.prefix, tok, stats) then
+    os.remove(b.prefix .. ".meta.json") -- a tokenizer object of its own: nothing recorded
+  end
   return opts.output_prefix, stats
 end
 
@@ -142,6 +162,7 @@ function M.bible_corpus(data, opts)
     local ok, err = os.rename(prefix .. ".tmp" .. ext, prefix .. ext)
     if not ok then fail(fn, "cannot write %s: %s", prefix .. ext, tostring(err)) end
   end
+  tokenizers.write_dataset_meta(prefix, tok, { documents = b.documents, tokens = b.tokens })
   return prefix
 end
 
