@@ -169,8 +169,11 @@ end
 
 local tmp_counter = 0
 
---- save(out_dir, step, {model=, optim=, state=}, {keep_last=nil}) -> the checkpoint's path.
---- model and optim: tables name -> tensor (optim may be empty or nil); state: a JSON table.
+M.reserved = { ["model.safetensors"] = true, ["optim.safetensors"] = true, ["state.json"] = true }
+
+--- save(out_dir, step, {model=, optim=, state=, files=}, {keep_last=nil}) -> the checkpoint's path.
+--- model and optim: tables name -> tensor (optim may be empty or nil); state: a JSON table;
+--- files: optional {file name = text} written into the folder too (the tokenizer's files).
 function M.save(out_dir, step, parts, opts)
   if math.type(step) ~= "integer" or step < 0 then
     error(("bad argument #2 to 'checkpoint.save' (step must be an integer >= 0, got %s)"):format(
@@ -193,6 +196,12 @@ function M.save(out_dir, step, parts, opts)
     for k, v in pairs(parts.state or {}) do state[k] = v end
     state.format, state.version, state.step = M.FORMAT, M.VERSION, step
     write_file(tmp .. "/state.json", metrics.json.encode(state) .. "\n")
+    for name, text in pairs(parts.files or {}) do -- extra files: {name = text}, e.g. the tokenizer's
+      if type(name) ~= "string" or not name:match("^[%w_][%w_.%-]*$") or M.reserved[name] then
+        error(("bad extra file name '%s'"):format(tostring(name)), 0)
+      end
+      write_file(tmp .. "/" .. name, text)
+    end
     if exists(final) then
       local old = tmp .. ".old"
       assert(os.rename(final, old))

@@ -101,14 +101,17 @@ function M.generate(model, prompt, opts)
 end
 
 --- text(model, tokenizer, prompt_string, opts) -> prompt .. generated text. An empty prompt
---- starts from the tokenizer's end-of-document id (tokenizer.eod).
+--- starts from the tokenizer's end-of-document id (tokenizer.eod). The end-of-document id
+--- and ids past the tokenizer's vocab_size (a model's vocabulary padded beyond the
+--- tokenizer's) are left out of the text.
 function M.text(model, tokenizer, prompt, opts)
   local ids = tokenizer:encode(prompt or "")
   if #ids == 0 then ids = { tokenizer.eod or 0 } end
   local new = M.generate(model, ids, opts)
   local keep = {}
+  local limit = math.type(tokenizer.vocab_size) == "integer" and tokenizer.vocab_size or math.huge
   for _, id in ipairs(new) do
-    if id ~= tokenizer.eod then keep[#keep + 1] = id end
+    if id ~= tokenizer.eod and id < limit then keep[#keep + 1] = id end
   end
   return (prompt or "") .. tokenizer:decode(keep)
 end

@@ -1,7 +1,8 @@
 --[[
 moe/cli/sample.lua - `moe-lua sample [key=value ...]`: generates text from a
 checkpoint written by moe.train (the model is rebuilt from the config stored
-in its state.json; the byte tokenizer of moe.data decodes it).
+in its state.json; the tokenizer saved in the checkpoint encodes the prompt
+and decodes the text, the byte tokenizer for checkpoints that saved none).
 
   moe-lua sample out_dir=out                       # the latest checkpoint in out/
   moe-lua sample ckpt=out/ckpt-1000 prompt="And God said" tokens=300 temperature=0.7 top_k=20
@@ -31,8 +32,21 @@ function M.main(...)
     return 1
   end
   local device = train.resolve_device(cfg.device)
-  local model, tcfg = train.load_model(path, device)
-  local tokenizer = require("moe.data").ByteTokenizer()
+  local model, tcfg, state = train.load_model(path, device)
+  -- the tokenizer saved in the checkpoint (state.json's record and its files); older
+  -- checkpoints have none: their data was byte data
+  local tokenizer
+  if state.tokenizer then
+    local ok, tok = pcall(require("moe.data.tokenizer").from_record, state.tokenizer, path, "",
+      path .. "/state.json")
+    if not ok then
+      io.stderr:write(("moe-lua sample: %s\n"):format(tostring(tok)))
+      return 1
+    end
+    tokenizer = tok
+  else
+    tokenizer = require("moe.data").ByteTokenizer()
+  end
   moe.manual_seed(cfg.seed)
   io.write(sample.text(model, tokenizer, cfg.prompt, { max_new_tokens = cfg.tokens,
     temperature = cfg.temperature, top_k = cfg.top_k, seq_len = tcfg.seq_len, device = device,

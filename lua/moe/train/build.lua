@@ -49,15 +49,16 @@ function M.model(cfg, device, ep_group)
   return lm
 end
 
---- load_model(ckpt_path, device) -> model (eval mode), cfg: the model of a checkpoint,
---- rebuilt from the config in its state.json and loaded with its weights.
+--- load_model(ckpt_path, device) -> model (eval mode), cfg, state: the model of a checkpoint,
+--- rebuilt from the config in its state.json and loaded with its weights; state is
+--- the state.json table (state.tokenizer: the tokenizer's record, moe/data/tokenizer.lua).
 function M.load_model(path, device)
   local c = checkpoint.load(path, { device = device })
   local cfg = tconfig.config(c.state.config or {})
   local model = M.model(cfg, device)
   model:load_state_dict(c.model)
   model:eval()
-  return model, cfg
+  return model, cfg, c.state
 end
 
 local function file_exists(path)
@@ -76,11 +77,18 @@ function M.data(cfg)
   end
   local data = require "moe.data"
   local ds = data.IndexedDataset(prefix)
+  -- the tokenizer preprocess recorded beside the data (prefix.meta.json); none: byte data
+  local tok = data.dataset_tokenizer(prefix)
+  if tok and cfg.model.vocab_size < tok.vocab_size then
+    error(("train: model.vocab_size=%d is smaller than the vocabulary of data='%s' (%d tokens, %s " ..
+      "tokenizer recorded in %s.meta.json): pass model.vocab_size=%d"):format(cfg.model.vocab_size, cfg.data,
+      tok.vocab_size, tok.name, prefix, tok.vocab_size), 0)
+  end
   local function split(name)
     return data.GPTDataset(ds, { seq_len = cfg.seq_len, seed = cfg.data_seed, split = name,
       valid_fraction = cfg.valid_fraction })
   end
-  return split("train"), split("valid"), data.ByteTokenizer()
+  return split("train"), split("valid"), tok or data.ByteTokenizer()
 end
 
 --- optimizer(named_params, cfg) -> AdamW or SGD (moe.optim) from cfg.

@@ -266,6 +266,9 @@ function M.run(user_cfg, parts)
         data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
         optim_scalars = tconfig.plain(opt:state_scalars()) },
     }
+    -- the tokenizer's record in state.json and its files in the checkpoint folder
+    local tok_rec, tok_files = require("moe.data.tokenizer").record(tokenizer)
+    if tok_rec then ckpt.state.tokenizer, ckpt.files = tok_rec, tok_files end
     if par.sharded then warned_sharded = sharded_checkpoint(ckpt, log, warned_sharded) end
     -- a save hook may add to ckpt, or write it itself and return the path
     local path = thooks.call(hooks.save, state, ckpt)
