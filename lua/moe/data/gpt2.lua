@@ -104,7 +104,9 @@ local function build(o)
   end
   local added, special = {}, {}
   for _, t in ipairs(o.added or {}) do
-    if math.type(t.id) ~= "integer" or t.id < 0 then bad("added token %q has id %s", tostring(t.content), tostring(t.id)) end
+    if math.type(t.id) ~= "integer" or t.id < 0 then
+      bad("added token %q has id %s", tostring(t.content), tostring(t.id))
+    end
     if type(t.content) ~= "string" or t.content == "" then bad("added token %d has no content", t.id) end
     if o.vocab[t.content] ~= nil and o.vocab[t.content] ~= t.id then
       bad("added token %q has id %d but the vocabulary gives it %d", t.content, t.id, o.vocab[t.content])

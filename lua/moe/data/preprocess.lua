@@ -81,6 +81,11 @@ function M.preprocess(data, opts)
     fail(fn, "tokenizer %s has no end-of-document token (<|endoftext|>, </s>, <|end_of_text|> or <eos>)",
          tostring(opts.tokenizer))
   end
+  local max_id = { u8 = 255, i8 = 127, i16 = 32767, u16 = 65535, i32 = 2147483647 }
+  if opts.dtype and max_id[opts.dtype] and tok.vocab_size - 1 > max_id[opts.dtype] then
+    fail(fn, "dtype %s cannot hold the ids of a vocabulary of %d (largest %d)", opts.dtype, tok.vocab_size,
+         max_id[opts.dtype])
+  end
   local texts, bytes = {}, 0
   for i, path in ipairs(inputs) do -- all readable first
     texts[i] = read_file(fn, path)
