@@ -298,6 +298,12 @@ describe("a tokenizer end to end", function()
       "device=cpu"):format(sh_quote(host), sh_quote(ckpt)))
     assert.is_true(cli_ok, out)
     assert.are.equal(want_text .. "\n", out)
+    -- resuming on data with another tokenizer is refused
+    local bprefix = data.preprocess { inputs = { P("doc.txt") }, output_prefix = P("bds") }
+    ok, err = pcall(train.run, cfg { data = bprefix, resume = ckpt, steps = 3, out_dir = P("run2"), overwrite = false })
+    assert.is_false(ok)
+    assert.matches("was trained with a gpt2 tokenizer (vocab_size 320), the data now has a byte tokenizer " ..
+      "(vocab_size 257)", err, 1, true)
     -- a record whose files are gone is a clear error
     os.remove(ckpt .. "/tokenizer.json")
     out, cli_ok = run(("%s sample ckpt=%s tokens=2 device=cpu"):format(sh_quote(host), sh_quote(ckpt)))

@@ -189,6 +189,12 @@ function M.run(user_cfg, parts)
   end
   if resume_path then
     local c = checkpoint.load(resume_path, { device = device })
+    local was, now = c.state.tokenizer, require("moe.data.tokenizer").record(tokenizer)
+    if was and now and (was.kind ~= now.kind or was.vocab_size ~= now.vocab_size or was.eod ~= now.eod) then
+      error(("train: %s was trained with a %s tokenizer (vocab_size %s), the data now has a %s tokenizer " ..
+        "(vocab_size %s)"):format(resume_path, tostring(was.kind), tostring(was.vocab_size), tostring(now.kind),
+        tostring(now.vocab_size)), 0)
+    end
     thooks.call(hooks.load, state, c)
     model:load_state_dict(c.model)
     opt:load_state_dict(c.optim, c.state.optim_scalars or {})
