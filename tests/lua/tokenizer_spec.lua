@@ -151,7 +151,7 @@ describe("GPT-2 / Hugging Face BPE files", function()
     end
   end)
 
-  it("reject unsupported tokenizer.json parts and broken files with the file's name", function()
+  it("read both merge forms, reject unsupported parts and broken files naming the file", function()
     local base = json.decode(read_all(fixture .. "/tokenizer.json"))
     local function variant(name, edit)
       local t = json.decode(read_all(fixture .. "/tokenizer.json"))
@@ -160,6 +160,11 @@ describe("GPT-2 / Hugging Face BPE files", function()
       return function() data.load_tokenizer(P(name)) end
     end
     assert.is_table(base.model)
+    -- merges written as "a b" strings (tokenizers before 0.20) read the same
+    variant("strings.json", function(t)
+      for i, m in ipairs(t.model.merges) do t.model.merges[i] = m[1] .. " " .. m[2] end
+    end)
+    assert_ids(expected.ids, data.load_tokenizer(P("strings.json")):encode(corpus), "string merges")
     assert.error_matches(variant("wp.json", function(t) t.model.type = "WordPiece" end),
       "GPT2Tokenizer: .*wp%.json: unsupported model type WordPiece")
     assert.error_matches(variant("seq.json", function(t) t.pre_tokenizer = { type = "Sequence" } end),
