@@ -75,9 +75,16 @@ set_property(SOURCE ${CMAKE_SOURCE_DIR}/bindings/host.c APPEND PROPERTY COMPILE_
 
 # Installed RPATHs: relative for our own library; absolute only for
 # libraries outside the system's folders (CUDA, NCCL), as linked.
-set_target_properties(moe-lua PROPERTIES INSTALL_RPATH "$ORIGIN/${moe_host_lib_rel}"
+foreach(v moe_host_lib_rel moe_module_lib_rel)
+  if(${v} STREQUAL ".")
+    set(${v}_origin "$ORIGIN")
+  else()
+    set(${v}_origin "$ORIGIN/${${v}}")
+  endif()
+endforeach()
+set_target_properties(moe-lua PROPERTIES INSTALL_RPATH "${moe_host_lib_rel_origin}"
                                          INSTALL_RPATH_USE_LINK_PATH ON)
-set_target_properties(moe PROPERTIES INSTALL_RPATH "$ORIGIN/${moe_module_lib_rel}"
+set_target_properties(moe PROPERTIES INSTALL_RPATH "${moe_module_lib_rel_origin}"
                                      INSTALL_RPATH_USE_LINK_PATH ON)
 set_target_properties(moe_core PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
 
