@@ -30,8 +30,9 @@
  *     ends on SIGTERM.
  *   - lua_close before returning, which runs every finalizer: tensors free
  *     their storage before the moe context, and the context before CUDA goes.
- * Added: `moe` in package.preload, MOE_LUA_DIR and <executable's dir>/../lua
- * first on package.path, --version/--help, subcommands (a first argument that
+ * Added: `moe` in package.preload, the Lua library first on package.path
+ * (an installed copy's own prefix, else the source's lua/: setup_path),
+ * --version/--help, subcommands (a first argument that
  * is not a file but names a module moe.cli.<name> runs its main(...)), and
  * package.loaded["moe.host"] = {usage = <the text below>} for `moe-lua help`.
  *
@@ -545,19 +546,66 @@ static void createargtable(lua_State *L, char **argv, int argc, int script) {
 
 /* ------------------------------------------------------ moe-specific setup */
 
-/* Puts MOE_LUA_DIR, then <directory of the executable>/../lua (when it is
- * another folder), before the rest of package.path. */
+/* Lua's search paths, relative to the executable first.
+ *
+ * Installed (cmake --install, LuaRocks): the executable is <prefix>/bin/moe-lua
+ * and <exe dir>/MOE_LUA_INSTALL_REL (../share/lua/5.4 by default) holds
+ * moe/lib.lua. That folder goes first on package.path and
+ * <exe dir>/MOE_LUA_CINSTALL_REL (../lib/lua/5.4) first on package.cpath;
+ * no compiled-in source path is added, so an installed copy never reads the
+ * source tree it was built from, and the prefix may be moved.
+ * Build tree: MOE_LUA_DIR (the source's lua/), then <exe dir>/../lua when it
+ * is another folder, before the rest of package.path.
+ * The rest is LUA_PATH / LUA_CPATH or Lua's defaults, as in lua5.4. */
+#ifndef MOE_LUA_INSTALL_REL
+#define MOE_LUA_INSTALL_REL "../share/lua/5.4"
+#endif
+#ifndef MOE_LUA_CINSTALL_REL
+#define MOE_LUA_CINSTALL_REL "../lib/lua/5.4"
+#endif
+
+/* Prepends `pattern` (a string with %s for dir, used twice) to package[field]. */
+static void prepend_path(lua_State *L, const char *field, const char *pattern, const char *dir) {
+  lua_getglobal(L, "package");
+  lua_getfield(L, -1, field);
+  lua_pushfstring(L, pattern, dir, dir);
+  lua_insert(L, -2);
+  lua_concat(L, 2);
+  lua_setfield(L, -2, field);
+  lua_pop(L, 1);
+}
+
+/* realpath of <exe_dir>/<rel> into out, or NULL when it does not exist. */
+static const char *exe_relative(const char *exe_dir, const char *rel, char out[PATH_MAX]) {
+  char joined[2 * PATH_MAX + 2];
+  snprintf(joined, sizeof joined, "%s/%s", exe_dir, rel);
+  return realpath(joined, out);
+}
+
 static void setup_path(lua_State *L) {
-  char exe[PATH_MAX], dir[PATH_MAX + 8], real_dir[PATH_MAX], real_src[PATH_MAX];
-  const char *exe_lua = NULL;
+  char exe[PATH_MAX], real_dir[PATH_MAX], real_cdir[PATH_MAX], probe[PATH_MAX + 32];
+  const char *exe_dir = NULL;
   ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
   if (n > 0) {
     exe[n] = '\0';
     char *slash = strrchr(exe, '/');
-    if (slash) *slash = '\0';
-    snprintf(dir, sizeof dir, "%s/../lua", exe);
-    if (realpath(dir, real_dir) != NULL) exe_lua = real_dir;
+    if (slash) {
+      *slash = '\0';
+      exe_dir = exe;
+    }
   }
+  if (exe_dir && exe_relative(exe_dir, MOE_LUA_INSTALL_REL, real_dir) != NULL) {
+    snprintf(probe, sizeof probe, "%s/moe/lib.lua", real_dir);
+    if (access(probe, R_OK) == 0) { /* installed */
+      if (exe_relative(exe_dir, MOE_LUA_CINSTALL_REL, real_cdir) != NULL)
+        prepend_path(L, "cpath", "%s/?.so;", real_cdir);
+      prepend_path(L, "path", "%s/?.lua;%s/?/init.lua;", real_dir);
+      return;
+    }
+  }
+  /* the build tree */
+  char real_src[PATH_MAX];
+  const char *exe_lua = exe_dir ? exe_relative(exe_dir, "../lua", real_dir) : NULL;
 #ifdef MOE_LUA_DIR
   if (exe_lua && realpath(MOE_LUA_DIR, real_src) != NULL && strcmp(real_src, exe_lua) == 0)
     exe_lua = NULL; /* the same folder */
@@ -566,20 +614,8 @@ static void setup_path(lua_State *L) {
   (void)real_src;
   const char *src_lua = NULL;
 #endif
-  lua_getglobal(L, "package");
-  lua_getfield(L, -1, "path");
-  if (exe_lua) {
-    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", exe_lua, exe_lua);
-    lua_insert(L, -2);
-    lua_concat(L, 2);
-  }
-  if (src_lua) {
-    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", src_lua, src_lua);
-    lua_insert(L, -2);
-    lua_concat(L, 2);
-  }
-  lua_setfield(L, -2, "path");
-  lua_pop(L, 1);
+  if (exe_lua) prepend_path(L, "path", "%s/?.lua;%s/?/init.lua;", exe_lua);
+  if (src_lua) prepend_path(L, "path", "%s/?.lua;%s/?/init.lua;", src_lua);
 }
 
 /* package.preload.moe and package.loaded["moe.host"]. */
