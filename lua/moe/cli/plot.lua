@@ -22,7 +22,7 @@ local M = {
   summary = "plot a run's loss and expert load to PNG with gnuplot (out_dir=, output=)",
   usage = "usage: moe-lua plot [out_dir=DIR] [output=DIR (default: out_dir)]",
   -- more experts than this: a heatmap per layer rather than one line per expert
-  HEATMAP_ABOVE = 16,
+  HEATMAP_ABOVE = require("moe.metrics").EXPERT_LINES_MAX,
 }
 
 local function sh_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
