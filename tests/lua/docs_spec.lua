@@ -7,7 +7,10 @@ tests/lua/docs_spec.lua - the reference docs stay complete:
   - docs/ENVIRONMENT.md lists every MOE_* environment variable the source
     tree reads (getenv / os.getenv, the kernel knob table, $MOE_* in the CI
     scripts);
-  - the user docs (README.md, docs/*.md) carry no internal issue numbers.
+  - the user docs (README.md, docs/*.md) carry no internal issue numbers;
+  - docs/OPTIONS.md's moe-lua command for MegaBlocks' 125M dMoE script uses
+    only keys `moe-lua train` has, with values of their types, and runs one
+    step on the CPU with its sizes cut down.
 Run from the repository root (ctest does).
 ]]
 local moe = require "moe"
@@ -129,6 +132,61 @@ describe("docs/ENVIRONMENT.md", function()
       if not env_doc:find("`" .. name .. "`", 1, true) then missing[#missing + 1] = name .. " (" .. found[name] .. ")" end
     end
     assert.are.same({}, missing)
+  end)
+end)
+
+describe("docs/OPTIONS.md", function()
+  local text = read(root .. "/docs/OPTIONS.md")
+  -- The arguments after `moe-lua launch -n 8 train` in the fenced sh block.
+  local block = text:match("```sh\n(moe%-lua launch %-n 8 train.-)\n```")
+  local args = {}
+  if block then
+    for word in block:gsub("\\\n", " "):gmatch("%S+") do args[#args + 1] = word end
+    for _ = 1, 5 do table.remove(args, 1) end -- moe-lua launch -n 8 train
+  end
+
+  it("has the 125M dMoE command, every argument a train key of the right type", function()
+    assert.is_string(block, "no ```sh block starting 'moe-lua launch -n 8 train'")
+    assert.is_true(#args > 30, #args .. " arguments")
+    local train = require "moe.train"
+    local tconfig = require "moe.train.config"
+    local ok, cfg, rest = pcall(moe.config, train.defaults(), args)
+    assert.is_true(ok, tostring(cfg))
+    assert.are.same({}, rest)
+    tconfig.check(cfg)
+    assert.are.same({ 12, 768, 64, 1, 8, 20000 }, { cfg.model.n_layers, cfg.model.d_model, cfg.model.moe.num_experts,
+      cfg.model.moe.top_k, cfg.parallel.ep, cfg.steps })
+  end)
+
+  it("runs one step of that command on the CPU, sizes cut down", function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    assert(os.execute("mkdir -p " .. q(dir)))
+    local txt = dir .. "/corpus.txt"
+    local f = assert(io.open(txt, "w"))
+    for i = 1, 200 do f:write(("line %d of a small corpus for a smoke test\n"):format(i)) end
+    f:close()
+    local data = require "moe.data"
+    local prefix = data.preprocess { inputs = { txt }, output_prefix = dir .. "/corpus" }
+    local exe = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
+    local cmd = q(exe) .. " train"
+    for _, a in ipairs(args) do cmd = cmd .. " " .. q(a) end
+    for _, a in ipairs({ "data=" .. prefix, "model.vocab_size=257", "out_dir=" .. dir .. "/out", "steps=1",
+      "warmup=0", "seq_len=32", "batch_size=2", "grad_accum=1", "model.n_layers=2", "model.d_model=64",
+      "model.n_heads=2", "model.moe.ffn_hidden_size=128", "model.moe.num_experts=8", "parallel.ep=1",
+      "eval_every=0", "save_every=0", "log_every=1", "eval_iters=1", "sample_tokens=0", "valid_fraction=0.1",
+      "device=cpu" }) do
+      cmd = cmd .. " " .. q(a)
+    end
+    local p = assert(io.popen(cmd .. " 2>&1; echo rc=$?"))
+    local out = p:read("a")
+    p:close()
+    assert.truthy(out:find("rc=0\n$"), out)
+    assert.truthy(out:find("iteration 1/1", 1, true), out)
+    local recs = require("moe.metrics").read_jsonl(dir .. "/out/metrics.jsonl")
+    assert.is_true(#recs >= 1)
+    assert.is_true(recs[1].loss == recs[1].loss and recs[1].loss > 0, tostring(recs[1].loss))
+    os.execute("rm -rf " .. q(dir))
   end)
 end)
 
