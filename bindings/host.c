@@ -17,12 +17,13 @@
  *     position inside the library (lua/moe/...); MOE_TRACEBACK=1 keeps the
  *     message as raised and adds the traceback. A user's mistake is an
  *     error raised without a "source:line:" position (error(m, 0):
- *     moe.config's bad keys and values, the commands' argument checks, the
- *     C bindings' "bad argument" errors), or raised by error() in the
- *     library's Lua code (a missing checkpoint, a bad layer argument). A
- *     runtime error (attempt to index nil, ...), an "assertion failed!", or
- *     an error() in the user's own script keeps lua's message and
- *     traceback: those are bugs, the library's or the script's.
+ *     moe.config's bad keys and values, the commands' argument checks), one
+ *     raised by error() in the library's Lua code (a missing checkpoint, a
+ *     bad layer argument), or one a C function raises at the script's line
+ *     (the bindings' "bad argument #2 to 'matmul' (...)"). A runtime error
+ *     (attempt to index nil, ...), an "assertion failed!", or an error() in
+ *     the user's own script keeps lua's message and traceback: those are
+ *     bugs, the library's or the script's.
  *   - The global `arg` table: arg[0] is the script, arg[1..] its arguments,
  *     negative indices the interpreter and its options (arg[0] is the
  *     interpreter when there is no script).
