@@ -12,9 +12,18 @@
  *     even a memory error while handling arguments is reported, not fatal;
  *     every chunk runs under a message handler that appends a traceback; an
  *     error prints "moe-lua: message" and the traceback to stderr and the
- *     exit status is 1. Changed: a message without a "source:line:" position
- *     (error(m, 0), the library's messages for the user) goes without the
- *     traceback unless MOE_TRACEBACK=1.
+ *     exit status is 1. Changed, for a user's mistake (see msghandler):
+ *     the message goes alone, one line, without a traceback and without a
+ *     position inside the library (lua/moe/...); MOE_TRACEBACK=1 keeps the
+ *     message as raised and adds the traceback. A user's mistake is an
+ *     error raised without a "source:line:" position (error(m, 0):
+ *     moe.config's bad keys and values, the commands' argument checks), one
+ *     raised by error() in the library's Lua code (a missing checkpoint, a
+ *     bad layer argument), or one a C function raises at the script's line
+ *     (the bindings' "bad argument #2 to 'matmul' (...)"). A runtime error
+ *     (attempt to index nil, ...), an "assertion failed!", or an error() in
+ *     the user's own script keeps lua's message and traceback: those are
+ *     bugs, the library's or the script's.
  *   - The global `arg` table: arg[0] is the script, arg[1..] its arguments,
  *     negative indices the interpreter and its options (arg[0] is the
  *     interpreter when there is no script).
@@ -32,9 +41,13 @@
  *     their storage before the moe context, and the context before CUDA goes.
  * Added: `moe` in package.preload, the Lua library first on package.path
  * (an installed copy's own prefix, else the source's lua/: setup_path),
- * --version/--help, subcommands (a first argument that
- * is not a file but names a module moe.cli.<name> runs its main(...)), and
+ * --version/--help, subcommands (a first argument that is not a file but
+ * names a module moe.cli.<name> runs its main(...), which gets every later
+ * argument, --help included), and
  * package.loaded["moe.host"] = {usage = <the text below>} for `moe-lua help`.
+ * --help, -h and `moe-lua` alone on a terminal run `moe-lua help` (the
+ * options and the commands, one line each); `moe-lua -i` is the REPL, and
+ * with stdin not a terminal `moe-lua` alone runs stdin, as lua does.
  *
  * A rank of a launched job (mpirun, srun, torchrun: moe_dist_env_read), set
  * up in main before the state exists:
@@ -86,6 +99,7 @@ static char record_dir[PATH_MAX] = "";    /* MOE_LAUNCH_DIR; "" when unset */
 static char last_error[512] = "";         /* first line of the last error reported */
 static int record_status = -1;            /* the exit status for the record; -1 unknown */
 static int record_signal = 0;             /* the signal that ended the run, 0 none */
+static char lib_root[PATH_MAX] = "";      /* "<dir>/moe/": where moe.config is; "" unknown */
 static char *repl_line = NULL;          /* getline's buffer, freed in main */
 static size_t repl_cap = 0;
 
@@ -100,7 +114,7 @@ static const char usage_text[] =
     "  -v        show version information (also --version)\n"
     "  -E        ignore environment variables\n"
     "  -W        turn warnings on\n"
-    "  -h        show this help (also --help)\n"
+    "  -h        show this help and the commands (also --help)\n"
     "  --        stop handling options\n"
     "  -         stop handling options and execute stdin\n"
     "Experiment overrides follow the script: " PROGNAME " script.lua key=value ...\n"
@@ -186,11 +200,85 @@ static int has_position(const char *msg) {
   return 0;
 }
 
-/* The message handler of every call: the message plus a traceback. A
- * message without a position (error(m, 0): what the library raises for a bad
- * config key, a missing dataset, a bad command-line value) is meant for the
- * user as it stands and goes alone; MOE_TRACEBACK=1 adds the traceback to
- * those too. */
+/* Whether the chunk name src (a source "@path" without its '@', or the
+ * short_src of a message, which may start with "..." and keep only the end
+ * of a long path) names a file of the library: under lib_root. */
+static int in_library(const char *src) {
+  size_t nr = strlen(lib_root);
+  if (nr == 0) return 0;
+  if (strncmp(src, lib_root, nr) == 0) return 1;
+  if (strncmp(src, "...", 3) != 0) return 0;
+  src += 3; /* the end of a path: does it start with an end of lib_root? */
+  for (size_t i = 0; i + 4 <= nr; i++) /* at least "moe/" */
+    if (strncmp(src, lib_root + i, nr - i) == 0) return 1;
+  return 0;
+}
+
+/* The length of msg's leading "source:line: " (0 when there is none); when
+ * lib is not NULL, *lib tells whether source is a library file. */
+static size_t position_length(const char *msg, int *lib) {
+  if (lib) *lib = 0;
+  for (const char *c = msg; *c && *c != '\n'; c++) {
+    if (c[0] != ':' || c[1] < '0' || c[1] > '9') continue;
+    const char *d = c + 1;
+    while (*d >= '0' && *d <= '9') d++;
+    if (*d != ':') continue;
+    if (lib) {
+      char src[PATH_MAX];
+      size_t n = (size_t)(c - msg);
+      if (n < sizeof src) {
+        memcpy(src, msg, n);
+        src[n] = '\0';
+        *lib = in_library(src);
+      }
+    }
+    return (size_t)(d + 1 - msg) + (d[1] == ' ');
+  }
+  return 0;
+}
+
+/* Lua's own runtime errors: a bug wherever they come from, even when the
+ * library caught and raised them again. */
+static int is_runtime_error(const char *text) {
+  static const char *const starts[] = {
+      "attempt to ", "bad argument #", "stack overflow", "C stack overflow", "table index is ",
+      "number has no integer representation", "'for' ", "assertion failed!", "invalid key to 'next'",
+  };
+  for (size_t i = 0; i < sizeof starts / sizeof starts[0]; i++)
+    if (strncmp(text, starts[i], strlen(starts[i])) == 0) return 1;
+  return 0;
+}
+
+/* Who raised the error being handled: RAISED_LIBRARY when Lua's error()
+ * (the one saved at start-up) was called from the library's Lua code,
+ * RAISED_C when a C function other than error() raised it (luaL_error,
+ * luaL_argerror: a bad argument to a C function), RAISED_OTHER otherwise
+ * (a runtime error in Lua code, the script's own error()). */
+enum { RAISED_OTHER, RAISED_LIBRARY, RAISED_C };
+static int raised_by(lua_State *L) {
+  lua_Debug ar;
+  if (!lua_getstack(L, 1, &ar) || !lua_getinfo(L, "Sf", &ar)) return RAISED_OTHER;
+  lua_getfield(L, LUA_REGISTRYINDEX, "moe.host.error");
+  int is_error = lua_rawequal(L, -1, -2);
+  lua_pop(L, 2);
+  if (!is_error) return strcmp(ar.what, "C") == 0 ? RAISED_C : RAISED_OTHER;
+  if (!lua_getstack(L, 2, &ar) || !lua_getinfo(L, "S", &ar)) return RAISED_OTHER;
+  return ar.source[0] == '@' && in_library(ar.source + 1) ? RAISED_LIBRARY : RAISED_OTHER;
+}
+
+/* The message handler of every call: the message plus a traceback, except
+ * for a user's mistake (the header comment), which goes alone:
+ *   - a message without a position;
+ *   - one raised by error() in the library, with a library position taken
+ *     off ("checkpoint.load: 'x' has no state.json", not
+ *     ".../lua/moe/train/build.lua:55: checkpoint.load: ..."); a library
+ *     error positioned in the user's script ("run.lua:7: ...", error(m, 2))
+ *     keeps the script's position;
+ *   - one raised by a C function at the script's line ("run.lua:7: bad
+ *     argument #1 to 'zeros' (...)").
+ * Lua's runtime errors (attempt to index nil, "assertion failed!", a bad
+ * argument passed by the library's own code) keep the traceback: bugs.
+ * MOE_TRACEBACK=1: every message as raised, with the traceback. */
 static int msghandler(lua_State *L) {
   const char *msg = lua_tostring(L, 1);
   if (msg == NULL) {
@@ -198,7 +286,23 @@ static int msghandler(lua_State *L) {
     msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
   }
   const char *always = getenv("MOE_TRACEBACK");
-  if (!has_position(msg) && !(always && strcmp(always, "1") == 0)) return 1;
+  if (!(always && strcmp(always, "1") == 0)) {
+    if (!has_position(msg)) {
+      if (!is_runtime_error(msg)) return 1;
+    } else {
+      int who = raised_by(L), lib;
+      size_t skip = position_length(msg, &lib);
+      if (who == RAISED_LIBRARY && !is_runtime_error(msg + (lib ? skip : 0))) {
+        lua_pushstring(L, msg + (lib ? skip : 0));
+        return 1;
+      }
+      /* at the script's line, not an error passed on (coroutine.wrap), not
+       * the signal hook's "interrupted!" (where it stopped is the point) */
+      if (who == RAISED_C && !lib && !has_position(msg + skip) && !got_signal &&
+          strcmp(msg + skip, "assertion failed!") != 0)
+        return 1;
+    }
+  }
   luaL_traceback(L, L, msg, 1);
   return 1;
 }
@@ -655,6 +759,48 @@ static int print_version(lua_State *L) {
   return report(L, status);
 }
 
+/* --help, -h and moe-lua alone on a terminal: `moe-lua help` (moe.cli.help),
+ * or the usage text when that command cannot run. Returns the exit status. */
+static int print_help(lua_State *L) {
+  int code = EXIT_SUCCESS;
+  lua_getglobal(L, "arg");
+  int has_arg = lua_istable(L, -1);
+  lua_pop(L, 1);
+  if (has_arg) { /* no arguments for help: clear arg[1..] */
+    lua_newtable(L);
+    lua_setglobal(L, "arg");
+  }
+  if (!is_command(L, "help") || run_command(L, "help", &code) != LUA_OK) {
+    fputs(usage_text, stdout);
+    fflush(stdout);
+    code = EXIT_SUCCESS;
+  }
+  return code;
+}
+
+/* Keeps Lua's error function (for msghandler, which tells the library's
+ * error() calls from runtime errors) and the library's folder: the one
+ * holding moe/config.lua on package.path. */
+static void setup_errors(lua_State *L) {
+  lua_getglobal(L, "error");
+  lua_setfield(L, LUA_REGISTRYINDEX, "moe.host.error");
+  int top = lua_gettop(L);
+  if (lua_getglobal(L, "package") == LUA_TTABLE && lua_getfield(L, -1, "searchpath") == LUA_TFUNCTION) {
+    lua_pushliteral(L, "moe.config");
+    lua_getfield(L, -3, "path");
+    if (lua_pcall(L, 2, 1, 0) == LUA_OK && lua_type(L, -1) == LUA_TSTRING) {
+      /* as found, not resolved: the chunk names of the library's modules are these paths */
+      const char *path = lua_tostring(L, -1);
+      const char *slash = strrchr(path, '/');
+      if (slash && (size_t)(slash - path) + 2 < sizeof lib_root) {
+        memcpy(lib_root, path, (size_t)(slash - path) + 1);
+        lib_root[slash - path + 1] = '\0';
+      }
+    }
+  }
+  lua_settop(L, top);
+}
+
 /* ------------------------------------------------------------- the job */
 
 /* Writes $MOE_LAUNCH_DIR/rank-<r>.exit (atexit, so os.exit and the return
@@ -799,11 +945,6 @@ static int pmain(lua_State *L) {
     lua_pushinteger(L, EXIT_FAILURE);
     return 1;
   }
-  if (args & has_h) {
-    fputs(usage_text, stdout);
-    lua_pushinteger(L, EXIT_SUCCESS);
-    return 1;
-  }
   if (args & has_E) {
     lua_pushboolean(L, 1);
     lua_setfield(L, LUA_REGISTRYINDEX, "LUA_NOENV");
@@ -812,9 +953,14 @@ static int pmain(lua_State *L) {
   wrap_os_exit(L);
   setup_moe(L);
   setup_path(L);
+  setup_errors(L);
   createargtable(L, argv, argc, script);
   lua_gc(L, LUA_GCRESTART);
   lua_gc(L, LUA_GCGEN, 0, 0);
+  if (args & has_h) { /* the options and the commands */
+    lua_pushinteger(L, print_help(L));
+    return 1;
+  }
   if ((args & has_v) && print_version(L) != LUA_OK) goto fail;
   if (!(args & has_E) && handle_luainit(L) != LUA_OK) goto fail;
   if (!runargs(L, argv, optlim)) goto fail;
@@ -836,9 +982,7 @@ static int pmain(lua_State *L) {
     if (got_signal == SIGTERM) goto fail;
   } else if (script < 1 && !(args & (has_e | has_v))) {
     if (isatty(0)) {
-      if (print_version(L) != LUA_OK) goto fail;
-      doREPL(L);
-      if (got_signal == SIGTERM) goto fail;
+      exit_code = print_help(L); /* the REPL is -i */
     } else if (dofile(L, NULL) != LUA_OK) {
       goto fail;
     }

@@ -11,8 +11,17 @@ progress bar with ETA when stdout is a terminal.
   metrics.json.encode(v), metrics.json.decode(s)
 
 JSON: integers are written as integers (exact 64-bit round trip), floats with
-17 significant digits (exact round trip), NaN and infinities as null (JSON has
-none). Tables with keys 1..n are arrays, others objects with sorted keys.
+17 significant digits (exact round trip). JSON has no NaN or infinity: NaN is
+written as null, +inf and -inf as 1e999 and -1e999 (valid JSON numbers that
+overflow to infinity in every reader: Lua, Python's json, JavaScript). Tables
+with keys 1..n are arrays, others objects with sorted keys; json.null writes
+null.
+Reading, null becomes json.decode's second argument when one is given (read_jsonl
+gives NaN: a metrics record holds null only where a number was NaN, since a
+Lua table cannot hold nil); without one, json.null in an array, so that
+[1,null,3] keeps three elements and its positions and writes back the same,
+and nothing in an object ({"a":null} reads as {}: t.a == nil). The reader also
+takes NaN, Infinity and -Infinity, which Python's json writes.
 ]]
 local M = {}
 
@@ -40,13 +49,23 @@ local function is_array(t)
   return count == n
 end
 
+--- json.null: JSON's null where Lua needs a value (an array's element): encodes as
+--- null; json.decode returns it for null in arrays.
+json.null = setmetatable({}, {
+  __tostring = function() return "json.null" end,
+  __newindex = function() error("json.null is read-only", 2) end,
+  __metatable = "json.null",
+})
+
 local function encode(v, out, seen)
   local ty = type(v)
-  if ty == "nil" then out[#out + 1] = "null"
+  if ty == "nil" or v == json.null then out[#out + 1] = "null"
   elseif ty == "boolean" then out[#out + 1] = tostring(v)
   elseif ty == "number" then
     if math.type(v) == "integer" then out[#out + 1] = ("%d"):format(v)
-    elseif v ~= v or v == math.huge or v == -math.huge then out[#out + 1] = "null"
+    elseif v ~= v then out[#out + 1] = "null"
+    elseif v == math.huge then out[#out + 1] = "1e999"
+    elseif v == -math.huge then out[#out + 1] = "-1e999"
     else
       local s = ("%.17g"):format(v)
       if not s:find("[%.eE]") then s = s .. ".0" end -- stays a float on decode
@@ -106,6 +125,7 @@ end
 local function skip_ws(s, pos) return s:find("[^ \t\r\n]", pos) or #s + 1 end
 
 local decode_value
+local NULL_MARK = {} -- what decode_value returns for null; its container decides
 
 local function decode_string(s, pos)
   local out = {}
@@ -139,7 +159,9 @@ local function decode_string(s, pos)
   end
 end
 
-function decode_value(s, pos)
+-- null: the value of JSON's null in arrays (json.null by default) and in objects
+-- (nil by default: no member).
+function decode_value(s, pos, null_arr, null_obj)
   pos = skip_ws(s, pos)
   local c = s:sub(pos, pos)
   if c == "{" then
@@ -152,7 +174,10 @@ function decode_value(s, pos)
       k, pos = decode_string(s, pos)
       pos = skip_ws(s, pos)
       if s:sub(pos, pos) ~= ":" then decode_error(pos, "':' expected") end
-      obj[k], pos = decode_value(s, pos + 1)
+      local v
+      v, pos = decode_value(s, pos + 1, null_arr, null_obj)
+      if v == NULL_MARK then v = null_obj end
+      obj[k] = v
       pos = skip_ws(s, pos)
       local d = s:sub(pos, pos)
       if d == "}" then return obj, pos + 1 end
@@ -160,11 +185,15 @@ function decode_value(s, pos)
       pos = skip_ws(s, pos + 1)
     end
   elseif c == "[" then
-    local arr = setmetatable({}, json.array_mt)
+    local arr, n = setmetatable({}, json.array_mt), 0
     pos = skip_ws(s, pos + 1)
     if s:sub(pos, pos) == "]" then return arr, pos + 1 end
     while true do
-      arr[#arr + 1], pos = decode_value(s, pos)
+      local v
+      v, pos = decode_value(s, pos, null_arr, null_obj)
+      if v == NULL_MARK then v = null_arr end
+      n = n + 1
+      arr[n] = v
       pos = skip_ws(s, pos)
       local d = s:sub(pos, pos)
       if d == "]" then return arr, pos + 1 end
@@ -175,7 +204,10 @@ function decode_value(s, pos)
     return decode_string(s, pos)
   elseif s:sub(pos, pos + 3) == "true" then return true, pos + 4
   elseif s:sub(pos, pos + 4) == "false" then return false, pos + 5
-  elseif s:sub(pos, pos + 3) == "null" then return nil, pos + 4
+  elseif s:sub(pos, pos + 3) == "null" then return NULL_MARK, pos + 4
+  elseif s:sub(pos, pos + 2) == "NaN" then return 0 / 0, pos + 3
+  elseif s:sub(pos, pos + 7) == "Infinity" then return math.huge, pos + 8
+  elseif s:sub(pos, pos + 8) == "-Infinity" then return -math.huge, pos + 9
   else
     local num = s:match("^-?%d+%.?%d*[eE]?[-+]?%d*", pos)
     if not num or num == "" or num == "-" then decode_error(pos, "unexpected character '" .. c .. "'") end
@@ -186,12 +218,17 @@ function decode_value(s, pos)
   end
 end
 
---- json.decode(s) -> value; raises "json.decode: <what> at character <n>".
-function json.decode(s)
+--- json.decode(s [, null]) -> value; raises "json.decode: <what> at character <n>".
+--- JSON null becomes null when given (not nil), everywhere; otherwise json.null in an
+--- array (it keeps its length) and no member in an object. A top-level null is nil.
+function json.decode(s, null)
   if type(s) ~= "string" then error("json.decode: string expected, got " .. type(s), 2) end
-  local v, pos = decode_value(s, 1)
+  local null_arr, null_obj = json.null, nil
+  if null ~= nil then null_arr, null_obj = null, null end
+  local v, pos = decode_value(s, 1, null_arr, null_obj)
   pos = skip_ws(s, pos)
   if pos <= #s then decode_error(pos, "trailing characters") end
+  if v == NULL_MARK then v = null_obj end
   return v
 end
 
@@ -255,7 +292,8 @@ function M.truncate_jsonl(path, step)
   return dropped
 end
 
---- read_jsonl(path) -> array of the objects of a JSONL file (blank lines skipped).
+--- read_jsonl(path) -> array of the objects of a JSONL file (blank lines skipped);
+--- null reads as NaN (what the writer wrote for NaN), so a NaN loss comes back NaN.
 function M.read_jsonl(path)
   local f, err = io.open(path, "r")
   if not f then error(("metrics.read_jsonl: cannot open '%s': %s"):format(path, err), 2) end
@@ -263,7 +301,7 @@ function M.read_jsonl(path)
   for line in f:lines() do
     n = n + 1
     if line:find("%S") then
-      local ok, v = pcall(json.decode, line)
+      local ok, v = pcall(json.decode, line, 0 / 0)
       if not ok then f:close(); error(("metrics.read_jsonl: %s line %d: %s"):format(path, n, v), 2) end
       out[#out + 1] = v
     end
@@ -293,6 +331,11 @@ function M.peak_flops_for(name, dtype, tf32)
   end
   return nil
 end
+
+--- EXPERT_LINES_MAX: up to this many experts a layer's load is shown one line per expert
+--- (TensorBoard scalars, `moe-lua plot`); above it, as a heatmap (plot) or a histogram per
+--- step (TensorBoard), with max/mean beside.
+M.EXPERT_LINES_MAX = 16
 
 --- load_balance(counts) -> max/mean of a list of per-expert counts (1 = perfectly
 --- balanced), nil when empty or all zero.

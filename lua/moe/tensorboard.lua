@@ -1,12 +1,19 @@
 --[[
 moe/tensorboard.lua - TensorBoard event files written (and read back) in pure
-Lua: scalars only, what the training loop logs.
+Lua: scalars and histograms, what the training loop logs.
 
   local tb = require "moe.tensorboard"
   local w = tb.writer("out/tb")            -- out/tb/events.out.tfevents.<time>.<host>.<n>
   w:add_scalar("loss", 2.5, 10)           -- tag, value, step
+  w:add_histogram("expert_load/layer0", {0.5, 1.5, 1.0}, 10)   -- a distribution of values
   w:flush(); w:close()
-  for _, ev in ipairs(tb.read("out/tb/events.out...")) do print(ev.step, ev.tag, ev.value) end
+  for _, ev in ipairs(tb.read("out/tb/events.out...")) do print(ev.step, ev.values[1].tag) end
+
+TensorBoard shows scalars in its Scalars dashboard and histograms in its
+Histograms (one histogram per step, stacked) and Distributions (percentile
+bands against the step) dashboards, all built in: no plugin needed. The
+training loop logs the per-expert load of a layer with many experts as one
+histogram per layer and step (moe/train/log.lua).
 
 Format (what TensorBoard's event_file_loader reads):
   - TFRecord framing per record: u64 little-endian data length, u32 masked
@@ -15,7 +22,11 @@ Format (what TensorBoard's event_file_loader reads):
   - data = an Event protobuf: wall_time double (field 1), step int64 (field
     2), file_version string (field 3, "brain.Event:2", first event only),
     summary (field 5): Summary { repeated Value value = 1 { string tag = 1;
-    float simple_value = 2 } }; or session_log (field 6): SessionLog {
+    float simple_value = 2, or HistogramProto histo = 5 { double min = 1,
+    max = 2, num = 3, sum = 4, sum_squares = 5; repeated double
+    bucket_limit = 6 [packed], bucket = 7 [packed] } } } (bucket i counts
+    the values in [bucket_limit[i-1], bucket_limit[i]), the first from
+    min, TensorFlow's rule); or session_log (field 6): SessionLog {
     SessionStatus status = 1 } with START = 1, which tells TensorBoard's
     loaders (purge_orphaned_data, on by default) to drop the run's events
     of this step and later read before it: what a resumed run redoes.
@@ -67,8 +78,63 @@ end
 local function key(field, wire) return varint((field << 3) | wire) end
 local function len_field(field, bytes) return key(field, 2) .. varint(#bytes) .. bytes end
 
+local function packed_doubles(list)
+  local parts = {}
+  for i, x in ipairs(list) do parts[i] = string.pack("<d", x) end
+  return table.concat(parts)
+end
+
+-- A HistogramProto's bytes (h from M.histogram).
+local function encode_histo(h)
+  return key(1, 1) .. string.pack("<d", h.min) .. key(2, 1) .. string.pack("<d", h.max) ..
+    key(3, 1) .. string.pack("<d", h.num) .. key(4, 1) .. string.pack("<d", h.sum) ..
+    key(5, 1) .. string.pack("<d", h.sum_squares) .. len_field(6, packed_doubles(h.bucket_limit)) ..
+    len_field(7, packed_doubles(h.bucket))
+end
+
+-- A Summary.Value: a scalar (value a number) or a histogram (value a table from M.histogram).
 local function encode_value(tag, value)
+  if type(value) == "table" then return len_field(1, tag) .. len_field(5, encode_histo(value)) end
   return len_field(1, tag) .. key(2, 5) .. string.pack("<f", value)
+end
+
+local DBL_MAX = 1.7976931348623157e308
+
+--- histogram(values [, bins=30]) -> {min, max, num, sum, sum_squares, bucket_limit, bucket}:
+--- the HistogramProto of a list of finite numbers (NaN and infinities are left out), in
+--- bins equal buckets over [min, max] (the last one's limit DBL_MAX, as TensorFlow
+--- writes it); one bucket when every value is the same; nil when no value is left.
+function M.histogram(values, bins)
+  bins = bins or 30
+  local xs = {}
+  for _, v in ipairs(values) do
+    if type(v) == "number" and v == v and v ~= math.huge and v ~= -math.huge then xs[#xs + 1] = v + 0.0 end
+  end
+  if #xs == 0 then return nil end
+  local lo, hi, sum, sq = math.huge, -math.huge, 0.0, 0.0
+  for _, v in ipairs(xs) do
+    if v < lo then lo = v end
+    if v > hi then hi = v end
+    sum, sq = sum + v, sq + v * v
+  end
+  local h = { min = lo, max = hi, num = #xs + 0.0, sum = sum, sum_squares = sq }
+  if hi == lo then
+    h.bucket_limit, h.bucket = { DBL_MAX }, { #xs + 0.0 }
+    return h
+  end
+  local width = (hi - lo) / bins
+  h.bucket_limit, h.bucket = {}, {}
+  for i = 1, bins do
+    h.bucket_limit[i] = i < bins and lo + i * width or DBL_MAX
+    h.bucket[i] = 0.0
+  end
+  for _, v in ipairs(xs) do
+    local i = math.min(bins, math.floor((v - lo) / width) + 1)
+    while i > 1 and v < h.bucket_limit[i - 1] do i = i - 1 end -- rounding at an edge
+    while i < bins and v >= h.bucket_limit[i] do i = i + 1 end
+    h.bucket[i] = h.bucket[i] + 1
+  end
+  return h
 end
 
 -- An Event's bytes. fields: wall_time (number), step (integer), file_version
@@ -167,6 +233,25 @@ function Writer:add_scalar(tag, value, step, wall_time)
   self:_write(encode_event(wall_time or now(), step, nil, { { tag, value } }))
 end
 
+--- w:add_histogram(tag, values, step [, wall_time [, bins=30]]): one histogram event of a list
+--- of numbers (M.histogram); nothing when no value is finite.
+function Writer:add_histogram(tag, values, step, wall_time, bins)
+  if type(tag) ~= "string" or tag == "" then
+    error(("bad argument #1 to 'add_histogram' (tag must be a non-empty string, got %s)"):format(
+      type(tag)), 2)
+  end
+  if type(values) ~= "table" then
+    error(("bad argument #2 to 'add_histogram' (list of numbers expected for '%s', got %s)"):format(
+      tag, type(values)), 2)
+  end
+  if math.type(step) ~= "integer" then
+    error(("bad argument #3 to 'add_histogram' (integer step expected, got %s)"):format(
+      tostring(step)), 2)
+  end
+  local h = M.histogram(values, bins)
+  if h then self:_write(encode_event(wall_time or now(), step, nil, { { tag, h } })) end
+end
+
 --- w:add_scalars(step, {tag = value, ...}): one event holding several scalars (tags sorted).
 function Writer:add_scalars(step, values, wall_time)
   local tags = {}
@@ -201,6 +286,8 @@ Writer.__close = Writer.close
 Writer.__gc = Writer.close
 
 ------------------------------------------------------------------ reader
+
+local decode_histo -- below
 
 local function read_varint(s, pos)
   local n, shift = 0, 0
@@ -245,7 +332,32 @@ local function parse_fields(s)
   return out
 end
 
--- Decodes one Event: {wall_time=, step=, file_version=, session_status=, values={{tag=, value=}...}}.
+local function unpack_doubles(bytes)
+  local out = {}
+  if #bytes % 8 ~= 0 then error("packed doubles of " .. #bytes .. " bytes", 0) end
+  for i = 1, #bytes, 8 do out[#out + 1] = string.unpack("<d", bytes, i) end
+  return out
+end
+
+-- A HistogramProto: {min=, max=, num=, sum=, sum_squares=, bucket_limit={...}, bucket={...}}.
+decode_histo = function(data)
+  local names = { "min", "max", "num", "sum", "sum_squares" }
+  local h = { bucket_limit = {}, bucket = {} }
+  for _, x in ipairs(parse_fields(data)) do
+    if x[1] <= 5 and x[2] == 1 then h[names[x[1]]] = string.unpack("<d", x[3])
+    elseif (x[1] == 6 or x[1] == 7) and x[2] == 2 then
+      local list = x[1] == 6 and h.bucket_limit or h.bucket
+      for _, d in ipairs(unpack_doubles(x[3])) do list[#list + 1] = d end
+    elseif (x[1] == 6 or x[1] == 7) and x[2] == 1 then -- unpacked
+      local list = x[1] == 6 and h.bucket_limit or h.bucket
+      list[#list + 1] = string.unpack("<d", x[3])
+    end
+  end
+  return h
+end
+
+-- Decodes one Event: {wall_time=, step=, file_version=, session_status=,
+-- values={{tag=, value=} or {tag=, histo=}...}}.
 local function decode_event(data)
   local ev = { step = 0, values = {} }
   for _, f in ipairs(parse_fields(data)) do
@@ -263,7 +375,8 @@ local function decode_event(data)
           local val = {}
           for _, x in ipairs(parse_fields(vf[3])) do
             if x[1] == 1 and x[2] == 2 then val.tag = x[3]
-            elseif x[1] == 2 and x[2] == 5 then val.value = string.unpack("<f", x[3]) end
+            elseif x[1] == 2 and x[2] == 5 then val.value = string.unpack("<f", x[3])
+            elseif x[1] == 5 and x[2] == 2 then val.histo = decode_histo(x[3]) end
           end
           ev.values[#ev.values + 1] = val
         end
@@ -273,7 +386,8 @@ local function decode_event(data)
   return ev
 end
 
---- read(path) -> array of events {wall_time, step, file_version, values = {{tag, value}...}}.
+--- read(path) -> array of events {wall_time, step, file_version, values = {{tag, value} or
+--- {tag, histo = {min, max, num, sum, sum_squares, bucket_limit, bucket}}...}}.
 --- Checks both CRCs of every record; a bad CRC or a truncated record is an error naming
 --- the file and the record's offset.
 function M.read(path)

@@ -121,14 +121,25 @@ end
 function Log:write(rec)
   local step, tb = rec.step, self.tb
   if tb and rec.expert_counts then
+    -- per layer: each expert's share as a scalar (up to metrics.EXPERT_LINES_MAX experts), or
+    -- (more) one histogram of the experts' load / mean load; and max/mean load as a scalar
     for i, name in ipairs(self.interval.counts) do
       local counts = rec.expert_counts[name]
       local total = 0
       for _, c in ipairs(counts) do total = total + c end
       local layer = tonumber(name:match("%d+")) or (i - 1) -- the block index in "blocks.<i>.ffn"
-      for j, c in ipairs(counts) do
-        tb:add_scalar(("expert_load/layer%d/e%d"):format(layer, j - 1), total > 0 and c / total or 0, step)
+      local tag = ("expert_load/layer%d"):format(layer)
+      if #counts > metrics.EXPERT_LINES_MAX then
+        local loads = {}
+        for j, c in ipairs(counts) do loads[j] = total > 0 and c * #counts / total or 0 end
+        tb:add_histogram(tag, loads, step)
+      else
+        for j, c in ipairs(counts) do
+          tb:add_scalar(("%s/e%d"):format(tag, j - 1), total > 0 and c / total or 0, step)
+        end
       end
+      local b = metrics.load_balance(counts)
+      if b then tb:add_scalar(tag .. "/max_over_mean", b, step) end
     end
   end
   if self.jsonl then self.jsonl:write(rec) end
