@@ -14,7 +14,9 @@ loss, and the gradient rule of docs/DISTRIBUTED.md "Expert parallelism"
 (non-expert gradients averaged over the world, an expert shard's gradient
 averaged over its replicas and divided by ep). The same with parallel.etp = 2
 (every expert's hidden units split over 2 ranks; SGD only) and, on 4 ranks,
-with ep = 2 x etp = 2. Then:
+with ep = 2 x etp = 2; and with the other parameters' optimizer state and
+gradients sharded (parallel.dp_shard, AdamW): ep = 2 x dp_shard = 2 on 2
+ranks, ep = 2 x etp = 2 x dp_shard = 2 x dp_replicate = 2 on 4. Then:
   losses      the job's logged loss at every step against the reference's,
               relative 1e-5
   parameters  every rank's non-expert parameters and its expert shard against
@@ -63,6 +65,8 @@ local refs = {} -- the reference of each optimizer, once
 local function compare(optimizer, layout)
   layout = layout or { ep = 2 }
   local lname = ("ep=%d etp=%d"):format(layout.ep or 1, layout.etp or 1)
+  if layout.dp_shard then lname = lname .. (" dp_shard=%d"):format(layout.dp_shard) end
+  if layout.dp_replicate then lname = lname .. (" dp_replicate=%d"):format(layout.dp_replicate) end
   local over = { optimizer = optimizer, lr = optimizer == "sgd" and 0.1 or 3e-3 }
   local function with(t) for k, v in pairs(over) do t[k] = v end return t end
   refs[optimizer] = refs[optimizer] or
@@ -112,4 +116,7 @@ compare("adamw") -- Adam is nearly blind to a constant factor in a gradient: cli
 compare("sgd")   -- SGD is not: a wrong expert-gradient scale shows at once
 compare("sgd", { etp = 2 })
 if world == 4 then compare("sgd", { ep = 2, etp = 2 }) end
+-- with sharded data parallelism (ZeRO-2, HSDP) over the non-expert parameters
+if world == 2 then compare("adamw", { ep = 2, dp_shard = 2 }) end
+if world == 4 then compare("adamw", { ep = 2, etp = 2, dp_shard = 2, dp_replicate = 2 }) end
 os.execute("rm -rf '" .. root .. "'")

@@ -30,12 +30,10 @@ describe("parallel config", function()
       assert.is_false(ok)
       assert.are.equal(msg, err)
     end
-    fails({ ep = 2, dp_shard = 1 }, "train: parallel.ep=2 with parallel.dp_shard=1: expert parallelism and " ..
-      "sharded data parallelism do not combine yet (use one of them)")
+    fails({ ep = 2, dp_shard = 1 }, "train: parallel.ep=2 x parallel.etp=1 = 2 does not divide the job's 1 ranks")
     fails({ ep = 2 }, "train: parallel.ep=2 needs data parallelism over the job's ranks (launch a multiple " ..
       "of 2 ranks and leave parallel.dp=0)")
-    fails({ etp = 2, dp_shard = 1 }, "train: parallel.etp=2 with parallel.dp_shard=1: expert-tensor " ..
-      "sharding and sharded data parallelism do not combine yet (use one of them)")
+    fails({ etp = 2, dp_shard = 1 }, "train: parallel.ep=1 x parallel.etp=2 = 2 does not divide the job's 1 ranks")
     fails({ etp = 2 }, "train: parallel.etp=2 needs data parallelism over the job's ranks (launch a multiple " ..
       "of 2 ranks and leave parallel.dp=0)")
     fails({ dp_shard = 2 }, "train: parallel.dp_shard=2 x dp_replicate=1 = 2 but the job has 1 rank " ..

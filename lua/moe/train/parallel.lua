@@ -113,13 +113,6 @@ function M.setup(cfg)
   local pc = cfg.parallel
   local world = launched_world_size()
   local shard, rep = sharding_of(cfg, world)
-  for _, k in ipairs({ "ep", "etp" }) do
-    if shard and pc[k] > 1 then
-      error(("train: parallel.%s=%d with parallel.dp_shard=%d: %s and sharded data " ..
-        "parallelism do not combine yet (use one of them)"):format(k, pc[k], shard,
-        k == "ep" and "expert parallelism" or "expert-tensor sharding"), 0)
-    end
-  end
   local dp = (pc.dp == 0 or shard) and world or pc.dp
   local par = setmetatable({ dp = dp, ep = 1, etp = 1, shards = 1, rank = 0, writer = true, world = world }, Par)
   if dp == 1 and not shard then
@@ -163,11 +156,92 @@ end
 --- par:sharded_optimizer(named, cfg) -> optim.ShardedAdamW over the dp_shard group
 --- (and the dp_replicate group), from cfg's AdamW settings; opt.reducer is its
 --- reduce_scatter reducer.
+--- With expert shards (ep, etp) those are left out of it: an optim.AdamW steps
+--- them (their gradients are the experts' own: par:finish_experts), and the
+--- two behave as one optimizer (Sharded.with_experts below).
 function Par:sharded_optimizer(named, cfg)
-  return require("moe.optim").ShardedAdamW(named, { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 },
-    eps = cfg.eps, weight_decay = cfg.weight_decay, group = self.shard_group,
-    replicate_group = self.replicate_group, bucket_mb = cfg.parallel.bucket_mb })
+  local optim = require "moe.optim"
+  local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
+  if not self.expert_set then
+    o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
+    return optim.ShardedAdamW(named, o)
+  end
+  local dense, experts = {}, {}
+  for _, np in ipairs(named) do
+    if self.expert_set[np[2]] then experts[#experts + 1] = np else dense[#dense + 1] = np end
+  end
+  local eopt = optim.AdamW(experts, o)
+  o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
+  return M.with_experts(optim.ShardedAdamW(dense, o), eopt, self)
 end
+
+-- ShardedAdamW over the replicated parameters and AdamW over the expert
+-- shards, as one optimizer: lr set on both, step/zero_grad both; the gradient
+-- norm is the whole model's (the dense shards' squares summed over the shard
+-- group, the expert shards' over the {ep, etp} group), and both are scaled by
+-- one coefficient. Checkpoints of it are not supported (as ShardedAdamW's).
+local WithExperts = {}
+WithExperts.__index = function(self, k)
+  if k == "lr" then return rawget(self, "sharded").lr end
+  return WithExperts[k]
+end
+WithExperts.__newindex = function(self, k, v)
+  if k == "lr" then
+    rawget(self, "sharded").lr = v
+    rawget(self, "experts").lr = v
+  else
+    rawset(self, k, v)
+  end
+end
+
+function M.with_experts(sharded, experts, par)
+  return setmetatable({ kind = "ShardedAdamW", sharded = sharded, experts = experts, par = par,
+    reducer = sharded.reducer, layout = sharded.layout }, WithExperts)
+end
+
+function WithExperts:step()
+  self.sharded:step()
+  self.experts:step()
+end
+
+function WithExperts:zero_grad()
+  self.sharded:zero_grad()
+  self.experts:zero_grad()
+end
+
+function WithExperts:clip_grad_norm(max_norm)
+  local par = self.par
+  local dense = self.sharded:clip_grad_norm(nil) -- the norm over the shard group, nothing scaled
+  local list = {}
+  for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
+  local e = require("moe.optim").clip_grad_norm(list, nil)
+  local t = moe.tensor({ e * e }, { dtype = "f64" })
+  par.dist.all_reduce(t, "sum", { group = par.expert_group })
+  local total = math.sqrt(dense * dense + t:item())
+  t:free()
+  if max_norm and total > max_norm then
+    local coef = max_norm / (total + 1e-6)
+    moe.no_grad(function()
+      moe.scope(function()
+        for k = 1, self.reducer:buckets() do
+          local g = self.reducer:shard(k)
+          if g then g:copy_(g * coef) end
+        end
+        for _, p in ipairs(list) do
+          local g = p.grad
+          if g then g:copy_(g * coef) end
+        end
+      end)
+    end)
+  end
+  return total
+end
+
+function WithExperts:state_scalars() return self.sharded:state_scalars() end
+function WithExperts:state_bytes() return self.sharded:state_bytes() end
+function WithExperts:state_dict() return self.sharded:state_dict() end
+function WithExperts:load_state_dict(...) return self.sharded:load_state_dict(...) end
+function WithExperts:free() self.sharded:free() end
 
 --- par:batch(data, B) -> x, y: rows [rank * B, (rank + 1) * B) of the global batch
 --- of dp * B sequences, drawn as one process would draw it (every rank draws it,
@@ -238,7 +312,7 @@ end
 --- setup_ep(par, ep, etp): the mesh {dp = world / (ep etp), ep, etp};
 --- par.ep_group (the model's MoE layers spread their experts over it; nil when
 --- ep = 1), par.etp_group (they split their experts' hidden units over it; nil
---- when etp = 1), par.shard_group (the ep etp ranks that hold one whole set of
+--- when etp = 1), par.expert_group (the ep etp ranks that hold one whole set of
 --- experts between them) and par.replica_group (the ranks holding the same
 --- shard; nil when alone).
 function M.setup_ep(par, ep, etp)
@@ -313,7 +387,7 @@ end
 --- shards' norms summed (in squares) over the ep etp ranks holding one set of
 --- experts, so every rank scales by the same coefficient, as one process would.
 function Par:ep_clip(clip_fn)
-  if self.shards == 1 then return clip_fn end
+  if self.shards == 1 or self.sharded then return clip_fn end -- sharded: the optimizer's clip does it
   return function(params, max_norm)
     local dense, experts = {}, {}
     for _, p in ipairs(params) do
