@@ -33,7 +33,8 @@ function M.defaults()
     out_dir = "out", resume = "", overwrite = false, deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
-    parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0 },
+    parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0,
+      shard_params = false },
   }
 end
 

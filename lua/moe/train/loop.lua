@@ -66,12 +66,12 @@ end
 -- optimizer is optim.ShardedAdamW, whose reducer (reduce_scatter) replaces the
 -- DDP one and whose clip_grad_norm takes the global norm of the shards. A
 -- caller's optimizer cannot be sharded for it.
-local function sharded_optimizer(par, named, cfg, parts)
+local function sharded_optimizer(par, named, cfg, parts, model)
   if parts.optimizer then
     error("train: parts.optimizer cannot be used with parallel.dp_shard (the optimizer is sharded: " ..
       "optim.ShardedAdamW, from cfg's AdamW settings)", 0)
   end
-  local opt = par:sharded_optimizer(named, cfg)
+  local opt = par:sharded_optimizer(named, cfg, model)
   local clip = parts.clip_grad_norm or function(_, max_norm) return opt:clip_grad_norm(max_norm) end
   return opt, opt.reducer, clip
 end
@@ -153,7 +153,11 @@ function M.run(user_cfg, parts)
   par:broadcast_params(params)
   local opt, sharded_reducer, sharded_clip
   if par.sharded then
-    opt, sharded_reducer, sharded_clip = sharded_optimizer(par, named, cfg, parts)
+    opt, sharded_reducer, sharded_clip = sharded_optimizer(par, named, cfg, parts, model)
+    if par.fsdp then -- parameter sharding made the model's parameters anew
+      named = model:named_parameters()
+      for i, p in ipairs(named) do params[i] = p[2] end
+    end
   else
     opt = (parts.optimizer or build.optimizer)(named, cfg)
   end
@@ -290,6 +294,7 @@ function M.run(user_cfg, parts)
     local sync = reducer and micro == cfg.grad_accum
     if sync then reducer:arm() end
     loss:backward()
+    if par.fsdp and not sync then par.fsdp:release_all() end -- gathered by this backward
     if sync then
       reducer:finish()
       par:finish_experts() -- expert shards: the replicas' mean, / ep

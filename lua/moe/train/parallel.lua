@@ -113,6 +113,10 @@ function M.setup(cfg)
   local pc = cfg.parallel
   local world = launched_world_size()
   local shard, rep = sharding_of(cfg, world)
+  if pc.shard_params and not shard then
+    error("train: parallel.shard_params=true needs parallel.dp_shard (the ranks the parameters are sharded " ..
+      "over)", 0)
+  end
   local dp = (pc.dp == 0 or shard) and world or pc.dp
   local par = setmetatable({ dp = dp, ep = 1, etp = 1, shards = 1, rank = 0, writer = true, world = world }, Par)
   if dp == 1 and not shard then
@@ -159,9 +163,26 @@ end
 --- With expert shards (ep, etp) those are left out of it: an optim.AdamW steps
 --- them (their gradients are the experts' own: par:finish_experts), and the
 --- two behave as one optimizer (Sharded.with_experts below).
-function Par:sharded_optimizer(named, cfg)
+--- With parallel.shard_params (ZeRO-3) the model's parameters are sharded too
+--- (moe/fsdp.lua): par.fsdp, and the model's parameters are new tensors (take
+--- them from the model again, or from par.fsdp.named).
+function Par:sharded_optimizer(named, cfg, model)
   local optim = require "moe.optim"
   local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
+  if cfg.parallel.shard_params then
+    if self.expert_set then
+      error("train: parallel.shard_params with parallel.ep or etp: parameter sharding of models with " ..
+        "expert shards is not supported yet", 0)
+    end
+    if self.replicate_group then
+      error("train: parallel.shard_params with parallel.dp_replicate: HSDP with parameter sharding is not " ..
+        "supported yet (use dp_shard alone)", 0)
+    end
+    local sh = require("moe.fsdp").shard(model, { group = self.shard_group })
+    self.fsdp = sh
+    o.group, o.groups, o.units = self.shard_group, sh.groups, sh.units
+    return optim.ShardedAdamW(sh.named, o)
+  end
   if not self.expert_set then
     o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
     return optim.ShardedAdamW(named, o)
