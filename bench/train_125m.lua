@@ -17,7 +17,8 @@ device memory, the loss curve) for bench/train_report.py.
 Under `moe-lua launch -n N` it trains with data parallelism (parallel.dp = N,
 batch_size per rank, each rank on cuda:<local rank>); tokens/s is then per
 GPU, and rank 0 alone reports (its metrics are the job's); bucket_mb= sets the
-gradient buckets (parallel.bucket_mb), ep= expert parallelism (parallel.ep).
+gradient buckets (parallel.bucket_mb), ep= expert parallelism (parallel.ep), etp=
+expert-tensor sharding (parallel.etp).
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -29,7 +30,7 @@ local o = moe.config {
   seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
-  bucket_mb = 25, ep = 1,
+  bucket_mb = 25, ep = 1, etp = 1,
 }
 
 local cfg = train.config {
@@ -45,7 +46,7 @@ local cfg = train.config {
   lr = o.lr, min_lr = o.min_lr, warmup = math.min(o.warmup, o.steps), decay = "cosine", weight_decay = 0.1,
   clip = 1.0, eval_every = 0, eval_iters = 0, log_every = o.log_every, save_every = 0, keep_last = 0,
   out_dir = o.out_dir, device = o.device, dtype = o.dtype, seed = o.seed, tensorboard = true,
-  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep },
+  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep, etp = o.etp },
 }
 
 local dist = moe.dist
@@ -56,7 +57,7 @@ moe.manual_seed(cfg.seed)
 local t0 = moe.clock()
 -- with expert parallelism train.run builds the model (its MoE layers take the EP group),
 -- and the first-batch export below (one process's whole model) is skipped
-local model = o.ep == 1 and train.build_model(cfg, device) or nil
+local model = (o.ep == 1 and o.etp == 1) and train.build_model(cfg, device) or nil
 local train_data, _, tokenizer = train.build_data(cfg)
 local n_params, n_active
 if model then

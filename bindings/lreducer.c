@@ -24,6 +24,18 @@
  *   r:had_grad(i)      -- parameter i (1-based) had a gradient on some rank last round
  *   r:clear()          -- drops the shards (zero_grad)
  *
+ * Explicit buckets (parameter sharding): groups = {g1, ..., gn} puts
+ * parameter i in bucket group gi (integers >= 1; one dtype and device per
+ * group) instead of bucket_mb; units = {u1, ...} (moe.dist.fsdp_unit, one
+ * per group number) releases unit g's gathered parameters as soon as its
+ * bucket's collective is launched in backward.
+ *
+ * Parameter sharding units (moe_dist.h "parameter sharding"):
+ *
+ *   local u = moe.dist.fsdp_unit(flat, shard, {group = shard_group})
+ *   u:gather()  u:gather{async = true}  u:wait()  u:release()
+ *   u:set_prefetch(u2 or nil)   u:ready()   u:gathers()   u:free()
+ *
  * params is a list of tensors (leaves that require grad) or of {name, tensor}
  * pairs (model:named_parameters()). bucket_mb may be fractional; 0 puts each
  * parameter in a bucket of its own. The reducer holds one reference to the
@@ -45,7 +57,29 @@
 typedef struct lm_reducer {
   moe_reducer *r; /* NULL before creation and after free */
   lm_state *S;    /* one reference while r is not NULL */
+  moe_fsdp_unit **bucket_unit; /* (nb) the unit released after bucket k's launch, or NULL */
+  int nb;
 } lm_reducer;
+
+#define LM_FSDP_UNIT "moe.FSDPUnit"
+
+typedef struct lm_fsdp_unit {
+  moe_fsdp_unit *u; /* NULL after free */
+  lm_state *S;
+} lm_fsdp_unit;
+
+static lm_fsdp_unit *lm_checkunit(lua_State *L, int arg, const char *fname) {
+  lm_fsdp_unit *u = (lm_fsdp_unit *)luaL_testudata(L, arg, LM_FSDP_UNIT);
+  if (u == NULL) lm_argerror(L, arg, fname, "fsdp unit expected, got %s", lm_typename(L, arg));
+  if (u->u == NULL) lm_argerror(L, arg, fname, "attempt to use a freed fsdp unit");
+  return u;
+}
+
+static moe_status lm_reducer_launched(moe_ctx *ctx, int k, void *ud) {
+  lm_reducer *u = (lm_reducer *)ud;
+  if (k < 0 || k >= u->nb || !u->bucket_unit[k]) return MOE_OK;
+  return moe_fsdp_unit_release(ctx, u->bucket_unit[k]);
+}
 
 static lm_reducer *lm_checkreducer(lua_State *L, int arg, const char *fname) {
   lm_reducer *u = (lm_reducer *)luaL_testudata(L, arg, LM_REDUCER);
@@ -62,6 +96,9 @@ static int lm_reducer_release(lua_State *L) {
     lm_state_unref(u->S);
     u->S = NULL;
   }
+  free(u->bucket_unit);
+  u->bucket_unit = NULL;
+  u->nb = 0;
   return 0;
 }
 
@@ -81,7 +118,8 @@ static const char *const lm_reducer_modes[] = {"all_reduce", "reduce_scatter", N
 /* moe.dist.reducer(params [, {bucket_mb = 25, group = world, mode = "all_reduce",
  * replicate_group = nil}]) -> reducer */
 static int lm_reducer_new(lua_State *L) {
-  static const char *const known[] = {"bucket_mb", "group", "mode", "replicate_group", NULL};
+  static const char *const known[] = {"bucket_mb", "group", "mode", "replicate_group", "groups", "units",
+                                      NULL};
   const char *fn = "reducer";
   lm_state *S = lm_S(L);
   if (lua_type(L, 1) != LUA_TTABLE)
@@ -136,6 +174,51 @@ static int lm_reducer_new(lua_State *L) {
     params[i] = t->t; /* the list keeps it alive until the core retains it */
     lua_pop(L, 1);
   }
+  /* explicit buckets: groups (one integer >= 1 per parameter), units (per group) */
+  int *groups = NULL;
+  int ngroups = 0;
+  void **gbox = lm_push_scratch(L);
+  if (opts > 0) lua_getfield(L, opts, "groups");
+  else lua_pushnil(L);
+  if (!lua_isnil(L, -1)) {
+    if (lua_type(L, -1) != LUA_TTABLE || lua_rawlen(L, -1) != len)
+      lm_argerror(L, opts, fn, "groups must be a list of %I group numbers (one per parameter), got %s",
+                  (LUAI_UACINT)len, lm_describe(L, -1));
+    groups = (int *)calloc((size_t)(len > 0 ? len : 1), sizeof(*groups));
+    if (!groups) return luaL_error(L, "reducer: not enough memory");
+    *gbox = groups;
+    for (lua_Unsigned i = 0; i < len; i++) {
+      lua_rawgeti(L, -1, (lua_Integer)i + 1);
+      int isint = 0;
+      lua_Integer g = lua_tointegerx(L, -1, &isint);
+      if (!isint || g < 1 || g > INT32_MAX)
+        lm_argerror(L, opts, fn, "groups[%I] must be an integer >= 1, got %s", (LUAI_UACINT)(i + 1),
+                    lm_describe(L, -1));
+      groups[i] = (int)g - 1;
+      if ((int)g > ngroups) ngroups = (int)g;
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  int units = 0;
+  if (opts > 0) lua_getfield(L, opts, "units");
+  else lua_pushnil(L);
+  if (!lua_isnil(L, -1)) {
+    if (!groups) lm_argerror(L, opts, fn, "units needs groups (the bucket of each parameter)");
+    if (lua_type(L, -1) != LUA_TTABLE)
+      lm_argerror(L, opts, fn, "units must be a list of fsdp units (one per group), got %s",
+                  lm_describe(L, -1));
+    for (int g = 1; g <= ngroups; g++) {
+      lua_rawgeti(L, -1, g);
+      if (!lua_isnil(L, -1)) {
+        lm_fsdp_unit *fu = (lm_fsdp_unit *)luaL_testudata(L, -1, LM_FSDP_UNIT);
+        if (!fu || !fu->u)
+          lm_argerror(L, opts, fn, "units[%d] must be an fsdp unit, got %s", g, lm_describe(L, -1));
+      }
+      lua_pop(L, 1);
+    }
+  }
+  units = lua_gettop(L); /* nil or the units table */
   moe_comm *c = lm_reducer_group(L, S, opts);
   int group = lua_gettop(L);
   moe_comm *rc = NULL;
@@ -145,20 +228,48 @@ static int lm_reducer_new(lua_State *L) {
       lm_argerror(L, opts, fn, "replicate_group needs mode = 'reduce_scatter'");
   }
   int rgroup = lua_gettop(L); /* nil or the replicate group */
-  lm_reducer *u = (lm_reducer *)lua_newuserdatauv(L, sizeof *u, 2);
+  lm_reducer *u = (lm_reducer *)lua_newuserdatauv(L, sizeof *u, 3);
   u->r = NULL;
   u->S = NULL;
+  u->bucket_unit = NULL;
+  u->nb = 0;
   luaL_setmetatable(L, LM_REDUCER);
   lua_pushvalue(L, group); /* the groups' handles live as long as the reducer */
   lua_setiuservalue(L, -2, 1);
   lua_pushvalue(L, rgroup);
   lua_setiuservalue(L, -2, 2);
+  lua_pushvalue(L, units); /* the units live as long as the reducer */
+  lua_setiuservalue(L, -2, 3);
   moe_reducer *r = NULL;
-  moe_reducer_opts ro = {(size_t)(mb * 1024.0 * 1024.0), mode, rc};
+  moe_reducer_opts ro = {.bucket_bytes = (size_t)(mb * 1024.0 * 1024.0), .mode = mode, .replicate = rc,
+                         .group = groups};
+  if (!lua_isnil(L, units)) {
+    ro.launched = lm_reducer_launched;
+    ro.launched_ud = u;
+  }
   if (moe_reducer_new_opts(S->ctx, c, (int)len, params, &ro, &r) != MOE_OK)
-    return lm_corefail(L, S, fn, 1); /* params: freed by the box's __gc */
+    return lm_corefail(L, S, fn, 1); /* params, groups: freed by the boxes' __gc */
+  if (!lua_isnil(L, units)) {
+    int nb = moe_reducer_buckets(r);
+    u->bucket_unit = (moe_fsdp_unit **)calloc((size_t)(nb > 0 ? nb : 1), sizeof(*u->bucket_unit));
+    if (!u->bucket_unit) {
+      moe_reducer_free(S->ctx, r);
+      return luaL_error(L, "reducer: not enough memory");
+    }
+    u->nb = nb;
+    for (lua_Unsigned i = 0; i < len; i++) {
+      int b = 0;
+      moe_reducer_param_offset(r, (int)i, &b, NULL);
+      lua_rawgeti(L, units, groups[i] + 1);
+      lm_fsdp_unit *fu = (lm_fsdp_unit *)luaL_testudata(L, -1, LM_FSDP_UNIT);
+      if (fu) u->bucket_unit[b] = fu->u;
+      lua_pop(L, 1);
+    }
+  }
   free(params);
   *box = NULL;
+  free(groups);
+  *gbox = NULL;
   u->r = r;
   u->S = S;
   S->refs++;
@@ -314,7 +425,130 @@ static const luaL_Reg lm_reducer_methods[] = {{"arm", lm_reducer_arm},
                                               {"free", lm_reducer_release},
                                               {NULL, NULL}};
 
-static const luaL_Reg lm_reducer_functions[] = {{"reducer", lm_reducer_new}, {NULL, NULL}};
+/* ------------------------------------------------------------ fsdp units */
+
+static int lm_unit_release_handle(lua_State *L) {
+  lm_fsdp_unit *u = (lm_fsdp_unit *)luaL_checkudata(L, 1, LM_FSDP_UNIT);
+  if (u->u) {
+    moe_fsdp_unit_free(u->S->ctx, u->u);
+    u->u = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+  return 0;
+}
+
+/* moe.dist.fsdp_unit(flat, shard [, {group = world}]) -> unit */
+static int lm_unit_new(lua_State *L) {
+  static const char *const known[] = {"group", NULL};
+  const char *fn = "fsdp_unit";
+  lm_state *S = lm_S(L);
+  moe_tensor *flat = lm_checktensor(L, 1, fn);
+  moe_tensor *shard = lm_checktensor(L, 2, fn);
+  int opts = 0;
+  if (!lua_isnoneornil(L, 3)) {
+    if (lua_type(L, 3) != LUA_TTABLE) lm_argerror(L, 3, fn, "options table expected, got %s", lm_typename(L, 3));
+    lm_checkkeys(L, 3, fn, known);
+    opts = 3;
+  }
+  lm_checkend(L, 3, fn);
+  moe_comm *c = lm_reducer_group(L, S, opts);
+  int group = lua_gettop(L);
+  lm_fsdp_unit *u = (lm_fsdp_unit *)lua_newuserdatauv(L, sizeof *u, 2);
+  u->u = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_FSDP_UNIT);
+  lua_pushvalue(L, group);
+  lua_setiuservalue(L, -2, 1);
+  if (moe_fsdp_unit_new(S->ctx, c, flat, shard, &u->u) != MOE_OK) return lm_corefail(L, S, fn, 1);
+  u->S = S;
+  S->refs++;
+  return 1;
+}
+
+/* u:gather([{async = false}]) */
+static int lm_unit_gather(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "gather");
+  bool async = false;
+  if (!lua_isnoneornil(L, 2)) {
+    static const char *const known[] = {"async", NULL};
+    if (lua_type(L, 2) != LUA_TTABLE) lm_argerror(L, 2, "gather", "options table expected, got %s", lm_typename(L, 2));
+    lm_checkkeys(L, 2, "gather", known);
+    lua_getfield(L, 2, "async");
+    async = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+  }
+  lm_checkend(L, 2, "gather");
+  moe_status st;
+  LM_CALL(L, st, moe_fsdp_unit_gather(u->S->ctx, u->u, async));
+  if (st != MOE_OK) return lm_corefail(L, u->S, "gather", 0);
+  return 0;
+}
+
+static int lm_unit_wait(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "wait");
+  lm_checkend(L, 1, "wait");
+  moe_status st;
+  LM_CALL(L, st, moe_fsdp_unit_wait(u->S->ctx, u->u));
+  if (st != MOE_OK) return lm_corefail(L, u->S, "wait", 0);
+  return 0;
+}
+
+static int lm_unit_release(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "release");
+  lm_checkend(L, 1, "release");
+  moe_status st;
+  LM_CALL(L, st, moe_fsdp_unit_release(u->S->ctx, u->u));
+  if (st != MOE_OK) return lm_corefail(L, u->S, "release", 0);
+  return 0;
+}
+
+/* u:set_prefetch(u2 or nil): u2 is gathered (async) when backward gathers u */
+static int lm_unit_set_prefetch(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "set_prefetch");
+  moe_fsdp_unit *next = NULL;
+  if (!lua_isnoneornil(L, 2)) next = lm_checkunit(L, 2, "set_prefetch")->u;
+  lm_checkend(L, 2, "set_prefetch");
+  lua_settop(L, 2);
+  lua_setiuservalue(L, 1, 2); /* keeps the next unit alive */
+  moe_fsdp_unit_set_prefetch(u->u, next);
+  return 0;
+}
+
+static int lm_unit_ready(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "ready");
+  lm_checkend(L, 1, "ready");
+  lua_pushboolean(L, moe_fsdp_unit_ready(u->u));
+  return 1;
+}
+
+static int lm_unit_gathers(lua_State *L) {
+  lm_fsdp_unit *u = lm_checkunit(L, 1, "gathers");
+  lm_checkend(L, 1, "gathers");
+  lua_pushinteger(L, (lua_Integer)moe_fsdp_unit_gathers(u->u));
+  return 1;
+}
+
+static int lm_unit_tostring(lua_State *L) {
+  lm_fsdp_unit *u = (lm_fsdp_unit *)luaL_checkudata(L, 1, LM_FSDP_UNIT);
+  if (u->u)
+    lua_pushfstring(L, "moe.FSDPUnit (%s)", moe_fsdp_unit_ready(u->u) ? "gathered" : "released");
+  else
+    lua_pushliteral(L, "moe.FSDPUnit (freed)");
+  return 1;
+}
+
+static const luaL_Reg lm_unit_methods[] = {{"gather", lm_unit_gather},
+                                           {"wait", lm_unit_wait},
+                                           {"release", lm_unit_release},
+                                           {"set_prefetch", lm_unit_set_prefetch},
+                                           {"ready", lm_unit_ready},
+                                           {"gathers", lm_unit_gathers},
+                                           {"free", lm_unit_release_handle},
+                                           {NULL, NULL}};
+
+static const luaL_Reg lm_reducer_functions[] = {{"reducer", lm_reducer_new}, {"fsdp_unit", lm_unit_new},
+                                                {NULL, NULL}};
 
 /* Registers moe.dist.reducer into the module's moe.dist table (made by
  * lm_open_dist, which linit.c opens first). */
@@ -328,6 +562,18 @@ void lm_open_reducer(lua_State *L, int mod, int methods, int sentinel) {
     lua_setfield(L, -2, "__tostring");
     luaL_newlibtable(L, lm_reducer_methods);
     luaL_setfuncs(L, lm_reducer_methods, 0);
+    lua_setfield(L, -2, "__index");
+  }
+  lua_pop(L, 1);
+  if (luaL_newmetatable(L, LM_FSDP_UNIT)) {
+    lua_pushcfunction(L, lm_unit_release_handle);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, lm_unit_release_handle);
+    lua_setfield(L, -2, "__close");
+    lua_pushcfunction(L, lm_unit_tostring);
+    lua_setfield(L, -2, "__tostring");
+    luaL_newlibtable(L, lm_unit_methods);
+    luaL_setfuncs(L, lm_unit_methods, 0);
     lua_setfield(L, -2, "__index");
   }
   lua_pop(L, 1);

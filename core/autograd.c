@@ -475,6 +475,8 @@ moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
   }
   moe_saved_hooks *h = (moe_saved_hooks *)n->saved_hooks;
   if (!h) {
+    /* a sharded parameter released after its forward: gathered again here */
+    MOE_CHECK(moe_storage_ready(ctx, ((moe_tensor *)p)->storage, name));
     moe_tensor_retain((moe_tensor *)p);
     *out = (moe_tensor *)p;
     return MOE_OK;
@@ -498,6 +500,7 @@ moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
     st = moe_error(ctx, MOE_ERR_DEVICE,
                    "%s: the unpack hook gave a tensor on %s for saved slot %d, which was on %s",
                    name, MOE_DEVICE(moe_tensor_device(t)), i, MOE_DEVICE(sp->device));
+  if (st == MOE_OK) st = moe_storage_ready(ctx, t->storage, name);
   if (st != MOE_OK) {
     moe_tensor_release(t);
     return st;

@@ -100,6 +100,8 @@ struct moe_reducer {
   int next;            /* first bucket not launched this round */
   int next_rep;        /* first bucket whose replicate all_reduce has not started */
   moe_ctx *armed;      /* the context armed on, NULL when not armed */
+  moe_status (*launched)(moe_ctx *ctx, int k, void *ud); /* after bucket k's launch, or NULL */
+  void *launched_ud;
   /* leaf pointer -> parameter index, open addressing */
   moe_tensor **hkey;   /* (nslot) NULL when empty */
   int *hval;           /* (nslot) */
@@ -224,9 +226,17 @@ static moe_status advance_replicate(moe_ctx *ctx, moe_reducer *r, bool block) {
 
 /* Fills bucket k's buffer from the parameters' gradients, makes each .grad
  * a view of its slice and starts the all_reduce. */
+static moe_status bucket_launch_ar(moe_ctx *ctx, moe_reducer *r, int k);
+
 static moe_status bucket_launch(moe_ctx *ctx, moe_reducer *r, int k) {
+  moe_status st = r->mode == MOE_REDUCER_REDUCE_SCATTER ? bucket_launch_rs(ctx, r, k)
+                                                        : bucket_launch_ar(ctx, r, k);
+  if (st == MOE_OK && r->launched) st = r->launched(ctx, k, r->launched_ud);
+  return st;
+}
+
+static moe_status bucket_launch_ar(moe_ctx *ctx, moe_reducer *r, int k) {
   bucket *bk = &r->b[k];
-  if (r->mode == MOE_REDUCER_REDUCE_SCATTER) return bucket_launch_rs(ctx, r, k);
   MOE_ASSERT(!bk->buf && !bk->work);
   if (bk->count == 1) {
     /* A parameter with a bucket of its own (one larger than the bucket
@@ -320,7 +330,7 @@ static void reducer_destroy(moe_reducer *r) {
 
 moe_status moe_reducer_new(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *const *params,
                            size_t bucket_bytes, moe_reducer **out) {
-  moe_reducer_opts o = {bucket_bytes, MOE_REDUCER_ALL_REDUCE, NULL};
+  moe_reducer_opts o = {.bucket_bytes = bucket_bytes, .mode = MOE_REDUCER_ALL_REDUCE};
   return moe_reducer_new_opts(ctx, c, n, params, &o, out);
 }
 
@@ -354,6 +364,8 @@ moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *co
   size_t un = (size_t)(n > 0 ? n : 1);
   r->comm = c;
   r->mode = o->mode;
+  r->launched = o->launched;
+  r->launched_ud = o->launched_ud;
   r->replicate = o->replicate && moe_comm_size(o->replicate) > 1 ? o->replicate : NULL;
   r->P = o->mode == MOE_REDUCER_REDUCE_SCATTER ? moe_comm_size(c) : 1;
   r->rank = o->mode == MOE_REDUCER_REDUCE_SCATTER ? moe_comm_rank(c) : 0;
@@ -370,10 +382,26 @@ moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *co
   r->hkey = calloc((size_t)r->nslot, sizeof(*r->hkey));
   r->hval = calloc((size_t)r->nslot, sizeof(*r->hval));
   int *open = calloc(un, sizeof(*open)); /* the open bucket of each group so far */
+  int *gbucket = NULL; /* explicit groups: the bucket of each group id, -1 before */
+  int ngroups = 0;
+  if (o->group) {
+    for (int i = 0; i < n; i++) {
+      if (o->group[i] < 0) {
+        reducer_destroy(r);
+        free(open);
+        return moe_error(ctx, MOE_ERR_INVALID_ARG, "reducer: parameter %d has group %d (>= 0 expected)",
+                         i, o->group[i]);
+      }
+      if (o->group[i] >= ngroups) ngroups = o->group[i] + 1;
+    }
+    gbucket = malloc((size_t)(ngroups > 0 ? ngroups : 1) * sizeof(*gbucket));
+    if (gbucket)
+      for (int g = 0; g < ngroups; g++) gbucket[g] = -1;
+  }
   size_t *bytes = calloc(un, sizeof(*bytes)); /* bytes of each bucket */
   moe_status st = MOE_OK;
   if (!r->params || !r->bucket_of || !r->offset || !r->ready || !r->had_grad || !r->order ||
-      !r->b || !r->hkey || !r->hval || !open || !bytes) {
+      !r->b || !r->hkey || !r->hval || !open || !bytes || (o->group && !gbucket)) {
     st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "reducer: out of host memory");
     goto done;
   }
@@ -395,6 +423,23 @@ moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *co
     moe_device d = moe_tensor_device(p);
     size_t pb = (size_t)moe_tensor_numel(p) * moe_dtype_size(p->dtype);
     int k = -1, slot = -1;
+    if (gbucket) {
+      int g = o->group[i];
+      k = gbucket[g];
+      if (k < 0) {
+        k = gbucket[g] = r->nb++;
+        r->b[k].dtype = p->dtype;
+        r->b[k].device = d;
+      } else if (r->b[k].dtype != p->dtype || !moe_device_equal(r->b[k].device, d)) {
+        st = moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "reducer: group %d mixes %s on %s (parameter %d) with %s on %s: a bucket "
+                       "holds one dtype on one device",
+                       g, moe_dtype_name(p->dtype), MOE_DEVICE(d), i, moe_dtype_name(r->b[k].dtype),
+                       MOE_DEVICE(r->b[k].device));
+        goto done;
+      }
+      goto place;
+    }
     for (int q = 0; q < nopen; q++) {
       bucket *ob = &r->b[open[q]];
       if (ob->dtype == p->dtype && moe_device_equal(ob->device, d)) {
@@ -411,6 +456,7 @@ moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *co
       if (slot >= 0) open[slot] = k;
       else open[nopen++] = k;
     }
+  place:
     r->bucket_of[i] = k;
     r->offset[i] = r->b[k].numel;
     r->b[k].numel += moe_tensor_numel(p);
@@ -437,6 +483,7 @@ moe_status moe_reducer_new_opts(moe_ctx *ctx, moe_comm *c, int n, moe_tensor *co
 done:
   free(open);
   free(bytes);
+  free(gbucket);
   if (st != MOE_OK) {
     reducer_destroy(r);
     return st;

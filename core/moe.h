@@ -181,11 +181,32 @@ typedef struct moe_storage {
   size_t nbytes; /* requested size */
   size_t block;  /* size of the block behind data (allocator rounding) */
   moe_ctx *ctx;  /* the context whose allocator owns data */
+  /* Sharded parameters (moe_dist.h, "parameter sharding"): a storage whose
+   * data were freed (moe_storage_free_data) keeps nbytes and data = NULL
+   * until moe_storage_alloc_data; not_ready marks data absent or still being
+   * written by an asynchronous collective, and materialize (when set) makes
+   * them ready. Backward calls it for a saved tensor whose storage is not
+   * ready (moe_storage_ready), so a parameter released after its forward is
+   * gathered again before its backward reads it. */
+  bool data_freed;
+  bool not_ready;
+  moe_status (*materialize)(moe_ctx *ctx, void *ud);
+  void *materialize_ud;
 } moe_storage;
 
 moe_status moe_storage_new(moe_ctx *ctx, moe_device d, size_t nbytes, moe_storage **out);
 void moe_storage_retain(moe_storage *s);
 void moe_storage_release(moe_storage *s);
+/* Returns s's data block to the allocator (data NULL, nbytes kept, not
+ * ready); a no-op when already freed. Every tensor over s then has no data
+ * until moe_storage_alloc_data: reading it is the caller's error. */
+moe_status moe_storage_free_data(moe_ctx *ctx, moe_storage *s);
+/* A fresh block of nbytes for a storage whose data were freed (contents
+ * undefined; still not ready); a no-op when it has data. */
+moe_status moe_storage_alloc_data(moe_ctx *ctx, moe_storage *s);
+/* Makes s ready through its materialize callback when it is not; an error
+ * naming fn when it is not ready and has none. NULL s: ok. */
+moe_status moe_storage_ready(moe_ctx *ctx, moe_storage *s, const char *fn);
 
 /* ------------------------------------------------------------------ tensor */
 

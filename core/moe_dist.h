@@ -230,6 +230,17 @@ typedef struct moe_reducer_opts {
   moe_reducer_mode mode;
   moe_comm *replicate;     /* REDUCE_SCATTER only: all_reduce(avg) of the shards over
                             * it (HSDP); NULL: none */
+  /* Explicit buckets instead of bucket_bytes: group[i] >= 0 names parameter
+   * i's group; the parameters of one group form one bucket (one dtype and
+   * device), numbered by the order the reverse walk of the list meets the
+   * groups, their parameters in reverse list order as usual. NULL: sizes. */
+  const int *group;
+  /* Called once a bucket's collective has been launched (its gradients
+   * read into the collective's buffer, their .grad released): bucket k of
+   * this round. Parameter sharding frees the bucket's gathered parameters
+   * there. NULL: none. */
+  moe_status (*launched)(moe_ctx *ctx, int k, void *ud);
+  void *launched_ud;
 } moe_reducer_opts;
 
 /* The DDP reducer: mode ALL_REDUCE, no replicate communicator. */
@@ -287,6 +298,43 @@ bool moe_reducer_had_grad(const moe_reducer *r, int i);
 /* Drops the shards (the optimiser's zero_grad). */
 void moe_reducer_clear(moe_reducer *r);
 void moe_reducer_free(moe_ctx *ctx, moe_reducer *r);
+
+/* ------------------------------------------------ parameter sharding */
+/*
+ * The parameter half of FSDP (ZeRO-3): a unit's parameters live in one flat
+ * buffer (flat: contiguous, 1-D, padded to a multiple of the group size P,
+ * the whole of its storage) of which each rank keeps only its shard (shard:
+ * elements [r S, (r + 1) S), S = padded / P, a tensor of its own). Between
+ * uses flat's data are freed (moe_storage_free_data): every parameter view
+ * of it has no data. gather allocates them again and all-gathers the
+ * shards into them (asynchronously: a prefetch; wait, or the next gather,
+ * completes it); release frees them. The unit is flat's storage's
+ * materialize callback, so backward gathers a released unit by itself when
+ * it first reads a parameter saved by the unit's forward; it then starts
+ * the gather of the unit set by set_prefetch (the one backward reaches
+ * next) asynchronously. The units' order of gathers must be the same on
+ * every rank (each is a collective of the group).
+ */
+typedef struct moe_fsdp_unit moe_fsdp_unit;
+
+moe_status moe_fsdp_unit_new(moe_ctx *ctx, moe_comm *c, moe_tensor *flat, moe_tensor *shard,
+                             moe_fsdp_unit **out);
+/* Starts the all_gather of the shards into flat (allocating its data when
+ * freed); async false: waits too. A no-op when the data are ready or a
+ * gather is in flight (then async false waits for it). */
+moe_status moe_fsdp_unit_gather(moe_ctx *ctx, moe_fsdp_unit *u, bool async);
+/* Waits for a gather in flight (none: a no-op). */
+moe_status moe_fsdp_unit_wait(moe_ctx *ctx, moe_fsdp_unit *u);
+/* Frees flat's data (waiting for a gather in flight first). */
+moe_status moe_fsdp_unit_release(moe_ctx *ctx, moe_fsdp_unit *u);
+/* The unit whose gather starts when backward gathers u (NULL: none). */
+void moe_fsdp_unit_set_prefetch(moe_fsdp_unit *u, moe_fsdp_unit *next);
+/* Whether flat's data are there and complete; gathers started so far. */
+bool moe_fsdp_unit_ready(const moe_fsdp_unit *u);
+int64_t moe_fsdp_unit_gathers(const moe_fsdp_unit *u);
+/* Frees the unit (waiting for a gather in flight; flat's storage forgets
+ * it and keeps whatever data it has). free(NULL) is a no-op. */
+void moe_fsdp_unit_free(moe_ctx *ctx, moe_fsdp_unit *u);
 
 #ifdef __cplusplus
 }

@@ -107,12 +107,78 @@ void moe_storage_release(moe_storage *s) {
       host_block_free(s->data, s->block);
       m->system_frees++;
     }
-    m->allocated -= (int64_t)s->nbytes;
+    if (!s->data_freed) m->allocated -= (int64_t)s->nbytes;
     m->reserved = m->allocated;
     m->free_count++;
     m->live_storages--;
   }
   free(s);
+}
+
+moe_status moe_storage_free_data(moe_ctx *ctx, moe_storage *s) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!s) return moe_error(ctx, MOE_ERR_INVALID_ARG, "storage_free_data: storage is NULL");
+  s->not_ready = true;
+  if (s->data_freed) return MOE_OK;
+  if (s->device.type == MOE_DEVICE_CUDA) {
+    if (s->data) moe_cuda_release(s->ctx, s->device.index, s->data, s->block);
+  } else {
+    moe_memory_stats *m = &s->ctx->cpu_stats;
+    if (s->data) {
+      host_block_free(s->data, s->block);
+      m->system_frees++;
+    }
+    m->allocated -= (int64_t)s->nbytes;
+    m->reserved = m->allocated;
+    m->free_count++;
+  }
+  s->data = NULL;
+  s->block = 0;
+  s->data_freed = true;
+  return MOE_OK;
+}
+
+moe_status moe_storage_alloc_data(moe_ctx *ctx, moe_storage *s) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!s) return moe_error(ctx, MOE_ERR_INVALID_ARG, "storage_alloc_data: storage is NULL");
+  if (!s->data_freed) return MOE_OK;
+  if (s->nbytes > 0) {
+    if (s->device.type == MOE_DEVICE_CUDA) {
+      MOE_CHECK(moe_cuda_alloc(ctx, s->device.index, s->nbytes, &s->data, &s->block));
+    } else {
+      size_t block = (s->nbytes + MOE_HOST_ALIGN - 1) / MOE_HOST_ALIGN * MOE_HOST_ALIGN;
+      void *d = host_block_alloc(block);
+      if (!d)
+        return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
+                         "storage_alloc_data: out of host memory allocating %zu bytes", s->nbytes);
+      s->data = d;
+      s->block = block;
+      moe_memory_stats *m = &s->ctx->cpu_stats;
+      m->system_allocs++;
+      m->alloc_count++;
+      m->allocated += (int64_t)s->nbytes;
+      m->reserved = m->allocated;
+      if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
+      if (m->reserved > m->peak_reserved) m->peak_reserved = m->reserved;
+    }
+  }
+  s->data_freed = false;
+  return MOE_OK;
+}
+
+moe_status moe_storage_ready(moe_ctx *ctx, moe_storage *s, const char *fn) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!s || !s->not_ready) return MOE_OK;
+  if (!s->materialize)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: the tensor's data were released (a sharded parameter outside its "
+                     "gather) and nothing can gather them",
+                     fn ? fn : "storage_ready");
+  MOE_CHECK(s->materialize(ctx, s->materialize_ud));
+  if (s->not_ready)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gathering the released tensor's data failed",
+                     fn ? fn : "storage_ready");
+  return MOE_OK;
 }
 
 /* ------------------------------------------------------------------ helpers */

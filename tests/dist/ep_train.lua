@@ -1,6 +1,7 @@
 --[[
-tests/dist/ep_train.lua - expert parallelism in moe.train (parallel.ep)
-against single-process training, on the CPU, under
+tests/dist/ep_train.lua - expert parallelism and expert-tensor sharding in
+moe.train (parallel.ep, parallel.etp) against single-process training, on
+the CPU, under
 
   moe-lua launch -n 2 tests/dist/ep_train.lua [steps=15] [verbose=true] [device=cpu|cuda]
   moe-lua launch -n 4 tests/dist/ep_train.lua      (ep = 2: two replicas of each shard)
@@ -11,7 +12,11 @@ W = 4 the mesh is {dp = 2, ep = 2}) and, on every rank alone (parallel.dp =
 1), with grad_accum = W micro-batches of B: the same global batch, the same
 loss, and the gradient rule of docs/DISTRIBUTED.md "Expert parallelism"
 (non-expert gradients averaged over the world, an expert shard's gradient
-averaged over its replicas and divided by ep). Then:
+averaged over its replicas and divided by ep). The same with parallel.etp = 2
+(every expert's hidden units split over 2 ranks; SGD only) and, on 4 ranks,
+with ep = 2 x etp = 2; and with the other parameters' optimizer state and
+gradients sharded (parallel.dp_shard, AdamW): ep = 2 x dp_shard = 2 on 2
+ranks, ep = 2 x etp = 2 x dp_shard = 2 x dp_replicate = 2 on 4. Then:
   losses      the job's logged loss at every step against the reference's,
               relative 1e-5
   parameters  every rank's non-expert parameters and its expert shard against
@@ -56,11 +61,18 @@ end
 -- One comparison: the reference (this rank alone, grad_accum = world) and
 -- parallel.ep = 2, with the optimizer given. Validation runs through the EP
 -- layers too (its batches differ from the reference's: not compared).
-local function compare(optimizer)
+local refs = {} -- the reference of each optimizer, once
+local function compare(optimizer, layout)
+  layout = layout or { ep = 2 }
+  local lname = ("ep=%d etp=%d"):format(layout.ep or 1, layout.etp or 1)
+  if layout.dp_shard then lname = lname .. (" dp_shard=%d"):format(layout.dp_shard) end
+  if layout.dp_replicate then lname = lname .. (" dp_replicate=%d"):format(layout.dp_replicate) end
   local over = { optimizer = optimizer, lr = optimizer == "sgd" and 0.1 or 3e-3 }
   local function with(t) for k, v in pairs(over) do t[k] = v end return t end
-  local ref = train.run(cfg(optimizer .. "-ref", with { grad_accum = world, parallel = { dp = 1 } }))
-  local ep = train.run(cfg(optimizer .. "-ep", with { parallel = { ep = 2 } }))
+  refs[optimizer] = refs[optimizer] or
+    train.run(cfg(optimizer .. "-ref", with { grad_accum = world, parallel = { dp = 1 } }))
+  local ref = refs[optimizer]
+  local ep = train.run(cfg(optimizer .. "-" .. lname:gsub("[ =]", ""), with { parallel = layout }))
   local worst = 0
   for s = 1, opts.steps do
     local a, b = ep.losses[s], ref.losses[s]
@@ -68,10 +80,15 @@ local function compare(optimizer)
     if d > worst then worst = d end
     assert(d <= 1e-5, ("rank %d, %s, step %d: ep loss %.9g, reference %.9g"):format(rank, optimizer, s, a, b))
   end
-  -- parameters: the non-expert ones whole, the experts' rows of this rank's shard
-  local E, P = 8, 2
-  local q = rank % P -- the ep coordinate of the mesh {dp, ep}
-  local El = E // P
+  -- parameters: the non-expert ones whole, the experts' rows (hidden units) of this rank's shard
+  local E, F = 8, 32
+  local q, El, w, Fl = 0, E, 0, F
+  for _, m in ipairs(ep.model:modules()) do
+    local e, h = rawget(m, "ep"), rawget(m, "wp")
+    if type(e) == "table" and e.group then q, El = e.rank, e.local_experts end
+    if type(h) == "table" and h.group then w, Fl = h.rank, h.ffn_local end
+  end
+  assert(El == E // (layout.ep or 1) and Fl == F // (layout.etp or 1), lname .. ": the layers' shards")
   local rp = {}
   for _, np in ipairs(ref.model:named_parameters()) do rp[np[1]] = np[2] end
   local pworst, n_expert = 0, 0
@@ -81,7 +98,7 @@ local function compare(optimizer)
     assert(want, "no reference parameter " .. name)
     want = want:cpu()
     if name:match("%.experts%.w%d$") then
-      want = want:narrow(0, q * El, El)
+      want = want:narrow(0, q * El, El):narrow(name:match("w2$") and 1 or 2, w * Fl, Fl)
       n_expert = n_expert + 1
     end
     assert(table.concat(got.shape, ",") == table.concat(want.shape, ","), name .. ": shapes differ")
@@ -91,10 +108,15 @@ local function compare(optimizer)
     assert(d <= 1e-4, ("rank %d: parameter %s differs by %.3g of its largest value"):format(rank, name, d))
   end
   assert(n_expert > 0, "no expert parameter found")
-  say("ok   ep_train: %s, parallel.ep=2 on %d ranks == grad_accum=%d alone, %d steps: losses within %.2e "
-    .. "(relative), parameters %.2e of their largest value (rank 0)", optimizer, world, world,
+  say("ok   ep_train: %s, parallel %s on %d ranks == grad_accum=%d alone, %d steps: losses within %.2e "
+    .. "(relative), parameters %.2e of their largest value (rank 0)", optimizer, lname, world, world,
     opts.steps, worst, pworst)
 end
 compare("adamw") -- Adam is nearly blind to a constant factor in a gradient: clipping sees it
 compare("sgd")   -- SGD is not: a wrong expert-gradient scale shows at once
+compare("sgd", { etp = 2 })
+if world == 4 then compare("sgd", { ep = 2, etp = 2 }) end
+-- with sharded data parallelism (ZeRO-2, HSDP) over the non-expert parameters
+if world == 2 then compare("adamw", { ep = 2, dp_shard = 2 }) end
+if world == 4 then compare("adamw", { ep = 2, etp = 2, dp_shard = 2, dp_replicate = 2 }) end
 os.execute("rm -rf '" .. root .. "'")

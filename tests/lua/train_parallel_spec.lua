@@ -30,9 +30,11 @@ describe("parallel config", function()
       assert.is_false(ok)
       assert.are.equal(msg, err)
     end
-    fails({ ep = 2, dp_shard = 1 }, "train: parallel.ep=2 with parallel.dp_shard=1: expert parallelism and " ..
-      "sharded data parallelism do not combine yet (use one of them)")
+    fails({ ep = 2, dp_shard = 1 }, "train: parallel.ep=2 x parallel.etp=1 = 2 does not divide the job's 1 ranks")
     fails({ ep = 2 }, "train: parallel.ep=2 needs data parallelism over the job's ranks (launch a multiple " ..
+      "of 2 ranks and leave parallel.dp=0)")
+    fails({ etp = 2, dp_shard = 1 }, "train: parallel.ep=1 x parallel.etp=2 = 2 does not divide the job's 1 ranks")
+    fails({ etp = 2 }, "train: parallel.etp=2 needs data parallelism over the job's ranks (launch a multiple " ..
       "of 2 ranks and leave parallel.dp=0)")
     fails({ dp_shard = 2 }, "train: parallel.dp_shard=2 x dp_replicate=1 = 2 but the job has 1 rank " ..
       "(their product must be the world size)")
@@ -123,5 +125,89 @@ describe("moe.dist.reducer in a world of one", function()
     r:arm()
     r:free()
     other:free()
+  end)
+end)
+
+describe("parameter sharding in a world of one", function()
+  local dist = moe.dist
+  if not (dist and dist.fsdp_unit) then
+    it("is not in this build", function() end)
+    return
+  end
+
+  it("puts each group in one bucket, and reports misuse of groups", function()
+    local ps = {}
+    for i, shape in ipairs({ { 4, 3 }, { 3 }, { 5, 2 }, { 7 } }) do ps[i] = moe.randn(shape):requires_grad_(true) end
+    local r = dist.reducer(ps, { mode = "reduce_scatter", groups = { 1, 2, 1, 2 } })
+    assert.are.equal(2, r:buckets())
+    local lay = r:layout()
+    assert.are.equal(lay.params[1].bucket, lay.params[3].bucket)
+    assert.are.equal(lay.params[2].bucket, lay.params[4].bucket)
+    assert.are_not.equal(lay.params[1].bucket, lay.params[2].bucket)
+    r:free()
+    assert.has_error(function() dist.reducer(ps, { groups = { 1, 2 } }) end,
+      "bad argument #2 to 'reducer' (groups must be a list of 4 group numbers (one per parameter), got table)")
+    assert.has_error(function() dist.reducer(ps, { groups = { 1, 0, 1, 1 } }) end,
+      "bad argument #2 to 'reducer' (groups[2] must be an integer >= 1, got 0)")
+    assert.has_error(function() dist.reducer(ps, { units = {} }) end,
+      "bad argument #2 to 'reducer' (units needs groups (the bucket of each parameter))")
+    local mixed = { ps[1], moe.randn({ 3 }, { dtype = "f64" }):requires_grad_(true) }
+    assert.has_error(function() dist.reducer(mixed, { groups = { 1, 1 } }) end)
+  end)
+
+  it("frees a unit's data between uses and gathers it again for backward", function()
+    local flat = moe.keep(moe.zeros({ 6 }))
+    local shard = moe.keep(moe.tensor({ 1, 2, 3, 4, 5, 6 }, { dtype = "f32" }))
+    local u = dist.fsdp_unit(flat, shard)
+    assert.matches("gathered", tostring(u))
+    local w = flat:narrow(0, 0, 6):view({ 2, 3 }):requires_grad_(true)
+    u:release()
+    assert.is_false(u:ready())
+    u:gather()
+    assert.is_true(u:ready())
+    assert.are.same({ { 1, 2, 3 }, { 4, 5, 6 } }, w:totable())
+    local x = moe.tensor({ { 1, 1 } }, { dtype = "f32" })
+    local y = moe.matmul(x, w) -- saves w for backward
+    u:release() -- as after a block's forward
+    local before = u:gathers()
+    y:sum():backward() -- reads w: the unit is gathered by autograd
+    assert.are.equal(before + 1, u:gathers())
+    assert.are.same({ { 1, 1, 1 }, { 1, 1, 1 } }, w.grad:totable())
+    assert.are.same({ { 1, 2, 3 }, { 4, 5, 6 } }, w:detach():totable())
+    assert.has_error(function() dist.fsdp_unit(flat, shard) end)
+    assert.has_error(function() dist.fsdp_unit(flat, moe.zeros({ 5 })) end)
+    u:free()
+    u:free()
+    assert.has_error(function() u:gather() end, "bad argument #1 to 'gather' (attempt to use a freed fsdp unit)")
+  end)
+
+  it("trains with shard_params as without (dp_shard = 1)", function()
+    local data
+    local function run(par, dir)
+      return train.run(train.config {
+        model = { d_model = 16, n_layers = 2, n_heads = 2, ffn = "dense", d_ff = 32 },
+        data = data, valid_fraction = 0.1, seq_len = 8, batch_size = 2, steps = 3, warmup = 0, eval_every = 0,
+        log_every = 1, tensorboard = false, quiet = true, sample_tokens = 0, clip = 0,
+        out_dir = dir, overwrite = true, parallel = par })
+    end
+    local tmp = os.tmpname()
+    os.remove(tmp)
+    assert(os.execute("mkdir -p '" .. tmp .. "-d'"))
+    local prefix = tmp .. "-d/words"
+    local bld = require("moe.data").IndexedDatasetBuilder(prefix, { dtype = "u16" })
+    for d = 1, 20 do
+      local ids = {}
+      for j = 1, 40 do ids[j] = (d * 7 + j * 13) % 200 end
+      ids[#ids + 1] = 256
+      bld:add_document(ids)
+    end
+    bld:finalize()
+    data = prefix
+    local a = run({ dp_shard = 1 }, tmp .. "-a")
+    local b = run({ dp_shard = 1, shard_params = true }, tmp .. "-b")
+    assert.are.same(a.losses, b.losses)
+    local sa, sb = a.model:state_dict(), b.model:state_dict()
+    for k, t in pairs(sa) do assert.are.same(t:totable(), sb[k]:totable(), k) end
+    os.execute("rm -rf '" .. tmp .. "-a' '" .. tmp .. "-b' '" .. tmp .. "-d'")
   end)
 end)

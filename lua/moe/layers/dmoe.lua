@@ -135,10 +135,6 @@ function dMoE:configure(o, name, level)
     fail(name, string.format("mlp_impl \"sparse\" needs ffn_hidden_size (%d) to be a multiple of block_size (%d)",
       f, o.block_size), level)
   end
-  if o.moe_weight_parallelism or o.weight_parallel_group ~= nil then
-    fail(name, "weight parallelism is not available in moe-lua's layers (leave moe_weight_parallelism false)",
-      level)
-  end
   if o.pipeline_model_parallel_size ~= 1 or o.num_layers_per_virtual_pipeline_stage ~= nil then
     fail(name, "pipeline parallelism is not available (pipeline_model_parallel_size must be 1)", level)
   end
@@ -230,7 +226,14 @@ function dMoE:configure(o, name, level)
   if o.moe_expert_model_parallelism or o.expert_parallel_group ~= nil then
     require("moe.layers.ep").setup(self, o, name, level)
   end
+  -- weight parallelism (moe/layers/wp.lua): this rank keeps its slice of every expert's hidden units
+  if o.moe_weight_parallelism or o.weight_parallel_group ~= nil then
+    require("moe.layers.wp").setup(self, o, name, level)
+  end
 end
+
+-- The experts' hidden size on this rank (ffn_hidden_size / the weight-parallel size).
+function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidden_size end
 
 -- mlp_impl "auto" picks the implementation on the device of the input: the
 -- block-sparse path on CUDA for more than 16 experts (many small groups: on
@@ -252,7 +255,7 @@ function dMoE:resolve_impl(device)
     return self.mlp_impl
   end
   local impl = "grouped"
-  if cuda and not self.ep and self.num_experts > 16 and self.ffn_hidden_size % self.block_size == 0 then
+  if cuda and not self.ep and self.num_experts > 16 and self:ffn_local() % self.block_size == 0 then
     impl = "sparse"
   end
   self.mlp_impl = impl
@@ -264,7 +267,7 @@ end
 -- Options of moe.ops.routing_plan for this layer (gates: the router's (T, k)).
 function dMoE:plan_opts(_)
   if self.mlp_impl == "sparse" then
-    return { block_size = self.block_size, ffn_hidden = self.ffn_hidden_size }
+    return { block_size = self.block_size, ffn_hidden = self:ffn_local() }
   end
   return {}
 end
@@ -285,9 +288,16 @@ end
 function dMoE:route_tokens(x2, r)
   local ids = r.ids
   if self.uniform_expert_assignment then ids = uniform_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
-  if self.ep then return require("moe.layers.ep").route_tokens(self, x2, ids, r.gates) end
-  local plan = moe.ops.routing_plan(ids, self.num_experts, self:plan_opts(r.gates))
-  return self.experts(x2, plan, r.gates), plan
+  if self.wp then return require("moe.layers.wp").route_tokens(self, x2, ids, r.gates, M.experts_of) end
+  return M.experts_of(self, x2, ids, r.gates)
+end
+
+-- The experts on tokens x2 (T, d) routed to ids (T, k) with gates (T, k):
+-- y (T, d), plan (through the expert-parallel exchange with layer.ep).
+function M.experts_of(layer, x2, ids, gates)
+  if layer.ep then return require("moe.layers.ep").route_tokens(layer, x2, ids, gates) end
+  local plan = moe.ops.routing_plan(ids, layer.num_experts, layer:plan_opts(gates))
+  return layer.experts(x2, plan, gates), plan
 end
 
 -- (E C, 1) ids: row i belongs to expert i // C (cached per E, C, device).
@@ -307,8 +317,8 @@ end
 -- Expert choice: tokens (E, C) gathered per expert, E equal groups through
 -- the experts (gated), added back to their tokens.
 function dMoE:route_experts(x2, r)
-  if self.ep then
-    error(self.__name .. ": expert parallelism takes token-choice routers only (not expert choice)", 3)
+  if self.ep or self.wp then
+    error(self.__name .. ": expert and weight parallelism take token-choice routers only (not expert choice)", 3)
   end
   local E, C = r.tokens:size(0), r.tokens:size(1)
   if E ~= self.num_experts then
@@ -383,7 +393,8 @@ end
 -- expert and the bias (for nn.TransformerLM:flops_per_token()).
 function dMoE:num_active_parameters()
   local ex = self.experts
-  local shards = self.ep and self.ep.size or 1 -- expert parallelism: this rank holds 1 / size of them
+  -- expert (weight) parallelism: this rank holds 1 / size of the experts (of their hidden units)
+  local shards = (self.ep and self.ep.size or 1) * (self.wp and self.wp.size or 1)
   local n = self.router:num_parameters() + ex:num_parameters() * shards * self.top_k // self.num_experts
   if self.shared_expert then n = n + self.shared_expert:num_parameters() end
   if self.bias then n = n + self.bias:numel() end

@@ -75,9 +75,6 @@ end
 --- local_experts, expert_begin, expert_end}; the experts keep their slice.
 function M.setup(layer, o, name, level)
   level = level + 1
-  if o.moe_weight_parallelism or o.weight_parallel_group ~= nil then
-    fail(name, "weight parallelism is not available (leave moe_weight_parallelism false)", level)
-  end
   if not o.moe_expert_model_parallelism then
     fail(name, "expert_parallel_group is set but moe_expert_model_parallelism is false (set it to true)", level)
   end
@@ -185,7 +182,7 @@ function M.route_tokens(layer, x2, ids, gates)
   local xr = dist.functional.all_to_all(xs, send, recv, group) -- (M, d)
   -- 4. the local experts over the received rows
   local lo = {}
-  if layer.mlp_impl == "sparse" then lo = { block_size = layer.block_size, ffn_hidden = layer.ffn_hidden_size } end
+  if layer.mlp_impl == "sparse" then lo = { block_size = layer.block_size, ffn_hidden = layer:ffn_local() } end
   lo.known_counts = lc
   -- row r's segment is the last one starting at or before r (empty segments
   -- share their start with the next one, so they are never the last): the

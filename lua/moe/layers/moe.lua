@@ -36,6 +36,10 @@ function MoE:init(o)
   if cfg.drop_policy ~= "position" and cfg.drop_policy ~= "score" then
     error("layers.MoE: drop_policy must be \"position\" or \"score\", got " .. tostring(cfg.drop_policy), 3)
   end
+  if self.wp then
+    error("layers.MoE: weight parallelism is for the dropless layer (layers.dMoE): a capacity over the "
+      .. "group's gathered tokens would drop other tokens than each rank alone", 3)
+  end
   self.capacity_factor, self.drop_policy = cf, cfg.drop_policy
 end
 

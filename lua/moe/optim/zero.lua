@@ -34,6 +34,12 @@ then every gather is waited for in order and each parameter copied from its
 slice. The replicate group (HSDP) needs nothing here: replicas hold the same
 shard and step it the same way.
 
+Parameter sharding (ZeRO-3, moe/fsdp.lua): with groups = {g1, ...} (one
+bucket per group) and units = {[g] = {unit =, shard =}}, the parameters
+exist in full only between their unit's gather and release; the step then
+starts from the unit's shard (not the parameters), writes the updated values
+back into it and gathers nothing: the next forward gathers each unit.
+
 Not done here: checkpoints of the sharded state (state_dict raises), SGD.
 ]]
 local moe = require "moe"
@@ -45,7 +51,7 @@ local function fail(fn, msg, ...)
 end
 
 local known = { lr = true, betas = true, eps = true, weight_decay = true, no_decay = true,
-  master_weights = true, group = true, replicate_group = true, bucket_mb = true }
+  master_weights = true, group = true, replicate_group = true, bucket_mb = true, groups = true, units = true }
 
 local function number_opt(fn, opts, key, default)
   local v = opts[key]
@@ -110,8 +116,17 @@ function M.AdamW(named_params, opts)
   end
   local list = {}
   for i, e in ipairs(self.params) do list[i] = e.param end
+  local units
+  if opts.groups ~= nil or opts.units ~= nil then
+    if type(opts.groups) ~= "table" or #opts.groups ~= #list or type(opts.units) ~= "table" then
+      fail(fn, "options groups (one group number per parameter that requires grad: %d) and units go together",
+        #list)
+    end
+    units = {}
+    for g, e in pairs(opts.units) do units[g] = e.unit end
+  end
   self.reducer = dist.reducer(list, { mode = "reduce_scatter", group = group,
-    replicate_group = opts.replicate_group, bucket_mb = opts.bucket_mb })
+    replicate_group = opts.replicate_group, bucket_mb = opts.bucket_mb, groups = opts.groups, units = units })
   local layout = self.reducer:layout()
   self.layout = layout
   -- per bucket: its state shards
@@ -123,14 +138,32 @@ function M.AdamW(named_params, opts)
         segments = b.segments, params = {} }
       bk.exp_avg = moe.zeros({ b.shard_numel }, { dtype = sd, device = b.device })
       bk.exp_avg_sq = moe.zeros({ b.shard_numel }, { dtype = sd, device = b.device })
+      if opts.units then -- this bucket's unit: its first parameter's group
+        local first = b.segments[1] and b.segments[1].param
+        if first == nil then
+          for i, where in ipairs(layout.params) do
+            if where.bucket == k then first = i break end
+          end
+        end
+        local e = opts.units[opts.groups[first]]
+        if e == nil or not moe.is_tensor(e.shard) or e.shard:numel() ~= b.shard_numel then
+          fail(fn, "units[%s] must be {unit =, shard =} with a shard of %d elements", tostring(opts.groups[first]),
+            b.shard_numel)
+        end
+        bk.unit_shard = e.shard
+      end
       local want = opts.master_weights
       if want == nil then want = low_precision(b.dtype) end
       if want then
         bk.master = moe.zeros({ b.shard_numel }, { dtype = sd, device = b.device })
-        for _, s in ipairs(b.segments) do
-          local p = self.params[s.param].param
-          bk.master:narrow(0, s.shard_offset, s.numel):copy_(
-            p:view({ p:numel() }):narrow(0, s.param_offset, s.numel))
+        if bk.unit_shard then
+          bk.master:copy_(bk.unit_shard) -- the parameters are not gathered: the shard is theirs
+        else
+          for _, s in ipairs(b.segments) do
+            local p = self.params[s.param].param
+            bk.master:narrow(0, s.shard_offset, s.numel):copy_(
+              p:view({ p:numel() }):narrow(0, s.param_offset, s.numel))
+          end
         end
       end
       self.buckets[k] = bk
@@ -186,7 +219,9 @@ local function step_bucket(self, k, bk, o)
   local runs = runs_of(self, bk)
   if #runs == 0 then return nil end -- no parameter of the bucket had a gradient anywhere
   local shard = moe.zeros({ bk.shard_numel }, { dtype = bk.dtype, device = bk.device })
-  if not bk.master then
+  if not bk.master and bk.unit_shard then
+    shard:copy_(bk.unit_shard)
+  elseif not bk.master then
     -- the parameters' elements of this shard: what the update starts from
     for _, s in ipairs(bk.segments) do
       local p = self.params[s.param].param
@@ -206,6 +241,10 @@ local function step_bucket(self, k, bk, o)
         shard:narrow(0, s.shard_offset, s.numel):copy_(bk.master:narrow(0, s.shard_offset, s.numel))
       end
     end
+  end
+  if bk.unit_shard then -- parameter sharding: the next forward gathers the unit
+    bk.unit_shard:copy_(shard)
+    return nil
   end
   local full = moe.empty({ bk.padded }, { dtype = bk.dtype, device = bk.device })
   local work = moe.dist.all_gather(full, shard, { group = self.group, async = true })

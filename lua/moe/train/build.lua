@@ -8,10 +8,11 @@ local tconfig = require "moe.train.config"
 
 local M = {}
 
---- model(cfg, device [, ep_group]) -> an nn.TransformerLM from cfg.model (moe.nn,
---- moe.layers); with ep_group (a moe.dist group) the MoE layers spread their
---- experts over it (expert parallelism).
-function M.model(cfg, device, ep_group)
+--- model(cfg, device [, ep_group [, etp_group]]) -> an nn.TransformerLM from
+--- cfg.model (moe.nn, moe.layers); with ep_group (a moe.dist group) the MoE
+--- layers spread their experts over it (expert parallelism), with etp_group
+--- they split every expert's hidden units over it (weight parallelism).
+function M.model(cfg, device, ep_group, etp_group)
   local nn = require "moe.nn"
   local mc = cfg.model
   local mo = mc.moe
@@ -30,6 +31,9 @@ function M.model(cfg, device, ep_group)
       }
       if ep_group then
         opts.moe_expert_model_parallelism, opts.expert_parallel_group = true, ep_group
+      end
+      if etp_group then
+        opts.moe_weight_parallelism, opts.weight_parallel_group = true, etp_group
       end
       if mo.kind == "moe" then
         opts.capacity_factor = mo.capacity_factor

@@ -33,7 +33,8 @@ function M.defaults()
     out_dir = "out", resume = "", overwrite = false, deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
-    parallel = { dp = 0, ep = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0 },
+    parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0,
+      shard_params = false },
   }
 end
 
@@ -60,6 +61,7 @@ function M.check(cfg)
   pos("parallel.dp_shard", cfg.parallel.dp_shard, true)
   pos("parallel.dp_replicate", cfg.parallel.dp_replicate, true)
   pos("parallel.ep", cfg.parallel.ep)
+  pos("parallel.etp", cfg.parallel.etp)
   if cfg.parallel.bucket_mb < 0 then
     error(("train: parallel.bucket_mb must be a number >= 0, got %s"):format(tostring(cfg.parallel.bucket_mb)), 0)
   end

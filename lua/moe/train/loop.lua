@@ -66,12 +66,12 @@ end
 -- optimizer is optim.ShardedAdamW, whose reducer (reduce_scatter) replaces the
 -- DDP one and whose clip_grad_norm takes the global norm of the shards. A
 -- caller's optimizer cannot be sharded for it.
-local function sharded_optimizer(par, named, cfg, parts)
+local function sharded_optimizer(par, named, cfg, parts, model)
   if parts.optimizer then
     error("train: parts.optimizer cannot be used with parallel.dp_shard (the optimizer is sharded: " ..
       "optim.ShardedAdamW, from cfg's AdamW settings)", 0)
   end
-  local opt = par:sharded_optimizer(named, cfg)
+  local opt = par:sharded_optimizer(named, cfg, model)
   local clip = parts.clip_grad_norm or function(_, max_norm) return opt:clip_grad_norm(max_norm) end
   return opt, opt.reducer, clip
 end
@@ -138,7 +138,7 @@ function M.run(user_cfg, parts)
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
   moe.manual_seed(cfg.seed)
 
-  local model = parts.model or build.model(cfg, device, par.ep_group)
+  local model = parts.model or build.model(cfg, device, par.ep_group, par.etp_group)
   local train_data, valid_data, tokenizer = parts.train_data, parts.valid_data, parts.tokenizer
   if not train_data then
     local td, vd, tk = build.data(cfg)
@@ -153,7 +153,11 @@ function M.run(user_cfg, parts)
   par:broadcast_params(params)
   local opt, sharded_reducer, sharded_clip
   if par.sharded then
-    opt, sharded_reducer, sharded_clip = sharded_optimizer(par, named, cfg, parts)
+    opt, sharded_reducer, sharded_clip = sharded_optimizer(par, named, cfg, parts, model)
+    if par.fsdp then -- parameter sharding made the model's parameters anew
+      named = model:named_parameters()
+      for i, p in ipairs(named) do params[i] = p[2] end
+    end
   else
     opt = (parts.optimizer or build.optimizer)(named, cfg)
   end
@@ -178,9 +182,9 @@ function M.run(user_cfg, parts)
 
   -- resume
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
-  if resume_path and par.ep > 1 then
-    error(("train: resuming %s with parallel.ep=%d: checkpoints of expert-parallel models are not " ..
-      "supported yet"):format(resume_path, par.ep), 0)
+  if resume_path and par.shards > 1 then
+    error(("train: resuming %s with parallel.ep=%d, etp=%d: checkpoints of models with sharded experts " ..
+      "are not supported yet"):format(resume_path, par.ep, par.etp), 0)
   end
   local pending_say
   if resume_path and par.sharded then
@@ -237,14 +241,14 @@ function M.run(user_cfg, parts)
     log:say(("data parallel over %d ranks: %d sequences per rank per micro-batch, gradients in %d bucket%s"):format(
       par.dp, cfg.batch_size, reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
   end
-  if par.ep > 1 then
-    log:say(("expert parallel over groups of %d ranks: %d expert tensors sharded"):format(par.ep,
-      #par.expert_params))
+  if par.shards > 1 then
+    log:say(("expert shards over groups of %d ranks (ep=%d x etp=%d): %d expert tensors sharded"):format(
+      par.shards, par.ep, par.etp, #par.expert_params))
   end
 
   local function sample_text(n)
     -- an expert-parallel model runs collectives: rank 0 cannot generate alone
-    if not tokenizer or not par.writer or par.ep > 1 then return nil end
+    if not tokenizer or not par.writer or par.shards > 1 then return nil end
     local sample = require "moe.sample"
     return with_rng_kept(function()
       moe.manual_seed(cfg.seed + state.step)
@@ -257,10 +261,10 @@ function M.run(user_cfg, parts)
   local warned_sharded
   local warned_save = false
   local function save()
-    if par.ep > 1 then -- each rank holds its experts only: rank 0's file would miss the others'
+    if par.shards > 1 then -- each rank holds its expert shards only: rank 0's file would miss the others'
       if not warned_save then
-        log:say(("warning: checkpoints are skipped with parallel.ep=%d (expert-parallel models cannot be " ..
-          "saved yet: rank 0 holds only its experts)"):format(par.ep))
+        log:say(("warning: checkpoints are skipped with parallel.ep=%d, etp=%d (models with sharded experts " ..
+          "cannot be saved yet: rank 0 holds only its shards)"):format(par.ep, par.etp))
         warned_save = true
       end
       return
@@ -299,6 +303,7 @@ function M.run(user_cfg, parts)
     local sync = reducer and micro == cfg.grad_accum
     if sync then reducer:arm() end
     loss:backward()
+    if par.fsdp and not sync then par.fsdp:release_all() end -- gathered by this backward
     if sync then
       reducer:finish()
       par:finish_experts() -- expert shards: the replicas' mean, / ep

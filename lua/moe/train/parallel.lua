@@ -35,6 +35,12 @@ The EP part is setup_ep and the Par methods below it:
   par:finish_experts()         after the reducer: the expert gradients averaged
                                over the ranks holding the same experts, / N
   par:ep_clip(clip_fn)         clipping by the norm over every shard
+
+parallel.etp = N > 1 (expert-tensor sharding, docs/DISTRIBUTED.md "Expert-
+tensor sharding"): every expert's hidden units are split over groups of N
+ranks (moe/layers/wp.lua), alone or with ep (the mesh {dp = world / (ep N),
+ep, etp = N}); the same methods handle both kinds of expert shard (par.shards
+= ep N ranks hold the pieces of one expert set; their gradients / ep N).
 ]]
 local moe = require "moe"
 
@@ -107,16 +113,18 @@ function M.setup(cfg)
   local pc = cfg.parallel
   local world = launched_world_size()
   local shard, rep = sharding_of(cfg, world)
-  if shard and pc.ep > 1 then
-    error(("train: parallel.ep=%d with parallel.dp_shard=%d: expert parallelism and sharded data " ..
-      "parallelism do not combine yet (use one of them)"):format(pc.ep, shard), 0)
+  if pc.shard_params and not shard then
+    error("train: parallel.shard_params=true needs parallel.dp_shard (the ranks the parameters are sharded " ..
+      "over)", 0)
   end
   local dp = (pc.dp == 0 or shard) and world or pc.dp
-  local par = setmetatable({ dp = dp, ep = 1, rank = 0, writer = true, world = world }, Par)
+  local par = setmetatable({ dp = dp, ep = 1, etp = 1, shards = 1, rank = 0, writer = true, world = world }, Par)
   if dp == 1 and not shard then
-    if pc.ep > 1 then
-      error(("train: parallel.ep=%d needs data parallelism over the job's ranks (launch a multiple of %d " ..
-        "ranks and leave parallel.dp=0)"):format(pc.ep, pc.ep), 0)
+    for _, k in ipairs({ "ep", "etp" }) do
+      if pc[k] > 1 then
+        error(("train: parallel.%s=%d needs data parallelism over the job's ranks (launch a multiple of %d " ..
+          "ranks and leave parallel.dp=0)"):format(k, pc[k], pc[k]), 0)
+      end
     end
     return par
   end
@@ -133,7 +141,7 @@ function M.setup(cfg)
   if dist.world_size() ~= dp then
     error(("train: parallel.dp=%d but moe.dist found %d ranks"):format(dp, dist.world_size()), 0)
   end
-  if pc.ep > 1 then M.setup_ep(par, pc.ep) end
+  if pc.ep > 1 or pc.etp > 1 then M.setup_ep(par, pc.ep, pc.etp) end
   -- each rank its GPU: cuda:<local rank>
   if cfg.device == "cpu" then
     par.device = "cpu"
@@ -152,11 +160,109 @@ end
 --- par:sharded_optimizer(named, cfg) -> optim.ShardedAdamW over the dp_shard group
 --- (and the dp_replicate group), from cfg's AdamW settings; opt.reducer is its
 --- reduce_scatter reducer.
-function Par:sharded_optimizer(named, cfg)
-  return require("moe.optim").ShardedAdamW(named, { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 },
-    eps = cfg.eps, weight_decay = cfg.weight_decay, group = self.shard_group,
-    replicate_group = self.replicate_group, bucket_mb = cfg.parallel.bucket_mb })
+--- With expert shards (ep, etp) those are left out of it: an optim.AdamW steps
+--- them (their gradients are the experts' own: par:finish_experts), and the
+--- two behave as one optimizer (Sharded.with_experts below).
+--- With parallel.shard_params (ZeRO-3) the model's parameters are sharded too
+--- (moe/fsdp.lua): par.fsdp, and the model's parameters are new tensors (take
+--- them from the model again, or from par.fsdp.named).
+function Par:sharded_optimizer(named, cfg, model)
+  local optim = require "moe.optim"
+  local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
+  if cfg.parallel.shard_params then
+    if self.expert_set then
+      error("train: parallel.shard_params with parallel.ep or etp: parameter sharding of models with " ..
+        "expert shards is not supported yet", 0)
+    end
+    if self.replicate_group then
+      error("train: parallel.shard_params with parallel.dp_replicate: HSDP with parameter sharding is not " ..
+        "supported yet (use dp_shard alone)", 0)
+    end
+    local sh = require("moe.fsdp").shard(model, { group = self.shard_group })
+    self.fsdp = sh
+    o.group, o.groups, o.units = self.shard_group, sh.groups, sh.units
+    return optim.ShardedAdamW(sh.named, o)
+  end
+  if not self.expert_set then
+    o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
+    return optim.ShardedAdamW(named, o)
+  end
+  local dense, experts = {}, {}
+  for _, np in ipairs(named) do
+    if self.expert_set[np[2]] then experts[#experts + 1] = np else dense[#dense + 1] = np end
+  end
+  local eopt = optim.AdamW(experts, o)
+  o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
+  return M.with_experts(optim.ShardedAdamW(dense, o), eopt, self)
 end
+
+-- ShardedAdamW over the replicated parameters and AdamW over the expert
+-- shards, as one optimizer: lr set on both, step/zero_grad both; the gradient
+-- norm is the whole model's (the dense shards' squares summed over the shard
+-- group, the expert shards' over the {ep, etp} group), and both are scaled by
+-- one coefficient. Checkpoints of it are not supported (as ShardedAdamW's).
+local WithExperts = {}
+WithExperts.__index = function(self, k)
+  if k == "lr" then return rawget(self, "sharded").lr end
+  return WithExperts[k]
+end
+WithExperts.__newindex = function(self, k, v)
+  if k == "lr" then
+    rawget(self, "sharded").lr = v
+    rawget(self, "experts").lr = v
+  else
+    rawset(self, k, v)
+  end
+end
+
+function M.with_experts(sharded, experts, par)
+  return setmetatable({ kind = "ShardedAdamW", sharded = sharded, experts = experts, par = par,
+    reducer = sharded.reducer, layout = sharded.layout }, WithExperts)
+end
+
+function WithExperts:step()
+  self.sharded:step()
+  self.experts:step()
+end
+
+function WithExperts:zero_grad()
+  self.sharded:zero_grad()
+  self.experts:zero_grad()
+end
+
+function WithExperts:clip_grad_norm(max_norm)
+  local par = self.par
+  local dense = self.sharded:clip_grad_norm(nil) -- the norm over the shard group, nothing scaled
+  local list = {}
+  for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
+  local e = require("moe.optim").clip_grad_norm(list, nil)
+  local t = moe.tensor({ e * e }, { dtype = "f64" })
+  par.dist.all_reduce(t, "sum", { group = par.expert_group })
+  local total = math.sqrt(dense * dense + t:item())
+  t:free()
+  if max_norm and total > max_norm then
+    local coef = max_norm / (total + 1e-6)
+    moe.no_grad(function()
+      moe.scope(function()
+        for k = 1, self.reducer:buckets() do
+          local g = self.reducer:shard(k)
+          if g then g:copy_(g * coef) end
+        end
+        for _, p in ipairs(list) do
+          local g = p.grad
+          if g then g:copy_(g * coef) end
+        end
+      end)
+    end)
+  end
+  return total
+end
+
+function WithExperts:state_scalars() return self.sharded:state_scalars() end
+function WithExperts:state_bytes() return self.sharded:state_bytes() end
+function WithExperts:state_dict() return self.sharded:state_dict() end
+function WithExperts:load_state_dict(...) return self.sharded:load_state_dict(...) end
+function WithExperts:free() self.sharded:free() end
 
 --- par:batch(data, B) -> x, y: rows [rank * B, (rank + 1) * B) of the global batch
 --- of dp * B sequences, drawn as one process would draw it (every rank draws it,
@@ -224,42 +330,68 @@ end
 
 -- ------------------------------------------------------ expert parallelism
 
---- setup_ep(par, ep): the mesh {dp = world / ep, ep = ep}; par.ep_group (the
---- experts' group: the model's MoE layers shard their experts over it) and
---- par.replica_group (the ranks holding the same experts; nil when alone).
-function M.setup_ep(par, ep)
-  if par.dp % ep ~= 0 then
-    error(("train: parallel.ep=%d does not divide the job's %d ranks"):format(ep, par.dp), 0)
+--- setup_ep(par, ep, etp): the mesh {dp = world / (ep etp), ep, etp};
+--- par.ep_group (the model's MoE layers spread their experts over it; nil when
+--- ep = 1), par.etp_group (they split their experts' hidden units over it; nil
+--- when etp = 1), par.expert_group (the ep etp ranks that hold one whole set of
+--- experts between them) and par.replica_group (the ranks holding the same
+--- shard; nil when alone).
+function M.setup_ep(par, ep, etp)
+  etp = etp or 1
+  if par.dp % (ep * etp) ~= 0 then
+    error(("train: parallel.ep=%d x parallel.etp=%d = %d does not divide the job's %d ranks"):format(
+      ep, etp, ep * etp, par.dp), 0)
   end
   local dist = par.dist
-  par.ep = ep
-  par.mesh = dist.mesh { { "dp", par.dp // ep }, { "ep", ep } }
-  par.ep_group = par.mesh:group("ep")
-  if par.dp // ep > 1 then par.replica_group = par.mesh:group("dp") end
+  par.ep, par.etp, par.shards = ep, etp, ep * etp
+  par.mesh = dist.mesh { { "dp", par.dp // (ep * etp) }, { "ep", ep }, { "etp", etp } }
+  if ep > 1 then par.ep_group = par.mesh:group("ep") end
+  if etp > 1 then par.etp_group = par.mesh:group("etp") end
+  par.expert_group = par.mesh:group({ "ep", "etp" })
+  if par.dp // (ep * etp) > 1 then par.replica_group = par.mesh:group("dp") end
 end
 
---- par:attach(model): finds the expert shards (moe/layers/ep.lua); an error when
---- parallel.ep > 1 and the model has no expert-parallel layer.
+--- par:attach(model): finds the expert shards (moe/layers/ep.lua, wp.lua); an
+--- error when parallel.ep (etp) > 1 and the model has no such layer.
 function Par:attach(model)
-  if self.ep == 1 then return end
-  local list, size = require("moe.layers.ep").expert_params(model)
-  if #list == 0 or size ~= self.ep then
-    error(("train: parallel.ep=%d but the model has no MoE layer whose experts are spread over %d ranks " ..
-      "(model.ffn=moe, or a model built with expert_parallel_group = par.ep_group)"):format(self.ep, self.ep), 0)
+  if self.shards == 1 then return end
+  self.expert_params, self.expert_set = {}, {}
+  local function add(list)
+    for _, p in ipairs(list) do
+      if not self.expert_set[p] then
+        self.expert_set[p] = true
+        self.expert_params[#self.expert_params + 1] = p
+      end
+    end
   end
-  self.expert_params, self.expert_set = list, {}
-  for _, p in ipairs(list) do self.expert_set[p] = true end
+  if self.ep > 1 then
+    local list, size = require("moe.layers.ep").expert_params(model)
+    if #list == 0 or size ~= self.ep then
+      error(("train: parallel.ep=%d but the model has no MoE layer whose experts are spread over %d ranks " ..
+        "(model.ffn=moe, or a model built with expert_parallel_group = par.ep_group)"):format(self.ep, self.ep), 0)
+    end
+    add(list)
+  end
+  if self.etp > 1 then
+    local list, size = require("moe.layers.wp").slice_params(model)
+    if #list == 0 or size ~= self.etp then
+      error(("train: parallel.etp=%d but the model has no MoE layer whose experts' hidden units are split " ..
+        "over %d ranks (model.ffn=moe with model.moe.kind=dmoe, or a model built with weight_parallel_group = " ..
+        "par.etp_group)"):format(self.etp, self.etp), 0)
+    end
+    add(list)
+  end
 end
 
 --- par:finish_experts(): after the reducer finished (the last micro-batch of a
---- step). An expert shard's gradient on its owner is the sum, over the ep ranks
---- that sent it tokens, of their own losses' gradients; the job's loss is the
---- mean over the world of the ranks' losses. So: the mean over the replica group
---- (the dp ranks holding the same experts), then / ep. A shard no token reached
---- gets a zero gradient (one process has one for every expert).
+--- step). An expert shard's gradient on its owner is the sum, over the ep etp
+--- ranks whose tokens it saw, of their own losses' gradients; the job's loss is
+--- the mean over the world of the ranks' losses. So: the mean over the replica
+--- group (the dp ranks holding the same shard), then / (ep etp). A shard no
+--- token reached gets a zero gradient (one process has one for every expert).
 function Par:finish_experts()
-  if self.ep == 1 then return end
-  local dist, scale = self.dist, 1 / self.ep
+  if self.shards == 1 then return end
+  local dist, scale = self.dist, 1 / self.shards
   for _, p in ipairs(self.expert_params) do
     local g = p.grad
     if g == nil then
@@ -273,10 +405,10 @@ end
 
 --- par:ep_clip(clip_fn) -> clip(params, max_norm): clip_fn (optim.clip_grad_norm)
 --- with the norm over the whole model: the replicated parameters' norm and the
---- shards' norms summed (in squares) over the ep group, so every rank scales by
---- the same coefficient, as one process would.
+--- shards' norms summed (in squares) over the ep etp ranks holding one set of
+--- experts, so every rank scales by the same coefficient, as one process would.
 function Par:ep_clip(clip_fn)
-  if self.ep == 1 then return clip_fn end
+  if self.shards == 1 or self.sharded then return clip_fn end -- sharded: the optimizer's clip does it
   return function(params, max_norm)
     local dense, experts = {}, {}
     for _, p in ipairs(params) do
@@ -284,7 +416,7 @@ function Par:ep_clip(clip_fn)
     end
     local a, b = clip_fn(dense, nil), clip_fn(experts, nil)
     local t = moe.tensor({ b * b }, { dtype = "f64" })
-    self.dist.all_reduce(t, "sum", { group = self.ep_group })
+    self.dist.all_reduce(t, "sum", { group = self.expert_group })
     local total = math.sqrt(a * a + t:item())
     t:free()
     if max_norm and total > max_norm then

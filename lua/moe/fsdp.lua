@@ -1,0 +1,222 @@
+--[[
+moe/fsdp.lua - parameter sharding, the parameter half of FSDP (ZeRO-3,
+PyTorch FSDP's FULL_SHARD): each unit's parameters live in one flat buffer
+of which every rank of the shard group keeps 1/P (docs/DISTRIBUTED.md,
+"Parameter sharding"). With optim.ShardedAdamW (gradients and optimizer
+state sharded the same way) nothing of the model is held whole between uses.
+
+  local fsdp = require "moe.fsdp"
+  local sh = fsdp.shard(model, { group = shard_group, replicate_group = nil })
+  local opt = optim.ShardedAdamW(sh.named, { ..., group = shard_group, groups = sh.groups,
+                                             units = sh.units })
+  -- training as with ZeRO-2: opt.reducer:arm(); loss:backward(); opt.reducer:finish() ...
+  sh:release_all()      -- after a backward whose reducer was not armed (gradient accumulation)
+  sh:gather_all() / sh:state_dict()   -- every parameter whole (a copy for the state dict)
+  sh.stats()            -- {units =, gathers =} for tests
+
+Units. One per transformer block (model.blocks, when the model has them)
+and the root: every parameter no block holds (embeddings, final norm, the
+output projection). A unit's parameters are views of its flat buffer (new
+leaves that replace the module's parameters), laid out as the reducer lays
+out its bucket, so rank r's shard of the buffer is exactly what the sharded
+optimizer updates.
+
+Lifetime of a unit's full parameters, within a step:
+  forward    a block's unit is gathered when the block's forward starts (the
+             prefetch started by the previous block's forward, on the
+             communication stream, is waited for) and the next block's gather
+             starts; released when its forward ends. The root is gathered at
+             the start of the model's forward and kept for backward (its
+             output projection is the first thing backward needs).
+  backward   a released unit is gathered by autograd itself when backward
+             first reads a parameter the unit's forward saved (the flat
+             buffer's storage materializes through the unit), and the unit
+             that backward reaches next starts gathering; released as soon
+             as its gradients' bucket is launched (all of its gradients are
+             complete and read into the reduce_scatter).
+  no grad    (evaluation, sampling) every unit is released after its forward.
+The gathers are collectives: every rank runs the same forwards and
+backwards in the same order (as with the reducer).
+]]
+local moe = require "moe"
+
+local M = {}
+
+local function fail(msg, ...) error(("fsdp.shard: " .. msg):format(...), 3) end
+
+-- Every (module, name) that holds tensor t as a parameter.
+local function owners(model)
+  local by = {}
+  for _, m in ipairs(model:modules()) do
+    for _, n in ipairs(m._params) do
+      local t = rawget(m, n)
+      if t ~= nil then
+        by[t] = by[t] or {}
+        table.insert(by[t], { m, n })
+      end
+    end
+  end
+  return by
+end
+
+-- The parameters a module holds (itself and its descendants), as a set.
+local function param_set(mod)
+  local s = {}
+  for _, np in ipairs(mod:named_parameters()) do s[np[2]] = true end
+  return s
+end
+
+local Sharded = {}
+Sharded.__index = Sharded
+
+--- shard(model, opts) -> sh: replaces the model's parameters by views of the
+--- units' flat buffers, keeps this rank's shard of each, and releases them.
+--- opts: group (the shard group; default moe.dist.world).
+function M.shard(model, opts)
+  opts = opts or {}
+  local dist = moe.dist
+  if not dist then fail("needs moe.dist, which this build lacks") end
+  for k in pairs(opts) do
+    if k ~= "group" then fail("unknown option '%s'", tostring(k)) end
+  end
+  local group = opts.group or dist.world
+  local named = model:named_parameters()
+  for _, np in ipairs(named) do
+    if not np[2].requires_grad then
+      fail("parameter '%s' does not require grad: frozen parameters are not sharded", np[1])
+    end
+    if not np[2]:is_contiguous() then fail("parameter '%s' must be contiguous", np[1]) end
+  end
+  -- units: the blocks in order, then the root
+  local unit_mods = {}
+  local blocks = rawget(model, "blocks")
+  if type(blocks) == "table" and blocks.n and blocks.at then
+    for i = 0, blocks.n - 1 do unit_mods[#unit_mods + 1] = blocks:at(i) end
+  end
+  local root = #unit_mods + 1
+  local unit_of = {}
+  for g, m in ipairs(unit_mods) do
+    for t in pairs(param_set(m)) do
+      if unit_of[t] and unit_of[t] ~= g then
+        fail("a parameter is shared by blocks %d and %d (shared parameters must sit in one unit)", unit_of[t], g)
+      end
+      unit_of[t] = g
+    end
+  end
+  local list, groups = {}, {}
+  for i, np in ipairs(named) do
+    list[i] = np[2]
+    groups[i] = unit_of[np[2]] or root
+  end
+  -- the reducer's layout of these buckets (a reducer made only to read it)
+  local probe = dist.reducer(list, { mode = "reduce_scatter", group = group, groups = groups })
+  local layout = probe:layout()
+  probe:free()
+  local by = owners(model)
+  local P, r = group:size(), group:rank()
+  local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, model = model,
+    unit_mods = unit_mods, root = root }, Sharded)
+  -- bucket -> group
+  local group_of_bucket = {}
+  for i, where in ipairs(layout.params) do group_of_bucket[where.bucket] = groups[i] end
+  moe.no_grad(function()
+    local flats = {}
+    for k, b in ipairs(layout.buckets) do
+      local flat = moe.keep(moe.zeros({ b.padded }, { dtype = b.dtype, device = b.device }))
+      flats[k] = flat
+    end
+    for i, np in ipairs(named) do
+      local where, old = layout.params[i], np[2]
+      local flat = flats[where.bucket]
+      local n = old:numel()
+      local slot = flat:narrow(0, where.offset, n)
+      slot:copy_(old:view({ n }))
+      local v = slot:view(old.shape)
+      v:requires_grad_(true)
+      for _, o in ipairs(by[old] or {}) do o[1]:param(o[2], v) end
+      self.named[i] = { np[1], v, name = np[1], tensor = v }
+    end
+    for k, b in ipairs(layout.buckets) do
+      local S = b.shard_numel
+      local shard = moe.keep(flats[k]:narrow(0, r * S, S):clone())
+      local unit = dist.fsdp_unit(flats[k], shard, { group = group })
+      self.units[group_of_bucket[k]] = { unit = unit, shard = shard, flat = flats[k], padded = b.padded }
+    end
+  end)
+  assert(P == layout.size or P == 1)
+  -- backward reaches the root first, then the blocks from the last
+  local nb = #unit_mods
+  if self.units[root] and nb > 0 then self.units[root].unit:set_prefetch(self.units[nb].unit) end
+  for g = 2, nb do self.units[g].unit:set_prefetch(self.units[g - 1].unit) end
+  for _, old in ipairs(list) do
+    if not old.grad then old:free() end
+  end
+  self:release_all()
+  self:wrap()
+  return self
+end
+
+function Sharded:release_all()
+  for _, u in pairs(self.units) do u.unit:release() end
+end
+
+function Sharded:gather_all()
+  for g = 1, self.root do
+    local u = self.units[g]
+    if u then u.unit:gather() end
+  end
+end
+
+-- The forward hooks: each block's unit around its forward, the root around
+-- the model's (kept for backward when grad mode is on).
+function Sharded:wrap()
+  local units, root = self.units, self.root
+  for g, m in ipairs(self.unit_mods) do
+    local orig = m.forward
+    local u, nxt = units[g] and units[g].unit, units[g + 1] and g + 1 < root and units[g + 1].unit
+    rawset(m, "forward", function(mod, ...)
+      if u then u:gather() end
+      if nxt then nxt:gather { async = true } end -- the next block's, while this one computes
+      local out = table.pack(orig(mod, ...))
+      if u then u:release() end -- backward gathers it again when it needs it
+      return table.unpack(out, 1, out.n)
+    end)
+  end
+  local model, ru = self.model, units[root] and units[root].unit
+  local orig = model.forward
+  local first = units[1] and root > 1 and units[1].unit
+  rawset(model, "forward", function(mod, ...)
+    if ru then ru:gather() end
+    if first then first:gather { async = true } end
+    local out = table.pack(orig(mod, ...))
+    if ru and not moe.is_grad_enabled() then ru:release() end
+    return table.unpack(out, 1, out.n)
+  end)
+  local sd = model.state_dict
+  rawset(model, "state_dict", function(mod)
+    self:gather_all()
+    local out = {}
+    for k, t in pairs(sd(mod)) do out[k] = moe.is_tensor(t) and moe.keep(t:clone()) or t end
+    self:release_all()
+    return out
+  end)
+end
+
+function Sharded:stats()
+  local n, gathers = 0, 0
+  for _, u in pairs(self.units) do
+    n = n + 1
+    gathers = gathers + u.unit:gathers()
+  end
+  return { units = n, gathers = gathers }
+end
+
+--- sh:shard_bytes() -> bytes of this rank's parameter shards.
+function Sharded:shard_bytes()
+  local n = 0
+  local size = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2 }
+  for _, u in pairs(self.units) do n = n + u.shard:numel() * size[u.shard.dtype] end
+  return n
+end
+
+return M
