@@ -307,12 +307,12 @@ end
 
 local AR = moe.Function {
   name = "dist.all_reduce",
-  forward = function(ctx, x, group)
+  forward = function(_, x, group)
     local out = x:contiguous():clone()
     dist.all_reduce(out, "sum", { group = group })
     return out
   end,
-  backward = function(ctx, g) return g end,
+  backward = function(_, g) return g end,
 }
 
 -- The sum over ranks (a new tensor). backward: identity (Megatron's

@@ -139,7 +139,8 @@ local function gradcheck(fn, inputs, opts)
         break
       end
       local num, ana = (lp - lm) / (2 * eps), analytic[k][i + 1] or 0
-      if not (math.abs(num - ana) <= atol + rtol * math.abs(num)) then
+      -- written so that a NaN on either side fails the check
+      if not (math.abs(num - ana) <= atol + rtol * math.abs(num)) then -- luacheck: ignore 581
         result = false
         msg = ("gradcheck: input %d element %d (index {%s}): analytic %.10g, numeric %.10g")
           :format(k, i, table.concat(idx, ", "), ana, num)

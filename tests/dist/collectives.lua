@@ -20,7 +20,6 @@ T.check(dist.device() == (gpus > 0 and "cuda:" .. (R % gpus) or "cpu"), "device"
 T.check(dist.launcher() == "mpirun", "launcher")
 
 local FLOATS = { "f32", "f64", "bf16", "f16" }
-local INTS = { "i8", "i32", "i64" }
 local ALL = { "f32", "f64", "bf16", "f16", "i8", "i32", "i64" }
 local is_float = { f32 = true, f64 = true, bf16 = true, f16 = true }
 

@@ -102,7 +102,7 @@ local function check_case(c, group)
   local sources = group:ranks() -- world ranks of the group, in group order
   local me = T.rank
   local bans = {}
-  for i, w in ipairs(sources) do bans[i] = ban_bias(c.bans and c.bans(i - 1, P) or nil) end
+  for i in ipairs(sources) do bans[i] = ban_bias(c.bans and c.bans(i - 1, P) or nil) end
   -- the reference: every rank of the group through the full layer, L = mean of the L_r
   local ref = build(c, nil)
   local ys, xs, cs = {}, {}, {}

@@ -87,8 +87,8 @@ end
 
 describe("layers.dMoE", function()
   it("mlp_impl auto: sparse on CUDA with more than 16 experts, grouped otherwise", function()
-    local function make(E, impl)
-      return layers.dMoE { hidden_size = 8, ffn_hidden_size = 128, num_experts = E, top_k = 1, mlp_impl = impl }
+    local function make(n, impl)
+      return layers.dMoE { hidden_size = 8, ffn_hidden_size = 128, num_experts = n, top_k = 1, mlp_impl = impl }
     end
     local big = make(32, nil)
     assert.are.equal("auto", big.mlp_impl_option)
@@ -256,7 +256,7 @@ describe("layers.dMoE", function()
 
   it("runs the quantize switches through moe.quantize.scope", function()
     moe.manual_seed(8)
-    local quantize = require "moe.quantize"
+    require "moe.quantize"
     -- f32 (the scope quantizes f32, bf16, f16); min_numel = 1: these tiny
     -- tensors are quantized too. An identity quantizer written in Lua gives
     -- exactly the unquantized result; int8 gradients are close but differ.

@@ -24,7 +24,6 @@ describe("parallel config", function()
   end)
 
   it("rejects layouts that do not fit the job or each other, before anything starts", function()
-    local parallel = require "moe.train.parallel"
     local function fails(over, msg)
       local ok, err = pcall(parallel.setup, train.config { parallel = over })
       assert.is_false(ok)

@@ -41,7 +41,7 @@ function M.main(name, ...)
     end
     print(("moe-lua %s: %s"):format(name, cmd.summary or "(no summary)"))
     if name == "help" then return M.main("--help") end
-    if type(arg) == "table" then arg[0] = name end
+    if type(arg) == "table" then rawset(arg, 0, name) end
     return cmd.main("--help")
   end
   local host = package.loaded["moe.host"]

@@ -8,7 +8,7 @@ local M = {
   usage = "usage: moe-lua version",
 }
 
-function M.main(a, ...)
+function M.main(a)
   if a == "--help" or a == "-h" then
     print(M.usage)
     print("Prints moe-lua's and Lua's versions, whether CUDA is built in, the CUDA runtime,")

@@ -166,20 +166,20 @@ function M.route_tokens(layer, x2, ids, gates)
   for el = 1, El do lc[el] = 0 end
   -- the received rows come in P El segments (source s, then local expert el):
   -- their starts, for the local expert of each row below
-  local starts, M = {}, 0
+  local starts, nrecv = {}, 0
   for s = 0, P - 1 do
     local base = s * E + q * El
     recv[s + 1] = sum(g, base + 1, base + El)
     for el = 1, El do
       local n = g[base + el]
       lc[el] = lc[el] + n
-      starts[#starts + 1] = M
-      M = M + n
+      starts[#starts + 1] = nrecv
+      nrecv = nrecv + n
     end
   end
   -- 3. the rows to their experts' ranks
   local xs = moe.ops.permute(x2, plan) -- (R, d)
-  local xr = dist.functional.all_to_all(xs, send, recv, group) -- (M, d)
+  local xr = dist.functional.all_to_all(xs, send, recv, group) -- (nrecv, d)
   -- 4. the local experts over the received rows
   local lo = {}
   if layer.mlp_impl == "sparse" then lo = { block_size = layer.block_size, ffn_hidden = layer:ffn_local() } end
@@ -187,21 +187,21 @@ function M.route_tokens(layer, x2, ids, gates)
   -- row r's segment is the last one starting at or before r (empty segments
   -- share their start with the next one, so they are never the last): the
   -- count of starts <= r, minus one; its local expert is that index mod El.
-  -- On the device, without a loop over the rows: (M, P El) comparisons.
+  -- On the device, without a loop over the rows: (nrecv, P El) comparisons.
   local dev = x2.device
   local st = moe.tensor(starts, { dtype = "i64", device = dev }):reshape({ 1, P * El })
   local seg_el = {}
   for i = 0, P * El - 1 do seg_el[i + 1] = i % El end
   local lids
-  if M > 0 then
-    local r = moe.arange(0, M, 1, { dtype = "i64", device = dev }):reshape({ M, 1 })
+  if nrecv > 0 then
+    local r = moe.arange(0, nrecv, 1, { dtype = "i64", device = dev }):reshape({ nrecv, 1 })
     local si = moe.sum(moe.ge(r, st), 1) - 1
-    lids = moe.index_select(moe.tensor(seg_el, { dtype = "i64", device = dev }), 0, si):reshape({ M, 1 })
+    lids = moe.index_select(moe.tensor(seg_el, { dtype = "i64", device = dev }), 0, si):reshape({ nrecv, 1 })
   else
     lids = moe.zeros({ 0, 1 }, { dtype = "i64", device = dev })
   end
   local lplan = moe.ops.routing_plan(lids, El, lo)
-  local ye = layer.experts(xr, lplan, nil) -- (M, d), received order
+  local ye = layer.experts(xr, lplan, nil) -- (nrecv, d), received order
   -- 5. back to the sources, and the gated sum of each token's rows
   local yb = dist.functional.all_to_all(ye, recv, send, group) -- (R, d)
   local y = moe.ops.combine(yb, plan, gates)

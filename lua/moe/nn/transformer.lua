@@ -325,7 +325,7 @@ function Cache:free()
   self.pos = 0
 end
 
-function LM:new_cache()
+function LM.new_cache()
   return setmetatable({ pos = 0, layers = {} }, Cache)
 end
 
