@@ -17,6 +17,8 @@
  *
  *   moe.file_digest(path) -> "xxh64:<16 hex digits>", size in bytes
  *   moe.fsync(path)       -> fsync(2) of a file or a folder
+ *   moe.digest(s)         -> "xxh64:<16 hex digits>" of the bytes of string s
+ *   moe.file_kind(path)   -> "file", "folder", "named pipe", ... or nil (stat, no open)
  *
  * are what checkpoints (moe/checkpoint.lua) use to record and verify their
  * files and to make a save durable (core/moe_digest.h). file_digest refuses
@@ -220,6 +222,29 @@ static int lm_file_digest(lua_State *L) {
   return 2;
 }
 
+/* moe.digest(s) -> "xxh64:<hex>" */
+static int lm_digest(lua_State *L) {
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "digest", "string expected, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, "digest");
+  size_t n = 0;
+  const char *p = lua_tolstring(L, 1, &n);
+  char hex[32];
+  snprintf(hex, sizeof hex, "xxh64:%016llx", (unsigned long long)moe_xxh64(p, n, 0));
+  lua_pushstring(L, hex);
+  return 1;
+}
+
+/* moe.file_kind(path) -> "file" | "folder" | "named pipe" | ... | nil */
+static int lm_file_kind(lua_State *L) {
+  const char *path = lm_io_path(L, 1, "file_kind");
+  lm_checkend(L, 1, "file_kind");
+  const char *k = moe_file_kind(path);
+  if (k) lua_pushstring(L, k);
+  else lua_pushnil(L);
+  return 1;
+}
+
 /* moe.fsync(path) */
 static int lm_fsync(lua_State *L) {
   lm_state *S = lm_S(L);
@@ -233,6 +258,8 @@ static const luaL_Reg lm_io_functions[] = {{"save", lm_save},
                                            {"load", lm_load},
                                            {"file_digest", lm_file_digest},
                                            {"fsync", lm_fsync},
+                                           {"digest", lm_digest},
+                                           {"file_kind", lm_file_kind},
                                            {NULL, NULL}};
 
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {

@@ -145,6 +145,18 @@ static const char *dg_kind(mode_t m) {
   return "not a regular file";
 }
 
+const char *moe_file_kind(const char *path) {
+  struct stat sb;
+  if (!path || stat(path, &sb) != 0) return NULL;
+  if (S_ISREG(sb.st_mode)) return "file";
+  if (S_ISDIR(sb.st_mode)) return "folder";
+  if (S_ISFIFO(sb.st_mode)) return "named pipe";
+  if (S_ISCHR(sb.st_mode)) return "character device";
+  if (S_ISBLK(sb.st_mode)) return "block device";
+  if (S_ISSOCK(sb.st_mode)) return "socket";
+  return "other";
+}
+
 moe_status moe_file_open_regular(moe_ctx *ctx, const char *what, const char *path, int *fd,
                                  uint64_t *size) {
   *fd = -1;

@@ -46,6 +46,11 @@ uint64_t moe_xxh64(const void *p, size_t n, uint64_t seed);
 moe_status moe_file_open_regular(moe_ctx *ctx, const char *what, const char *path, int *fd,
                                  uint64_t *size);
 
+/* What is at path, without opening it (stat(2), links followed): "file",
+ * "folder", "named pipe", "character device", "block device", "socket",
+ * "other", or NULL when nothing is (or it cannot be stat'ed). */
+const char *moe_file_kind(const char *path);
+
 /* XXH64 (seed 0) and length of the whole file at path (a regular file). */
 moe_status moe_file_digest(moe_ctx *ctx, const char *path, uint64_t *digest, uint64_t *size);
 
