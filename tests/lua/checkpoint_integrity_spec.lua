@@ -23,6 +23,7 @@ local function sh(cmd) assert(os.execute(cmd), cmd) end
 local root = os.tmpname()
 os.remove(root)
 sh("mkdir -p " .. sh_quote(root))
+lazy_teardown(function() os.execute("rm -rf " .. sh_quote(root)) end)
 local counter = 0
 local function fresh(name)
   counter = counter + 1
