@@ -297,6 +297,7 @@ static bool jarray(jparser *p, moe_json *v) {
 /* Checks the keys of an object for a duplicate: ks holds (name, offset) of
  * each member and is sorted here. */
 static bool jcheck_keys(jparser *p, jkey *ks, size_t n) {
+  if (n < 2) return true;
   qsort(ks, n, sizeof *ks, jkey_cmp);
   for (size_t i = 1; i < n; i++)
     if (strcmp(ks[i - 1].k, ks[i].k) == 0) /* the message may quote a long key */

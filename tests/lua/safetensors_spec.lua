@@ -210,6 +210,11 @@ describe("moe.save / moe.load", function()
     local m = header_file("members.safetensors", "{" .. table.concat(parts, ",") .. "}")
     parts = nil
     assert.error_matches(function() moe.load(P("members.safetensors")) end, "the entry must be an object")
+    -- AddressSanitizer's redzones and quarantine double the heap: no bound to check there
+    local maps = io.open("/proc/self/maps")
+    local asan = maps and maps:read("a"):find("libasan", 1, true)
+    if maps then maps:close() end
+    if asan then return end
     local base = peak_kb(nil)
     local list_kb, members_kb = peak_kb(P("list.safetensors")) - base, peak_kb(P("members.safetensors")) - base
     -- the header itself (1x) and the parsed tree: about 16 (list) and 130 (members) MB
