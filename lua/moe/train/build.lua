@@ -77,7 +77,9 @@ function M.data(cfg)
   local data = require "moe.data"
   local ds = data.IndexedDataset(prefix)
   local vok, verr = pcall(data.check_vocab, ds, cfg.model.vocab_size) -- ids the embedding cannot take
-  if not vok then error(("train: data='%s': %s"):format(cfg.data, tostring(verr):gsub("^data%.check_vocab: ", "")), 0) end
+  if not vok then
+    error(("train: data='%s': %s"):format(cfg.data, (tostring(verr):gsub("^data%.check_vocab: ", ""))), 0)
+  end
   local function split(name)
     return data.GPTDataset(ds, { seq_len = cfg.seq_len, seed = cfg.data_seed, split = name,
       valid_fraction = cfg.valid_fraction })
