@@ -198,6 +198,21 @@ static int lm_dataset_unigram_entropy(lua_State *L) {
   return 1;
 }
 
+/* ds:check_vocab(vocab_size) -> the largest token id (-1 without tokens);
+ * an id outside [0, vocab_size) is an error naming the file, sequence, id. */
+static int lm_dataset_check_vocab(lua_State *L) {
+  const char *fname = "check_vocab";
+  lm_state *S = lm_S(L);
+  moe_indexed_dataset *ds = lm_checkds(L, 1, fname);
+  int64_t vocab = lm_data_int(L, 2, fname, "vocab_size", 1, INT64_MAX);
+  lm_checkend(L, 2, fname);
+  int64_t top = -1;
+  if (moe_indexed_dataset_check_vocab(S->ctx, ds, vocab, &top) != MOE_OK)
+    return lm_corefail(L, S, fname, 0);
+  lua_pushinteger(L, (lua_Integer)top);
+  return 1;
+}
+
 static int lm_dataset_tostring(lua_State *L) {
   lm_dataset *u = (lm_dataset *)luaL_checkudata(L, 1, LM_DATASET);
   if (!u->ds) {
@@ -222,6 +237,7 @@ static const luaL_Reg lm_dataset_methods[] = {{"num_sequences", lm_dataset_len},
                                               {"get", lm_dataset_get},
                                               {"windows", lm_dataset_windows},
                                               {"unigram_entropy", lm_dataset_unigram_entropy},
+                                              {"check_vocab", lm_dataset_check_vocab},
                                               {"close", lm_dataset_close},
                                               {NULL, NULL}};
 

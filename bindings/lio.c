@@ -14,10 +14,20 @@
  * whose __gc frees it, so a Lua error while the result tables are built
  * (out of memory) leaks nothing; the box holds a reference to the state so
  * the context outlives the tensors it still owns.
+ *
+ *   moe.file_digest(path) -> "xxh64:<16 hex digits>", size in bytes
+ *   moe.fsync(path)       -> fsync(2) of a file or a folder
+ *   moe.digest(s)         -> "xxh64:<16 hex digits>" of the bytes of string s
+ *   moe.file_kind(path)   -> "file", "folder", "named pipe", ... or nil (stat, no open)
+ *
+ * are what checkpoints (moe/checkpoint.lua) use to record and verify their
+ * files and to make a save durable (core/moe_digest.h). file_digest refuses
+ * a path that is not a regular file (a named pipe, a folder, a device).
  */
 #include <string.h>
 
 #include "lmoe_internal.h"
+#include "moe_digest.h"
 #include "moe_io.h"
 
 #define LM_ST_BOX "moe.SafetensorsBox"
@@ -188,7 +198,69 @@ static int lm_load(lua_State *L) {
   return 2;
 }
 
-static const luaL_Reg lm_io_functions[] = {{"save", lm_save}, {"load", lm_load}, {NULL, NULL}};
+/* A path argument: a string without NUL bytes. */
+static const char *lm_io_path(lua_State *L, int arg, const char *fname) {
+  if (lua_type(L, arg) != LUA_TSTRING)
+    lm_argerror(L, arg, fname, "path must be a string, got %s", lm_typename(L, arg));
+  size_t plen = 0;
+  const char *path = lua_tolstring(L, arg, &plen);
+  if (strlen(path) != plen) lm_argerror(L, arg, fname, "path contains a NUL byte");
+  return path;
+}
+
+/* moe.file_digest(path) -> "xxh64:<hex>", size */
+static int lm_file_digest(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const char *path = lm_io_path(L, 1, "file_digest");
+  lm_checkend(L, 1, "file_digest");
+  uint64_t d = 0, size = 0;
+  if (moe_file_digest(S->ctx, path, &d, &size) != MOE_OK) return lm_corefail(L, S, "file_digest", 0);
+  char hex[32];
+  snprintf(hex, sizeof hex, "xxh64:%016llx", (unsigned long long)d);
+  lua_pushstring(L, hex);
+  lua_pushinteger(L, (lua_Integer)size);
+  return 2;
+}
+
+/* moe.digest(s) -> "xxh64:<hex>" */
+static int lm_digest(lua_State *L) {
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "digest", "string expected, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, "digest");
+  size_t n = 0;
+  const char *p = lua_tolstring(L, 1, &n);
+  char hex[32];
+  snprintf(hex, sizeof hex, "xxh64:%016llx", (unsigned long long)moe_xxh64(p, n, 0));
+  lua_pushstring(L, hex);
+  return 1;
+}
+
+/* moe.file_kind(path) -> "file" | "folder" | "named pipe" | ... | nil */
+static int lm_file_kind(lua_State *L) {
+  const char *path = lm_io_path(L, 1, "file_kind");
+  lm_checkend(L, 1, "file_kind");
+  const char *k = moe_file_kind(path);
+  if (k) lua_pushstring(L, k);
+  else lua_pushnil(L);
+  return 1;
+}
+
+/* moe.fsync(path) */
+static int lm_fsync(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const char *path = lm_io_path(L, 1, "fsync");
+  lm_checkend(L, 1, "fsync");
+  if (moe_file_sync(S->ctx, path) != MOE_OK) return lm_corefail(L, S, "fsync", 0);
+  return 0;
+}
+
+static const luaL_Reg lm_io_functions[] = {{"save", lm_save},
+                                           {"load", lm_load},
+                                           {"file_digest", lm_file_digest},
+                                           {"fsync", lm_fsync},
+                                           {"digest", lm_digest},
+                                           {"file_kind", lm_file_kind},
+                                           {NULL, NULL}};
 
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
   if (luaL_newmetatable(L, LM_ST_BOX)) {

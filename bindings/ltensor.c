@@ -551,11 +551,21 @@ static void lm_build_table(lua_State *L, const moe_tensor *t, int dim, lm_kind k
   }
 }
 
-/* t:totable(): nested Lua sequences (a number for a 0-dim tensor). */
+/* t:totable(): nested Lua sequences (a number for a 0-dim tensor). An
+ * empty tensor gives its tables down to its first size 0: {} for {0, 2^40};
+ * one whose tables alone would not fit in memory ({2^40, 0}: 2^40 empty
+ * tables) is an error at once, not minutes of building. */
 static int lm_t_totable(lua_State *L) {
   lm_state *S = lm_S(L);
   moe_tensor *t = lm_checktensor(L, 1, "totable");
   lm_checkend(L, 1, "totable");
+  if (moe_tensor_numel(t) == 0) {
+    double tables = 1, rows = 1; /* tables above the first size 0 */
+    for (int d = 0; d + 1 < t->ndim && t->shape[d] > 0; d++) tables += (rows *= (double)t->shape[d]);
+    if (tables > (double)INT32_MAX)
+      lm_argerror(L, 1, "totable", "the empty tensor of shape %s would take more than 2^31 "
+                  "empty tables", MOE_SHAPE(t));
+  }
   void *buf = lm_read_all(L, S, t, "totable");
   int64_t pos = 0;
   lm_build_table(L, t, 0, lm_kind_of(t->dtype), buf, &pos);

@@ -8,6 +8,12 @@
  * mapped read-only for the dataset's life. Every count, size, pointer and
  * document index is checked against the file lengths at open, so reads
  * later need no checks beyond the caller's indices. Little-endian hosts.
+ *
+ * The writer streams tokens into "prefix.bin.tmp-<pid>" and writes
+ * "prefix.idx.tmp-<pid>"; finalize fsyncs both and renames them over
+ * prefix.bin and prefix.idx, so a reader that has the old prefix.bin mapped
+ * keeps reading the old file's contents (its inode lives on) instead of
+ * dying of SIGBUS on a truncated mapping.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -119,13 +125,16 @@ static char *ds_path(const char *prefix, const char *ext) {
 static moe_status ds_map(moe_ctx *ctx, const char *path, const uint8_t **map, size_t *len) {
   *map = NULL;
   *len = 0;
-  int fd = open(path, O_RDONLY);
+  /* O_NONBLOCK: a named pipe with no writer must not block the open */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0)
     return moe_error(ctx, MOE_ERR_IO, "indexed dataset: cannot open %s: %s", path, strerror(errno));
   struct stat sb;
   if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    bool fifo = S_ISFIFO(sb.st_mode), dir = S_ISDIR(sb.st_mode);
     close(fd);
-    return moe_error(ctx, MOE_ERR_IO, "indexed dataset: %s is not a regular file", path);
+    return moe_error(ctx, MOE_ERR_IO, "indexed dataset: %s is not a regular file%s", path,
+                     fifo ? " (a named pipe)" : dir ? " (a folder)" : "");
   }
   if (sb.st_size > 0) {
     void *m = mmap(NULL, (size_t)sb.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -197,6 +206,8 @@ static moe_status ds_parse_index(moe_ctx *ctx, moe_indexed_dataset *ds, const ch
                      path);
   const uint8_t *sizes = m + DS_HEADER, *ptrs = sizes + 4 * n, *docs = ptrs + 8 * n;
   ds->cum[0] = 0;
+  uint64_t prev_end = 0, prev_seq = 0; /* end of the last non-empty sequence, its index */
+  bool any = false;
   for (uint64_t i = 0; i < n; i++) {
     int32_t sz;
     int64_t p;
@@ -209,9 +220,22 @@ static moe_status ds_parse_index(moe_ctx *ctx, moe_indexed_dataset *ds, const ch
                                                    ds->bin_len - (uint64_t)p ||
         p % ds->itemsize != 0)
       return moe_error(ctx, MOE_ERR_IO,
-                       "indexed dataset: sequence %llu (%d tokens at byte %lld) lies outside %s "
+                       "indexed dataset: %s: sequence %llu (%d tokens at byte %lld) lies outside %s "
                        "(%zu bytes): truncated or corrupt",
-                       (unsigned long long)i, (int)sz, (long long)p, ds->bin_path, ds->bin_len);
+                       path, (unsigned long long)i, (int)sz, (long long)p, ds->bin_path, ds->bin_len);
+    if (sz > 0) { /* non-empty sequences lie in file order without overlapping */
+      if (any && (uint64_t)p < prev_end)
+        return moe_error(ctx, MOE_ERR_IO,
+                         "indexed dataset: %s: sequence %llu (bytes [%lld, %lld) of %s) starts "
+                         "before sequence %llu ends (byte %llu): sequences overlap or are out of "
+                         "order; corrupt index",
+                         path, (unsigned long long)i, (long long)p,
+                         (long long)(p + (int64_t)sz * ds->itemsize), ds->bin_path,
+                         (unsigned long long)prev_seq, (unsigned long long)prev_end);
+      prev_end = (uint64_t)p + (uint64_t)sz * (uint64_t)ds->itemsize;
+      prev_seq = i;
+      any = true;
+    }
     ds->ptr[i] = p;
     ds->cum[i + 1] = ds->cum[i] + sz;
   }
@@ -381,10 +405,67 @@ moe_status moe_indexed_dataset_unigram_entropy(moe_ctx *ctx, const moe_indexed_d
   return MOE_OK;
 }
 
+/* Smallest and largest token of the n tokens at p: one typed loop per dtype
+ * (the compiler vectorizes them). */
+#define DS_MINMAX(T)                                      \
+  do {                                                    \
+    T lo_, hi_;                                           \
+    memcpy(&lo_, p, sizeof(T));                           \
+    hi_ = lo_;                                            \
+    for (int64_t k = 0; k < n; k++) {                     \
+      T v_;                                               \
+      memcpy(&v_, p + k * (int64_t)sizeof(T), sizeof(T)); \
+      lo_ = v_ < lo_ ? v_ : lo_;                          \
+      hi_ = v_ > hi_ ? v_ : hi_;                          \
+    }                                                     \
+    *mn = (int64_t)lo_;                                   \
+    *mx = (int64_t)hi_;                                   \
+  } while (0)
+
+static void ds_minmax(const uint8_t *p, int64_t n, moe_index_dtype code, int64_t *mn, int64_t *mx) {
+  switch (code) {
+  case MOE_INDEX_U8: DS_MINMAX(uint8_t); break;
+  case MOE_INDEX_I8: DS_MINMAX(int8_t); break;
+  case MOE_INDEX_I16: DS_MINMAX(int16_t); break;
+  case MOE_INDEX_U16: DS_MINMAX(uint16_t); break;
+  case MOE_INDEX_I32: DS_MINMAX(int32_t); break;
+  default: DS_MINMAX(int64_t); break;
+  }
+}
+
+moe_status moe_indexed_dataset_check_vocab(moe_ctx *ctx, const moe_indexed_dataset *ds,
+                                           int64_t vocab_size, int64_t *max_id) {
+  if (vocab_size < 1)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "check_vocab: vocab_size %lld (>= 1 expected)",
+                     (long long)vocab_size);
+  int64_t top = -1;
+  for (int64_t i = 0; i < ds->n; i++) {
+    int64_t n = ds->cum[i + 1] - ds->cum[i], mn = 0, mx = -1;
+    if (n == 0) continue;
+    const uint8_t *p = ds->bin + ds->ptr[i];
+    ds_minmax(p, n, ds->dtype, &mn, &mx);
+    if (mn < 0 || mx >= vocab_size) {
+      for (int64_t k = 0; k < n; k++) {
+        int64_t v = ds_token(p + k * ds->itemsize, ds->dtype);
+        if (v < 0 || v >= vocab_size)
+          return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                           "indexed dataset %s: sequence %lld holds token id %lld (token %lld of "
+                           "it), outside the model's vocabulary [0, %lld)",
+                           ds->bin_path, (long long)i, (long long)v, (long long)k,
+                           (long long)vocab_size);
+      }
+    }
+    top = mx > top ? mx : top;
+  }
+  if (max_id) *max_id = top;
+  return MOE_OK;
+}
+
 /* ------------------------------------------------------------ writer */
 
 struct moe_indexed_builder {
   char *bin_path, *idx_path;
+  char *bin_tmp;  /* prefix.bin.tmp-<pid>: the tokens until finalize renames it */
   FILE *bin;
   moe_index_dtype dtype;
   int64_t itemsize;
@@ -423,17 +504,21 @@ moe_status moe_indexed_builder_open(moe_ctx *ctx, const char *prefix, moe_index_
   b->itemsize = ds_itemsize(dtype);
   b->bin_path = ds_path(prefix, ".bin");
   b->idx_path = ds_path(prefix, ".idx");
-  if (!b->bin_path || !b->idx_path || !ds_grow((void **)&b->docs, &b->dcap, 1, sizeof(int64_t))) {
+  char suffix[40];
+  snprintf(suffix, sizeof suffix, ".tmp-%ld", (long)getpid());
+  b->bin_tmp = b->bin_path ? ds_path(b->bin_path, suffix) : NULL;
+  if (!b->bin_path || !b->idx_path || !b->bin_tmp ||
+      !ds_grow((void **)&b->docs, &b->dcap, 1, sizeof(int64_t))) {
     b->finalized = true; /* nothing to remove */
     moe_indexed_builder_free(b);
     return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "indexed builder: out of memory");
   }
   b->docs[0] = 0;
   b->nd = 1;
-  b->bin = fopen(b->bin_path, "wb");
+  b->bin = fopen(b->bin_tmp, "wb");
   if (!b->bin) {
     moe_status st = moe_error(ctx, MOE_ERR_IO, "indexed builder: cannot create %s: %s",
-                              b->bin_path, strerror(errno));
+                              b->bin_tmp, strerror(errno));
     b->finalized = true;
     moe_indexed_builder_free(b);
     return st;
@@ -484,18 +569,42 @@ moe_status moe_indexed_builder_end_document(moe_ctx *ctx, moe_indexed_builder *b
 
 static bool ds_write(FILE *f, const void *p, size_t n) { return n == 0 || fwrite(p, 1, n, f) == n; }
 
+/* Flushes f to the disk and closes it; false (errno set) on failure. */
+static bool ds_close_synced(FILE *f) {
+  bool ok = fflush(f) == 0 && fsync(fileno(f)) == 0;
+  int e = errno;
+  ok = (fclose(f) == 0) && ok;
+  if (!ok && e) errno = e;
+  return ok;
+}
+
+/* fsync of the folder holding path (best effort: the renames' durability). */
+static void ds_sync_folder(const char *path) {
+  const char *slash = strrchr(path, '/');
+  char *dir = slash ? (slash == path ? strdup("/") : strndup(path, (size_t)(slash - path))) : strdup(".");
+  if (!dir) return;
+  int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd >= 0) {
+    (void)fsync(fd);
+    close(fd);
+  }
+  free(dir);
+}
+
 moe_status moe_indexed_builder_finalize(moe_ctx *ctx, moe_indexed_builder *b) {
   if (b->finalized)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "indexed builder: %s is already finalized",
                      b->idx_path);
   /* sequences added after the last end_document form a last document */
   if (b->docs[b->nd - 1] != b->n) MOE_CHECK(moe_indexed_builder_end_document(ctx, b));
-  int rc = fclose(b->bin);
+  bool closed = ds_close_synced(b->bin);
   b->bin = NULL;
-  if (rc != 0)
-    return moe_error(ctx, MOE_ERR_IO, "indexed builder: closing %s failed: %s", b->bin_path,
+  if (!closed)
+    return moe_error(ctx, MOE_ERR_IO, "indexed builder: closing %s failed: %s", b->bin_tmp,
                      strerror(errno));
-  char *tmp = ds_path(b->idx_path, ".tmp");
+  char suffix[40];
+  snprintf(suffix, sizeof suffix, ".tmp-%ld", (long)getpid());
+  char *tmp = ds_path(b->idx_path, suffix);
   if (!tmp) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "indexed builder: out of memory");
   FILE *f = fopen(tmp, "wb");
   if (!f) {
@@ -515,7 +624,15 @@ moe_status moe_indexed_builder_finalize(moe_ctx *ctx, moe_indexed_builder *b) {
     ptr += (int64_t)b->sizes[i] * b->itemsize;
   }
   ok = ok && ds_write(f, b->docs, sizeof(int64_t) * (size_t)b->nd);
-  ok = (fclose(f) == 0) && ok;
+  ok = ds_close_synced(f) && ok;
+  /* .bin first, then .idx: an index is never newer than its tokens */
+  if (ok && rename(b->bin_tmp, b->bin_path) != 0) {
+    moe_status st = moe_error(ctx, MOE_ERR_IO, "indexed builder: renaming %s to %s failed: %s",
+                              b->bin_tmp, b->bin_path, strerror(errno));
+    remove(tmp);
+    free(tmp);
+    return st;
+  }
   if (!ok || rename(tmp, b->idx_path) != 0) {
     moe_status st = moe_error(ctx, MOE_ERR_IO, "indexed builder: writing %s failed: %s",
                               b->idx_path, strerror(errno));
@@ -524,6 +641,7 @@ moe_status moe_indexed_builder_finalize(moe_ctx *ctx, moe_indexed_builder *b) {
     return st;
   }
   free(tmp);
+  ds_sync_folder(b->idx_path);
   b->finalized = true;
   return MOE_OK;
 }
@@ -531,7 +649,8 @@ moe_status moe_indexed_builder_finalize(moe_ctx *ctx, moe_indexed_builder *b) {
 void moe_indexed_builder_free(moe_indexed_builder *b) {
   if (!b) return;
   if (b->bin) fclose(b->bin);
-  if (!b->finalized && b->bin_path) remove(b->bin_path);
+  if (!b->finalized && b->bin_tmp) remove(b->bin_tmp);
+  free(b->bin_tmp);
   free(b->bin_path);
   free(b->idx_path);
   free(b->sizes);

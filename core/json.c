@@ -2,7 +2,9 @@
  * json.c - the strict JSON reader of json.h: recursive descent over the
  * text, one malloc'd tree. Every parse function keeps its value freeable at
  * any point (counts cover only initialised entries), so a failure anywhere
- * is cleaned up by freeing the root.
+ * is cleaned up by freeing the root. Strings are written one after the
+ * other into the document's string buffer (jdoc.strings, len + 1 bytes,
+ * touched only as far as it is used), so a string costs no allocation.
  */
 #include "json.h"
 
@@ -15,6 +17,9 @@ typedef struct jparser {
   const unsigned char *s;
   size_t len, pos;
   int depth;
+  size_t max_list;  /* 0: no limit */
+  char *strings;    /* the document's string buffer */
+  size_t used;      /* bytes of it taken */
   size_t err_offset;
   char *err;
   size_t errlen;
@@ -84,20 +89,24 @@ bool moe_utf8_valid(const char *s, size_t len) {
   return true;
 }
 
+/* The root value and the buffer every string of the tree points into. */
+typedef struct jdoc {
+  moe_json root; /* first: a moe_json * of the root is a jdoc * */
+  char *strings;
+} jdoc;
+
 static void jfree_contents(moe_json *v) {
-  free(v->str);
-  for (size_t i = 0; i < v->n; i++) {
+  if (v->type != MOE_JSON_ARRAY && v->type != MOE_JSON_OBJECT) return;
+  for (size_t i = 0; i < v->n; i++)
     if (v->items) jfree_contents(&v->items[i]);
-    if (v->keys) free(v->keys[i]);
-  }
   free(v->items);
   free(v->keys);
-  free(v->key_offsets);
 }
 
 void moe_json_free(moe_json *root) {
   if (!root) return;
   jfree_contents(root);
+  free(((jdoc *)root)->strings);
   free(root);
 }
 
@@ -151,8 +160,7 @@ static bool jstring(jparser *p, char **out, size_t *outlen) {
   while (i < p->len && p->s[i] != '"') i += p->s[i] == '\\' ? 2 : 1;
   if (i >= p->len) return jfail(p, start, "unterminated string");
   size_t end = i;
-  char *buf = malloc(end - start);
-  if (!buf) return jfail(p, start, "out of memory reading a string of %zu bytes", end - start);
+  char *buf = p->strings + p->used; /* room: the decoded text + 1 < end + 1 - start */
   size_t o = 0;
   char cb[16];
   i = start + 1;
@@ -168,44 +176,37 @@ static bool jstring(jparser *p, char **out, size_t *outlen) {
         continue;
       }
       if (e != 'u') {
-        free(buf);
         return jfail(p, i, "invalid escape '\\%c' in a string", e > 0x20 && e < 0x7f ? e : '?');
       }
       long cp = jhex4(p, i + 2);
       if (cp < 0 || i + 6 > end) {
-        free(buf);
         return jfail(p, i, "invalid \\u escape (four hex digits expected)");
       }
       size_t esc_at = i;
       i += 6;
       if (cp >= 0xdc00 && cp <= 0xdfff) {
-        free(buf);
         return jfail(p, esc_at, "unpaired low surrogate \\u%04lx in a string", cp);
       }
       if (cp >= 0xd800 && cp <= 0xdbff) {
         long lo = (i + 6 <= end && p->s[i] == '\\' && p->s[i + 1] == 'u') ? jhex4(p, i + 2) : -1;
         if (lo < 0xdc00 || lo > 0xdfff) {
-          free(buf);
-          return jfail(p, esc_at, "unpaired high surrogate \\u%04lx in a string", cp);
+            return jfail(p, esc_at, "unpaired high surrogate \\u%04lx in a string", cp);
         }
         cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
         i += 6;
       }
       if (cp == 0) {
-        free(buf);
         return jfail(p, esc_at, "\\u0000 in a string is not supported");
       }
       o += put_utf8(buf + o, (unsigned long)cp);
       continue;
     }
     if (c < 0x20) {
-      free(buf);
       return jfail(p, i, "control character %s in a string (it must be escaped)",
                    jchar(c, cb, sizeof cb));
     }
     size_t n = utf8_seq(p->s + i, end - i);
     if (n == 0) {
-      free(buf);
       return jfail(p, i, "invalid UTF-8 in a string (%s)", jchar(c, cb, sizeof cb));
     }
     memcpy(buf + o, p->s + i, n);
@@ -213,6 +214,7 @@ static bool jstring(jparser *p, char **out, size_t *outlen) {
     i += n;
   }
   buf[o] = '\0';
+  p->used += o + 1;
   p->pos = end + 1;
   *out = buf;
   *outlen = o;
@@ -268,8 +270,10 @@ static bool jarray(jparser *p, moe_json *v) {
     return true;
   }
   for (;;) {
+    if (p->max_list && v->n == p->max_list)
+      return jfail(p, p->pos, "a list of more than %zu items", p->max_list);
     if (v->n == cap) {
-      size_t nc = cap ? cap * 2 : 4;
+      size_t nc = cap ? cap * 2 : 2;
       moe_json *ni = realloc(v->items, nc * sizeof *ni);
       if (!ni) return jfail(p, p->pos, "out of memory reading a list");
       v->items = ni;
@@ -290,7 +294,27 @@ static bool jarray(jparser *p, moe_json *v) {
   }
 }
 
+/* Checks the keys of an object for a duplicate: ks holds (name, offset) of
+ * each member and is sorted here. */
+static bool jcheck_keys(jparser *p, jkey *ks, size_t n) {
+  if (n < 2) return true;
+  qsort(ks, n, sizeof *ks, jkey_cmp);
+  for (size_t i = 1; i < n; i++)
+    if (strcmp(ks[i - 1].k, ks[i].k) == 0) /* the message may quote a long key */
+      return jfail(p, ks[i].off, "duplicate key \"%.200s\" in an object", ks[i].k);
+  return true;
+}
+
+static bool jobject_members(jparser *p, moe_json *v, jkey **ks);
+
 static bool jobject(jparser *p, moe_json *v) {
+  jkey *ks = NULL; /* (v->n) names and offsets, for the duplicate check */
+  bool ok = jobject_members(p, v, &ks) && jcheck_keys(p, ks, v->n);
+  free(ks);
+  return ok;
+}
+
+static bool jobject_members(jparser *p, moe_json *v, jkey **ks) {
   size_t cap = 0;
   char cb[16];
   v->type = MOE_JSON_OBJECT;
@@ -306,14 +330,14 @@ static bool jobject(jparser *p, moe_json *v) {
       return jfail(p, p->pos, "expected a string key in an object, got %s",
                    jchar(p->s[p->pos], cb, sizeof cb));
     if (v->n == cap) {
-      size_t nc = cap ? cap * 2 : 4;
+      size_t nc = cap ? cap * 2 : 2;
       moe_json *ni = realloc(v->items, nc * sizeof *ni);
       if (ni) v->items = ni;
       char **nk = ni ? realloc(v->keys, nc * sizeof *nk) : NULL;
       if (nk) v->keys = nk;
-      size_t *no = nk ? realloc(v->key_offsets, nc * sizeof *no) : NULL;
+      jkey *no = nk ? realloc(*ks, nc * sizeof *no) : NULL;
       if (!no) return jfail(p, p->pos, "out of memory reading an object");
-      v->key_offsets = no;
+      *ks = no;
       cap = nc;
     }
     size_t key_at = p->pos, klen = 0;
@@ -321,7 +345,7 @@ static bool jobject(jparser *p, moe_json *v) {
     if (!jstring(p, &key, &klen)) return false;
     memset(&v->items[v->n], 0, sizeof v->items[0]);
     v->keys[v->n] = key;
-    v->key_offsets[v->n] = key_at;
+    (*ks)[v->n] = (jkey){key, key_at};
     v->n++;
     jskip_ws(p);
     if (p->pos >= p->len || p->s[p->pos] != ':')
@@ -332,28 +356,11 @@ static bool jobject(jparser *p, moe_json *v) {
     jskip_ws(p);
     if (p->pos >= p->len) return jfail(p, p->pos, "unexpected end of the text in an object");
     unsigned char c = p->s[p->pos++];
-    if (c == '}') break;
+    if (c == '}') return true;
     if (c != ',')
       return jfail(p, p->pos - 1, "expected ',' or '}' in an object, got %s", jchar(c, cb, sizeof cb));
     jskip_ws(p);
   }
-  if (v->n > 1) { /* duplicate keys: sort (name, offset) pairs, compare neighbours */
-    jkey *ks = malloc(v->n * sizeof *ks);
-    if (!ks) return jfail(p, v->offset, "out of memory checking an object's keys");
-    for (size_t i = 0; i < v->n; i++) ks[i] = (jkey){v->keys[i], v->key_offsets[i]};
-    qsort(ks, v->n, sizeof *ks, jkey_cmp);
-    for (size_t i = 1; i < v->n; i++) {
-      if (strcmp(ks[i - 1].k, ks[i].k) == 0) {
-        size_t at = ks[i].off;
-        /* the message may quote a long key: keep it readable */
-        jfail(p, at, "duplicate key \"%.200s\" in an object", ks[i].k);
-        free(ks);
-        return false;
-      }
-    }
-    free(ks);
-  }
-  return true;
 }
 
 static bool jliteral(jparser *p, const char *word) {
@@ -368,7 +375,7 @@ static bool jliteral(jparser *p, const char *word) {
 
 static bool jvalue(jparser *p, moe_json *v) {
   jskip_ws(p);
-  v->offset = p->pos;
+  v->offset = (uint32_t)p->pos;
   if (p->pos >= p->len) return jfail(p, p->pos, "unexpected end of the text (a value expected)");
   unsigned char c = p->s[p->pos];
   switch (c) {
@@ -403,16 +410,19 @@ static bool jvalue(jparser *p, moe_json *v) {
   }
 }
 
-bool moe_json_parse(const char *text, size_t len, moe_json **out, size_t *err_offset, char *err,
-                    size_t errlen) {
+bool moe_json_parse_limited(const char *text, size_t len, size_t max_list, moe_json **out,
+                            size_t *err_offset, char *err, size_t errlen) {
   char dummy[8];
-  jparser p = {(const unsigned char *)text, len, 0, 0, 0, err ? err : dummy,
+  jparser p = {(const unsigned char *)text, len, 0, 0, max_list, NULL, 0, 0, err ? err : dummy,
                err ? errlen : sizeof dummy};
   p.err[0] = '\0';
-  moe_json *root = calloc(1, sizeof *root);
-  bool ok = root != NULL;
-  if (!ok) jfail(&p, 0, "out of memory");
-  if (ok) ok = jvalue(&p, root);
+  jdoc *doc = NULL;
+  bool ok = true;
+  if (len > UINT32_MAX) ok = jfail(&p, 0, "a text of %zu bytes (at most 4 GiB - 1)", len);
+  if (ok) doc = calloc(1, sizeof *doc);
+  if (doc) doc->strings = p.strings = malloc(len + 1);
+  if (ok && (!doc || !doc->strings)) ok = jfail(&p, 0, "out of memory");
+  if (ok) ok = jvalue(&p, &doc->root);
   if (ok) {
     jskip_ws(&p);
     if (p.pos < p.len) {
@@ -422,12 +432,17 @@ bool moe_json_parse(const char *text, size_t len, moe_json **out, size_t *err_of
     }
   }
   if (!ok) {
-    moe_json_free(root);
+    moe_json_free(doc ? &doc->root : NULL);
     if (err_offset) *err_offset = p.err_offset;
     return false;
   }
-  *out = root;
+  *out = &doc->root;
   return true;
+}
+
+bool moe_json_parse(const char *text, size_t len, moe_json **out, size_t *err_offset, char *err,
+                    size_t errlen) {
+  return moe_json_parse_limited(text, len, 0, out, err_offset, err, errlen);
 }
 
 const moe_json *moe_json_get(const moe_json *obj, const char *key) {

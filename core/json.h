@@ -13,6 +13,10 @@
  * text stopped making sense and a short message.
  *
  * The tree is owned by its root: moe_json_free(root) frees everything.
+ * Memory: the strings (keys too) live in one buffer of len + 1 bytes (a
+ * decoded string and its terminator never outgrow its quoted text), the
+ * values in one array per list or object, 32 bytes each. Texts are at
+ * most 4 GiB - 1 bytes (offsets are 32-bit).
  */
 #ifndef MOE_JSON_H
 #define MOE_JSON_H
@@ -33,18 +37,28 @@ typedef enum moe_json_type {
 } moe_json_type;
 
 typedef struct moe_json moe_json;
+/* 32 bytes a value (64-bit hosts): a header of many small values costs
+ * about 16 times its text at most (a list of "0,"), and a caller can bound
+ * lists with moe_json_parse_limited. */
 struct moe_json {
   moe_json_type type;
-  size_t offset;     /* byte offset of the value's first character */
-  bool boolean;      /* BOOL */
-  bool negative;     /* INT: the sign; magnitude is in u */
-  uint64_t u;        /* INT: absolute value (at most 2^64 - 1) */
-  char *str;         /* STRING: NUL-terminated UTF-8 (no NUL inside) */
-  size_t len;        /* STRING: bytes, without the terminator */
+  uint32_t offset;   /* byte offset of the value's first character */
   size_t n;          /* ARRAY, OBJECT: number of items / members */
-  moe_json *items;   /* ARRAY: (n) values; OBJECT: (n) member values */
-  char **keys;       /* OBJECT: (n) member names, in text order */
-  size_t *key_offsets; /* OBJECT: (n) byte offset of each name */
+  union {
+    struct {
+      uint64_t u;    /* INT: absolute value (at most 2^64 - 1) */
+      bool negative; /* INT: the sign */
+    };
+    bool boolean;    /* BOOL */
+    struct {
+      char *str;     /* STRING: NUL-terminated UTF-8 (no NUL inside) */
+      size_t len;    /* STRING: bytes, without the terminator */
+    };
+    struct {
+      moe_json *items; /* ARRAY: (n) values; OBJECT: (n) member values */
+      char **keys;     /* OBJECT: (n) member names, in text order */
+    };
+  };
 };
 
 /* Parses text[0, len). On success *out is the root (free with
@@ -54,6 +68,11 @@ struct moe_json {
 bool moe_json_parse(const char *text, size_t len, moe_json **out, size_t *err_offset, char *err,
                     size_t errlen);
 void moe_json_free(moe_json *root);
+/* moe_json_parse, where a list of more than max_list items (0: no limit)
+ * is an error at its first extra item: a reader that knows its lists are
+ * short (a safetensors shape) then never builds a long one. */
+bool moe_json_parse_limited(const char *text, size_t len, size_t max_list, moe_json **out,
+                            size_t *err_offset, char *err, size_t errlen);
 
 /* The member named key of an object (NULL when absent or not an object). */
 const moe_json *moe_json_get(const moe_json *obj, const char *key);

@@ -16,7 +16,10 @@
  * The reader validates everything against the file lengths once, at open
  * (magic, version, dtype, counts, every size, pointer and document index):
  * a corrupt or truncated file fails with MOE_ERR_IO naming the file and what
- * is wrong; nothing later can read outside the mapping.
+ * is wrong (the first sequence that overruns prefix.bin, or that starts
+ * before the previous non-empty one ends: overlapping or out-of-order
+ * sequences); nothing later can read outside the mapping. A named pipe, a
+ * folder or a device in place of either file is refused without blocking.
  */
 #ifndef MOE_DATA_H
 #define MOE_DATA_H
@@ -76,12 +79,22 @@ moe_status moe_indexed_dataset_windows(moe_ctx *ctx, const moe_indexed_dataset *
 moe_status moe_indexed_dataset_unigram_entropy(moe_ctx *ctx, const moe_indexed_dataset *ds,
                                                int64_t seq_begin, int64_t seq_end, double *out);
 
+/* Checks that every token id is in [0, vocab_size): the first that is not
+ * fails with MOE_ERR_INVALID_ARG naming prefix.bin, the sequence, the
+ * token's position in it and the id. One pass over the tokens (a typed
+ * min/max per sequence, several GB/s). *max_id (may be NULL): the largest
+ * id, -1 for a dataset without tokens. */
+moe_status moe_indexed_dataset_check_vocab(moe_ctx *ctx, const moe_indexed_dataset *ds,
+                                           int64_t vocab_size, int64_t *max_id);
+
 /* ------------------------------------------------------------ writer */
 
 typedef struct moe_indexed_builder moe_indexed_builder;
 
-/* Creates prefix.bin (tokens are streamed to it); prefix.idx is written by
- * finalize (to a temporary name, then renamed). */
+/* Creates prefix.bin.tmp-<pid> (tokens are streamed to it); finalize writes
+ * prefix.idx.tmp-<pid>, fsyncs both and renames them to prefix.bin, then
+ * prefix.idx. Until then an existing prefix.bin/.idx is untouched, and a
+ * reader that has it open keeps reading the old contents after the rename. */
 moe_status moe_indexed_builder_open(moe_ctx *ctx, const char *prefix, moe_index_dtype dtype,
                                     moe_indexed_builder **out);
 /* Appends one sequence of n tokens; each must fit the dtype. */
@@ -91,7 +104,8 @@ moe_status moe_indexed_builder_add(moe_ctx *ctx, moe_indexed_builder *b, const i
 moe_status moe_indexed_builder_end_document(moe_ctx *ctx, moe_indexed_builder *b);
 /* Flushes prefix.bin and writes prefix.idx; the builder stays valid to free. */
 moe_status moe_indexed_builder_finalize(moe_ctx *ctx, moe_indexed_builder *b);
-/* Frees; an unfinalized builder removes the files it created. NULL: no-op. */
+/* Frees; an unfinalized builder removes the temporary file it created.
+ * NULL: no-op. */
 void moe_indexed_builder_free(moe_indexed_builder *b);
 
 #ifdef __cplusplus

@@ -36,14 +36,18 @@
  * Loading
  *   Everything is validated before any tensor is allocated, as the reference
  *   does: the header length (at most 100 MB and inside the file), the JSON
- *   (an error gives the byte offset), every entry's dtype, shape and
+ *   (an error gives the byte offset; lists of more than 64 items are
+ *   refused while parsing, so the parsed header takes at most about eight
+ *   times its size in memory), every entry's dtype, shape and
  *   data_offsets (inside the buffer, end - begin = numel * element size), and
  *   the buffer must be covered exactly: overlaps, holes between tensors and
  *   bytes after the last one are errors, as is a truncated file. Unknown
  *   fields in an entry are errors. Known safetensors dtypes that moe-lua has
  *   no dtype for (U16, F8_E4M3, ...) fail with MOE_ERR_NOT_SUPPORTED; other
  *   problems with the file's content or the file system give MOE_ERR_IO.
- *   Messages start with "load: '<path>': ".
+ *   Messages start with "load: '<path>': ". A path that is not a regular
+ *   file (a named pipe, a folder, a device) is refused before any read, and
+ *   a named pipe does not block the open.
  *   The data is read with one read (pread, repeated only on a partial read)
  *   per tensor straight into its host storage: no mmap, since tensors own
  *   refcounted storages that outlive the file. With a CUDA target each

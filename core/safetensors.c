@@ -26,6 +26,10 @@
 #define ST_MAX_HEADER 100000000ull   /* the reference's limit on N */
 #define ST_CHUNK ((size_t)8 << 20)     /* host buffer for strided / device tensors */
 #define ST_MAX_IO ((size_t)1 << 30)    /* bytes per read/write call */
+/* The longest list a header may hold: shapes have at most MOE_MAX_DIMS
+ * sizes (longer ones are reported as such up to this length) and
+ * data_offsets two. Bounds the parser's memory to a few times the header. */
+#define ST_MAX_LIST 64
 
 /* The safetensors name of each moe dtype. */
 static const char *const st_dtype_names[MOE_DTYPE_COUNT] = {
@@ -749,7 +753,8 @@ moe_status moe_safetensors_load(moe_ctx *ctx, const char *path, moe_device d,
   moe_json *root = NULL;
   st_info *infos = NULL;
   moe_safetensors *f = NULL;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a named pipe with no writer must not block the open */
+  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) return st_lerr(&ld, MOE_ERR_IO, "cannot open: %s", strerror(errno));
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
@@ -757,7 +762,13 @@ moe_status moe_safetensors_load(moe_ctx *ctx, const char *path, moe_device d,
     goto done;
   }
   if (!S_ISREG(sb.st_mode)) {
-    st = st_lerr(&ld, MOE_ERR_IO, "not a regular file");
+    st = st_lerr(&ld, MOE_ERR_IO, "not a regular file (%s)",
+                 S_ISFIFO(sb.st_mode) ? "a named pipe" : S_ISDIR(sb.st_mode) ? "a folder" : "a device or socket");
+    goto done;
+  }
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    st = st_lerr(&ld, MOE_ERR_IO, "fcntl: %s", strerror(errno));
     goto done;
   }
   uint64_t size = (uint64_t)sb.st_size;
@@ -791,7 +802,7 @@ moe_status moe_safetensors_load(moe_ctx *ctx, const char *path, moe_device d,
   MOE_CHECK_GOTO(st_pread_all(&ld, fd, header, hlen, 8, "the header"), st, done);
   char jerr[256];
   size_t jat = 0;
-  if (!moe_json_parse(header, hlen, &root, &jat, jerr, sizeof jerr)) {
+  if (!moe_json_parse_limited(header, hlen, ST_MAX_LIST, &root, &jat, jerr, sizeof jerr)) {
     st = st_lerr(&ld, MOE_ERR_IO, "invalid JSON in the header at byte %zu (file byte %llu): %s", jat,
                  (unsigned long long)(8 + jat), jerr);
     goto done;

@@ -6,6 +6,7 @@ atomically, the last N kept.
   out_dir/ckpt-<step>/optim.safetensors   the optimizer's tensors
   out_dir/ckpt-<step>/state.json          step, RNG state, data state, config,
                                           optimizer scalars, ... (any JSON table)
+  out_dir/ckpt-<step>/digests.txt         XXH64 and size of each file above
 
   local ckpt = require "moe.checkpoint"
   local path = ckpt.save(out_dir, step, {model = sd, optim = osd, state = tbl}, {keep_last = 3})
@@ -14,11 +15,24 @@ atomically, the last N kept.
   ckpt.folders(out_dir), ckpt.remove_unfinished(out_dir), ckpt.remove_run(out_dir)
 
 Atomicity: everything is written into out_dir/.tmp-ckpt-<step>-<n> first;
-only when all three files are complete is that folder renamed to ckpt-<step>
+only when all four files are complete is that folder renamed to ckpt-<step>
 (rename(2) is atomic within a filesystem). A failure on the way removes the
 temporary folder and raises, leaving earlier checkpoints as they were. An
 existing ckpt-<step> is replaced the same way (moved aside, then removed).
 Folders are made and removed with mkdir -p / rm -rf (POSIX shells).
+
+Durability: every file is fsynced before the folder is, the folder before
+its rename, and out_dir after it (moe.fsync), so after a power loss the
+newest ckpt-<step> is complete or absent, never a folder with an empty
+state.json.
+
+Integrity: digests.txt holds one line "<xxh64:hex> <bytes> <file>" per file
+and a last line "<xxh64:hex> <bytes> digests.txt" over the lines before it.
+load (and verify) re-hashes every file: a flipped bit, a truncated file or a
+changed header is an error naming the file. A checkpoint without
+digests.txt (written before version 2) loads with one warning.
+resolve(out_dir, "latest") takes the newest checkpoint that verifies,
+warning about each newer damaged one; an explicit path must verify.
 ]]
 local moe = require "moe"
 local metrics = require "moe.metrics"
@@ -26,7 +40,9 @@ local metrics = require "moe.metrics"
 local M = {}
 
 M.FORMAT = "moe-lua-checkpoint"
-M.VERSION = 1
+M.VERSION = 2 -- 2: digests.txt
+M.DIGESTS = "digests.txt"
+local DIGESTS_HEAD = "# moe-lua checkpoint digests 1: <digest> <bytes> <file>\n"
 
 local function sh_quote(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 
@@ -37,10 +53,20 @@ end
 function M.mkdir_p(dir) sh("mkdir -p " .. sh_quote(dir), "mkdir") end
 function M.rm_rf(dir) sh("rm -rf " .. sh_quote(dir), "rm") end
 
-local function exists(path)
-  local f = io.open(path, "r")
-  if f then f:close(); return true end
-  return false
+-- stat, not open: a named pipe must not block
+local function exists(path) return moe.file_kind(path) ~= nil end
+
+-- The text of a regular file, or nil and why (a named pipe is never opened).
+local function read_regular(path)
+  local kind = moe.file_kind(path)
+  if kind == nil then return nil, ("'%s' is missing"):format(path) end
+  if kind ~= "file" then return nil, ("'%s' is a %s, not a regular file"):format(path, kind) end
+  local f, err = io.open(path, "rb")
+  if not f then return nil, ("cannot open '%s': %s"):format(path, tostring(err)) end
+  local s = f:read("a")
+  f:close()
+  if not s then return nil, ("cannot read '%s'"):format(path) end
+  return s
 end
 
 local function write_file(path, text)
@@ -49,14 +75,6 @@ local function write_file(path, text)
   local ok, werr = f:write(text)
   local cok, cerr = f:close()
   if not ok or not cok then error(("checkpoint: cannot write '%s': %s"):format(path, werr or cerr), 0) end
-end
-
-local function read_file(path)
-  local f, err = io.open(path, "rb")
-  if not f then error(("checkpoint: cannot open '%s': %s"):format(path, err), 0) end
-  local s = f:read("a")
-  f:close()
-  return s
 end
 
 --- dir_name(out_dir, step) -> out_dir/ckpt-<step>
@@ -137,16 +155,32 @@ function M.remove_run(out_dir)
   return removed
 end
 
---- write_atomic(path, text): text into path through path.tmp and a rename, so a
---- reader never sees half a file.
+-- The folder that holds path ("." for a bare name).
+local function parent(path)
+  local d = path:match("^(.*)/[^/]*$")
+  if d == nil then return "." end
+  return d == "" and "/" or d
+end
+
+local function fsync(path)
+  local ok, err = pcall(moe.fsync, path)
+  if not ok then error("checkpoint: " .. tostring(err), 0) end
+end
+
+--- write_atomic(path, text): text into path through path.tmp, an fsync and a
+--- rename (then an fsync of the folder), so a reader never sees half a file
+--- and a power loss leaves the old file or the new one.
 function M.write_atomic(path, text)
   local tmp = path .. ".tmp"
   write_file(tmp, text)
-  local ok, err = os.rename(tmp, path)
+  local sok, serr = pcall(fsync, tmp)
+  local ok, err = sok, serr
+  if sok then ok, err = os.rename(tmp, path) end
   if not ok then
     os.remove(tmp)
     error(("checkpoint: cannot rename '%s' to '%s': %s"):format(tmp, path, err), 0)
   end
+  fsync(parent(path))
 end
 
 --- latest(out_dir) -> path of the newest checkpoint, or nil when there is none.
@@ -156,11 +190,108 @@ function M.latest(out_dir)
   return M.dir_name(out_dir, steps[#steps])
 end
 
---- resolve(out_dir, resume) -> a checkpoint path or nil. resume: nil/false/"" (nil),
---- "latest" (the newest in out_dir, nil if none), or a checkpoint folder (must exist).
-function M.resolve(out_dir, resume)
+-- The text of digests.txt for the files of folder dir.
+local function digests_text(dir, files)
+  local lines = { DIGESTS_HEAD }
+  for _, name in ipairs(files) do
+    local ok, d, size = pcall(moe.file_digest, dir .. "/" .. name)
+    if not ok then error("checkpoint: " .. tostring(d), 0) end
+    lines[#lines + 1] = ("%s %d %s\n"):format(d, size, name)
+  end
+  local body = table.concat(lines)
+  return body .. ("%s %d %s\n"):format(moe.digest(body), #body, M.DIGESTS)
+end
+
+-- Checks the files of checkpoint dir against its digests.txt: true, or
+-- nil and why (naming the file); "none" when there is no digests.txt.
+local function check_digests(dir)
+  local dpath = dir .. "/" .. M.DIGESTS
+  if not exists(dpath) then return "none" end
+  local text, rerr = read_regular(dpath)
+  if not text then return nil, rerr end
+  local body, d, size = text:match("^(.*\n)(xxh64:%x+) (%d+) digests%.txt\n$")
+  if not body or body:sub(1, #DIGESTS_HEAD) ~= DIGESTS_HEAD then
+    return nil, ("'%s' is corrupt (not a digest list)"):format(dpath)
+  end
+  if moe.digest(body) ~= d or #body ~= math.tointeger(size) then
+    return nil, ("'%s' is corrupt (its own digest does not match)"):format(dpath)
+  end
+  local n = 0
+  for line in body:sub(#DIGESTS_HEAD + 1):gmatch("([^\n]*)\n") do
+    local want, bytes, name = line:match("^(xxh64:%x+) (%d+) ([^/]+)$")
+    if not want then return nil, ("'%s' is corrupt (bad line '%s')"):format(dpath, line) end
+    local file = dir .. "/" .. name
+    local ok, got, got_size = pcall(moe.file_digest, file)
+    if not ok then return nil, tostring(got):gsub("^file_digest: ", "") end
+    if got_size ~= math.tointeger(bytes) then
+      return nil, ("'%s' is corrupt: %d bytes, %s bytes were written"):format(file, got_size, bytes)
+    end
+    if got ~= want then
+      return nil, ("'%s' is corrupt: its digest is %s, %s was written"):format(file, got, want)
+    end
+    n = n + 1
+  end
+  if n == 0 then return nil, ("'%s' lists no files"):format(dpath) end
+  return true
+end
+
+local warned_undigested = {}
+
+--- verify(path) -> true, or nil and a one-line reason naming the damaged
+--- file: state.json missing, empty or not a checkpoint state, digests.txt
+--- corrupt or missing (version >= 2), a file missing or not matching its digest.
+function M.verify(path)
+  local state_path = path .. "/state.json"
+  local text, rerr = read_regular(state_path)
+  if not text then return nil, rerr end
+  if text == "" then return nil, ("'%s' is empty"):format(state_path) end
+  local dok, why = check_digests(path)
+  if not dok then return nil, why end
+  local ok, state = pcall(metrics.json.decode, text)
+  if not ok then return nil, ("'%s' is corrupt: %s"):format(state_path, tostring(state)) end
+  if type(state) ~= "table" or state.format ~= M.FORMAT then
+    return nil, ("'%s' is not a moe-lua checkpoint state (format '%s')"):format(
+      state_path, type(state) == "table" and tostring(state.format) or type(state))
+  end
+  if dok == "none" then
+    if (math.tointeger(state.version) or 1) >= 2 then
+      return nil, ("'%s/%s' is missing (written by version %s, which records digests)"):format(
+        path, M.DIGESTS, tostring(state.version))
+    end
+    if not warned_undigested[path] then
+      warned_undigested[path] = true
+      io.stderr:write(("checkpoint: warning: '%s' has no %s (an older checkpoint): its files are " ..
+        "not verified\n"):format(path, M.DIGESTS))
+    end
+  end
+  return true, nil, state
+end
+
+--- latest_good(out_dir [, warn]) -> path of the newest checkpoint that verifies, or
+--- nil. Each newer ckpt-<step> folder that does not is skipped with
+--- warn("checkpoint: skipping damaged <path>: <why>") (default: a line on stderr).
+function M.latest_good(out_dir, warn)
+  warn = warn or function(msg) io.stderr:write(msg, "\n") end
+  local folders = M.folders(out_dir)
+  table.sort(folders, function(a, b) return tonumber(a:match("%d+$")) > tonumber(b:match("%d+$")) end)
+  for _, name in ipairs(folders) do
+    local path = out_dir .. "/" .. name
+    local ok, why = M.verify(path)
+    if ok then return path end
+    warn(("checkpoint: skipping damaged %s: %s"):format(path, why))
+  end
+  return nil
+end
+
+--- resolve(out_dir, resume [, {quiet=false}]) -> a checkpoint path or nil. resume:
+--- nil/false/"" (nil), "latest" (the newest good one in out_dir, skipping damaged
+--- ones with a warning unless quiet; nil if none), or a checkpoint folder (must exist;
+--- load verifies it).
+function M.resolve(out_dir, resume, opts)
   if resume == nil or resume == false or resume == "" or resume == "none" then return nil end
-  if resume == "latest" then return M.latest(out_dir) end
+  if resume == "latest" then
+    return M.latest_good(out_dir, opts and opts.quiet and function() end or nil)
+  end
   if not exists(resume .. "/state.json") then
     error(("checkpoint: resume='%s' is not a checkpoint folder (no state.json in it)"):format(resume), 0)
   end
@@ -169,7 +300,8 @@ end
 
 local tmp_counter = 0
 
-M.reserved = { ["model.safetensors"] = true, ["optim.safetensors"] = true, ["state.json"] = true }
+M.reserved = { ["model.safetensors"] = true, ["optim.safetensors"] = true, ["state.json"] = true,
+  [M.DIGESTS] = true }
 
 --- save(out_dir, step, {model=, optim=, state=, files=}, {keep_last=nil}) -> the checkpoint's path.
 --- model and optim: tables name -> tensor (optim may be empty or nil); state: a JSON table;
@@ -196,12 +328,22 @@ function M.save(out_dir, step, parts, opts)
     for k, v in pairs(parts.state or {}) do state[k] = v end
     state.format, state.version, state.step = M.FORMAT, M.VERSION, step
     write_file(tmp .. "/state.json", metrics.json.encode(state) .. "\n")
-    for name, text in pairs(parts.files or {}) do -- extra files: {name = text}, e.g. the tokenizer's
+    local listed = { "model.safetensors", "optim.safetensors", "state.json" }
+    local extra = {}
+    for name in pairs(parts.files or {}) do extra[#extra + 1] = name end
+    table.sort(extra, function(a, b) return tostring(a) < tostring(b) end)
+    for _, name in ipairs(extra) do -- extra files: {name = text}, e.g. the tokenizer's
       if type(name) ~= "string" or not name:match("^[%w_][%w_.%-]*$") or M.reserved[name] then
         error(("bad extra file name '%s'"):format(tostring(name)), 0)
       end
-      write_file(tmp .. "/" .. name, text)
+      write_file(tmp .. "/" .. name, parts.files[name])
+      fsync(tmp .. "/" .. name)
+      listed[#listed + 1] = name
     end
+    fsync(tmp .. "/state.json") -- moe.save fsyncs the .safetensors files itself
+    write_file(tmp .. "/" .. M.DIGESTS, digests_text(tmp, listed))
+    fsync(tmp .. "/" .. M.DIGESTS)
+    fsync(tmp)
     if exists(final) then
       local old = tmp .. ".old"
       assert(os.rename(final, old))
@@ -212,6 +354,7 @@ function M.save(out_dir, step, parts, opts)
       local rok, rerr = os.rename(tmp, final)
       if not rok then error(("cannot rename '%s' to '%s': %s"):format(tmp, final, rerr), 0) end
     end
+    fsync(out_dir)
   end)
   if not ok then
     pcall(M.rm_rf, tmp)
@@ -229,7 +372,7 @@ function M.prune(out_dir, keep_last)
 end
 
 --- load(path [, {device=}]) -> {model = name -> tensor, optim = name -> tensor, state = table,
---- path = path}. A missing or corrupt file is an error naming it.
+--- path = path}. A missing or corrupt file (digests.txt says which) is an error naming it.
 function M.load(path, opts)
   if type(path) ~= "string" then
     error(("bad argument #1 to 'checkpoint.load' (checkpoint folder expected, got %s)"):format(type(path)), 2)
@@ -237,14 +380,10 @@ function M.load(path, opts)
   local lopts = opts and opts.device and { device = opts.device } or nil
   local state_path = path .. "/state.json"
   if not exists(state_path) then
-    error(("checkpoint.load: '%s' has no state.json (not a checkpoint)"):format(path), 2)
+    error(("checkpoint.load: '%s' has no state.json ('%s/state.json' is missing)"):format(path, path), 2)
   end
-  local ok, state = pcall(metrics.json.decode, read_file(state_path))
-  if not ok then error(("checkpoint.load: corrupt '%s': %s"):format(state_path, state), 2) end
-  if type(state) ~= "table" or state.format ~= M.FORMAT then
-    error(("checkpoint.load: '%s' is not a moe-lua checkpoint state (format '%s')"):format(
-      state_path, type(state) == "table" and tostring(state.format) or type(state)), 2)
-  end
+  local ok, why, state = M.verify(path)
+  if not ok then error("checkpoint.load: " .. why, 2) end
   local out = { state = state, path = path }
   for _, name in ipairs({ "model", "optim" }) do
     local file = ("%s/%s.safetensors"):format(path, name)

@@ -3,8 +3,13 @@
  * and the mmap'd reader round trip for every integer dtype, the exact byte
  * layout of the .idx header, windows across sequence boundaries (empty
  * sequences included), the unigram entropy, and corrupt / truncated files
- * (each must fail at open with MOE_ERR_IO naming the file and the problem).
+ * (each must fail at open with MOE_ERR_IO naming the file and the problem),
+ * overlapping sequences, named pipes, the vocabulary check, and a prefix
+ * rewritten while a reader has it mapped (the reader keeps the old tokens:
+ * no SIGBUS).
  */
+#include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "harness.h"
@@ -204,6 +209,11 @@ static void test_corrupt_files(moe_ctx *ctx) {
   patch("bad.idx", 82 + 16, &back, 8);
   EXPECT_CORRUPT("document index 2");
   fresh_bad();
+  int64_t two_bytes = 2; /* sequence 3 at byte 2: inside sequence 0 */
+  patch("bad.idx", 50 + 24, &two_bytes, 8);
+  EXPECT_CORRUPT("sequence 3 (bytes [2, 6) of");
+  EXPECT_CORRUPT("starts before sequence 2 ends (byte 8): sequences overlap");
+  fresh_bad();
   FILE *f = fopen(path("bad.idx"), "ab");
   if (f) {
     fputs("junk-junk", f); /* 9 bytes: neither nothing nor the 4 mode bytes */
@@ -223,13 +233,16 @@ static void test_builder_errors(moe_ctx *ctx) {
   const int64_t big[] = {1, 256};
   EXPECT_ERR_MSG(moe_indexed_builder_add(ctx, b, big, 2), MOE_ERR_INVALID_ARG,
                  "token 256 (at 1) does not fit dtype u8");
-  EXPECT(access(path("b.bin"), F_OK) == 0);
-  moe_indexed_builder_free(b); /* not finalized: removes b.bin */
-  EXPECT(access(path("b.bin"), F_OK) != 0);
+  char tmp[300];
+  snprintf(tmp, sizeof tmp, "%s.tmp-%ld", path("b.bin"), (long)getpid());
+  EXPECT(access(path("b.bin"), F_OK) != 0); /* the tokens go to a temporary file */
+  EXPECT(access(tmp, F_OK) == 0);
+  moe_indexed_builder_free(b); /* not finalized: removes it */
+  EXPECT(access(tmp, F_OK) != 0);
   EXPECT_ERR(moe_indexed_builder_open(ctx, path("b"), MOE_INDEX_F32, &b), MOE_ERR_INVALID_ARG);
   EXPECT(b == NULL);
   EXPECT_ERR_MSG(moe_indexed_builder_open(ctx, "/nonexistent-dir/x", MOE_INDEX_U16, &b),
-                 MOE_ERR_IO, "cannot create /nonexistent-dir/x.bin");
+                 MOE_ERR_IO, "cannot create /nonexistent-dir/x.bin.tmp-");
   EXPECT_OK(moe_indexed_builder_open(ctx, path("b"), MOE_INDEX_I16, &b));
   EXPECT_OK(moe_indexed_builder_finalize(ctx, b));
   EXPECT_ERR_MSG(moe_indexed_builder_add(ctx, b, big, 2), MOE_ERR_INVALID_ARG, "already finalized");
@@ -243,6 +256,125 @@ static void test_builder_errors(moe_ctx *ctx) {
   EXPECT(!moe_index_dtype_parse("f32", &(moe_index_dtype){0}));
 }
 
+/* A prefix rewritten (smaller) while a reader has it mapped: the old handle
+ * reads every old token; a truncated mapping would raise SIGBUS here. */
+static void test_rewrite_while_read(moe_ctx *ctx) {
+  moe_indexed_builder *b = NULL;
+  EXPECT_OK(moe_indexed_builder_open(ctx, path("rw"), MOE_INDEX_I32, &b));
+  if (!b) return;
+  int64_t seq[4096];
+  for (int d = 0; d < 64; d++) {
+    for (int k = 0; k < 4096; k++) seq[k] = d * 100000 + k;
+    EXPECT_OK(moe_indexed_builder_add(ctx, b, seq, 4096));
+    EXPECT_OK(moe_indexed_builder_end_document(ctx, b));
+  }
+  EXPECT_OK(moe_indexed_builder_finalize(ctx, b));
+  moe_indexed_builder_free(b);
+  moe_indexed_dataset *old = NULL;
+  EXPECT_OK(moe_indexed_dataset_open(ctx, path("rw"), &old));
+  if (!old) return;
+  /* rewrite the same prefix: one short sequence (1 MiB of tokens -> 8 bytes) */
+  b = NULL;
+  EXPECT_OK(moe_indexed_builder_open(ctx, path("rw"), MOE_INDEX_I32, &b));
+  if (b) {
+    EXPECT_OK(moe_indexed_builder_add(ctx, b, (const int64_t[]){7, 8}, 2));
+    EXPECT_OK(moe_indexed_builder_finalize(ctx, b));
+    moe_indexed_builder_free(b);
+  }
+  struct stat sb;
+  EXPECT(stat(path("rw.bin"), &sb) == 0 && sb.st_size == 8);
+  int bad = 0;
+  for (int64_t i = 0; i < moe_indexed_dataset_num_sequences(old); i++) {
+    moe_tensor *t = NULL;
+    EXPECT_OK(moe_indexed_dataset_get(ctx, old, i, 0, -1, &t));
+    if (!t) return;
+    const int64_t *v = (const int64_t *)moe_tensor_data(t);
+    for (int k = 0; k < 4096; k++) bad += v[k] != i * 100000 + k;
+    moe_tensor_release(t);
+  }
+  EXPECT(bad == 0 && moe_indexed_dataset_num_sequences(old) == 64);
+  moe_indexed_dataset_close(old);
+  moe_indexed_dataset *now = NULL;
+  EXPECT_OK(moe_indexed_dataset_open(ctx, path("rw"), &now));
+  EXPECT(now && moe_indexed_dataset_num_tokens(now) == 2);
+  moe_indexed_dataset_close(now);
+}
+
+static void test_not_regular(moe_ctx *ctx) {
+  moe_indexed_dataset *ds = NULL;
+  EXPECT(mkfifo(path("pipe.bin"), 0600) == 0);
+  FILE *f = fopen(path("pipe.idx"), "wb");
+  if (f) fclose(f);
+  /* a named pipe with no writer: a blocking open would wait forever */
+  EXPECT_ERR_MSG(moe_indexed_dataset_open(ctx, path("pipe"), &ds), MOE_ERR_IO,
+                 "pipe.bin is not a regular file (a named pipe)");
+  remove(path("pipe.bin"));
+  EXPECT(mkdir(path("pipe.bin"), 0700) == 0);
+  EXPECT_ERR_MSG(moe_indexed_dataset_open(ctx, path("pipe"), &ds), MOE_ERR_IO,
+                 "pipe.bin is not a regular file (a folder)");
+  rmdir(path("pipe.bin"));
+  remove(path("pipe.idx"));
+  EXPECT(ds == NULL);
+}
+
+static void test_check_vocab(moe_ctx *ctx) {
+  const moe_index_dtype dts[] = {MOE_INDEX_U8, MOE_INDEX_I8,  MOE_INDEX_I16,
+                                 MOE_INDEX_I32, MOE_INDEX_I64, MOE_INDEX_U16};
+  for (size_t i = 0; i < sizeof dts / sizeof dts[0]; i++) {
+    write_small(ctx, path("rt"), dts[i]); /* {5, 6, 7}, {}, {8}, {9, 10} */
+    moe_indexed_dataset *ds = NULL;
+    EXPECT_OK(moe_indexed_dataset_open(ctx, path("rt"), &ds));
+    if (!ds) return;
+    int64_t top = 0;
+    EXPECT_OK(moe_indexed_dataset_check_vocab(ctx, ds, 11, &top));
+    EXPECT(top == 10);
+    EXPECT_ERR_MSG(moe_indexed_dataset_check_vocab(ctx, ds, 10, NULL), MOE_ERR_INVALID_ARG,
+                   "rt.bin: sequence 3 holds token id 10 (token 1 of it), outside the model's "
+                   "vocabulary [0, 10)");
+    EXPECT_ERR_MSG(moe_indexed_dataset_check_vocab(ctx, ds, 6, NULL), MOE_ERR_INVALID_ARG,
+                   "sequence 0 holds token id 6 (token 1 of it)");
+    EXPECT_ERR(moe_indexed_dataset_check_vocab(ctx, ds, 0, NULL), MOE_ERR_INVALID_ARG);
+    moe_indexed_dataset_close(ds);
+  }
+  /* a negative id (i16) */
+  moe_indexed_builder *b = NULL;
+  EXPECT_OK(moe_indexed_builder_open(ctx, path("rt"), MOE_INDEX_I16, &b));
+  if (!b) return;
+  EXPECT_OK(moe_indexed_builder_add(ctx, b, (const int64_t[]){1, 2}, 2));
+  EXPECT_OK(moe_indexed_builder_add(ctx, b, (const int64_t[]){3, -4, 5}, 3));
+  EXPECT_OK(moe_indexed_builder_finalize(ctx, b));
+  moe_indexed_builder_free(b);
+  moe_indexed_dataset *ds = NULL;
+  EXPECT_OK(moe_indexed_dataset_open(ctx, path("rt"), &ds));
+  if (!ds) return;
+  EXPECT_ERR_MSG(moe_indexed_dataset_check_vocab(ctx, ds, 100, NULL), MOE_ERR_INVALID_ARG,
+                 "sequence 1 holds token id -4 (token 1 of it)");
+  moe_indexed_dataset_close(ds);
+
+  /* speed: 32 Mi u16 tokens (64 MB) in sequences of 2048, printed */
+  EXPECT_OK(moe_indexed_builder_open(ctx, path("sp"), MOE_INDEX_U16, &b));
+  if (!b) return;
+  int64_t *seq = malloc(sizeof(int64_t) * 2048);
+  for (int k = 0; seq && k < 2048; k++) seq[k] = (k * 37) % 50000;
+  for (int i = 0; seq && i < 16384; i++) EXPECT_OK(moe_indexed_builder_add(ctx, b, seq, 2048));
+  free(seq);
+  EXPECT_OK(moe_indexed_builder_finalize(ctx, b));
+  moe_indexed_builder_free(b);
+  EXPECT_OK(moe_indexed_dataset_open(ctx, path("sp"), &ds));
+  if (!ds) return;
+  int64_t top = 0;
+  EXPECT_OK(moe_indexed_dataset_check_vocab(ctx, ds, 50000, &top)); /* pages in the file */
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  EXPECT_OK(moe_indexed_dataset_check_vocab(ctx, ds, 50000, &top));
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  double sec = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  EXPECT(top == 49999 || top == 49998 || top > 40000);
+  printf("check_vocab: %.0f MB/s of u16 tokens (%.0f M tokens/s)\n",
+         2.0 * 16384 * 2048 / 1e6 / (sec > 0 ? sec : 1e-9), 16384.0 * 2048 / 1e6 / (sec > 0 ? sec : 1e-9));
+  moe_indexed_dataset_close(ds);
+}
+
 int main(void) {
   snprintf(dir, sizeof dir, "/tmp/moe-dataset-XXXXXX");
   if (!mkdtemp(dir)) return 1;
@@ -250,8 +382,11 @@ int main(void) {
   RUN(test_layout);
   RUN(test_corrupt_files);
   RUN(test_builder_errors);
+  RUN(test_rewrite_while_read);
+  RUN(test_not_regular);
+  RUN(test_check_vocab);
   const char *names[] = {"rt.bin", "rt.idx", "lay.bin", "lay.idx", "bad.bin", "bad.idx",
-                         "b.bin", "b.idx"};
+                         "b.bin", "b.idx", "rw.bin", "rw.idx", "sp.bin", "sp.idx"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) remove(path(names[i]));
   rmdir(dir);
   return harness_end();

@@ -338,6 +338,20 @@ else
   case("to", "device 'cuda:64'", function() return fx.f:to("cuda:64") end)
 end
 
+-- Files that are not regular files: a clean error at once, never a hang on a named pipe.
+local odd_dir = os.tmpname()
+os.remove(odd_dir)
+assert(os.execute("mkdir -p '" .. odd_dir .. "' && mkfifo '" .. odd_dir .. "/pipe.safetensors' '" ..
+  odd_dir .. "/pipe.bin' && : > '" .. odd_dir .. "/pipe.idx'"))
+case("load", "not a regular file (a named pipe)", function() return moe.load(odd_dir .. "/pipe.safetensors") end)
+case("load", "not a regular file (a folder)", function() return moe.load(odd_dir) end)
+case("load", "not a regular file (a device or socket)", function() return moe.load("/dev/zero") end)
+case("file_digest", "is a named pipe, not a regular file", function() return moe.file_digest(odd_dir .. "/pipe.safetensors") end)
+case("file_digest", "'/dev/zero' is a character device", function() return moe.file_digest("/dev/zero") end)
+case("indexed_dataset", "pipe.bin is not a regular file (a named pipe)", function() return moe.ops.indexed_dataset(odd_dir .. "/pipe") end)
+case("totable", "would take more than 2^31 empty tables", function() return moe.zeros({ 2^40, 0 }):totable() end)
+case("totable", "[1048576, 1048576, 0]", function() return moe.zeros({ 2^20, 2^20, 0 }):totable() end)
+
 describe("bad input", function()
   it("has more than 200 different cases", function()
     assert.is_true(#cases >= 200, "only " .. #cases .. " cases")
@@ -375,5 +389,76 @@ describe("bad input", function()
       assert.are.equal(before_gpu.live_storages, after_gpu.live_storages)
       assert.are.equal(before_gpu.allocated, after_gpu.allocated)
     end
+  end)
+end)
+
+describe("bad files and data", function()
+  it("totable of an empty tensor with huge sizes returns at once", function()
+    local t0 = os.clock()
+    assert.are.same({}, moe.zeros({ 0, 2^40 }):totable())
+    assert.are.same({ {}, {}, {} }, moe.zeros({ 3, 0, 2^40 }):totable())
+    assert.is_true(os.clock() - t0 < 1)
+  end)
+
+  it("preprocess into the prefix a reader has open: the reader keeps the old tokens (no SIGBUS)", function()
+    local data = require "moe.data"
+    local txt = odd_dir .. "/a.txt"
+    local f = assert(io.open(txt, "w"))
+    for i = 1, 400 do f:write(("line %d of the first text, long enough to span some pages\n"):format(i)) end
+    f:close()
+    local prefix = data.preprocess { inputs = { txt }, output_prefix = odd_dir .. "/corpus" }
+    local ds = data.IndexedDataset(prefix)
+    local old = {}
+    for i = 0, #ds - 1 do old[i] = ds:get(i):totable() end
+    f = assert(io.open(txt, "w"))
+    f:write("short\n") -- the new .bin is a few bytes: a truncated mapping would raise SIGBUS
+    f:close()
+    data.preprocess { inputs = { txt }, output_prefix = prefix }
+    for i = 0, #ds - 1 do assert.are.same(old[i], ds:get(i):totable(), "sequence " .. i) end
+    assert.are.equal(400, #ds)
+    ds:close()
+    local now = data.IndexedDataset(prefix)
+    assert.are.equal(1, #now)
+    now:close()
+    -- no temporary files left
+    local p = io.popen("ls -a '" .. odd_dir .. "'")
+    local listing = p:read("a")
+    p:close()
+    assert.is_nil(listing:find("tmp", 1, true), listing)
+  end)
+
+  it("token ids outside the model's vocabulary are found when the data opens", function()
+    local data = require "moe.data"
+    local b = data.IndexedDatasetBuilder(odd_dir .. "/ids", { dtype = "u16" })
+    b:add_document({ 1, 2, 3 })
+    b:add_document({ 4, 256, 5 })
+    b:add_document({ 6, 300, 7 })
+    b:finalize()
+    local ds = data.IndexedDataset(odd_dir .. "/ids")
+    assert.are.equal(300, data.check_vocab(ds, 301))
+    assert.error_matches(function() data.check_vocab(ds, 257) end,
+      "data%.check_vocab: indexed dataset .*/ids%.bin: sequence 2 holds token id 300 %(token 1 of it%), " ..
+      "outside the model's vocabulary %[0, 257%)")
+    ds:close()
+    local ok, err = pcall(require("moe.train").run, { data = odd_dir .. "/ids", steps = 1, warmup = 0,
+      out_dir = odd_dir .. "/run", quiet = true, seq_len = 2, batch_size = 1,
+      model = { d_model = 16, n_layers = 1, n_heads = 2 } })
+    assert.is_false(ok)
+    assert.matches("^train: data='.*/ids': indexed dataset .*/ids%.bin: sequence 2 holds token id 300", err)
+  end)
+
+  it("an .idx whose sequences overlap is rejected at open, naming the file and the sequence", function()
+    local data = require "moe.data"
+    local b = data.IndexedDatasetBuilder(odd_dir .. "/ov", { dtype = "u16" })
+    for i = 1, 3 do b:add_document({ i, i, i, i }) end
+    b:finalize()
+    -- the pointer of sequence 2 (bytes 34 + 12 + 16 ..) moved back into sequence 1
+    local f = assert(io.open(odd_dir .. "/ov.idx", "r+b"))
+    f:seek("set", 34 + 4 * 3 + 8 * 2)
+    f:write(string.pack("<i8", 10))
+    f:close()
+    assert.error_matches(function() data.IndexedDataset(odd_dir .. "/ov") end,
+      "ov%.idx: sequence 2 %(bytes %[10, 18%) of .*ov%.bin%) starts before sequence 1 ends %(byte 16%)")
+    os.execute("rm -rf '" .. odd_dir .. "'") -- the last user of odd_dir
   end)
 end)

@@ -183,6 +183,48 @@ describe("moe.save / moe.load", function()
     x:free()
   end)
 
+  it("a crafted header cannot make the loader use memory far beyond its size", function()
+    local exe = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
+    -- peak RSS (VmHWM, kB) of a child moe-lua that loads path (or nothing), and its error
+    local function peak_kb(path)
+      local script = (path and ("pcall(require('moe').load, %q); "):format(path) or "") ..
+        "for l in io.lines('/proc/self/status') do local k = l:match('^VmHWM:%s+(%d+)') " ..
+        "if k then print(k) end end"
+      local out = io.popen(sh_quote(exe) .. " -e " .. sh_quote(script) .. " 2>&1"):read("a")
+      return assert(math.tointeger(tonumber(out:match("(%d+)"))), out)
+    end
+    local function header_file(name, body)
+      body = body .. (" "):rep((8 - #body % 8) % 8)
+      local f = assert(io.open(P(name), "wb"))
+      f:write(string.pack("<I8", #body), body)
+      f:close()
+      return #body
+    end
+    local MB = 16 * 1000 * 1000
+    -- a list of 8M zeros: refused at its 65th item
+    local n = header_file("list.safetensors", '{"x":{"dtype":"F32","shape":[' .. ("0,"):rep(MB // 2) .. '0]}}')
+    assert.error_matches(function() moe.load(P("list.safetensors")) end, "a list of more than 64 items")
+    -- an object of 1.6M members "k":0, parsed whole before its first entry is refused
+    local parts = {}
+    for i = 1, MB // 10 do parts[i] = ('"%x":0'):format(i) end
+    local m = header_file("members.safetensors", "{" .. table.concat(parts, ",") .. "}")
+    parts = nil
+    assert.error_matches(function() moe.load(P("members.safetensors")) end, "the entry must be an object")
+    -- AddressSanitizer's redzones and quarantine double the heap: no bound to check there
+    local maps = io.open("/proc/self/maps")
+    local asan = maps and maps:read("a"):find("libasan", 1, true)
+    if maps then maps:close() end
+    if asan then return end
+    local base = peak_kb(nil)
+    local list_kb, members_kb = peak_kb(P("list.safetensors")) - base, peak_kb(P("members.safetensors")) - base
+    -- the header itself (1x) and the parsed tree: about 16 (list) and 130 (members) MB
+    -- before the bound, 0 and 8x now (tree: 32 bytes a value + 8 a key + 16 for the duplicate check)
+    assert.is_true(list_kb * 1000 < 3 * n, ("list: %d kB for a %d-byte header"):format(list_kb, n))
+    assert.is_true(members_kb * 1000 < 11 * m, ("members: %d kB for a %d-byte header"):format(members_kb, m))
+    os.remove(P("list.safetensors"))
+    os.remove(P("members.safetensors"))
+  end)
+
   it("load onto cuda when a GPU is visible", function()
     if not moe.cuda.is_available() then
       print("SKIPPED (no CUDA GPU): moe.load onto cuda")

@@ -88,6 +88,10 @@ function M.data(cfg)
       "tokenizer recorded in %s.meta.json): pass model.vocab_size=%d"):format(cfg.model.vocab_size, cfg.data,
       tok.vocab_size, tok.name, prefix, tok.vocab_size), 0)
   end
+  local vok, verr = pcall(data.check_vocab, ds, cfg.model.vocab_size) -- ids the embedding cannot take
+  if not vok then
+    error(("train: data='%s': %s"):format(cfg.data, (tostring(verr):gsub("^data%.check_vocab: ", ""))), 0)
+  end
   local function split(name)
     return data.GPTDataset(ds, { seq_len = cfg.seq_len, seed = cfg.data_seed, split = name,
       valid_fraction = cfg.valid_fraction })

@@ -181,7 +181,8 @@ function M.run(user_cfg, parts)
   local reducer = sharded_reducer or par:reducer(params, cfg.parallel.bucket_mb)
 
   -- resume
-  local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
+  -- resume=latest: the newest checkpoint that verifies (rank 0 warns about damaged ones)
+  local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume, { quiet = not par.writer })
   if resume_path and par.shards > 1 then
     error(("train: resuming %s with parallel.ep=%d, etp=%d: checkpoints of models with sharded experts " ..
       "are not supported yet"):format(resume_path, par.ep, par.etp), 0)
