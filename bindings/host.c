@@ -843,6 +843,14 @@ int main(int argc, char **argv) {
     record_signal = lm_proc_stopped() ? lm_proc_stopped() : got_signal;
     result = 128 + record_signal;
   }
+  if (lm_proc_stopped() && job.world_size > 1) {
+    /* A rank that stopped as asked, in a job that mpirun is stopping: its
+     * kill sequence may end this process during the teardown below (MPI's
+     * finalize waits for mpirun), so the record goes first. */
+    record_status = result;
+    write_exit_record();
+    record_dir[0] = '\0'; /* written once */
+  }
   if (result != EXIT_SUCCESS && moe_dist_initialized() && job.world_size > 1 && !lm_proc_stopped()) {
     /* A failed rank of a job: MPI_Finalize would wait for the other ranks,
      * which may wait in a collective for this one until their timeout, and

@@ -180,3 +180,211 @@ describe("moe-lua train: config validation", function()
   end)
 end)
 
+
+-- The weights of a checkpoint folder, as bytes (model and optimizer state).
+local function weights(ckpt)
+  return (slurp(ckpt .. "/model.safetensors") or "") .. (slurp(ckpt .. "/optim.safetensors") or "")
+end
+
+-- Starts `moe-lua train` in the background, sends `sig` once metrics.jsonl shows
+-- step 20, and waits; returns the output, the status and the step it stopped at.
+local function train_and_signal(out_dir, sig, steps)
+  local log = out_dir .. ".log"
+  local out, rc = sh(([[
+    %s train %s log_every=10 >%s 2>&1 & p=$!
+    i=0
+    until grep -q '"step":20,' %s 2>/dev/null; do
+      i=$((i + 1)); [ $i -gt 600 ] && break; sleep 0.05
+    done
+    kill -%s $p
+    wait $p
+  ]]):format(q(exe), base_args(out_dir, steps), q(log), q(out_dir .. "/metrics.jsonl"), sig))
+  local text = (slurp(log) or "") .. out
+  return text, rc, math.tointeger(tonumber(text:match("stopped by SIG%a+ at step (%d+)")))
+end
+
+describe("moe-lua train: SIGTERM and Ctrl-C save a checkpoint", function()
+  local steps = 600
+  local reference -- the weights of an uninterrupted run
+  local function uninterrupted()
+    if not reference then
+      local out_dir = fresh_dir()
+      local out, rc = sh(("%s train %s log_every=10"):format(q(exe), base_args(out_dir, steps)))
+      assert.are.equal(0, rc, out)
+      reference = weights(("%s/ckpt-%d"):format(out_dir, steps))
+      assert.truthy(#reference > 1000)
+    end
+    return reference
+  end
+
+  for _, c in ipairs({ { "TERM", 143, "SIGTERM" }, { "INT", 130, "SIGINT" } }) do
+    it(("stops on SIG%s at a step boundary with ckpt-N and status %d; resume=latest ends as an " ..
+      "uninterrupted run (bit-identical)"):format(c[1], c[2]), function()
+      local out_dir = fresh_dir()
+      local text, rc, n = train_and_signal(out_dir, c[1], steps)
+      assert.are.equal(c[2], rc, text)
+      assert.truthy(n and n >= 20 and n < steps, text)
+      assert.truthy(text:find(("moe-lua: stopped by %s at step %d; saved ckpt-%d (resume=latest continues)"):format(
+        c[3], n, n), 1, true), text)
+      assert.falsy(text:find("stack traceback", 1, true), text)
+      local state = slurp(("%s/ckpt-%d/state.json"):format(out_dir, n))
+      assert.truthy(state and state:find('"step":' .. n, 1, true), text)
+      local out, rc2 = sh(("%s train %s log_every=10 resume=latest"):format(q(exe), base_args(out_dir, steps)))
+      assert.are.equal(0, rc2, out)
+      assert.truthy(weights(("%s/ckpt-%d"):format(out_dir, steps)) == uninterrupted(), "weights differ")
+    end)
+  end
+
+  it("a second signal while the loop does not run stops at once (today's behaviour)", function()
+    -- outside train.run no soft stop is armed: SIGTERM raises at the next safe point
+    local out, rc = sh(("%s -e 'local t = os.time() + 20; while os.time() < t do end' & p=$!; sleep 0.3; " ..
+      "kill -TERM $p; wait $p"):format(q(exe)))
+    assert.are.equal(143, rc, out)
+    assert.truthy(out:find("terminated", 1, true), out)
+  end)
+end)
+
+describe("moe-lua launch -n 2: SIGTERM stops both ranks at the same step", function()
+  local have_mpirun = os.execute("command -v mpirun >/dev/null 2>&1") == true
+  it("both ranks agree on the step, rank 0 saves it completely, status 143", function()
+    if not have_mpirun then return pending("no mpirun on this machine") end
+    local out_dir, rec = fresh_dir(), fresh_dir()
+    assert(os.execute("mkdir -p " .. q(rec)))
+    local errf = rec .. "/stderr"
+    local out, rc = sh(([[
+      env -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_RANK -u RANK -u WORLD_SIZE -u MOE_LAUNCH_DIR \
+        OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+        %s launch -n 2 --record-dir %s tests/dist/launch_stop_train.lua %s %s 2>%s & p=$!
+      i=0
+      until grep -q 'ready 0' %s && grep -q 'ready 1' %s; do
+        i=$((i + 1)); [ $i -gt 600 ] && break; sleep 0.1
+      done
+      kill -TERM $p
+      wait $p
+    ]]):format(q(exe), q(rec), q(corpus), q(out_dir), q(errf), q(errf), q(errf)))
+    local log = (slurp(errf) or "") .. out
+    assert.are.equal(143, rc, log)
+    local n0 = log:match("stop seen by 0 at step (%d+)")
+    local n1 = log:match("stop seen by 1 at step (%d+)")
+    assert.truthy(n0 and n0 == n1, log)
+    for r = 0, 1 do
+      assert.truthy(log:find(("[rank %d] stopped by SIGTERM at step %s; saved ckpt-%s"):format(r, n0, n0), 1, true), log)
+    end
+    assert.falsy(log:find("was not stopped", 1, true), log)
+    -- the checkpoint is complete and loads
+    local c = require("moe.checkpoint").load(("%s/ckpt-%s"):format(out_dir, n0))
+    assert.are.equal(tonumber(n0), c.state.step)
+    assert.truthy(next(c.model) ~= nil and next(c.optim) ~= nil)
+    -- each rank's exit record: stopped by SIGTERM, written before mpirun's SIGKILL
+    for r = 0, 1 do
+      local text = slurp(("%s/rank-%d.exit"):format(rec, r)) or ""
+      assert.truthy(text:find("status=143\nsignal=15\n", 1, true), text .. log)
+    end
+  end)
+end)
+
+describe("train.run: non-finite steps", function()
+  local train = require "moe.train"
+  local function cfg(out_dir, over)
+    local c = {
+      data = corpus, seq_len = 8, batch_size = 2, steps = 12, warmup = 0, eval_every = 0, eval_iters = 0,
+      sample_tokens = 0, tensorboard = false, quiet = true, device = "cpu", log_every = 4, out_dir = out_dir,
+      model = { d_model = 16, n_layers = 1, n_heads = 2, d_ff = 16, moe = { num_experts = 4, ffn_hidden_size = 16 } },
+    }
+    for k, v in pairs(over or {}) do c[k] = v end
+    return c
+  end
+  local function poison(steps)
+    return function(state)
+      if steps[state.step + 1] then
+        local g = state.params[1].grad
+        g:copy_(moe.full(g.shape, 0 / 0))
+      end
+    end
+  end
+  local function flat(t, out)
+    out = out or {}
+    for _, v in ipairs(type(t) == "table" and t or { t }) do
+      if type(v) == "table" then flat(v, out) else out[#out + 1] = v end
+    end
+    return out
+  end
+  local function same(a, b)
+    local x, y = flat(a:totable()), flat(b:totable())
+    if #x ~= #y then return false end
+    for i = 1, #x do if x[i] ~= y[i] then return false end end
+    return true
+  end
+  local function all_finite(t)
+    for _, v in ipairs(flat(t:totable())) do if v ~= v or v == math.huge or v == -math.huge then return false end end
+    return true
+  end
+  local function snapshot(params)
+    local out = {}
+    for i, p in ipairs(params) do out[i] = moe.keep(p:clone()) end
+    return out
+  end
+
+  it("skips a step whose gradient norm is NaN: no update, counted, the run goes on", function()
+    local out_dir = fresh_dir()
+    local before, checked = nil, false
+    local result = train.run(cfg(out_dir), { hooks = {
+      after_backward = poison({ [6] = true }),
+      before_step = function(state) if state.step == 5 then before = snapshot(state.params) end end,
+      after_step = function(state)
+        if state.step == 6 then
+          assert.is_true(state.skipped)
+          for i, p in ipairs(state.params) do assert.is_true(same(before[i], p), state.named_params[i][1]) end
+          checked = true
+        elseif state.step == 7 then
+          assert.is_false(state.skipped) -- the next step updates again
+          assert.is_false(same(before[1], state.params[1]))
+        end
+      end } })
+    assert.is_true(checked)
+    assert.are.equal(12, result.step)
+    assert.are.equal(1, result.skipped_steps)
+    for _, p in ipairs(result.model:named_parameters()) do
+      assert.is_true(all_finite(p[2]), p[1])
+    end
+    -- metrics.jsonl: the interval of step 6 counts it; its means leave it out
+    local skipped, finite_losses = 0, true
+    for line in (slurp(out_dir .. "/metrics.jsonl") or ""):gmatch("[^\n]+") do
+      local rec = require("moe.metrics").json.decode(line)
+      skipped = skipped + (rec.skipped_steps or 0)
+      if rec.loss and rec.loss ~= rec.loss then finite_losses = false end
+      if rec.step == 8 then assert.are.equal(1, rec.skipped_steps) end
+    end
+    assert.are.equal(1, skipped)
+    assert.is_true(finite_losses)
+    -- the checkpoint records the count, for a resume
+    local c = require("moe.checkpoint").load(out_dir .. "/ckpt-12")
+    assert.are.equal(1, c.state.skipped_steps)
+  end)
+
+  it("stops after max_skipped_in_a_row non-finite steps in a row, saving nothing", function()
+    local out_dir = fresh_dir()
+    local bad = {}
+    for s = 4, 12 do bad[s] = true end
+    local ok, err = pcall(train.run, cfg(out_dir, { max_skipped_in_a_row = 3, save_every = 2 }),
+      { hooks = { after_backward = poison(bad) } })
+    assert.is_false(ok)
+    assert.truthy(tostring(err):find("^train: 3 steps in a row had a non%-finite loss or gradient norm %(" ..
+      "max_skipped_in_a_row=3; the last at iteration 6"), err)
+    -- the checkpoints are those of the good steps (2, the weights of 3 at 4): none after the stop
+    local names = {}
+    for n in io.popen("ls " .. q(out_dir)):lines() do names[#names + 1] = n end
+    table.sort(names)
+    assert.are.same({ "ckpt-2", "ckpt-4", "config.json", "metrics.jsonl" }, names)
+  end)
+
+  it("moe-lua train with a learning rate that blows the weights up exits 1 naming max_skipped_in_a_row", function()
+    local out_dir = fresh_dir()
+    local out, rc = sh(("%s train %s lr=1e30 min_lr=0 clip=0 max_skipped_in_a_row=3"):format(q(exe),
+      base_args(out_dir, 50)))
+    assert.are.equal(1, rc, out)
+    assert.truthy(out:find("train: 3 steps in a row had a non-finite loss or gradient norm", 1, true), out)
+    assert.falsy(out:find("stack traceback", 1, true), out)
+    assert.falsy(exists(out_dir .. "/ckpt-50"), out)
+  end)
+end)

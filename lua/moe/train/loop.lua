@@ -405,9 +405,9 @@ function M.run(user_cfg, parts)
     result.step = step
     if state.skipped then
       log:skip_step()
+      local what = finite(gn) and "loss" or (finite(state.lm_loss) and "gradient norm" or "loss and gradient norm")
       log:say(("iteration %d: non-finite %s (lm loss %s, grad norm %s): step skipped, no update " ..
-        "(%d in a row)"):format(step, finite(gn) and "loss" or "gradient norm", tostring(state.lm_loss),
-        tostring(gn), state.skipped_in_a_row))
+        "(%d in a row)"):format(step, what, tostring(state.lm_loss), tostring(gn), state.skipped_in_a_row))
     else
       log:add_step(state.lm_loss, state.aux_loss, gn)
       interval[#interval + 1] = { step, state.lm_loss, state.aux_loss }
