@@ -187,13 +187,13 @@ local function weights(ckpt)
 end
 
 -- Starts `moe-lua train` in the background, sends `sig` once metrics.jsonl shows
--- step 20, and waits; returns the output, the status and the step it stopped at.
+-- step 10, and waits; returns the output, the status and the step it stopped at.
 local function train_and_signal(out_dir, sig, steps)
   local log = out_dir .. ".log"
   local out, rc = sh(([[
-    %s train %s log_every=10 >%s 2>&1 & p=$!
+    %s train %s log_every=5 >%s 2>&1 & p=$!
     i=0
-    until grep -q '"step":20,' %s 2>/dev/null; do
+    until grep -q '"step":10,' %s 2>/dev/null; do
       i=$((i + 1)); [ $i -gt 600 ] && break; sleep 0.05
     done
     kill -%s $p
@@ -204,12 +204,12 @@ local function train_and_signal(out_dir, sig, steps)
 end
 
 describe("moe-lua train: SIGTERM and Ctrl-C save a checkpoint", function()
-  local steps = 600
+  local steps = 150
   local reference -- the weights of an uninterrupted run
   local function uninterrupted()
     if not reference then
       local out_dir = fresh_dir()
-      local out, rc = sh(("%s train %s log_every=10"):format(q(exe), base_args(out_dir, steps)))
+      local out, rc = sh(("%s train %s log_every=5"):format(q(exe), base_args(out_dir, steps)))
       assert.are.equal(0, rc, out)
       reference = weights(("%s/ckpt-%d"):format(out_dir, steps))
       assert.truthy(#reference > 1000)
@@ -223,13 +223,13 @@ describe("moe-lua train: SIGTERM and Ctrl-C save a checkpoint", function()
       local out_dir = fresh_dir()
       local text, rc, n = train_and_signal(out_dir, c[1], steps)
       assert.are.equal(c[2], rc, text)
-      assert.truthy(n and n >= 20 and n < steps, text)
+      assert.truthy(n and n >= 10 and n < steps, text)
       assert.truthy(text:find(("moe-lua: stopped by %s at step %d; saved ckpt-%d (resume=latest continues)"):format(
         c[3], n, n), 1, true), text)
       assert.falsy(text:find("stack traceback", 1, true), text)
       local state = slurp(("%s/ckpt-%d/state.json"):format(out_dir, n))
       assert.truthy(state and state:find('"step":' .. n, 1, true), text)
-      local out, rc2 = sh(("%s train %s log_every=10 resume=latest"):format(q(exe), base_args(out_dir, steps)))
+      local out, rc2 = sh(("%s train %s log_every=5 resume=latest"):format(q(exe), base_args(out_dir, steps)))
       assert.are.equal(0, rc2, out)
       assert.truthy(weights(("%s/ckpt-%d"):format(out_dir, steps)) == uninterrupted(), "weights differ")
     end)
