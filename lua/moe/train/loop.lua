@@ -108,12 +108,25 @@ local function sharded_checkpoint(ckpt, log, warned)
   return true
 end
 
+-- The number of records in a metrics.jsonl (0 when there is none).
+local function jsonl_records(path)
+  local f = io.open(path, "r")
+  if not f then return 0 end
+  local n = 0
+  for line in f:lines() do if line:match("%S") then n = n + 1 end end
+  f:close()
+  return n
+end
+
 -- Makes out_dir safe to start in, before anything is built or written; returns the
 -- lines to print once the log is open. A fresh run (resume empty) into an out_dir
 -- that holds ckpt-* folders is an error, raised on every rank (each reads out_dir),
 -- unless overwrite=true: then rank 0 removes what an earlier run wrote there
--- (checkpoint.remove_run). Rank 0 also removes the .tmp-ckpt-* folders of saves that
--- were killed.
+-- (checkpoint.remove_run). So is a run that starts from step 0 (fresh, or
+-- resume=latest finding no checkpoint) into an out_dir whose metrics.jsonl holds
+-- records of an earlier run that left no checkpoint: it would start that file anew.
+-- (TensorBoard's event files are never overwritten: each run writes its own.)
+-- Rank 0 also removes the .tmp-ckpt-* folders of saves that were killed.
 local function prepare_out_dir(cfg, writer)
   local fresh = cfg.resume == "" or cfg.resume == "none"
   if cfg.overwrite and not fresh then
@@ -125,6 +138,14 @@ local function prepare_out_dir(cfg, writer)
     error(("train: out_dir '%s' already holds checkpoints (%s) and this run would mix with them: pass " ..
       "resume=latest to continue that run, or overwrite=true to delete its checkpoints, metrics.jsonl and " ..
       "tb/ and start afresh (or choose another out_dir)"):format(cfg.out_dir, table.concat(old, ", ")), 0)
+  end
+  local records = #old == 0 and not cfg.overwrite and (fresh or cfg.resume == "latest")
+    and jsonl_records(cfg.out_dir .. "/metrics.jsonl") or 0
+  if records > 0 then
+    error(("train: out_dir '%s' holds the metrics.jsonl of an earlier run (%d record%s) but no checkpoint to " ..
+      "resume from, and this run would start that file anew: pass overwrite=true%s to delete it (and tb/) and " ..
+      "start afresh, or choose another out_dir"):format(cfg.out_dir, records, records == 1 and "" or "s",
+      fresh and "" or " instead of resume=latest"), 0)
   end
   local notes = {}
   if not writer then return notes end
