@@ -485,9 +485,12 @@ function M.run(user_cfg, parts)
   finish(stop_sig ~= nil)
   if stop_sig then
     local name = stop_sig == 2 and "SIGINT" or stop_sig == 15 and "SIGTERM" or ("signal " .. stop_sig)
-    local saved = cfg.keep_last > 0 and state.step > 0 and
-      ("saved %s (resume=latest continues)"):format(checkpoint.dir_name(cfg.out_dir, state.step):match("[^/]*$"))
-      or "saved nothing (keep_last=0)"
+    local saved = "saved nothing (keep_last=0)"
+    if par.ep > 1 then
+      saved = "saved nothing (expert-parallel models cannot be saved yet)"
+    elseif cfg.keep_last > 0 then
+      saved = ("saved %s (resume=latest continues)"):format(checkpoint.dir_name(cfg.out_dir, state.step):match("[^/]*$"))
+    end
     proc.stopped(stop_sig)
     error(("stopped by %s at step %d; %s"):format(name, state.step, saved), 0)
   end
