@@ -473,8 +473,9 @@ function M.run(user_cfg, parts)
       last_saved = step
     end
     log:bar(step - first_step, last - first_step)
-    -- several ranks: the flag agreed in the optimizer step; one: read it now
-    stop_sig = par.dp > 1 and state.stop_signal or proc.stop_requested()
+    -- several ranks: the flag agreed in the optimizer step (a rank's own flag could
+    -- be set since, on it alone); one: read it now
+    if par.dp > 1 then stop_sig = state.stop_signal else stop_sig = proc.stop_requested() end
     if stop_sig then break end
   end
   log:finish_bar()
