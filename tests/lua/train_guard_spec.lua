@@ -204,7 +204,7 @@ local function train_and_signal(out_dir, sig, steps)
 end
 
 describe("moe-lua train: SIGTERM and Ctrl-C save a checkpoint", function()
-  local steps = 150
+  local steps = 100
   local reference -- the weights of an uninterrupted run
   local function uninterrupted()
     if not reference then
