@@ -411,3 +411,10 @@ describe("moe-lua train: an out_dir with an earlier run's metrics but no checkpo
     assert.are_not.equal(before, slurp(out_dir .. "/metrics.jsonl"))
   end)
 end)
+
+describe("cleanup", function()
+  it("removes the spec's folder", function()
+    assert.is_true(os.execute("rm -rf " .. q(root)) == true)
+    assert.is_false(exists(root))
+  end)
+end)
