@@ -37,6 +37,13 @@
  *     may send more than one, and follows with SIGKILL anyway; so the
  *     process gets to report, finalize and write its exit record. The REPL
  *     ends on SIGTERM.
+ *     A soft stop (moe.proc.soft_stop, bindings/lproc.c: what moe.train's
+ *     loop arms) takes the first SIGINT or SIGTERM instead: no hook, the loop
+ *     sees the flag at its next step boundary, saves and ends with its own
+ *     message; the status is still 128 + the signal, and after a stop the
+ *     loop declared done (moe.proc.stopped) a rank of a job finalizes as
+ *     usual instead of ending the job at once. A second signal is handled
+ *     as above.
  *   - lua_close before returning, which runs every finalizer: tensors free
  *     their storage before the moe context, and the context before CUDA goes.
  * Added: `moe` in package.preload, the Lua library first on package.path
@@ -329,6 +336,7 @@ static void lstop(lua_State *L, lua_Debug *ar) {
  * Ctrl-C kills a stuck process; later SIGTERMs are ignored (see the top). */
 static void laction(int sig) {
   got_signal = sig;
+  if (lm_proc_take_signal(sig)) return; /* a soft stop: the loop stops itself */
   set_signal(sig, sig == SIGTERM ? SIG_IGN : SIG_DFL);
   lua_sethook(globalL, lstop, LUA_MASKCALL | LUA_MASKRET | LUA_MASKLINE | LUA_MASKCOUNT, 1);
 }
@@ -996,6 +1004,7 @@ fail:
 
 int main(int argc, char **argv) {
   if (!setup_job()) return EXIT_FAILURE;
+  lm_proc_host_signals(); /* laction hands SIGINT/SIGTERM to soft stops */
   lua_State *L = luaL_newstate();
   if (L == NULL) {
     l_message(PROGNAME, "cannot create state: not enough memory");
@@ -1010,11 +1019,19 @@ int main(int argc, char **argv) {
   int status = lua_pcall(L, 2, 1, 0);
   int result = status == LUA_OK ? (int)lua_tointeger(L, -1) : EXIT_FAILURE;
   report(L, status);
-  if (result != EXIT_SUCCESS && got_signal) { /* the signal's error ended the run */
-    record_signal = got_signal;
-    result = 128 + got_signal;
+  if (result != EXIT_SUCCESS && (got_signal || lm_proc_stopped())) { /* the signal's error ended the run */
+    record_signal = lm_proc_stopped() ? lm_proc_stopped() : got_signal;
+    result = 128 + record_signal;
   }
-  if (result != EXIT_SUCCESS && moe_dist_initialized() && job.world_size > 1) {
+  if (lm_proc_stopped() && job.world_size > 1) {
+    /* A rank that stopped as asked, in a job that mpirun is stopping: its
+     * kill sequence may end this process during the teardown below (MPI's
+     * finalize waits for mpirun), so the record goes first. */
+    record_status = result;
+    write_exit_record();
+    record_dir[0] = '\0'; /* written once */
+  }
+  if (result != EXIT_SUCCESS && moe_dist_initialized() && job.world_size > 1 && !lm_proc_stopped()) {
     /* A failed rank of a job: MPI_Finalize would wait for the other ranks,
      * which may wait in a collective for this one until their timeout, and
      * finalizers may wait for collectives too. End the whole job now: the

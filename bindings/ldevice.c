@@ -284,18 +284,18 @@ static int lm_clock(lua_State *L) {
 
 /* ----------------------------------------------------------------- opening */
 
-/* 1 GiB unless MOE_GC_STEP_MB says otherwise (0 turns it off; -1 for a
- * malformed value). A full cycle over the Lua heap of a training script took
- * 0.1 ms on a 2-core CPU (docs/ARCHITECTURE.md). */
-int64_t lm_gc_step_default(void) {
-  const char *e = getenv("MOE_GC_STEP_MB");
+/* def_mb MiB unless the variable var says otherwise (0 turns it off; -1 for
+ * a malformed value). A full cycle over the Lua heap of a training script
+ * took 0.1 ms on a 2-core CPU (docs/ARCHITECTURE.md). */
+int64_t lm_gc_step_default(const char *var, int64_t def_mb) {
+  const char *e = getenv(var);
   if (e && *e) {
     char *end = NULL;
     long long v = strtoll(e, &end, 10);
     if (end && *end == '\0' && v >= 0 && v <= ((long long)1 << 40)) return (int64_t)v * MOE_GC_MIB;
     return -1;
   }
-  return (int64_t)1024 * MOE_GC_MIB;
+  return def_mb * MOE_GC_MIB;
 }
 
 

@@ -73,13 +73,15 @@ static void lm_push_sentinel(lua_State *L) {
   S->ctx = NULL;
   S->refs = 1;
   S->print = moe_print_options_default();
-  S->gc_step = lm_gc_step_default();
-  S->gc_debt = 0;
+  S->gc_step = lm_gc_step_default("MOE_GC_STEP_MB", 1024);
+  S->host_gc_step = lm_gc_step_default("MOE_HOST_GC_STEP_MB", 256);
+  S->gc_debt = S->host_gc_debt = 0;
   S->gc_cycles = 0;
   b->S = S;
-  if (S->gc_step < 0)
-    luaL_error(L, "moe: MOE_GC_STEP_MB must be a whole number of MiB in [0, 2^40], got '%s'",
-               getenv("MOE_GC_STEP_MB")); /* from here the sentinel's __gc frees S */
+  if (S->gc_step < 0 || S->host_gc_step < 0) { /* from here the sentinel's __gc frees S */
+    const char *var = S->gc_step < 0 ? "MOE_GC_STEP_MB" : "MOE_HOST_GC_STEP_MB";
+    luaL_error(L, "moe: %s must be a whole number of MiB in [0, 2^40], got '%s'", var, getenv(var));
+  }
   moe_status st = moe_ctx_init(&S->ctx);
   if (st != MOE_OK) luaL_error(L, "moe: cannot create the context (%s)", moe_status_name(st));
   lua_pushvalue(L, -1);

@@ -59,8 +59,12 @@ typedef struct lm_state {
    * handles: tensors that became garbage in a forward pass would keep their
    * device blocks until a cycle happens to run. Every gc_step bytes of new
    * CUDA storage handed to Lua (gc_debt counts them) run a full cycle.
-   * 0 turns it off; moe.cuda.set_gc_step and MOE_GC_STEP_MB set it. */
+   * 0 turns it off; moe.cuda.set_gc_step and MOE_GC_STEP_MB set it.
+   * Host memory the same way: every host_gc_step bytes of new CPU storage
+   * (host_gc_debt) run a full cycle; MOE_HOST_GC_STEP_MB sets it (256 MiB
+   * by default, 0 off). gc_cycles counts the cycles of both. */
   int64_t gc_step, gc_debt, gc_cycles;
+  int64_t host_gc_step, host_gc_debt;
 } lm_state;
 
 typedef struct lm_sentinel {
@@ -184,9 +188,10 @@ void lm_push_methods(lua_State *L, int sentinel);
 
 /* ----------------------------------------------------------------- ldevice.c */
 
-/* The initial gc_step of a state: 1 GiB unless MOE_GC_STEP_MB says
+/* The initial gc_step of a state (var "MOE_GC_STEP_MB", def_mb 1024), or
+ * host_gc_step ("MOE_HOST_GC_STEP_MB", 256): def_mb MiB unless var says
  * otherwise; -1 when that variable is malformed. */
-int64_t lm_gc_step_default(void);
+int64_t lm_gc_step_default(const char *var, int64_t def_mb);
 
 /* ------------------------------------------------------------- lrouting.c */
 

@@ -8,6 +8,9 @@
  *   moe.proc.executable(path)  a regular file this process may execute
  *   moe.proc.free_port()       a TCP port nobody listens on now
  *   moe.proc.mkdtemp([prefix]) a new private folder under $TMPDIR or /tmp
+ *   moe.proc.soft_stop(on)     -> the previous mode, and whether signals reach it
+ *   moe.proc.stop_requested()  -> nil, or the signal (2, 15) and its name
+ *   moe.proc.stopped([sig])    the stop asked for is done: exit as the signal says
  *
  * spawn runs argv (argv[1] looked up on PATH) and waits for it. It is not a
  * process manager: one child, started, waited for, reported.
@@ -28,6 +31,20 @@
  *     the child). Failing to start the child (no such program) raises.
  * Everything is allocated before the child starts, so no Lua error can
  * leave a child unwaited for or the handlers changed.
+ *
+ * Soft stops (what moe.train's loop uses so that SIGTERM from a scheduler,
+ * or Ctrl-C, ends a run with a checkpoint): in the moe-lua host, SIGINT and
+ * SIGTERM raise an error at the next safe point of the interpreter
+ * (bindings/host.c). soft_stop(true) arms a soft stop instead: the next
+ * such signal only sets a flag that stop_requested() reads, and disarms it,
+ * so a second signal raises as before (a script stuck while saving can
+ * still be stopped). soft_stop(true) clears the flag; soft_stop(false)
+ * disarms. The loop checks the flag at its step boundaries, saves, and
+ * calls stopped() before raising its message: the host then exits with
+ * status 128 + the signal after the normal teardown (finalizers, MPI's
+ * finalize), instead of ending a job of several ranks at once. Outside the
+ * host (stock lua5.4) nothing delivers the signals: soft_stop's second
+ * result is false and stop_requested() stays nil.
  */
 #define _GNU_SOURCE /* pipe2 */
 #include <errno.h>
@@ -64,6 +81,59 @@ static void lm_forward(int sig, siginfo_t *si, void *uc) {
   (void)uc;
   lm_fwd_sig = sig;
   if (lm_fwd_child > 0 && (si == NULL || si->si_code <= 0)) kill(lm_fwd_child, sig);
+}
+
+/* ------------------------------------------------------------ soft stops */
+
+static volatile sig_atomic_t lm_soft_armed = 0; /* soft_stop(true), no signal taken since */
+static volatile sig_atomic_t lm_stop_sig = 0;   /* the signal a soft stop took; 0 none */
+static int lm_stop_done = 0;                    /* the signal stopped() gave; 0 none */
+static int lm_host_signals = 0;                 /* the host calls lm_proc_take_signal */
+
+void lm_proc_host_signals(void) { lm_host_signals = 1; }
+
+int lm_proc_take_signal(int sig) {
+  if (!lm_soft_armed) return 0;
+  lm_soft_armed = 0;
+  lm_stop_sig = sig;
+  return 1;
+}
+
+int lm_proc_stopped(void) { return lm_stop_done; }
+
+static int lm_soft_stop(lua_State *L) {
+  luaL_checktype(L, 1, LUA_TBOOLEAN);
+  int was = lm_soft_armed;
+  if (lua_toboolean(L, 1)) {
+    lm_stop_sig = 0;
+    lm_stop_done = 0;
+    lm_soft_armed = 1;
+  } else {
+    lm_soft_armed = 0;
+  }
+  lua_pushboolean(L, was);
+  lua_pushboolean(L, lm_host_signals);
+  return 2;
+}
+
+static int lm_stop_requested(lua_State *L) {
+  int sig = lm_stop_sig;
+  if (sig == 0) return 0;
+  lua_pushinteger(L, sig);
+  lua_pushstring(L, sig == SIGTERM ? "SIGTERM" : sig == SIGINT ? "SIGINT" : "signal");
+  return 2;
+}
+
+/* stopped([sig]): sig defaults to the signal this process took; a rank that
+ * stops because another one was signalled gives the agreed signal. */
+static int lm_stopped(lua_State *L) {
+  lua_Integer sig = luaL_optinteger(L, 1, lm_stop_sig);
+  if (sig != SIGINT && sig != SIGTERM) {
+    if (lua_isnoneornil(L, 1)) return luaL_error(L, "stopped: no stop was requested");
+    lm_argerror(L, 1, "stopped", "signal must be %d (SIGINT) or %d (SIGTERM), got %d", SIGINT, SIGTERM, (int)sig);
+  }
+  lm_stop_done = (int)sig;
+  return 0;
 }
 
 /* ----------------------------------------------------------------- spawn */
@@ -377,7 +447,8 @@ static int lm_mkdtemp(lua_State *L) {
 static const luaL_Reg lm_proc_functions[] = {
     {"spawn", lm_spawn},     {"getpid", lm_getpid},         {"geteuid", lm_geteuid},
     {"exe", lm_exe},         {"executable", lm_executable}, {"free_port", lm_free_port},
-    {"mkdtemp", lm_mkdtemp}, {NULL, NULL}};
+    {"mkdtemp", lm_mkdtemp}, {"soft_stop", lm_soft_stop},   {"stop_requested", lm_stop_requested},
+    {"stopped", lm_stopped}, {NULL, NULL}};
 
 /* moe.proc. */
 void lm_open_proc(lua_State *L, int mod, int methods, int sentinel) {

@@ -27,7 +27,8 @@
  * freed tensor raises "attempt to use a freed tensor". Lua's collector sees
  * a small handle, not the storage behind it (STYLE.md point 6): lm_result
  * runs a full collection every gc_step bytes of fresh CUDA storage handed to
- * Lua (lm_gc_pressure), and an allocation that fails for lack of memory is
+ * Lua, and every host_gc_step bytes of fresh host storage (lm_gc_pressure),
+ * and an allocation that fails for lack of memory is
  * retried once after a full collection (LM_CALL).
  */
 #include <limits.h>
@@ -51,10 +52,16 @@ lm_tensor *lm_push_empty(lua_State *L) {
   return u;
 }
 
+/* Also counts t's storage when it is fresh (a view shares its base's and is
+ * not counted) in the collector debt of its device (lm_gc_pressure). */
 void lm_adopt(lm_tensor *u, lm_state *S, moe_tensor *t) {
   u->t = t;
   u->S = S;
   S->refs++;
+  if (t && t->storage && t->storage->refcount == 1) {
+    if (t->storage->device.type == MOE_DEVICE_CUDA) S->gc_debt += (int64_t)t->storage->block;
+    else S->host_gc_debt += (int64_t)t->storage->block;
+  }
 }
 
 /* The one free function: t:free(), __close and __gc. Idempotent. */
@@ -78,16 +85,14 @@ moe_tensor *lm_checktensor(lua_State *L, int arg, const char *fname) {
   return u->t;
 }
 
-/* Counts a result's fresh CUDA storage (a view shares its base's storage and
- * is not counted) and runs a full collection when gc_step bytes have passed
- * since the last. The result is on the stack, so it survives the cycle. */
-static void lm_gc_pressure(lua_State *L, lm_state *S, const moe_tensor *t) {
-  if (S->gc_step <= 0 || !t->storage || t->storage->refcount != 1 ||
-      t->storage->device.type != MOE_DEVICE_CUDA)
+/* Runs a full collection when gc_step bytes of fresh CUDA storage, or
+ * host_gc_step bytes of fresh host storage, were handed to Lua since the
+ * last (lm_adopt counts them; a step <= 0 turns its device's off). Called
+ * with the new result on the stack, so it survives the cycle. */
+static void lm_gc_pressure(lua_State *L, lm_state *S) {
+  if ((S->gc_step <= 0 || S->gc_debt < S->gc_step) && (S->host_gc_step <= 0 || S->host_gc_debt < S->host_gc_step))
     return;
-  S->gc_debt += (int64_t)t->storage->block;
-  if (S->gc_debt < S->gc_step) return;
-  S->gc_debt = 0;
+  S->gc_debt = S->host_gc_debt = 0; /* a full cycle frees what is dead of both */
   S->gc_cycles++;
   lua_gc(L, LUA_GCCOLLECT);
 }
@@ -99,7 +104,7 @@ int lm_result(lua_State *L, lm_state *S, lm_tensor *r, moe_status st, moe_tensor
                      const char *fname, int arg) {
   if (st != MOE_OK) return lm_corefail(L, S, fname, arg);
   lm_adopt(r, S, out);
-  lm_gc_pressure(L, S, out);
+  lm_gc_pressure(L, S);
   return 1;
 }
 
@@ -146,6 +151,7 @@ static int lm_construct(lua_State *L, int kind, const char *fname) {
     LM_CALL(L, st, moe_tensor_empty(S->ctx, ndim, shape, o.dtype, o.device, &out));
   if (st != MOE_OK) return lm_corefail(L, S, fname, 0);
   lm_adopt(r, S, out);
+  lm_gc_pressure(L, S);
   if (kind == LM_RAND) st = moe_uniform_(S->ctx, out, 0.0, 1.0);
   if (kind == LM_RANDN) st = moe_normal_(S->ctx, out, 0.0, 1.0);
   if (st != MOE_OK) {

@@ -60,8 +60,14 @@ Rules
                default's first element; [] is the empty list)
     A value that does not parse raises an error naming the key, the expected
     type and the value.
-  - --help (or -h) prints every key with its default and type, one per line,
-    and exits with status 0 (closing the Lua state, so finalizers run).
+  - --help (or -h) prints every key with its default, its type and its
+    description, one per line ("key = default  (type)  description"), and
+    exits with status 0 (closing the Lua state, so finalizers run). The
+    descriptions come from the `help` field of the defaults' metatable, a
+    table of dotted key -> text:
+      setmetatable(defaults, { help = { steps = "optimizer steps" } })
+    (moe.train.defaults() carries one for every key; a script that adds its
+    own keys may add their descriptions to getmetatable(defaults).help.)
 ]]
 
 local M = {}
@@ -258,17 +264,29 @@ local function type_label(v)
   return kind
 end
 
+-- The descriptions of the keys: the `help` table of defaults' metatable,
+-- dotted key -> text (moe.train's defaults carry one); {} when none.
+local function descriptions(defaults)
+  local mt = getmetatable(defaults)
+  local help = type(mt) == "table" and rawget(mt, "help")
+  return type(help) == "table" and help or {}
+end
+
 local function print_help(defaults)
   local script = (type(arg) == "table" and arg[0]) or "script.lua"
-  local lines, width = {}, 0
+  local help = descriptions(defaults)
+  local lines, width, twidth = {}, 0, 0
   for _, e in ipairs(sorted_keys(defaults)) do
-    local left = e.key .. "=" .. show(e.value)
-    width = math.max(width, #left)
-    lines[#lines + 1] = { left, type_label(e.value) }
+    local left, ty = e.key .. " = " .. show(e.value), "(" .. type_label(e.value) .. ")"
+    width, twidth = math.max(width, #left), math.max(twidth, #ty)
+    lines[#lines + 1] = { left, ty, help[e.key] }
   end
   io.write(("usage: moe-lua %s [key=value ...]\n"):format(script))
-  io.write("keys (key=default  type):\n")
-  for _, l in ipairs(lines) do io.write(("  %-" .. width .. "s  (%s)\n"):format(l[1], l[2])) end
+  io.write("keys (key = default  (type)  description):\n")
+  for _, l in ipairs(lines) do
+    local text = ("  %-" .. width .. "s  %-" .. twidth .. "s  %s"):format(l[1], l[2], l[3] or "")
+    io.write((text:gsub("%s+$", "")), "\n")
+  end
   io.flush()
 end
 

@@ -213,12 +213,56 @@ print("rest", table.concat(rest, " "))
       local out, rc = run_script(script, { flag })
       assert.are.equal(0, rc, out)
       assert.truthy(out:find("usage: moe-lua ", 1, true), out)
-      assert.truthy(out:match("\n%s+lr=0%.001%s+%(number%)\n"), out)
-      assert.truthy(out:match("\n%s+model%.experts=8%s+%(integer%)\n"), out)
-      assert.truthy(out:match("\n%s+model%.hidden=4,8%s+%(list of integer%)\n"), out)
-      assert.truthy(out:match("\n%s+steps=100%s+%(integer%)\n"), out)
-      assert.truthy(out:match("\n%s+tag=x%s+%(string%)\n"), out)
+      assert.truthy(out:match("\n%s+lr = 0%.001%s+%(number%)\n"), out)
+      assert.truthy(out:match("\n%s+model%.experts = 8%s+%(integer%)\n"), out)
+      assert.truthy(out:match("\n%s+model%.hidden = 4,8%s+%(list of integer%)\n"), out)
+      assert.truthy(out:match("\n%s+steps = 100%s+%(integer%)\n"), out)
+      assert.truthy(out:match("\n%s+tag = x%s+%(string%)\n"), out)
       assert.falsy(out:find("steps\t", 1, true)) -- the script stopped
+    end
+  end)
+
+  it("--help prints the description of a key beside its default and type", function()
+    local described = [[
+local moe = require "moe"
+moe.config(setmetatable({ steps = 100, model = { experts = 8 } },
+  { help = { steps = "optimizer steps of the run", ["model.experts"] = "experts per layer" } }))
+]]
+    local out, rc = run_script(described, { "--help" })
+    assert.are.equal(0, rc, out)
+    assert.truthy(out:match("\n  steps = 100%s+%(integer%)  optimizer steps of the run\n"), out)
+    assert.truthy(out:match("\n  model%.experts = 8%s+%(integer%)  experts per layer\n"), out)
+  end)
+
+  it("moe-lua train --help describes every key of moe.train's config", function()
+    local train = require "moe.train.config"
+    local p = assert(io.popen(sh_quote(exe) .. " train --help 2>&1"))
+    local out = p:read("a")
+    p:close()
+    local keys, missing = 0, {}
+    local function walk(t, prefix)
+      for k, v in pairs(t) do
+        local key = prefix .. k
+        if type(v) == "table" and #v == 0 and next(v) ~= nil then
+          walk(v, key .. ".")
+        else
+          keys = keys + 1
+          local d = train.descriptions[key]
+          if type(d) ~= "string" or #d < 10 then missing[#missing + 1] = key end
+          -- the line: key = default  (type)  description
+          local line = out:match("\n  " .. key:gsub("[%.%-]", "%%%0") .. " = [^\n]*")
+          if not (line and d and line:find("  " .. d, 1, true)) then missing[#missing + 1] = key .. " (help line)" end
+        end
+      end
+    end
+    walk(train.defaults(), "")
+    assert.truthy(keys > 60, keys)
+    assert.are.same({}, missing)
+    -- no description of a key that does not exist
+    for key in pairs(train.descriptions) do
+      local t = train.defaults()
+      for part in key:gmatch("[^.]+") do t = t and t[part] end
+      assert.truthy(t ~= nil, "a description of no key: " .. key)
     end
   end)
 

@@ -270,4 +270,75 @@ describe("moe-lua", function()
     assert.are.equal(143, rc, out)
     assert.are.equal("moe-lua: terminated\n", out)
   end)
+
+  it("a soft stop takes the first SIGTERM or SIGINT as a flag; a second one raises", function()
+    for _, c in ipairs({ { "TERM", 15, 143, "terminated" }, { "INT", 2, 130, "interrupted!" } }) do
+      local s = script(([[
+        local moe = require 'moe'
+        local prev, delivered = moe.proc.soft_stop(true)
+        print('armed', prev, delivered)
+        local pid = moe.proc.getpid()
+        io.popen('kill -%s ' .. pid):close() -- not os.execute: system() ignores SIGINT
+        local t = os.time() + 10
+        while not moe.proc.stop_requested() and os.time() < t do end
+        print('flag', moe.proc.stop_requested())
+        -- disarmed by the first: the second raises at the next safe point
+        local ok, err = pcall(function()
+          io.popen('kill -%s ' .. pid):close()
+          local t2 = os.time() + 10
+          while os.time() < t2 do end
+        end)
+        print('second', ok, err)
+        moe.proc.stopped()
+        error('stopped as asked', 0)
+      ]]):format(c[1], c[1]))
+      local out, rc = host({ s })
+      assert.are.equal(c[3], rc, out)
+      assert.truthy(has(out, "armed\tfalse\ttrue\n"), out)
+      assert.truthy(has(out, ("flag\t%d\tSIG%s\n"):format(c[2], c[1])), out)
+      assert.truthy(out:find("second\tfalse\t[^\n]*" .. c[4]:gsub("!", "%%!")), out)
+      assert.truthy(has(out, "moe-lua: stopped as asked"), out)
+    end
+    -- stopped() without a stop is an error; soft_stop(false) disarms
+    local out, rc = host({ "-e", "local p = require('moe').proc; p.soft_stop(true); p.soft_stop(false); " ..
+      "os.execute('kill -TERM ' .. p.getpid()); local t = os.time() + 10; while os.time() < t do end" })
+    assert.are.equal(143, rc, out)
+    assert.truthy(has(out, "terminated"), out)
+    out, rc = host({ "-e", "require('moe').proc.stopped()" })
+    assert.are.equal(1, rc, out)
+    assert.truthy(has(out, "stopped: no stop was requested"), out)
+  end)
+end)
+
+describe("host memory", function()
+  -- dead 1 MiB CPU tensors: Lua's collector sees their small handles only; the
+  -- host backstop (MOE_HOST_GC_STEP_MB, 256 by default) runs a full cycle every
+  -- that many MiB of new host storage, so the allocator's bytes stay bounded
+  local source = [[
+    local moe = require 'moe'
+    moe.reset_peak_memory_stats('cpu')
+    local base = moe.memory_stats('cpu').allocated
+    for _ = 1, 200 do
+      local t = moe.zeros({ 256, 1024 }) -- 1 MiB, dead at the next iteration
+      t = nil
+    end
+    print(('peak %d MiB'):format((moe.memory_stats('cpu').peak_allocated - base) // (1024 * 1024)))
+  ]]
+  it("keeps dead CPU tensors under MOE_HOST_GC_STEP_MB, as device memory under MOE_GC_STEP_MB", function()
+    local s = script(source)
+    local out, rc = host({ s }, nil, "MOE_HOST_GC_STEP_MB=16")
+    assert.are.equal(0, rc, out)
+    local peak = tonumber(out:match("peak (%d+) MiB"))
+    assert.truthy(peak and peak <= 17, out)
+    -- the default (256 MiB) bounds them too; without the backstop (0) they pile up
+    out, rc = host({ s })
+    assert.are.equal(0, rc, out)
+    assert.truthy(tonumber(out:match("peak (%d+) MiB")) <= 200, out)
+    out, rc = host({ s }, nil, "MOE_HOST_GC_STEP_MB=0")
+    assert.are.equal(0, rc, out)
+    assert.truthy(tonumber(out:match("peak (%d+) MiB")) >= 150, out)
+    out, rc = host({ "-e", "require 'moe'" }, nil, "MOE_HOST_GC_STEP_MB=lots")
+    assert.are.equal(1, rc, out)
+    assert.truthy(has(out, "MOE_HOST_GC_STEP_MB must be a whole number of MiB"), out)
+  end)
 end)

@@ -11,7 +11,8 @@ stderr passes through unchanged and is also scanned for mpirun's report of a
 dead rank; SIGINT and SIGTERM sent to the launcher go on to mpirun), then
 reads the ranks' exit records.
 
-mpirun gets: -n N, --bind-to none; on one node (no hostfile) --oversubscribe
+mpirun gets: -n N, --bind-to none (and --mca odls_base_sigkill_timeout S with
+--stop-grace S); on one node (no hostfile) --oversubscribe
 and loopback only (--mca btl self,vader --mca oob_tcp_if_include lo); the
 variables MOE_LAUNCH_DIR (where each rank's host writes rank-<r>.exit when it
 exits; bindings/host.c), MASTER_ADDR (127.0.0.1 on one node, else the first
@@ -44,6 +45,10 @@ mpirun, then says which rank failed first and why.
   --record-dir D   folder for the ranks' exit records (default: a fresh temporary
                    folder, removed afterwards; with --hostfile give a folder that
                    every node sees, or only mpirun's messages are reported)
+  --stop-grace S   seconds mpirun waits before it sends SIGTERM to the ranks, and again
+                   before SIGKILL, when it is stopped (SIGTERM, Ctrl-C) or a rank
+                   fails (Open MPI's odls_base_sigkill_timeout, default 1): training
+                   saves a checkpoint on SIGTERM and needs that time to write it
   --dry-run        print the mpirun command line and exit
   -h, --help       show this help
 Exit status: the status of the rank that failed first (128 + the signal for a
@@ -103,6 +108,11 @@ local function parse(args)
       x, err = value(a)
       if x and not x:match("^[%a_][%w_]*=?") then err = ("-x '%s' is not NAME or NAME=VALUE"):format(x) end
       o.exports[#o.exports + 1] = x
+    elseif a == "--stop-grace" then
+      o.stop_grace, err = value(a)
+      if o.stop_grace and not o.stop_grace:match("^%d+$") then
+        err = ("--stop-grace '%s' is not a whole number of seconds"):format(o.stop_grace)
+      end
     elseif a == "--dry-run" then
       o.dry_run = true
     elseif a:sub(1, 1) == "-" then
@@ -350,6 +360,7 @@ function M.main(...)
     add("--oversubscribe", "--mca", "btl", "self,vader", "--mca", "oob_tcp_if_include", "lo")
   end
   add("--bind-to", "none")
+  if o.stop_grace then add("--mca", "odls_base_sigkill_timeout", o.stop_grace) end
   add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT")
   for _, x in ipairs(o.exports) do add("-x", x) end
   add(proc.exe())

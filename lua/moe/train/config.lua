@@ -12,9 +12,85 @@ local moe = require "moe"
 
 local M = {}
 
---- defaults() -> a fresh table of every cfg key with its default (a moe.config table).
+-- What each key means (`moe-lua train --help` prints it beside the default and
+-- the type; tests/lua/config_spec.lua checks that every key has one).
+M.descriptions = {
+  ["model.vocab_size"] = "number of token ids the model embeds (257: bytes and an end-of-document id)",
+  ["model.d_model"] = "width of the residual stream (embedding size)",
+  ["model.n_layers"] = "number of transformer blocks",
+  ["model.n_heads"] = "attention heads per block; must divide model.d_model",
+  ["model.pos"] = "position encoding: rope, learned or none",
+  ["model.norm"] = "normalisation layer: layernorm or rmsnorm",
+  ["model.tie_embeddings"] = "share the token embedding with the output projection",
+  ["model.dropout"] = "dropout probability in [0, 1) on attention and residual outputs",
+  ["model.init_std"] = "standard deviation of the normal initialisation of the weights (> 0)",
+  ["model.ffn"] = "feed-forward layer of each block: moe (model.moe.*) or dense (an MLP of model.d_ff)",
+  ["model.d_ff"] = "hidden size of the dense MLPs (model.ffn=dense, or the blocks between MoE layers)",
+  ["model.moe.kind"] = "dmoe (dropless, MegaBlocks) or moe (capacity-limited, tokens past capacity dropped)",
+  ["model.moe.num_experts"] = "experts per MoE layer",
+  ["model.moe.top_k"] = "experts each token is routed to (1 .. num_experts)",
+  ["model.moe.ffn_hidden_size"] = "hidden size of each expert's MLP",
+  ["model.moe.mlp_type"] = "expert MLP: mlp (act(x W1) W2) or glu (gated, SwiGLU with silu)",
+  ["model.moe.activation"] = "activation of the experts and MLPs: gelu, gelu_tanh, relu, silu, tanh or sigmoid",
+  ["model.moe.mlp_impl"] = "expert kernels: auto, grouped (grouped GEMM), sparse (block-sparse) or loop",
+  ["model.moe.loss_weight"] = "weight of the load-balancing loss (>= 0)",
+  ["model.moe.zloss_weight"] = "weight of the router z-loss (>= 0)",
+  ["model.moe.jitter_eps"] = "multiplicative jitter on the router input during training, in [0, 1); 0 = off",
+  ["model.moe.capacity_factor"] = "model.moe.kind=moe: expert capacity as a multiple of the even share (> 0)",
+  ["model.moe.every"] = "an MoE layer every N blocks (1 = every block; the others dense MLPs)",
+  data = "dataset prefix (PREFIX.bin / PREFIX.idx from `moe-lua preprocess`), or bible",
+  data_dir = "where data=bible is downloaded and preprocessed",
+  valid_fraction = "fraction of the documents held out for validation, in [0, 1)",
+  data_seed = "seed of the data order (shuffling of the documents)",
+  seq_len = "tokens per sequence (the context length)",
+  batch_size = "sequences per micro-batch (per rank with data parallelism)",
+  grad_accum = "micro-batches accumulated per optimizer step",
+  steps = "optimizer steps of the whole run (the lr schedule's length)",
+  lr = "peak learning rate (>= 0)",
+  min_lr = "learning rate at the end of the decay (0 <= min_lr <= lr)",
+  warmup = "steps of linear warm-up from 0 to lr",
+  decay = "learning-rate decay after the warm-up: cosine, linear or constant",
+  weight_decay = "decoupled weight decay (AdamW) or L2 (SGD) (>= 0)",
+  beta1 = "AdamW's first-moment decay, in [0, 1)",
+  beta2 = "AdamW's second-moment decay, in [0, 1)",
+  eps = "AdamW's epsilon, added to the denominator (> 0)",
+  clip = "clip the global gradient norm to this value (0 = no clipping)",
+  optimizer = "adamw or sgd (with momentum 0.9)",
+  eval_every = "evaluate on the validation split every N steps and at the end (0 = never)",
+  eval_iters = "validation batches per evaluation",
+  log_every = "log (console, metrics.jsonl, TensorBoard) every N steps",
+  save_every = "save a checkpoint every N steps (0 = only at the end)",
+  keep_last = "checkpoints kept in out_dir, the newest ones (0 = save none)",
+  out_dir = "folder of the run: checkpoints, metrics.jsonl, tb/, config.json",
+  resume = "continue a run: latest (the newest checkpoint in out_dir), a checkpoint folder, or empty",
+  overwrite = "start afresh in an out_dir that holds an earlier run, deleting its checkpoints and logs",
+  deterministic = "bit-reproducible kernels (TF32 off on the GPU)",
+  device = "auto (cuda when available), cpu or cuda",
+  dtype = "parameter and compute dtype: f32 or bf16",
+  stop_at = "stop after this step, as if the run were interrupted there (0 = run all steps)",
+  seed = "seed of the initialisation and of dropout, jitter and sampling",
+  tensorboard = "write TensorBoard events to out_dir/tb",
+  sample_every = "print a sample of generated text every N steps (0 = only at the end)",
+  sample_tokens = "tokens of the samples (0 = no sample)",
+  sample_prompt = "text the samples start from",
+  sample_temperature = "temperature of the samples (> 0; lower is greedier)",
+  sample_top_k = "sample among the k most likely tokens (0 = all)",
+  quiet = "print nothing (files are still written)",
+  max_skipped_in_a_row = "stop the run after this many steps in a row with a non-finite loss or gradient norm " ..
+    "(each is skipped: no update)",
+  ["parallel.dp"] = "data-parallel ranks (0 = the job's world size; 1 = each rank trains alone)",
+  ["parallel.ep"] = "expert-parallel group size: the experts are sharded over groups of N ranks",
+  ["parallel.etp"] = "expert-tensor group size: every expert's hidden units are split over groups of N ranks",
+  ["parallel.shard_params"] = "with dp_shard: shard the parameters too (ZeRO-3), gathered per block for use",
+  ["parallel.bucket_mb"] = "size of the gradient all-reduce buckets in MiB (0 = one per parameter)",
+  ["parallel.dp_shard"] = "ranks the optimizer state and gradients are sharded over (ZeRO-2; 0 = off)",
+  ["parallel.dp_replicate"] = "replicas of the sharded group (HSDP; 0 = 1)",
+}
+
+--- defaults() -> a fresh table of every cfg key with its default (a moe.config table;
+--- its metatable's `help` holds M.descriptions for --help).
 function M.defaults()
-  return {
+  return setmetatable({
     model = {
       vocab_size = 257, d_model = 128, n_layers = 4, n_heads = 4, pos = "rope",
       norm = "layernorm", tie_embeddings = true, dropout = 0.0, init_std = 0.02,
@@ -33,9 +109,10 @@ function M.defaults()
     out_dir = "out", resume = "", overwrite = false, deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
+    max_skipped_in_a_row = 10,
     parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0,
       shard_params = false },
-  }
+  }, { help = M.descriptions })
 end
 
 --- config(cfg) -> a complete copy of cfg (defaults filled in, keys and types checked).
@@ -46,35 +123,130 @@ function M.config(cfg)
   return (moe.config(M.defaults(), cfg or {}, "train"))
 end
 
---- check(cfg): values in range; an error names the key, the rule and the value.
-function M.check(cfg)
-  local function pos(key, v, zero_ok)
-    if math.type(v) ~= "integer" or v < 0 or (v == 0 and not zero_ok) then
-      error(("train: %s must be an integer %s 0, got %s"):format(key, zero_ok and ">=" or ">", tostring(v)), 0)
+local function fail(fmt, ...) error("train: " .. fmt:format(...), 0) end
+
+local function show(v)
+  if v ~= v then return "nan" end
+  if v == math.huge then return "inf" elseif v == -math.huge then return "-inf" end
+  if type(v) == "string" then return "'" .. v .. "'" end
+  return tostring(v)
+end
+
+-- Every number of cfg is finite (NaN and infinities name their key).
+local function check_finite(t, prefix)
+  local keys = {}
+  for k in pairs(t) do if type(k) == "string" then keys[#keys + 1] = k end end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local v = t[k]
+    if type(v) == "table" then
+      check_finite(v, prefix .. k .. ".")
+    elseif type(v) == "number" and (v ~= v or v == math.huge or v == -math.huge) then
+      fail("%s%s must be a finite number, got %s", prefix, k, show(v))
     end
   end
-  pos("seq_len", cfg.seq_len); pos("batch_size", cfg.batch_size); pos("grad_accum", cfg.grad_accum)
-  pos("steps", cfg.steps, true); pos("eval_every", cfg.eval_every, true); pos("eval_iters", cfg.eval_iters, true)
-  pos("log_every", cfg.log_every); pos("save_every", cfg.save_every, true); pos("keep_last", cfg.keep_last, true)
-  pos("stop_at", cfg.stop_at, true); pos("warmup", cfg.warmup, true)
-  pos("parallel.dp", cfg.parallel.dp, true)
-  pos("parallel.dp_shard", cfg.parallel.dp_shard, true)
-  pos("parallel.dp_replicate", cfg.parallel.dp_replicate, true)
-  pos("parallel.ep", cfg.parallel.ep)
-  pos("parallel.etp", cfg.parallel.etp)
-  if cfg.parallel.bucket_mb < 0 then
-    error(("train: parallel.bucket_mb must be a number >= 0, got %s"):format(tostring(cfg.parallel.bucket_mb)), 0)
+end
+
+-- The valid values of the string keys with a fixed set (model.moe.activation:
+-- the names nn.MLP knows).
+local function enums()
+  local acts = {}
+  for name in pairs(require("moe.nn.layers").activations) do acts[#acts + 1] = name end
+  table.sort(acts)
+  return {
+    { "device", { "auto", "cpu", "cuda" } }, { "dtype", { "f32", "bf16" } },
+    { "optimizer", { "adamw", "sgd" } }, { "decay", { "cosine", "linear", "constant" } },
+    { "model.pos", { "rope", "learned", "none" } }, { "model.norm", { "layernorm", "rmsnorm" } },
+    { "model.ffn", { "moe", "dense" } }, { "model.moe.kind", { "dmoe", "moe" } },
+    { "model.moe.mlp_type", { "mlp", "glu" } }, { "model.moe.activation", acts },
+    { "model.moe.mlp_impl", { "auto", "grouped", "sparse", "loop" } },
+  }
+end
+
+local function get(cfg, key)
+  local v = cfg
+  for part in key:gmatch("[^.]+") do v = v[part] end
+  return v
+end
+
+--- check(cfg): values in range, before anything is built; an error names the key, the
+--- rule and the value, in one line.
+function M.check(cfg)
+  check_finite(cfg, "")
+  local function int(key, lo)
+    local v = get(cfg, key)
+    if math.type(v) ~= "integer" or v < lo then
+      fail("%s must be an integer >= %d, got %s", key, lo, show(v))
+    end
   end
-  local function one_of(key, v, list)
-    for _, x in ipairs(list) do if v == x then return end end
-    error(("train: %s must be one of %s, got '%s'"):format(key, table.concat(list, ", "), tostring(v)), 0)
+  local function num(key, lo, lo_open, hi, hi_open)
+    local v = get(cfg, key)
+    local bad = type(v) ~= "number" or v < lo or (lo_open and v == lo)
+      or (hi and (v > hi or (hi_open and v == hi)))
+    if bad then
+      local rule = ("%s %s"):format(lo_open and ">" or ">=", show(lo))
+      if hi then
+        rule = ("in %s%s, %s%s"):format(lo_open and "(" or "[", show(lo), show(hi), hi_open and ")" or "]")
+      end
+      fail("%s must be a number %s, got %s", key, rule, show(v))
+    end
   end
-  one_of("device", cfg.device, { "auto", "cpu", "cuda" })
-  one_of("dtype", cfg.dtype, { "f32", "bf16" })
-  one_of("optimizer", cfg.optimizer, { "adamw", "sgd" })
-  one_of("decay", cfg.decay, { "cosine", "linear", "constant" })
-  one_of("model.ffn", cfg.model.ffn, { "moe", "dense" })
-  one_of("model.moe.kind", cfg.model.moe.kind, { "dmoe", "moe" })
+  for _, k in ipairs({ "seq_len", "batch_size", "grad_accum", "log_every", "max_skipped_in_a_row",
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff",
+    "model.moe.num_experts", "model.moe.top_k", "model.moe.ffn_hidden_size", "model.moe.every", "parallel.ep",
+    "parallel.etp" }) do
+    int(k, 1)
+  end
+  for _, k in ipairs({ "steps", "eval_every", "eval_iters", "save_every", "keep_last", "stop_at", "warmup",
+    "sample_every", "sample_tokens", "sample_top_k", "parallel.dp", "parallel.dp_shard", "parallel.dp_replicate" }) do
+    int(k, 0)
+  end
+  num("lr", 0); num("min_lr", 0); num("weight_decay", 0); num("clip", 0)
+  num("beta1", 0, false, 1, true); num("beta2", 0, false, 1, true); num("eps", 0, true)
+  num("valid_fraction", 0, false, 1, true); num("sample_temperature", 0, true)
+  num("model.dropout", 0, false, 1, true); num("model.init_std", 0, true)
+  num("model.moe.loss_weight", 0); num("model.moe.zloss_weight", 0); num("model.moe.jitter_eps", 0, false, 1, true)
+  num("model.moe.capacity_factor", 0, true); num("parallel.bucket_mb", 0)
+  for _, e in ipairs(enums()) do
+    local v, list = get(cfg, e[1]), e[2]
+    local found = false
+    for _, x in ipairs(list) do found = found or v == x end
+    if not found then fail("%s must be one of %s, got %s", e[1], table.concat(list, ", "), show(v)) end
+  end
+  local mc, mo = cfg.model, cfg.model.moe
+  if cfg.min_lr > cfg.lr then
+    fail("min_lr=%s is above lr=%s (the decay ends at min_lr): pass min_lr <= lr", show(cfg.min_lr), show(cfg.lr))
+  end
+  if mc.d_model % mc.n_heads ~= 0 then
+    fail("model.n_heads=%d does not divide model.d_model=%d", mc.n_heads, mc.d_model)
+  end
+  if mc.pos == "rope" and (mc.d_model // mc.n_heads) % 2 ~= 0 then
+    fail("model.pos=rope needs an even head dim, but model.d_model / model.n_heads = %d", mc.d_model // mc.n_heads)
+  end
+  if mc.ffn == "moe" then
+    if mo.top_k > mo.num_experts then
+      fail("model.moe.top_k=%d is more than model.moe.num_experts=%d", mo.top_k, mo.num_experts)
+    end
+    if mo.mlp_impl == "sparse" and mo.ffn_hidden_size % 128 ~= 0 then
+      fail("model.moe.mlp_impl=sparse needs model.moe.ffn_hidden_size a multiple of 128 (the block size), got %d",
+        mo.ffn_hidden_size)
+    end
+    if mo.every > mc.n_layers then
+      fail("model.moe.every=%d is more than model.n_layers=%d: the model would have no MoE layer", mo.every,
+        mc.n_layers)
+    end
+    if cfg.parallel.ep > 1 and mo.num_experts % cfg.parallel.ep ~= 0 then
+      fail("parallel.ep=%d does not divide model.moe.num_experts=%d", cfg.parallel.ep, mo.num_experts)
+    end
+    if cfg.parallel.etp > 1 and mo.ffn_hidden_size % cfg.parallel.etp ~= 0 then
+      fail("parallel.etp=%d does not divide model.moe.ffn_hidden_size=%d", cfg.parallel.etp, mo.ffn_hidden_size)
+    end
+    if cfg.parallel.etp > 1 and mo.kind ~= "dmoe" then
+      fail("parallel.etp=%d needs model.moe.kind=dmoe (the capacity layer does not split its experts)",
+        cfg.parallel.etp)
+    end
+  end
+  if cfg.out_dir == "" then fail("out_dir must not be empty") end
   if cfg.decay ~= "constant" and cfg.steps < cfg.warmup then
     error(("train: warmup=%d is longer than steps=%d, so the %s decay would never start: " ..
       "pass warmup=<n> with n <= %d, or decay=constant"):format(cfg.warmup, cfg.steps,

@@ -10,7 +10,8 @@ data parallelism, sharding and checkpointing enter without editing the loop.
 
 Each key names a point of the loop; each value is a function or a list of
 functions, called in order with the loop's state table (and, for some, one
-more argument). An unknown key or a value that is not a function is an error
+more argument). after_step also runs after a step the loop skipped for a
+non-finite loss or gradient norm (state.skipped is true: no update was made). An unknown key or a value that is not a function is an error
 naming the key.
 ]]
 local M = {}

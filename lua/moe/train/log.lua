@@ -5,7 +5,7 @@ progress bar), metrics.jsonl and TensorBoard, and the per-interval averages
 
   local log = tlog.open(cfg, { device =, resumed =, tokens_per_step =, flops_per_token =, peak = })
   log:count_experts(info.stats)           -- inside the step, while the stats tensors live
-  log:add_step(lm_loss, aux_loss, grad_norm)
+  log:add_step(lm_loss, aux_loss, grad_norm)   -- or log:skip_step() for a skipped step
   if log:due(step, last) then local rec = log:record(step, lr, consumed); log:write(rec) end
   log:eval(step, val_loss); log:say(line); log:close()
 ]]
@@ -17,7 +17,7 @@ local M = {}
 local Log = {}
 Log.__index = Log
 
-local function new_interval() return { steps = 0, loss = 0, aux = 0, gn = 0, counts = {} } end
+local function new_interval() return { steps = 0, loss = 0, aux = 0, gn = 0, skipped = 0, counts = {} } end
 
 --- open(cfg, o) -> a logger. o.resumed: append to metrics.jsonl instead of starting it
 --- anew, once the records past step o.resume_step are dropped (self.dropped: how many);
@@ -83,6 +83,12 @@ function Log:add_step(lm_loss, aux_loss, grad_norm)
   iv.gn = iv.gn + grad_norm
 end
 
+--- skip_step(): a skipped optimizer step (non-finite loss or gradient norm) into the
+--- interval: counted, kept out of its means.
+function Log:skip_step()
+  self.interval.skipped = self.interval.skipped + 1
+end
+
 --- due(step, last) -> whether step is a log step.
 function Log:due(step, last)
   return step % self.cfg.log_every == 0 or step == last
@@ -95,13 +101,15 @@ function Log:record(step, lr, consumed)
   local dt = now - self.t_log
   self.t_log = now
   local iv = self.interval
-  local n = iv.steps
+  local n = iv.steps + iv.skipped -- iterations, for the time; n - skipped updates, for the means
+  local u = iv.steps > 0 and iv.steps or 0 / 0
   local tps = n * self.tokens_per_step / math.max(dt, 1e-9)
   local rec = {
-    step = step, consumed_tokens = consumed, lr = lr, loss = iv.loss / n,
-    aux_loss = iv.aux / n, grad_norm = iv.gn / n, tokens_per_s = tps,
-    ms_per_iter = 1000 * dt / n, time = os.time(),
+    step = step, consumed_tokens = consumed, lr = lr, loss = iv.loss / u,
+    aux_loss = iv.aux / u, grad_norm = iv.gn / u, tokens_per_s = tps,
+    ms_per_iter = 1000 * dt / n, time = os.time(), skipped_steps = iv.skipped,
   }
+  if iv.steps == 0 then rec.loss, rec.aux_loss, rec.grad_norm = nil, nil, nil end -- every step skipped
   if self.flops_per_token and self.peak then rec.mfu = self.flops_per_token * tps / self.peak end
   if #iv.counts > 0 then
     rec.expert_counts = {}
@@ -145,13 +153,14 @@ function Log:write(rec)
   if self.jsonl then self.jsonl:write(rec) end
   if tb then
     tb:add_scalars(step, { loss = rec.loss, lr = rec.lr, grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s,
-      aux_loss = rec.aux_loss, mfu = rec.mfu, load_balance = rec.load_balance })
+      aux_loss = rec.aux_loss, mfu = rec.mfu, load_balance = rec.load_balance, skipped_steps = rec.skipped_steps })
     tb:flush()
   end
   self:say(metrics.console_line {
     iteration = step, iterations = self.cfg.steps, consumed_tokens = rec.consumed_tokens,
     ms_per_iter = rec.ms_per_iter, lr = rec.lr, loss = rec.loss, aux_loss = rec.aux_loss,
-    grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s, mfu = rec.mfu, load_balance = rec.load_balance })
+    grad_norm = rec.grad_norm, tokens_per_s = rec.tokens_per_s, mfu = rec.mfu, load_balance = rec.load_balance,
+    extra = (rec.skipped_steps or 0) > 0 and ("number of skipped iterations: %d"):format(rec.skipped_steps) or nil })
   self.interval = new_interval()
 end
 

@@ -11,6 +11,23 @@ to the handles, and nothing of one micro-batch is alive during the next.
 after_backward runs inside the micro-batch's scope, before_step and
 after_step inside the optimizer step's: a tensor a hook makes and wants to
 keep past it goes through moe.keep.
+
+Guards (docs/TRAINING.md "Stops, non-finite steps and config checks"):
+  - SIGTERM and SIGINT (Ctrl-C) arm no error while the loop runs: they set a
+    flag (moe.proc.soft_stop), which the loop reads once per step; it then
+    saves a checkpoint of the step it finished, and raises "stopped by
+    SIGTERM at step N; ..." after moe.proc.stopped, so moe-lua exits with
+    128 + the signal. A second signal raises at once, as outside the loop.
+  - A step whose loss or gradient norm is not finite is skipped: no optimizer
+    update, the gradients zeroed, counted (state.skipped_steps, metrics'
+    skipped_steps); the learning rate follows the steps that updated
+    (Megatron's scheduler). max_skipped_in_a_row of them in a row stop the
+    run with an error, saving nothing.
+  - With several ranks, both decisions are one all_reduce (max) of two
+    numbers per step, in the optimizer step: every rank skips and stops at
+    the same step. With one, nothing is exchanged. The loss and the gradient
+    norm are already host numbers (the norm's item() for clipping, the
+    micro-batches' lm loss), so the check adds no device synchronisation.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -22,6 +39,8 @@ local tlog = require "moe.train.log"
 local parallel = require "moe.train.parallel"
 
 local M = {}
+
+local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
 
 local function with_rng_kept(fn, ...)
   local rng = moe.get_rng_state()
@@ -89,12 +108,25 @@ local function sharded_checkpoint(ckpt, log, warned)
   return true
 end
 
+-- The number of records in a metrics.jsonl (0 when there is none).
+local function jsonl_records(path)
+  local f = io.open(path, "r")
+  if not f then return 0 end
+  local n = 0
+  for line in f:lines() do if line:match("%S") then n = n + 1 end end
+  f:close()
+  return n
+end
+
 -- Makes out_dir safe to start in, before anything is built or written; returns the
 -- lines to print once the log is open. A fresh run (resume empty) into an out_dir
 -- that holds ckpt-* folders is an error, raised on every rank (each reads out_dir),
 -- unless overwrite=true: then rank 0 removes what an earlier run wrote there
--- (checkpoint.remove_run). Rank 0 also removes the .tmp-ckpt-* folders of saves that
--- were killed.
+-- (checkpoint.remove_run). So is a run that starts from step 0 (fresh, or
+-- resume=latest finding no checkpoint) into an out_dir whose metrics.jsonl holds
+-- records of an earlier run that left no checkpoint: it would start that file anew.
+-- (TensorBoard's event files are never overwritten: each run writes its own.)
+-- Rank 0 also removes the .tmp-ckpt-* folders of saves that were killed.
 local function prepare_out_dir(cfg, writer)
   local fresh = cfg.resume == "" or cfg.resume == "none"
   if cfg.overwrite and not fresh then
@@ -106,6 +138,14 @@ local function prepare_out_dir(cfg, writer)
     error(("train: out_dir '%s' already holds checkpoints (%s) and this run would mix with them: pass " ..
       "resume=latest to continue that run, or overwrite=true to delete its checkpoints, metrics.jsonl and " ..
       "tb/ and start afresh (or choose another out_dir)"):format(cfg.out_dir, table.concat(old, ", ")), 0)
+  end
+  local records = #old == 0 and not cfg.overwrite and (fresh or cfg.resume == "latest")
+    and jsonl_records(cfg.out_dir .. "/metrics.jsonl") or 0
+  if records > 0 then
+    error(("train: out_dir '%s' holds the metrics.jsonl of an earlier run (%d record%s) but no checkpoint to " ..
+      "resume from, and this run would start that file anew: pass overwrite=true%s to delete it (and tb/) and " ..
+      "start afresh, or choose another out_dir"):format(cfg.out_dir, records, records == 1 and "" or "s",
+      fresh and "" or " instead of resume=latest"), 0)
   end
   local notes = {}
   if not writer then return notes end
@@ -176,7 +216,7 @@ function M.run(user_cfg, parts)
   -- what every hook sees (docs/TRAINING.md): the loop updates it in place
   local state = { cfg = cfg, device = device, model = model, optimizer = opt, params = params,
     named_params = named, train_data = train_data, valid_data = valid_data, result = result,
-    step = 0, consumed_tokens = 0, parallel = par }
+    step = 0, consumed_tokens = 0, parallel = par, skipped_steps = 0, skipped_in_a_row = 0 }
   -- the gradients' all_reduce (avg) over ranks, armed for the last micro-batch of a step
   local reducer = sharded_reducer or par:reducer(params, cfg.parallel.bucket_mb)
 
@@ -206,6 +246,7 @@ function M.run(user_cfg, parts)
     moe.set_rng_state(c.state.rng)
     train_data:set_state(c.state.data)
     state.step, state.consumed_tokens = c.state.step, c.state.consumed_tokens or 0
+    state.skipped_steps = c.state.skipped_steps or 0
     result.checkpoint = resume_path
     pending_say = ("resumed from %s at iteration %d"):format(resume_path, state.step)
   elseif cfg.resume == "latest" then
@@ -274,6 +315,7 @@ function M.run(user_cfg, parts)
     local ckpt = {
       model = model:state_dict(), optim = not par.sharded and opt:state_dict() or nil,
       state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
+        skipped_steps = state.skipped_steps,
         data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
         optim_scalars = tconfig.plain(opt:state_scalars()) },
     }
@@ -287,6 +329,20 @@ function M.run(user_cfg, parts)
     result.checkpoint = path
     state.checkpoint = path
     log:say(("saved checkpoint %s"):format(path))
+  end
+
+  -- The stop flag and whether this rank's step went non-finite, agreed over the ranks
+  -- (one all_reduce (max) of two numbers; nothing with one rank): the signal to stop
+  -- on (0: none) and whether every rank skips the step.
+  local proc = moe.proc
+  local function agree(bad)
+    local sig = proc.stop_requested() or 0
+    if par.dp == 1 then return sig, bad end
+    local t = moe.tensor({ sig, bad and 1 or 0 }, { dtype = "f64" })
+    par.dist.all_reduce(t, "max")
+    local v = t:totable()
+    t:free()
+    return math.tointeger(v[1]), v[2] > 0
   end
 
   -- One micro-batch: forward, backward and the after_backward hooks. It runs as
@@ -318,10 +374,21 @@ function M.run(user_cfg, parts)
 
   -- The optimizer step with its hooks, in a moe.scope of its own (a hook's
   -- temporaries are freed when it ends).
+  -- A step whose loss or gradient norm is not finite (on any rank) is skipped:
+  -- no update; the gradients are zeroed below as after every step.
   local function optimizer_step()
     thooks.call(hooks.before_step, state)
     local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
-    opt:step()
+    local sig, bad = agree(not (finite(gn) and finite(state.lm_loss) and finite(state.aux_loss)))
+    state.stop_signal = sig > 0 and sig or nil
+    state.skipped = bad
+    if bad then
+      state.skipped_steps = state.skipped_steps + 1
+      state.skipped_in_a_row = state.skipped_in_a_row + 1
+    else
+      state.skipped_in_a_row = 0
+      opt:step()
+    end
     state.step = state.step + 1
     state.consumed_tokens = state.consumed_tokens + tokens_per_step
     state.grad_norm = gn
@@ -349,16 +416,47 @@ function M.run(user_cfg, parts)
   local last_saved = resume_path and state.step or -1
   local interval = {} -- {step, lm, aux} of the steps since the last log (data parallelism)
   local last = cfg.stop_at > 0 and math.min(cfg.stop_at, cfg.steps) or cfg.steps
+  local stop_sig -- the signal the run stops on
+  -- signals set a flag until the run returns or raises (then the previous mode is back)
+  local soft <close> = setmetatable({ prev = proc.soft_stop(true) }, {
+    __close = function(o) proc.soft_stop(o.prev) end })
+  local function finish(ending) -- what every end of the run does, on every rank
+    log:close()
+    if reducer then reducer:free() end
+    if par.sharded then opt:free() end
+    par:barrier() -- no rank returns before rank 0 has written its last checkpoint
+    if ending and prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end
+  end
   while state.step < last do
-    local lr = schedule(state.step)
+    -- the learning rate of the updates made so far (skipped steps do not advance it)
+    local lr = schedule(state.step - state.skipped_steps)
+    if not finite(lr) then
+      error(("train: the learning-rate schedule gave %s at step %d"):format(tostring(lr), state.step), 0)
+    end
     opt.lr = lr
     state.lr = lr
     local gn = train_step()
     local step = state.step
     result.losses[step] = state.lm_loss
     result.step = step
-    log:add_step(state.lm_loss, state.aux_loss, gn)
-    interval[#interval + 1] = { step, state.lm_loss, state.aux_loss }
+    if state.skipped then
+      log:skip_step()
+      local what = finite(gn) and "loss" or (finite(state.lm_loss) and "gradient norm" or "loss and gradient norm")
+      log:say(("iteration %d: non-finite %s (lm loss %s, grad norm %s): step skipped, no update " ..
+        "(%d in a row)"):format(step, what, tostring(state.lm_loss), tostring(gn), state.skipped_in_a_row))
+    else
+      log:add_step(state.lm_loss, state.aux_loss, gn)
+      interval[#interval + 1] = { step, state.lm_loss, state.aux_loss }
+    end
+    if state.skipped_in_a_row >= cfg.max_skipped_in_a_row then
+      finish(true)
+      local ckpt = result.checkpoint and (" (the last checkpoint, %s, is from before them)"):format(
+        result.checkpoint) or ""
+      error(("train: %d steps in a row had a non-finite loss or gradient norm (max_skipped_in_a_row=%d; " ..
+        "the last at iteration %d: lm loss %s, grad norm %s): stopped without saving%s; lower lr, raise " ..
+        "warmup, set clip, or check the data"):format(state.skipped_in_a_row, cfg.max_skipped_in_a_row, step,
+        tostring(state.lm_loss), tostring(gn), ckpt), 0)
+    end
 
     if log:due(step, last) then
       -- the global means of the interval's losses (one collective per log step)
@@ -390,19 +488,34 @@ function M.run(user_cfg, parts)
       last_saved = step
     end
     log:bar(step - first_step, last - first_step)
+    -- several ranks: the flag agreed in the optimizer step (a rank's own flag could
+    -- be set since, on it alone); one: read it now
+    if par.dp > 1 then stop_sig = state.stop_signal else stop_sig = proc.stop_requested() end
+    if stop_sig then break end
   end
   log:finish_bar()
+  -- a signal during the last step's save or evaluation stops the run too
+  if not stop_sig and par.dp == 1 then stop_sig = proc.stop_requested() end
 
   if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
-  log:close()
-  if reducer then reducer:free() end
-  if par.sharded then opt:free() end
-  par:barrier() -- no rank returns before rank 0 has written its last checkpoint
+  finish(stop_sig ~= nil)
+  if stop_sig then
+    local name = stop_sig == 2 and "SIGINT" or stop_sig == 15 and "SIGTERM" or ("signal " .. stop_sig)
+    local saved = "saved nothing (keep_last=0)"
+    if par.ep > 1 then
+      saved = "saved nothing (expert-parallel models cannot be saved yet)"
+    elseif cfg.keep_last > 0 then
+      saved = ("saved %s (resume=latest continues)"):format(checkpoint.dir_name(cfg.out_dir, state.step):match("[^/]*$"))
+    end
+    proc.stopped(stop_sig)
+    error(("stopped by %s at step %d; %s"):format(name, state.step, saved), 0)
+  end
   if cfg.sample_tokens > 0 and tokenizer then
     result.sample = sample_text(cfg.sample_tokens)
     if result.sample then log:say(("sample: %s"):format(result.sample)) end
   end
   result.seconds = log:elapsed()
+  result.skipped_steps = state.skipped_steps
   if prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end
   return result
 end
