@@ -11,8 +11,9 @@
 #            micro-batch 16 per GPU) on one GPU, then with `moe-lua launch -n 2` (dp = 2):
 #            tokens/s per GPU, weak scaling
 #   index    the CUDA index/routing tests (scatter_add's integer path)
-#   layouts  expert parallelism (tests/dist/ep_train.lua) and sharded data parallelism
-#            (tests/dist/zero_equivalence.lua) with device=cuda on 2 GPUs
+#   layouts  expert parallelism and expert-tensor sharding (tests/dist/ep_train.lua), sharded
+#            data parallelism (tests/dist/zero_equivalence.lua) and parameter sharding
+#            (tests/dist/zero3_equivalence.lua) with device=cuda on 2 GPUs (LAYOUT_STEPS=N: fewer steps)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -112,12 +113,16 @@ EOF
       python3 bench/train46_compare.py "$out" > "$out/train46_compare.md" 2>&1
       cat "$out/train46_compare.md" ;;
     layouts)
-      timeout 300 $ml launch -n 2 tests/dist/ep_train.lua device=cuda verbose=true > "$out/ep_train_cuda.log" 2>&1
-      note "ep_train (cuda, ep = 2): rc=$? ($(($(date +%s) - t0)) s)"
-      grep -E "max|FAILED|ok$" "$out/ep_train_cuda.log" | grep -v "^ *step" | head -8
-      timeout 300 $ml launch -n 2 tests/dist/zero_equivalence.lua device=cuda > "$out/zero_cuda.log" 2>&1
+      ls=${LAYOUT_STEPS:+steps=$LAYOUT_STEPS}
+      timeout 300 $ml launch -n 2 tests/dist/ep_train.lua device=cuda verbose=true $ls > "$out/ep_train_cuda.log" 2>&1
+      note "ep_train (cuda: ep = 2, etp = 2, ep = 2 x dp_shard = 2): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "max|FAILED|ok" "$out/ep_train_cuda.log" | grep -v "^ *step" | head -8
+      timeout 300 $ml launch -n 2 tests/dist/zero_equivalence.lua device=cuda $ls > "$out/zero_cuda.log" 2>&1
       note "zero_equivalence (cuda, dp_shard = 2): rc=$? ($(($(date +%s) - t0)) s)"
-      grep -E "max|bit|FAILED|ok$" "$out/zero_cuda.log" | head -8 ;;
+      grep -E "max|bit|FAILED|ok$" "$out/zero_cuda.log" | head -8
+      timeout 300 $ml launch -n 2 tests/dist/zero3_equivalence.lua device=cuda $ls > "$out/zero3_cuda.log" 2>&1
+      note "zero3_equivalence (cuda, dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "max|bit|FAILED|ok$" "$out/zero3_cuda.log" | head -8 ;;
     index)
       (cd build-gpu && ctest -R "index_cuda|routing_cuda|routers|grouped_cuda" --output-on-failure) \
         > "$out/index_tests.log" 2>&1

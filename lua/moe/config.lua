@@ -405,8 +405,8 @@ function M.config(defaults, argv, name)
       if bad then error("moe.config: " .. bad, 0) end
       rest[#rest + 1] = a
     else
-      local t, name, default = locate(cfg, defaults, key)
-      if t == nil then error("moe.config: " .. name, 0) end
+      local t, field, default = locate(cfg, defaults, key)
+      if t == nil then error("moe.config: " .. field, 0) end
       local v, err = parse_value(key, default, text)
       if v == nil then
         if text == "" and argv[i + 1] ~= nil then
@@ -414,7 +414,7 @@ function M.config(defaults, argv, name)
         end
         error("moe.config: " .. err, 0)
       end
-      t[name] = v
+      t[field] = v
     end
   end
   return cfg, rest

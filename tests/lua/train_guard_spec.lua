@@ -366,10 +366,10 @@ describe("train.run: non-finite steps", function()
 
   it("stops after max_skipped_in_a_row non-finite steps in a row, saving nothing", function()
     local out_dir = fresh_dir()
-    local bad = {}
-    for s = 4, 12 do bad[s] = true end
+    local nonfinite = {}
+    for s = 4, 12 do nonfinite[s] = true end
     local ok, err = pcall(train.run, cfg(out_dir, { max_skipped_in_a_row = 3, save_every = 2 }),
-      { hooks = { after_backward = poison(bad) } })
+      { hooks = { after_backward = poison(nonfinite) } })
     assert.is_false(ok)
     assert.truthy(tostring(err):find("^train: 3 steps in a row had a non%-finite loss or gradient norm %(" ..
       "max_skipped_in_a_row=3; the last at iteration 6"), err)

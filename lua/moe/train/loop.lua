@@ -418,7 +418,7 @@ function M.run(user_cfg, parts)
   local last = cfg.stop_at > 0 and math.min(cfg.stop_at, cfg.steps) or cfg.steps
   local stop_sig -- the signal the run stops on
   -- signals set a flag until the run returns or raises (then the previous mode is back)
-  local soft <close> = setmetatable({ prev = proc.soft_stop(true) }, {
+  local _ <close> = setmetatable({ prev = proc.soft_stop(true) }, {
     __close = function(o) proc.soft_stop(o.prev) end })
   local function finish(ending) -- what every end of the run does, on every rank
     log:close()
