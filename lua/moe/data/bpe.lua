@@ -130,7 +130,7 @@ function M.BPETokenizer.load(path)
     local a, b = line:match("^(%d+) (%d+)$")
     a, b = math.tointeger(tonumber(a)), math.tointeger(tonumber(b))
     local limit = EOD + #merges
-    if not a or a > limit or b > limit or a == EOD or b == EOD then
+    if not a or not b or a > limit or b > limit or a == EOD or b == EOD then
       f:close()
       error(("BPETokenizer.load: %s line %d: bad merge '%s'"):format(path, line_no, line), 2)
     end
