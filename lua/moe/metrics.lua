@@ -120,8 +120,8 @@ local function decode_string(s, pos)
       if map[e] then out[#out + 1] = map[e]; i = i + 2
       elseif e == "u" then
         local hex = s:sub(i + 2, i + 5)
-        local cp = tonumber(hex, 16)
-        if not cp or #hex < 4 then decode_error(i, "bad \\u escape") end
+        local cp = hex:match("^%x%x%x%x$") and tonumber(hex, 16)
+        if not cp then decode_error(i, "bad \\u escape") end
         i = i + 6
         if cp >= 0xD800 and cp <= 0xDBFF and s:sub(i, i + 1) == "\\u" then
           local lo = tonumber(s:sub(i + 2, i + 5), 16)
@@ -139,9 +139,15 @@ local function decode_string(s, pos)
   end
 end
 
-function decode_value(s, pos)
+-- Lists and objects nest at most this deep (a deeper text would overflow Lua's stack).
+local MAX_DEPTH = 1000
+
+function decode_value(s, pos, depth)
   pos = skip_ws(s, pos)
   local c = s:sub(pos, pos)
+  if (c == "{" or c == "[") and depth >= MAX_DEPTH then
+    decode_error(pos, ("nesting deeper than %d levels"):format(MAX_DEPTH))
+  end
   if c == "{" then
     local obj = {}
     pos = skip_ws(s, pos + 1)
@@ -152,7 +158,7 @@ function decode_value(s, pos)
       k, pos = decode_string(s, pos)
       pos = skip_ws(s, pos)
       if s:sub(pos, pos) ~= ":" then decode_error(pos, "':' expected") end
-      obj[k], pos = decode_value(s, pos + 1)
+      obj[k], pos = decode_value(s, pos + 1, depth + 1)
       pos = skip_ws(s, pos)
       local d = s:sub(pos, pos)
       if d == "}" then return obj, pos + 1 end
@@ -164,7 +170,7 @@ function decode_value(s, pos)
     pos = skip_ws(s, pos + 1)
     if s:sub(pos, pos) == "]" then return arr, pos + 1 end
     while true do
-      arr[#arr + 1], pos = decode_value(s, pos)
+      arr[#arr + 1], pos = decode_value(s, pos, depth + 1)
       pos = skip_ws(s, pos)
       local d = s:sub(pos, pos)
       if d == "]" then return arr, pos + 1 end
@@ -189,7 +195,7 @@ end
 --- json.decode(s) -> value; raises "json.decode: <what> at character <n>".
 function json.decode(s)
   if type(s) ~= "string" then error("json.decode: string expected, got " .. type(s), 2) end
-  local v, pos = decode_value(s, 1)
+  local v, pos = decode_value(s, 1, 0)
   pos = skip_ws(s, pos)
   if pos <= #s then decode_error(pos, "trailing characters") end
   return v
