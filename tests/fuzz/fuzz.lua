@@ -30,7 +30,7 @@ with one line per target,
   safetensors: 2000 inputs, 1712 clean errors, 288 loads, 0 crashes, 0 hangs
 and exits 1 when any target had a crash or a hang.
 
-Options (key=value): target (a name or all), n (inputs per target; the
+Options (key=value): target (a name, names separated by commas, or all), n (inputs per target; the
 environment variable MOE_FUZZ_N when set), seed (1), exec (fuzz_core; by
 default next to this build's moe-lua), work (scratch and failures folder,
 default $TMPDIR/moe-fuzz), timeout (seconds per input, 10), index, input,
@@ -393,7 +393,7 @@ end
 local function selftest()
   local sanitized = io.popen(sh(exec_path()) .. " --sanitized"):read("l") == "1"
   local cases = { clean = "clean", load = "load", segv = "crash", abort = "crash", hang = "hang", oom = "crash",
-                  badmsg = "crash" }
+                  badmsg = "crash", rss = "crash" }
   if sanitized then cases.oob, cases.ubsan, cases.leak = "crash", "crash", "crash" end
   local words = {}
   for w in pairs(cases) do words[#words + 1] = w end
@@ -446,7 +446,9 @@ end
 local targets = dofile(here .. "/targets.lua")(kit)
 local chosen = {}
 for _, t in ipairs(targets) do
-  if opt.target == "all" or opt.target == t.name then chosen[#chosen + 1] = t end
+  if opt.target == "all" or ("," .. opt.target .. ","):find("," .. t.name .. ",", 1, true) then
+    chosen[#chosen + 1] = t
+  end
 end
 if #chosen == 0 then
   local names = {}

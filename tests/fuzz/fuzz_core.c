@@ -30,7 +30,8 @@
  * expected form; load = it succeeded and the checks of the result held;
  * crash = a signal, a sanitizer report (ASan/UBSan exit with a report on
  * stderr, LeakSanitizer at exit), an out-of-memory error (inputs are small,
- * so an allocation that fails under the 1 GiB limit is a bug), an error
+ * so an allocation that fails under the 1 GiB limit is a bug), a peak
+ * resident memory that grew by more than 256 MiB during the input, an error
  * without the expected message, or a result that fails a check; hang = the
  * input ran past TIMEOUT_S seconds (default 10).
  *
@@ -62,6 +63,7 @@
 #define FZ_BATCH 64
 #define FZ_MEM_LIMIT ((size_t)1 << 30)  /* bytes of address space over the start (normal build) */
 #define FZ_MAX_TOKENS ((int64_t)1 << 20) /* tokens read back from an opened dataset */
+#define FZ_RSS_GROWTH_MB 256 /* peak resident memory one small input may add */
 
 #if defined(__SANITIZE_ADDRESS__)
 #define FZ_ASAN 1
@@ -302,7 +304,7 @@ static fz_outcome fz_dataset(moe_ctx *ctx, const char *dir, fz_result *r) {
  * each kind of failure is seen: clean, load, segv, abort, hang, oom (a
  * 3 GiB allocation must fail under the limit), badmsg, and in the
  * sanitizer build oob (a heap read past the end), ubsan (a signed
- * overflow), leak. */
+ * overflow), leak; rss (300 MiB touched, then freed). */
 void *volatile fz_leak_sink; /* the selftest's leak: set, then dropped */
 
 static fz_outcome fz_selftest(moe_ctx *ctx, const char *dir, fz_result *r) {
@@ -343,6 +345,15 @@ static fz_outcome fz_selftest(moe_ctx *ctx, const char *dir, fz_result *r) {
     volatile int big = 2147483647;
     int v = big + 1;
     return fz_set(r, FZ_LOAD, "signed overflow: %d", v);
+  }
+  if (strcmp(what, "rss") == 0) {
+    volatile size_t n = (size_t)300 << 20;
+    char *volatile p = malloc(n);
+    if (!p) return fz_set(r, FZ_CLEAN, "300 MiB refused");
+    memset(p, 1, n);
+    unsigned v = (unsigned char)p[n / 2];
+    free(p);
+    return fz_set(r, FZ_LOAD, "touched 300 MiB (%u)", v);
   }
   if (strcmp(what, "leak") == 0) {
     fz_leak_sink = malloc(100);
@@ -405,9 +416,15 @@ static void fz_child(fz_target t, const char *dir, const char *one, long first, 
     if (one) snprintf(in, sizeof in, "%s", one);
     else snprintf(in, sizeof in, "%s/%ld.", dir, i);
     fz_result r = {FZ_CRASH, ""};
+    struct rusage ru0, ru1;
+    getrusage(RUSAGE_SELF, &ru0);
     alarm(timeout_s);
     fz_run(t, ctx, in, &r);
     alarm(0);
+    getrusage(RUSAGE_SELF, &ru1);
+    long grew_mb = (ru1.ru_maxrss - ru0.ru_maxrss) / 1024;
+    if (grew_mb > FZ_RSS_GROWTH_MB && r.outcome != FZ_CRASH)
+      fz_set(&r, FZ_CRASH, "peak memory grew by %ld MiB on a small input (%s)", grew_mb, r.detail);
     char line[512];
     int k = snprintf(line, sizeof line, "%ld %d %s\n", i, (int)r.outcome, r.detail);
     if (k >= (int)sizeof line) {
