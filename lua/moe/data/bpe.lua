@@ -134,6 +134,11 @@ function M.BPETokenizer.load(path)
       f:close()
       error(("BPETokenizer.load: %s line %d: bad merge '%s'"):format(path, line_no, line), 2)
     end
+    if EOD + 1 + #merges >= 65536 then -- ids past 16 bits would collide in the pair ranks
+      f:close()
+      error(("BPETokenizer.load: %s line %d: more than %d merges (a vocabulary above 65536)"):format(
+        path, line_no, 65535 - EOD), 2)
+    end
     merges[#merges + 1] = { a, b }
   end
   f:close()
