@@ -362,7 +362,9 @@ return function(kit)
       regressions = { { ["input.json"] = '"\\u0041\\u-0ff"' }, { ["input.json"] = ("["):rep(250000) } } },
     { name = "bpe", files = { "merges.txt" }, seeds = bpe_seeds, write_files = true, load = bpe_load,
       clean = { "^BPETokenizer%.load: " },
-      regressions = { { ["merges.txt"] = "moe-bpe 1\n32 99999999999999999999\n" } } },
+      regressions = { { ["merges.txt"] = "moe-bpe 1\n32 99999999999999999999\n" },
+                      -- ids past 65535 collided in the pair ranks: encode("bc") decoded as "axy"
+                      { ["merges.txt"] = "moe-bpe 1\n" .. ("32 32\n"):rep(65378) .. "120 121\n97 65635\n" } } },
     { name = "config", files = { "argv" }, seeds = config_seeds, load = config_load, max_size = 4096,
       clean = { "^moe%.config: ", "^train: " },
       -- a long unknown key took minutes (edit distance to every key)
