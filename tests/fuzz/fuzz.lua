@@ -1,7 +1,8 @@
 --[[
 tests/fuzz/fuzz.lua - a deterministic mutation fuzzer over moe-lua's parsers
-(the targets of tests/fuzz/targets.lua: safetensors, JSON in C and in Lua,
-Megatron .idx/.bin, BPE merges, config overrides).
+(the targets of tests/fuzz/targets.lua: safetensors and Megatron .idx/.bin
+in C and through the bindings, JSON in C and in Lua, BPE merges, config
+overrides).
 
   moe-lua tests/fuzz/fuzz.lua target=safetensors [n=2000] [exec=build/tests/fuzz_core]
   moe-lua tests/fuzz/fuzz.lua target=all n=100000        # or MOE_FUZZ_N=100000

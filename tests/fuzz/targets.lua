@@ -347,11 +347,49 @@ return function(kit)
     return cfg
   end
 
+  ------------------------------------------------------------ the same files through the bindings
+
+  -- moe.load (bindings/lio.c) and data.IndexedDataset (bindings/ldata.c) in
+  -- this process: their conversions and error paths (a leak shows at exit
+  -- under LeakSanitizer, a crash ends the run).
+  local function st_lua_load(_, dir)
+    local t, meta = moe.load(dir .. "/model.safetensors")
+    local n = 0
+    for name, x in pairs(t) do
+      if type(name) ~= "string" or not moe.is_tensor(x) then kit.bug("moe.load gave a bad entry") end
+      x:totable()
+      n = n + 1
+    end
+    for k, v in pairs(meta) do
+      if type(k) ~= "string" or type(v) ~= "string" then kit.bug("moe.load gave bad metadata") end
+    end
+    return n
+  end
+
+  local function ds_lua_load(_, dir)
+    local ds = data.IndexedDataset(dir .. "/data")
+    local tokens = 0
+    for i = 0, #ds - 1 do
+      if tokens > 100000 then break end
+      local x = ds:get(i)
+      tokens = tokens + x:numel()
+      x:totable()
+    end
+    for d = 0, ds:num_documents() do ds:document_start(d) end
+    ds:close()
+    return tokens
+  end
+
   ------------------------------------------------------------ the table
 
   return {
     { name = "safetensors", files = { "model.safetensors" }, seeds = st_seeds, exec = "safetensors",
       mutators = st_mutators },
+    { name = "safetensors_lua", files = { "model.safetensors" }, seeds = st_seeds, mutators = st_mutators,
+      write_files = true, load = st_lua_load, clean = { "^load: '" } },
+    { name = "dataset_lua", files = { "data.idx", "data.bin" }, weights = { ["data.idx"] = 3, ["data.bin"] = 1 },
+      seeds = ds_seeds, mutators = ds_mutators, write_files = true, load = ds_lua_load,
+      clean = { "^data%.IndexedDataset: indexed dataset: " } },
     -- the C reader takes integers only: the seeds with fractions are clean errors
     { name = "json", files = { "input.json" }, seeds = json_seeds, exec = "json", seeds_may_fail = true },
     { name = "dataset", files = { "data.idx", "data.bin" }, weights = { ["data.idx"] = 3, ["data.bin"] = 1 },
