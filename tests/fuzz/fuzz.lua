@@ -372,6 +372,9 @@ local function fuzz_target(target)
     end
   else
     for i = first, last do
+      -- a crash that ends this process (a C call of a binding) leaves the
+      -- input's files and its index in the scratch folder
+      if target.write_files then kit.write(scratch .. "/INDEX", tostring(i)) end
       local outcome, detail = run_lua(target, make(i), scratch)
       if opt.index >= 0 then print(outcome .. " " .. detail) end
       report(i, outcome, detail)
