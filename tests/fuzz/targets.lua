@@ -25,7 +25,7 @@ An entry:
   seeds_may_fail  optional: a seed may be a clean error (by default every
             seed must load)
   regressions  optional: inputs that once crashed or hung, run unmutated
-            after the seeds (and used as seeds for mutations)
+            after the seeds
   mutators  optional: structure-aware mutations, functions(r, input) that
             change input in place (r is the input's generator: r:below(n),
             r:pick(list), r:chance(k))
