@@ -343,6 +343,7 @@ local function fuzz_target(target)
       outcome, detail = "crash", "a seed (valid input made by moe-lua's writer) did not load: " .. detail
     end
     counts[outcome] = counts[outcome] + 1
+    if opt.index >= 0 then print(("%s %d: %s %s"):format(target.name, i, outcome, detail)) end
     if outcome == "crash" or outcome == "hang" then
       local d = save_failure(target, i, make(i), outcome, detail, log)
       failures[#failures + 1] = ("  %s %d: %s\n    saved in %s (see REPRO)"):format(outcome, i, detail, d)
@@ -378,7 +379,6 @@ local function fuzz_target(target)
       -- input's files and its index in the scratch folder
       if target.write_files then kit.write(scratch .. "/INDEX", tostring(i)) end
       local outcome, detail = run_lua(target, make(i), scratch)
-      if opt.index >= 0 then print(outcome .. " " .. detail) end
       report(i, outcome, detail)
     end
   end
