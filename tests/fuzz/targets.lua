@@ -136,6 +136,15 @@ return function(kit)
     end,
   }
 
+  -- Empty tensors whose other sizes multiply past 2^63 (their strides
+  -- overflowed in moe_tensor_empty: a UBSan report).
+  local st_regressions = {}
+  for _, shape in ipairs({ "[0,9223372036854775808]", "[0,4611686018427387904,4]",
+                           "[3,0,9223372036854775807,9223372036854775807]" }) do
+    local h = ('{"t":{"dtype":"F32","shape":%s,"data_offsets":[0,0]}}'):format(shape)
+    st_regressions[#st_regressions + 1] = { ["model.safetensors"] = st_join(h, "") }
+  end
+
   ------------------------------------------------------------ Megatron .idx/.bin
 
   local TEXT = "In the beginning was the word.\nAnd the word was with moe.\n\nA second paragraph, " ..
@@ -384,9 +393,9 @@ return function(kit)
 
   return {
     { name = "safetensors", files = { "model.safetensors" }, seeds = st_seeds, exec = "safetensors",
-      mutators = st_mutators },
+      mutators = st_mutators, regressions = st_regressions },
     { name = "safetensors_lua", files = { "model.safetensors" }, seeds = st_seeds, mutators = st_mutators,
-      write_files = true, load = st_lua_load, clean = { "^load: '" } },
+      write_files = true, load = st_lua_load, clean = { "^load: '" }, regressions = st_regressions },
     { name = "dataset_lua", files = { "data.idx", "data.bin" }, weights = { ["data.idx"] = 3, ["data.bin"] = 1 },
       seeds = ds_seeds, mutators = ds_mutators, write_files = true, load = ds_lua_load,
       clean = { "^data%.IndexedDataset: indexed dataset: " } },
