@@ -112,7 +112,8 @@ return function(kit)
       if #nums == 0 then return end
       local at = r:pick(nums)
       local old = math.tointeger(tonumber(h:sub(at[1], at[2] - 1))) or 0
-      local new = r:pick({ old + 1, old - 1, old * 2, 0, #d, #d + 1, #d - 1, old + 8, old - 8 })
+      local new = r:pick({ old + 1, old - 1, old * 2, 0, #d, #d + 1, #d - 1, old + 8, old - 8, 1 << 31,
+                           1 << 32, 1 << 62, math.maxinteger, "9223372036854775808", "18446744073709551615" })
       h = h:sub(1, at[1] - 1) .. tostring(new) .. h:sub(at[2])
       input["model.safetensors"] = st_join(h, d)
     end,
