@@ -62,7 +62,7 @@
 
 #define FZ_BATCH 64
 #define FZ_MEM_LIMIT ((size_t)1 << 30)  /* bytes of address space over the start (normal build) */
-#define FZ_MAX_TOKENS ((int64_t)1 << 20) /* tokens read back from an opened dataset */
+#define FZ_MAX_TOKENS ((int64_t)1 << 16) /* tokens read back from an opened dataset */
 #define FZ_RSS_GROWTH_MB 256 /* peak resident memory one small input may add */
 
 #if defined(__SANITIZE_ADDRESS__)

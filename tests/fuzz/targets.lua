@@ -380,7 +380,7 @@ return function(kit)
     local ds = data.IndexedDataset(dir .. "/data")
     local tokens = 0
     for i = 0, #ds - 1 do
-      if tokens > 100000 then break end
+      if tokens > 65536 then break end
       local x = ds:get(i)
       tokens = tokens + x:numel()
       x:totable()
