@@ -572,8 +572,10 @@ static moe_status st_parse_entry(const st_loader *ld, const char *name, const mo
   if (sh->n > MOE_MAX_DIMS)
     return st_lerr(ld, MOE_ERR_NOT_SUPPORTED, "tensor '%s' has %zu dims; moe-lua tensors have at most %d",
                    name, sh->n, MOE_MAX_DIMS);
+  /* numel: the product of the non-zero sizes; it bounds the strides, so it
+   * must fit even when a 0 makes the tensor empty ([0, 2^62, 4]) */
   uint64_t numel = 1;
-  bool overflow = false;
+  bool overflow = false, empty = false;
   for (size_t d = 0; d < sh->n; d++) {
     const moe_json *s = &sh->items[d];
     if (s->type != MOE_JSON_INT || (s->negative && s->u != 0))
@@ -582,15 +584,13 @@ static moe_status st_parse_entry(const st_loader *ld, const char *name, const mo
                      name, d, st_describe(s, b1, sizeof b1));
     if (s->u > (uint64_t)INT64_MAX) overflow = true;
     info->shape[d] = (int64_t)s->u;
-    if (s->u != 0 && numel > UINT64_MAX / s->u) overflow = true;
+    if (s->u == 0) empty = true;
+    else if (numel > UINT64_MAX / s->u) overflow = true;
     else numel *= s->u;
   }
   info->ndim = (int)sh->n;
   size_t es = moe_dtype_size(info->dtype);
-  /* a shape with a 0 holds nothing, whatever its other sizes */
-  bool empty = false;
-  for (int d = 0; d < info->ndim; d++) empty = empty || info->shape[d] == 0;
-  if (!empty && (overflow || numel > (uint64_t)INT64_MAX / es))
+  if (overflow || numel > (uint64_t)INT64_MAX / es)
     return st_lerr(ld, MOE_ERR_IO, "tensor '%s': shape %s is too large", name,
                    MOE_SHAPE_OF(info->ndim, info->shape));
   if (empty) numel = 0;

@@ -145,15 +145,19 @@ end
 -- The valid keys nearest to an unknown one (at most 3): by edit distance to
 -- the whole dotted key or to its last part (model.d_modl -> model.d_model,
 -- experts -> model.experts), within a third of the key's length (at least 2).
+-- A distance is at least the difference of the lengths: one beyond the limit
+-- is not computed (a 100 kB argument would take minutes).
 local function nearest(defaults, key)
   local last = key:match("([^.]*)$")
+  local limit = math.max(2, #key // 3)
+  local function near(a, b) return math.abs(#a - #b) <= limit and distance(a, b) or math.huge end
   local best, found = math.huge, {}
   for _, e in ipairs(sorted_keys(defaults)) do
-    local d = math.min(distance(key, e.key), distance(last, e.key:match("([^.]*)$")) + 0.5)
+    local d = math.min(near(key, e.key), near(last, e.key:match("([^.]*)$")) + 0.5)
     if d < best then best, found = d, { e.key }
     elseif d == best and #found < 3 then found[#found + 1] = e.key end
   end
-  if best > math.max(2, #key // 3) then return {} end
+  if best > limit then return {} end
   return found
 end
 

@@ -140,8 +140,8 @@ local function decode_string(s, pos)
       if map[e] then out[#out + 1] = map[e]; i = i + 2
       elseif e == "u" then
         local hex = s:sub(i + 2, i + 5)
-        local cp = tonumber(hex, 16)
-        if not cp or #hex < 4 then decode_error(i, "bad \\u escape") end
+        local cp = hex:match("^%x%x%x%x$") and tonumber(hex, 16)
+        if not cp then decode_error(i, "bad \\u escape") end
         i = i + 6
         if cp >= 0xD800 and cp <= 0xDBFF and s:sub(i, i + 1) == "\\u" then
           local lo = tonumber(s:sub(i + 2, i + 5), 16)
@@ -160,10 +160,16 @@ local function decode_string(s, pos)
 end
 
 -- null: the value of JSON's null in arrays (json.null by default) and in objects
--- (nil by default: no member).
-function decode_value(s, pos, null_arr, null_obj)
+-- (nil by default: no member). Lists and objects nest at most MAX_DEPTH deep (a
+-- deeper text would overflow Lua's stack).
+local MAX_DEPTH = 1000
+
+function decode_value(s, pos, null_arr, null_obj, depth)
   pos = skip_ws(s, pos)
   local c = s:sub(pos, pos)
+  if (c == "{" or c == "[") and depth >= MAX_DEPTH then
+    decode_error(pos, ("nesting deeper than %d levels"):format(MAX_DEPTH))
+  end
   if c == "{" then
     local obj = {}
     pos = skip_ws(s, pos + 1)
@@ -175,7 +181,7 @@ function decode_value(s, pos, null_arr, null_obj)
       pos = skip_ws(s, pos)
       if s:sub(pos, pos) ~= ":" then decode_error(pos, "':' expected") end
       local v
-      v, pos = decode_value(s, pos + 1, null_arr, null_obj)
+      v, pos = decode_value(s, pos + 1, null_arr, null_obj, depth + 1)
       if v == NULL_MARK then v = null_obj end
       obj[k] = v
       pos = skip_ws(s, pos)
@@ -190,7 +196,7 @@ function decode_value(s, pos, null_arr, null_obj)
     if s:sub(pos, pos) == "]" then return arr, pos + 1 end
     while true do
       local v
-      v, pos = decode_value(s, pos, null_arr, null_obj)
+      v, pos = decode_value(s, pos, null_arr, null_obj, depth + 1)
       if v == NULL_MARK then v = null_arr end
       n = n + 1
       arr[n] = v
@@ -225,7 +231,7 @@ function json.decode(s, null)
   if type(s) ~= "string" then error("json.decode: string expected, got " .. type(s), 2) end
   local null_arr, null_obj = json.null, nil
   if null ~= nil then null_arr, null_obj = null, null end
-  local v, pos = decode_value(s, 1, null_arr, null_obj)
+  local v, pos = decode_value(s, 1, null_arr, null_obj, 0)
   pos = skip_ws(s, pos)
   if pos <= #s then decode_error(pos, "trailing characters") end
   if v == NULL_MARK then v = null_obj end

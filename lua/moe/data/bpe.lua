@@ -136,9 +136,14 @@ function M.BPETokenizer.load(path)
     local a, b = line:match("^(%d+) (%d+)$")
     a, b = math.tointeger(tonumber(a)), math.tointeger(tonumber(b))
     local limit = EOD + #merges
-    if not a or a > limit or b > limit or a == EOD or b == EOD then
+    if not a or not b or a > limit or b > limit or a == EOD or b == EOD then
       f:close()
       error(("BPETokenizer.load: %s line %d: bad merge '%s'"):format(path, line_no, line), 2)
+    end
+    if EOD + 1 + #merges >= 65536 then -- ids past 16 bits would collide in the pair ranks
+      f:close()
+      error(("BPETokenizer.load: %s line %d: more than %d merges (a vocabulary above 65536)"):format(
+        path, line_no, 65535 - EOD), 2)
     end
     merges[#merges + 1] = { a, b }
   end
