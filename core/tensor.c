@@ -262,11 +262,14 @@ int64_t moe_tensor_numel(const moe_tensor *t) {
   return n;
 }
 
+/* Row-major strides. A tensor with elements has a product of sizes that fits
+ * (numel is checked); an empty one may have other sizes whose product does
+ * not, and its strides address nothing: they saturate instead of overflowing. */
 static void contiguous_strides(int ndim, const int64_t *shape, int64_t *stride) {
   int64_t s = 1;
   for (int d = ndim - 1; d >= 0; d--) {
     stride[d] = s;
-    s *= shape[d] > 1 ? shape[d] : 1;
+    if (__builtin_mul_overflow(s, shape[d] > 1 ? shape[d] : 1, &s)) s = INT64_MAX;
   }
 }
 

