@@ -15,7 +15,10 @@
  * (out of memory) leaks nothing; the box holds a reference to the state so
  * the context outlives the tensors it still owns.
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "lmoe_internal.h"
 #include "moe_io.h"
@@ -188,12 +191,124 @@ static int lm_load(lua_State *L) {
   return 2;
 }
 
-static const luaL_Reg lm_io_functions[] = {{"save", lm_save}, {"load", lm_load}, {NULL, NULL}};
+/* ------------------------------------------------ moe.save_async, moe.fsync */
+
+#define LM_ST_WRITER "moe.SafetensorsWriter"
+
+typedef struct lm_st_writer {
+  moe_safetensors_writer *w; /* NULL once freed */
+  lm_state *S;               /* one reference while w is not NULL */
+} lm_st_writer;
+
+static lm_st_writer *lm_check_writer(lua_State *L, const char *fname) {
+  lm_st_writer *u = (lm_st_writer *)luaL_testudata(L, 1, LM_ST_WRITER);
+  if (u == NULL) lm_argerror(L, 1, fname, "save_async writer expected, got %s", lm_typename(L, 1));
+  return u;
+}
+
+/* Joins the thread (if it runs) and releases everything; idempotent. */
+static int lm_writer_free(lua_State *L) {
+  lm_st_writer *u = (lm_st_writer *)luaL_checkudata(L, 1, LM_ST_WRITER);
+  if (u->w) {
+    moe_safetensors_writer_free(u->w);
+    u->w = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+  return 0;
+}
+
+/* w:wait(): joins the writer; raises the write's error. Again: the same. */
+static int lm_writer_wait(lua_State *L) {
+  lm_st_writer *u = lm_check_writer(L, "wait");
+  if (u->w == NULL) return luaL_error(L, "wait: attempt to use a freed save_async writer");
+  lm_state *S = u->S;
+  moe_status st = moe_safetensors_writer_wait(S->ctx, u->w);
+  if (st != MOE_OK) return lm_corefail(L, S, "save_async", 0);
+  return 0;
+}
+
+/* w:done() -> true once the file is written (or the write failed). */
+static int lm_writer_done(lua_State *L) {
+  lm_st_writer *u = lm_check_writer(L, "done");
+  lua_pushboolean(L, u->w == NULL || moe_safetensors_writer_done(u->w));
+  return 1;
+}
+
+/* moe.save_async(path, tensors [, metadata]) -> writer: moe.save on a
+ * thread; tensors must be contiguous CPU tensors (host copies). */
+static int lm_save_async(lua_State *L) {
+  lm_state *S = lm_S(L);
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "save_async", "path must be a string, got %s", lm_typename(L, 1));
+  if (lua_type(L, 2) != LUA_TTABLE)
+    lm_argerror(L, 2, "save_async", "table of tensors expected ({name = tensor, ...}), got %s",
+                lm_typename(L, 2));
+  if (!lua_isnoneornil(L, 3) && lua_type(L, 3) != LUA_TTABLE)
+    lm_argerror(L, 3, "save_async", "metadata table expected ({key = \"value\", ...}), got %s",
+                lm_typename(L, 3));
+  lm_checkend(L, 3, "save_async");
+  lua_settop(L, 3);
+  size_t plen = 0;
+  const char *path = lua_tolstring(L, 1, &plen);
+  if (strlen(path) != plen) lm_argerror(L, 1, "save_async", "path contains a NUL byte");
+  int n = lm_save_collect(L, 2, NULL, NULL);
+  int nm = lua_isnil(L, 3) ? 0 : lm_meta_collect(L, 3, NULL, NULL);
+  void **scratch = (void **)lua_newuserdatauv(L, sizeof(void *) * (size_t)(2 * n + 2 * nm + 1), 0);
+  const char **names = (const char **)scratch;
+  moe_tensor **tensors = (moe_tensor **)(scratch + n);
+  const char **keys = (const char **)(scratch + 2 * n);
+  const char **values = (const char **)(scratch + 2 * n + nm);
+  lm_save_collect(L, 2, names, tensors);
+  if (nm > 0) lm_meta_collect(L, 3, keys, values);
+  lm_st_writer *u = (lm_st_writer *)lua_newuserdatauv(L, sizeof *u, 0);
+  u->w = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_ST_WRITER);
+  moe_safetensors_writer *w = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_save_async(S->ctx, path, n, names, tensors, nm, keys, values, &w));
+  if (st != MOE_OK) return lm_corefail(L, S, "save_async", 0);
+  u->w = w;
+  u->S = S;
+  S->refs++;
+  return 1;
+}
+
+/* moe.fsync(path): flushes a file or a folder (its entries: renames in it)
+ * to the disk. */
+static int lm_fsync(lua_State *L) {
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "fsync", "path must be a string, got %s", lm_typename(L, 1));
+  lm_checkend(L, 1, "fsync");
+  const char *path = lua_tostring(L, 1);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return luaL_error(L, "fsync: cannot open '%s': %s", path, strerror(errno));
+  int rc = fsync(fd), e = errno;
+  close(fd);
+  if (rc != 0 && e != EINVAL) return luaL_error(L, "fsync: '%s': %s", path, strerror(e));
+  return 0;
+}
+
+static const luaL_Reg lm_writer_methods[] = {{"wait", lm_writer_wait}, {"done", lm_writer_done},
+                                             {"free", lm_writer_free}, {NULL, NULL}};
+
+static const luaL_Reg lm_io_functions[] = {{"save", lm_save}, {"load", lm_load}, {"save_async", lm_save_async},
+                                           {"fsync", lm_fsync}, {NULL, NULL}};
 
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
   if (luaL_newmetatable(L, LM_ST_BOX)) {
     lua_pushcfunction(L, lm_st_box_gc);
     lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  if (luaL_newmetatable(L, LM_ST_WRITER)) {
+    lua_pushcfunction(L, lm_writer_free);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, lm_writer_free);
+    lua_setfield(L, -2, "__close");
+    luaL_newlib(L, lm_writer_methods);
+    lua_setfield(L, -2, "__index");
   }
   lua_pop(L, 1);
   lm_register(L, mod, methods, sentinel, lm_io_functions, NULL);

@@ -29,7 +29,7 @@ function M.defaults()
     seq_len = 128, batch_size = 16, grad_accum = 1, steps = 1000,
     lr = 1e-3, min_lr = 1e-4, warmup = 50, decay = "cosine", weight_decay = 0.1,
     beta1 = 0.9, beta2 = 0.95, eps = 1e-8, clip = 1.0, optimizer = "adamw",
-    eval_every = 100, eval_iters = 10, log_every = 10, save_every = 0, keep_last = 3,
+    eval_every = 100, eval_iters = 10, log_every = 10, save_every = 0, keep_last = 3, save_async = false,
     out_dir = "out", resume = "", overwrite = false, deterministic = false, device = "auto", dtype = "f32",
     stop_at = 0, seed = 1234, tensorboard = true, sample_every = 0, sample_tokens = 200,
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,

@@ -76,19 +76,6 @@ local function sharded_optimizer(par, named, cfg, parts)
   return opt, opt.reducer, clip
 end
 
--- What a checkpoint of a sharded run holds: the model, not the optimizer
--- state (each rank has 1/P of it; sharded checkpoints are not implemented).
--- Warns once.
-local function sharded_checkpoint(ckpt, log, warned)
-  ckpt.optim = {}
-  ckpt.state.optim_sharded = true
-  if not warned then
-    log:say("warning: parallel.dp_shard: checkpoints hold the model only, not the sharded optimizer " ..
-      "state (training cannot resume from them)")
-  end
-  return true
-end
-
 -- Makes out_dir safe to start in, before anything is built or written; returns the
 -- lines to print once the log is open. A fresh run (resume empty) into an out_dir
 -- that holds ckpt-* folders is an error, raised on every rank (each reads out_dir),
@@ -178,20 +165,17 @@ function M.run(user_cfg, parts)
 
   -- resume
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume)
-  if resume_path and par.ep > 1 then
-    error(("train: resuming %s with parallel.ep=%d: checkpoints of expert-parallel models are not " ..
-      "supported yet"):format(resume_path, par.ep), 0)
-  end
   local pending_say
-  if resume_path and par.sharded then
-    error(("train: cannot resume %s with parallel.dp_shard: the sharded optimizer state is not " ..
-      "saved in checkpoints"):format(resume_path), 0)
-  end
   if resume_path then
-    local c = checkpoint.load(resume_path, { device = device })
-    thooks.call(hooks.load, state, c)
-    model:load_state_dict(c.model)
-    opt:load_state_dict(c.optim, c.state.optim_scalars or {})
+    local c
+    if par:uses_dcp(resume_path) then -- sharded checkpoints, onto any layout (moe/train/dcp.lua)
+      c = par:load_checkpoint(resume_path, model, opt)
+    else
+      c = checkpoint.load(resume_path, { device = device })
+      thooks.call(hooks.load, state, c)
+      model:load_state_dict(c.model)
+      opt:load_state_dict(c.optim, c.state.optim_scalars or {})
+    end
     moe.set_rng_state(c.state.rng)
     train_data:set_state(c.state.data)
     state.step, state.consumed_tokens = c.state.step, c.state.consumed_tokens or 0
@@ -248,25 +232,24 @@ function M.run(user_cfg, parts)
     end)
   end
 
-  local warned_sharded
-  local warned_save = false
   local function save()
-    if par.ep > 1 then -- each rank holds its experts only: rank 0's file would miss the others'
-      if not warned_save then
-        log:say(("warning: checkpoints are skipped with parallel.ep=%d (expert-parallel models cannot be " ..
-          "saved yet: rank 0 holds only its experts)"):format(par.ep))
-        warned_save = true
+    local rank_state = { rng = moe.get_rng_state(), data = tconfig.plain(train_data:state()) }
+    if par.distributed then -- every rank writes its shards (moe/train/dcp.lua)
+      local path = par:save_checkpoint(state.step, model, opt, rank_state, { consumed_tokens = state.consumed_tokens,
+        config = tconfig.plain(cfg), optim_scalars = tconfig.plain(opt:state_scalars()) })
+      if path then
+        result.checkpoint, state.checkpoint = path, path
+        log:say(("saved checkpoint %s"):format(path))
       end
       return
     end
     if not par.writer then return end -- rank 0 writes; the others hold the same state
     local ckpt = {
-      model = model:state_dict(), optim = not par.sharded and opt:state_dict() or nil,
-      state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
-        data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
+      model = model:state_dict(), optim = opt:state_dict(),
+      state = { consumed_tokens = state.consumed_tokens, rng = rank_state.rng,
+        data = rank_state.data, config = tconfig.plain(cfg),
         optim_scalars = tconfig.plain(opt:state_scalars()) },
     }
-    if par.sharded then warned_sharded = sharded_checkpoint(ckpt, log, warned_sharded) end
     -- a save hook may add to ckpt, or write it itself and return the path
     local path = thooks.call(hooks.save, state, ckpt)
     if path == nil then path = checkpoint.save(cfg.out_dir, state.step, ckpt, { keep_last = cfg.keep_last }) end
@@ -379,6 +362,11 @@ function M.run(user_cfg, parts)
   log:finish_bar()
 
   if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
+  local committed = par:finish_checkpoint() -- an asynchronous save's commit
+  if committed then
+    result.checkpoint, state.checkpoint = committed, committed
+    log:say(("saved checkpoint %s"):format(committed))
+  end
   log:close()
   if reducer then reducer:free() end
   if par.sharded then opt:free() end
