@@ -14,7 +14,9 @@ save (2 ranks, ep = 2): an uninterrupted run (its losses go to D/ref.txt), a
 four (4 ranks, ep = 2 x dp = 2, micro-batch 2: the same global batch): resumes
   the 2-rank checkpoint: close; then trains from scratch to step K and saves
   (D/ep4/ckpt-K: each expert shard held by two ranks, written once).
-one (one process, ep = 1, grad_accum = 2): resumes the 4-rank checkpoint: close.
+one (one process, ep = 1, grad_accum = 2): consolidates the 4-rank checkpoint
+  (moe-lua export's path) and checks it against what a resume loads; resumes
+  it: close.
 Close: relative 1e-4 on the losses (measured and printed; the global batch's
 mean is taken over other splits of the rows, and an expert's gradient is one
 GEMM over other rows). The load-balancing loss is off (loss_weight = 0): its
@@ -110,6 +112,17 @@ elseif opts.phase == "four" then
 elseif opts.phase == "one" then
   assert(world == 1, "phase=one runs alone")
   local ref = read_ref()
+  -- the consolidated model (export's path) is what a resume loads
+  local ck = D .. "/ep4/ckpt-" .. STOP
+  local full = require("moe.train.dcp").consolidate(ck)
+  local loaded = train.run(cfg("load", { resume = ck, stop_at = STOP }, root)).model
+  local n = 0
+  for name, t in pairs(loaded:state_dict()) do
+    assert(full[name], "consolidate lacks " .. name)
+    assert((full[name] - t):abs():max():item() == 0, "consolidated " .. name .. " differs from the loaded one")
+    n = n + 1
+  end
+  say("ok   ckpt_ep: the 4-rank checkpoint consolidated (%d tensors) equals what a resume loads", n)
   local res = train.run(cfg("back", { grad_accum = 2, resume = D .. "/ep4/ckpt-" .. STOP }, root))
   local worst = compare("ep=2 x dp=2 -> one process", ref, res.losses, 1e-4)
   say("ok   ckpt_ep: the 4-rank ep=2 x dp=2 checkpoint resumed by one process: losses within %.2e", worst)

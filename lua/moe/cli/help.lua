@@ -8,7 +8,7 @@ command by adding its file here and its name to `commands` below.
 local M = { summary = "show this help" }
 
 -- In the order they are listed.
-local commands = { "help", "version", "train", "sample", "plot", "preprocess", "launch" }
+local commands = { "help", "version", "train", "sample", "plot", "preprocess", "launch", "export" }
 
 function M.main(name)
   local host = package.loaded["moe.host"]

@@ -22,7 +22,7 @@ function M.defaults()
       moe = {
         kind = "dmoe", num_experts = 8, top_k = 2, ffn_hidden_size = 256, mlp_type = "mlp",
         activation = "gelu", mlp_impl = "auto", loss_weight = 0.01, zloss_weight = 0.0,
-        jitter_eps = 0.0, capacity_factor = 1.0, every = 1,
+        jitter_eps = 0.0, capacity_factor = 1.0, every = 1, normalize_expert_weights = 0,
       },
     },
     data = "bible", data_dir = "data", valid_fraction = 0.05, data_seed = 1234,
