@@ -360,29 +360,69 @@ local function as_flat(pl, shape)
   return pl.offsets[1] * row, (pl.offsets[1] + pl.sizes[1]) * row
 end
 
--- As a box {offsets, sizes}, or nil when it is not one.
-local function as_box(pl, shape)
-  local off, size = {}, {}
-  if pl.offsets then return pl.offsets, pl.sizes end
-  for d = 1, #shape do off[d], size[d] = 0, shape[d] end
-  if pl.full then return off, size end
-  if pl.rows then
-    off[1], size[1] = pl.rows[1], pl.rows[2] - pl.rows[1]
-    return off, size
+-- The boxes whose union is the flat range [a, b) of a tensor of shape, each
+-- contiguous in row-major order: {offsets, sizes, start} (start: its first
+-- element's position in the range). A range of whole rows is one box.
+local function flat_boxes(a, b, shape, out, prefix, base)
+  out, prefix, base = out or {}, prefix or {}, base or a
+  local nd = #prefix
+  if nd == #shape then -- a single element
+    if b > a then out[#out + 1] = { offsets = { table.unpack(prefix) }, sizes = {}, start = a - base } end
+    return out
   end
-  -- a flat range of whole rows is a box
-  local n = numel(shape)
-  if #shape == 0 or n == 0 then return nil end
-  local row = n // shape[1]
-  local a, b = pl.flat[1], pl.flat[2]
-  if a % row ~= 0 or b % row ~= 0 then return nil end
-  off[1], size[1] = a // row, (b - a) // row
-  return off, size
+  local dim = shape[nd + 1]
+  local row = 1
+  for d = nd + 2, #shape do row = row * shape[d] end
+  local function whole(r0, r1, at) -- rows [r0, r1) of this dim, whole
+    if r1 <= r0 then return end
+    local off, size = { table.unpack(prefix) }, {}
+    for _ = 1, nd do size[#size + 1] = 1 end
+    off[nd + 1], size[nd + 1] = r0, r1 - r0
+    for d = nd + 2, #shape do off[d], size[d] = 0, shape[d] end
+    out[#out + 1] = { offsets = off, sizes = size, start = at - base }
+  end
+  local function part(r, x, y) -- elements [x, y) of row r
+    local p = { table.unpack(prefix) }
+    p[nd + 1] = r
+    local sub = {}
+    local res = flat_boxes(x, y, shape, {}, p, x)
+    for _, bx in ipairs(res) do bx.start = bx.start + r * row + x - base; sub[#sub + 1] = bx end
+    for _, bx in ipairs(sub) do out[#out + 1] = bx end
+  end
+  if row == 0 or b <= a then return out end
+  local r0, r1 = a // row, (b - 1) // row
+  if a % row == 0 and b % row == 0 then
+    whole(r0, r1 + 1, a)
+  elseif r0 == r1 then
+    part(r0, a - r0 * row, b - r0 * row)
+  else
+    local first = r0
+    if a % row ~= 0 then part(r0, a - r0 * row, row); first = r0 + 1 end
+    local last = b % row == 0 and r1 + 1 or r1
+    whole(first, last, first * row)
+    if b % row ~= 0 then part(r1, 0, b - r1 * row) end
+  end
+  return out
+end
+M.flat_boxes = flat_boxes
+
+-- A place as boxes, each with a view of t (the tensor at that place) over it.
+local function boxes_of(t, pl, shape)
+  if pl.offsets then return { { offsets = pl.offsets, sizes = pl.sizes, view = t } } end
+  local a, b = as_flat(pl, shape)
+  local out = {}
+  local flat = t:reshape({ t:numel() })
+  for _, bx in ipairs(flat_boxes(a, b, shape)) do
+    bx.view = flat:narrow(0, bx.start, numel(bx.sizes)):view(#bx.sizes > 0 and bx.sizes or { 1 })
+    if #bx.sizes == 0 then bx.view = flat:narrow(0, bx.start, 1):view({}) end
+    out[#out + 1] = bx
+  end
+  return out
 end
 
 -- Copies the part of src (a shard at place sp) that overlaps dst (at place dp)
 -- into dst; returns the number of elements copied.
-local function copy_overlap(dst, dp, src, sp, shape, name)
+local function copy_overlap(dst, dp, src, sp, shape)
   local da, db = as_flat(dp, shape)
   local sa, sb = as_flat(sp, shape)
   if da and sa then
@@ -393,21 +433,24 @@ local function copy_overlap(dst, dp, src, sp, shape, name)
     d:copy_(s)
     return b - a
   end
-  local doff, dsize = as_box(dp, shape)
-  local soff, ssize = as_box(sp, shape)
-  if not (doff and soff) then
-    fail("'%s': cannot assemble a flat range that is not whole rows with an N-d box", name)
+  local n = 0
+  for _, db_ in ipairs(boxes_of(dst, dp, shape)) do
+    for _, sb_ in ipairs(boxes_of(src, sp, shape)) do
+      local d, s, m = db_.view, sb_.view, 1
+      for k = 1, #shape do
+        local a = math.max(db_.offsets[k], sb_.offsets[k])
+        local b = math.min(db_.offsets[k] + db_.sizes[k], sb_.offsets[k] + sb_.sizes[k])
+        if a >= b then m = 0; break end
+        d = d:narrow(k - 1, a - db_.offsets[k], b - a)
+        s = s:narrow(k - 1, a - sb_.offsets[k], b - a)
+        m = m * (b - a)
+      end
+      if m > 0 then
+        d:copy_(s)
+        n = n + m
+      end
+    end
   end
-  local d, s, n = dst, src, 1
-  for k = 1, #shape do
-    local a = math.max(doff[k], soff[k])
-    local b = math.min(doff[k] + dsize[k], soff[k] + ssize[k])
-    if a >= b then return 0 end
-    d = d:narrow(k - 1, a - doff[k], b - a)
-    s = s:narrow(k - 1, a - soff[k], b - a)
-    n = n * (b - a)
-  end
-  d:copy_(s)
   return n
 end
 
@@ -456,14 +499,14 @@ function M.load_pieces(path, pieces, opts)
         local want = 0
         do
           local a, b = as_flat(p.place, p.shape)
-          if a then want = b - a else local _, sz = as_box(p.place, p.shape); want = numel(sz) end
+          if a then want = b - a else want = numel(p.place.sizes) end
         end
         local got = 0
         for _, s in ipairs(e.shards) do
           local src = file(s.file)[s.key]
           if src == nil then fail("'%s/%s' has no tensor '%s'", path, s.file, s.key) end
           moe.scope(function()
-            got = got + copy_overlap(p.tensor, p.place, src, place_of(s), p.shape, p.name)
+            got = got + copy_overlap(p.tensor, p.place, src, place_of(s), p.shape)
           end)
         end
         if got ~= want then
