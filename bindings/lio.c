@@ -9,6 +9,14 @@
  * metadata; the file is written atomically. load returns a table name ->
  * new tensor and the metadata table (empty when the file has none).
  *
+ *   local w = moe.save_async("shard.safetensors", host_tensors, meta [, w_prev])  -- copies, then returns
+ *   w:done() -> bool; w:wait() (raises the write's error); w:free() (also __gc, <close>)
+ *   moe.fsync(path)   a file or a folder to the disk
+ *
+ * save_async copies the tensors' bytes (contiguous CPU tensors) into one
+ * buffer and writes it on a thread (core/moe_io.h): the tensors may change
+ * once it returns.
+ *
  * Scratch arrays for save live in a userdata (collected if an error unwinds
  * past it). load parks the loaded file in a "moe.SafetensorsBox" userdata
  * whose __gc frees it, so a Lua error while the result tables are built
@@ -235,8 +243,9 @@ static int lm_writer_done(lua_State *L) {
   return 1;
 }
 
-/* moe.save_async(path, tensors [, metadata]) -> writer: moe.save on a
- * thread; tensors must be contiguous CPU tensors (host copies). */
+/* moe.save_async(path, tensors [, metadata [, reuse]]) -> writer: moe.save
+ * on a thread; tensors must be contiguous CPU tensors; reuse: an earlier
+ * writer whose buffer the copy may take. */
 static int lm_save_async(lua_State *L) {
   lm_state *S = lm_S(L);
   if (lua_type(L, 1) != LUA_TSTRING)
@@ -247,8 +256,14 @@ static int lm_save_async(lua_State *L) {
   if (!lua_isnoneornil(L, 3) && lua_type(L, 3) != LUA_TTABLE)
     lm_argerror(L, 3, "save_async", "metadata table expected ({key = \"value\", ...}), got %s",
                 lm_typename(L, 3));
-  lm_checkend(L, 3, "save_async");
-  lua_settop(L, 3);
+  lm_st_writer *reuse = NULL;
+  if (!lua_isnoneornil(L, 4)) {
+    reuse = (lm_st_writer *)luaL_testudata(L, 4, LM_ST_WRITER);
+    if (reuse == NULL)
+      lm_argerror(L, 4, "save_async", "an earlier save_async writer expected (reuse), got %s", lm_typename(L, 4));
+  }
+  lm_checkend(L, 4, "save_async");
+  lua_settop(L, 4);
   size_t plen = 0;
   const char *path = lua_tolstring(L, 1, &plen);
   if (strlen(path) != plen) lm_argerror(L, 1, "save_async", "path contains a NUL byte");
@@ -261,13 +276,15 @@ static int lm_save_async(lua_State *L) {
   const char **values = (const char **)(scratch + 2 * n + nm);
   lm_save_collect(L, 2, names, tensors);
   if (nm > 0) lm_meta_collect(L, 3, keys, values);
+  if (reuse && reuse->w == NULL) lm_argerror(L, 4, "save_async", "reuse is a freed writer");
   lm_st_writer *u = (lm_st_writer *)lua_newuserdatauv(L, sizeof *u, 0);
   u->w = NULL;
   u->S = NULL;
   luaL_setmetatable(L, LM_ST_WRITER);
   moe_safetensors_writer *w = NULL;
   moe_status st;
-  LM_CALL(L, st, moe_safetensors_save_async(S->ctx, path, n, names, tensors, nm, keys, values, &w));
+  LM_CALL(L, st, moe_safetensors_save_async(S->ctx, path, n, names, tensors, nm, keys, values,
+                                                reuse ? reuse->w : NULL, &w));
   if (st != MOE_OK) return lm_corefail(L, S, "save_async", 0);
   u->w = w;
   u->S = S;

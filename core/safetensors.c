@@ -441,9 +441,8 @@ struct moe_safetensors_writer {
   char msg[512];
   char *path, *tmp;
   sbuf header;
-  int64_t n;
-  moe_tensor **tensors;   /* retained until moe_safetensors_writer_free, data order */
-  uint64_t *nbytes;
+  unsigned char *data;    /* the data buffer: every tensor's bytes, copied by the caller's thread */
+  uint64_t nbytes, cap;   /* bytes used, bytes allocated */
 };
 
 static moe_status stw_fail(moe_safetensors_writer *w, moe_status st, const char *fmt, ...) {
@@ -475,8 +474,10 @@ static moe_status stw_run(moe_safetensors_writer *w) {
   for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)w->header.n >> (8 * i));
   moe_status st = stw_write_all(w, fd, len8, 8);
   if (st == MOE_OK) st = stw_write_all(w, fd, w->header.p, w->header.n);
-  for (int64_t i = 0; i < w->n && st == MOE_OK; i++)
-    if (w->nbytes[i] > 0) st = stw_write_all(w, fd, moe_tensor_data(w->tensors[i]), (size_t)w->nbytes[i]);
+  for (uint64_t at = 0; at < w->nbytes && st == MOE_OK; at += ST_MAX_IO) {
+    uint64_t len = w->nbytes - at < ST_MAX_IO ? w->nbytes - at : ST_MAX_IO;
+    st = stw_write_all(w, fd, w->data + at, (size_t)len);
+  }
   if (st == MOE_OK && fsync(fd) != 0)
     st = stw_fail(w, MOE_ERR_IO, "save_async: fsync of '%s': %s", w->tmp, strerror(errno));
   if (close(fd) != 0 && st == MOE_OK)
@@ -498,9 +499,7 @@ static void *stw_main(void *arg) {
 void moe_safetensors_writer_free(moe_safetensors_writer *w) {
   if (!w) return;
   if (w->started && !w->joined) pthread_join(w->thread, NULL);
-  for (int64_t i = 0; i < w->n; i++) moe_tensor_release(w->tensors[i]);
-  free(w->tensors);
-  free(w->nbytes);
+  free(w->data);
   free(w->header.p);
   free(w->path);
   free(w->tmp);
@@ -510,7 +509,8 @@ void moe_safetensors_writer_free(moe_safetensors_writer *w) {
 moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
                                       const char *const *names, moe_tensor *const *tensors,
                                       int64_t n_meta, const char *const *meta_keys,
-                                      const char *const *meta_values, moe_safetensors_writer **out) {
+                                      const char *const *meta_values, moe_safetensors_writer *reuse,
+                                      moe_safetensors_writer **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: out is NULL");
   *out = NULL;
@@ -531,12 +531,10 @@ moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
   moe_safetensors_writer *w = calloc(1, sizeof *w);
   size_t tlen = strlen(path) + 48;
   if (w) {
-    w->tensors = calloc(n > 0 ? (size_t)n : 1, sizeof *w->tensors);
-    w->nbytes = calloc(n > 0 ? (size_t)n : 1, sizeof *w->nbytes);
     w->path = strdup(path);
     w->tmp = malloc(tlen);
   }
-  if (!es || !w || !w->tensors || !w->nbytes || !w->path || !w->tmp) {
+  if (!es || !w || !w->path || !w->tmp) {
     st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "save_async: out of host memory");
     goto fail;
   }
@@ -555,12 +553,28 @@ moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
     pos += nb;
   }
   MOE_CHECK_GOTO(st_build_header(ctx, n, es, n_meta, meta_keys, meta_values, &w->header), st, fail);
-  for (int64_t i = 0; i < n; i++) {
-    moe_tensor_retain(es[i].t);
-    w->tensors[i] = es[i].t;
-    w->nbytes[i] = es[i].end - es[i].begin;
-    w->n = i + 1;
+  /* the host copy: what the caller waits for; the tensors are free to change afterwards */
+  w->nbytes = pos;
+  if (reuse && reuse->data && reuse->cap >= pos) { /* the previous buffer: its pages are mapped already */
+    if (reuse->started && !reuse->joined) {
+      pthread_join(reuse->thread, NULL);
+      reuse->joined = true;
+    }
+    w->data = reuse->data;
+    w->cap = reuse->cap;
+    reuse->data = NULL;
+    reuse->cap = 0;
+  } else {
+    w->data = malloc(pos > 0 ? (size_t)pos : 1);
+    w->cap = pos;
   }
+  if (!w->data) {
+    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "save_async: out of host memory for a %llu-byte copy",
+                   (unsigned long long)pos);
+    goto fail;
+  }
+  for (int64_t i = 0; i < n; i++)
+    if (es[i].end > es[i].begin) memcpy(w->data + es[i].begin, moe_tensor_data(es[i].t), (size_t)(es[i].end - es[i].begin));
   snprintf(w->tmp, tlen, "%s.tmp.%ld.async", path, (long)getpid());
   int rc = pthread_create(&w->thread, NULL, stw_main, w);
   if (rc != 0) {

@@ -191,6 +191,24 @@ describe("moe.save_async", function()
     assert.are.equal(f2:read("a"), f1:read("a")) -- byte for byte
     f1:close(); f2:close()
     assert.has_error(function() w:wait() end, "wait: attempt to use a freed save_async writer")
+    -- the bytes were copied before save_async returned: changing the tensor at once changes nothing
+    local c = A:clone()
+    w = moe.save_async(root .. "/copied.safetensors", { c = c })
+    c:fill_(-1)
+    w:wait()
+    w:free()
+    assert.is_true(equal(moe.load(root .. "/copied.safetensors").c, A))
+    -- a later save takes an earlier writer's buffer
+    local w1 = moe.save_async(root .. "/r1.safetensors", { a = A })
+    w1:wait()
+    local w2 = moe.save_async(root .. "/r2.safetensors", { b = B }, nil, w1)
+    w1:free()
+    w2:wait()
+    w2:free()
+    assert.is_true(equal(moe.load(root .. "/r2.safetensors").b, B))
+    assert.is_true(equal(moe.load(root .. "/r1.safetensors").a, A))
+    assert.has_error(function() moe.save_async(root .. "/r3.safetensors", { b = B }, nil, w1) end,
+      "bad argument #4 to 'save_async' (reuse is a freed writer)")
   end)
 
   it("refuses device or strided tensors at once, and reports a failed write at wait", function()

@@ -25,6 +25,7 @@ offsets/sizes: an N-d box (0-based offsets). Ranges are half-open, 0-based.
   local saver = dcp.Saver{out_dir =, rank =, world =, barrier = fn, keep_last =, async =}
   saver:save(step, pieces, rank_state, state)   -- rank_state: this rank's {rng=, data=}
   saver:finish()                                -- waits, barrier, rank 0 commits
+  saver:close()                                 -- frees the buffer kept for the next save
   dcp.load(path, pieces) -> state               -- fills every piece; any layout
   dcp.read_index(path) -> index (a legacy checkpoint gets a synthesized one)
   dcp.consolidate(path, prefix) -> name -> full tensor (export)
@@ -37,9 +38,9 @@ ckpt-<step>. checkpoint.list counts only folders with state.json, which the
 rename makes appear with everything else: a crash at any moment leaves the
 previous checkpoints as they were (the .tmp folder is removed at the next start).
 
-Asynchronous saves (async = true): save copies the pieces to host memory
-(a clone on the CPU) and hands them to moe.save_async, a writer thread; the
-step goes on. The commit waits until the next save or finish.
+Asynchronous saves (async = true): moe.save_async copies the pieces into one
+host buffer (a memcpy per CPU tensor; device tensors are copied to the host
+first) and writes it on a thread; the step goes on. The commit waits until the next save or finish.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -190,24 +191,26 @@ local function tmp_dir(out_dir, step) return ("%s/.tmp-ckpt-%d-dcp"):format(out_
 --- commit), then writes this rank's pieces (in the background when async) and
 --- its shard list. state: rank 0's JSON table for state.json (step, config,
 --- optimizer scalars, ...); rank_state: this rank's own (RNG, data position).
---- Returns the seconds the caller waited (the training stall).
+--- Returns the seconds the caller waited (the training stall); saver.stall
+--- sums them over saves, saver.wait the part spent finishing the previous save.
 function Saver:save(step, pieces, rank_state, state)
-  local t0 = moe.clock and moe.clock() or os.clock()
+  local t0 = moe.clock()
   self:finish()
+  local tw = moe.clock()
+  self.wait = (self.wait or 0) + (tw - t0)
   local dir = tmp_dir(self.out_dir, step)
   checkpoint.mkdir_p(dir)
   local file = ("shard-%d.safetensors"):format(self.rank)
-  local tensors, shards = {}, {}
+  local tensors, shards, made = {}, {}, {}
   local copy = self.async
   for _, p in ipairs(pieces) do
     if p.write then
       local key = file_key(p)
       local t = p.tensor
-      if copy then
-        t = moe.no_grad(function()
-          if t.device ~= "cpu" then return t:cpu() end
-          return t:contiguous():clone()
-        end)
+      if copy and (t.device ~= "cpu" or not t:is_contiguous()) then
+        -- moe.save_async copies contiguous host tensors itself (one memcpy each)
+        t = moe.no_grad(function() return t:cpu():contiguous() end)
+        made[#made + 1] = t
       end
       tensors[key] = t
       local s = place_json(p.place)
@@ -220,14 +223,17 @@ function Saver:save(step, pieces, rank_state, state)
     shards = arr(shards), state = rank_state }
   local handle
   if self.async then
-    handle = moe.save_async(dir .. "/" .. file, tensors, meta)
+    handle = moe.save_async(dir .. "/" .. file, tensors, meta, self.spent)
+    if self.spent then self.spent:free() end
+    self.spent = nil
   else
     moe.save(dir .. "/" .. file, tensors, meta)
   end
   -- the shard list goes in last: written and synced before the commit's barrier
-  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state, tensors = tensors }
+  for _, t in ipairs(made) do t:free() end -- the writer holds its own copy
+  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state }
   if not self.async then self:finish() end
-  local t1 = moe.clock and moe.clock() or os.clock()
+  local t1 = moe.clock()
   self.saves = self.saves + 1
   self.stall = self.stall + (t1 - t0)
   return t1 - t0
@@ -243,10 +249,7 @@ function Saver:finish()
   local ok, err = true, nil
   if p.handle then
     ok, err = pcall(p.handle.wait, p.handle)
-    p.handle:free()
-  end
-  for _, t in pairs(p.tensors) do
-    if self.async then t:free() end
+    self.spent = p.handle -- its buffer serves the next save
   end
   if ok then
     ok, err = pcall(write_synced, ("%s/shard-%d.json"):format(p.dir, self.rank), json.encode(p.desc) .. "\n")
@@ -269,6 +272,12 @@ function Saver:finish()
   if self.rank == 0 and self.keep_last > 0 then checkpoint.prune(self.out_dir, self.keep_last) end
   self.last = final
   return final
+end
+
+--- saver:close(): frees the host buffer kept for the next asynchronous save.
+function Saver:close()
+  if self.spent then self.spent:free() end
+  self.spent = nil
 end
 
 --- commit(dir, final, step, world, state): rank 0's part, once every rank's

@@ -255,7 +255,9 @@ end
 --- par:finish_checkpoint() -> the path committed now (an asynchronous save's), or nil.
 function Par:finish_checkpoint()
   if not self.saver then return nil end
-  return self.saver:finish()
+  local path = self.saver:finish()
+  self.saver:close()
+  return path
 end
 
 --- par:uses_dcp(path): path is resumed through moe/train/dcp.lua: it has an
