@@ -283,8 +283,8 @@ function Sharded:clip_grad_norm(max_norm)
 end
 
 function Sharded:state_dict()
-  error("ShardedAdamW:state_dict: each rank holds 1/P of the state; save it with moe.train.dcp " ..
-    "(opt:state_pieces(): this rank's flat ranges of each parameter's state)", 2)
+  error("ShardedAdamW:state_dict: the sharded state cannot be saved as one state dict (each rank holds " ..
+    "1/P of it): moe.train.dcp saves opt:state_pieces(), this rank's flat ranges of each parameter's state", 2)
 end
 
 function Sharded:load_state_dict()
