@@ -27,7 +27,7 @@ local moe = require "moe"
 local train = require "moe.train"
 local checkpoint = require "moe.checkpoint"
 
-local opts = moe.config { steps = 10, verbose = false, loss_weight = 0, device = "cpu", phase = "", dir = "" }
+local opts = moe.config { steps = 8, verbose = false, loss_weight = 0, device = "cpu", phase = "", dir = "" }
 assert(opts.dir ~= "", "give dir=FOLDER (shared by the three phases)")
 local dist = moe.dist
 local world = moe.dist and dist.world_size() or 1

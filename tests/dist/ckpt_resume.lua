@@ -3,7 +3,7 @@ tests/dist/ckpt_resume.lua - sharded checkpoints (moe/train/dcp.lua) in
 moe.train: a run stopped at step K and resumed with resume=latest continues
 the loss curve of an uninterrupted run, on the CPU, under
 
-  moe-lua launch -n 2 tests/dist/ckpt_resume.lua [steps=12] [verbose=true]
+  moe-lua launch -n 2 tests/dist/ckpt_resume.lua [steps=8] [verbose=true]
   moe-lua launch -n 4 tests/dist/ckpt_resume.lua
 
 2 ranks:
@@ -26,7 +26,7 @@ local moe = require "moe"
 local train = require "moe.train"
 local checkpoint = require "moe.checkpoint"
 
-local opts = moe.config { steps = 12, verbose = false, loss_weight = 0.01, device = "cpu" }
+local opts = moe.config { steps = 8, verbose = false, loss_weight = 0.01, device = "cpu" }
 local dist = moe.dist
 dist.init { timeout = 300 }
 local rank, world = dist.rank(), dist.world_size()
