@@ -9,6 +9,13 @@
  * metadata; the file is written atomically. load returns a table name ->
  * new tensor and the metadata table (empty when the file has none).
  *
+ *   local w = moe.save_async("shard.safetensors", host_tensors, meta [, w_prev])  -- copies, then returns
+ *   w:done() -> bool; w:wait() (raises the write's error); w:free() (also __gc, <close>)
+ *
+ * save_async copies the tensors' bytes (contiguous CPU tensors) into one
+ * buffer and writes it on a thread (core/moe_io.h): the tensors may change
+ * once it returns.
+ *
  * Scratch arrays for save live in a userdata (collected if an error unwinds
  * past it). load parks the loaded file in a "moe.SafetensorsBox" userdata
  * whose __gc frees it, so a Lua error while the result tables are built
@@ -24,7 +31,10 @@
  * files and to make a save durable (core/moe_digest.h). file_digest refuses
  * a path that is not a regular file (a named pipe, a folder, a device).
  */
+#include <errno.h>
+#include <fcntl.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "lmoe_internal.h"
 #include "moe_digest.h"
@@ -254,8 +264,105 @@ static int lm_fsync(lua_State *L) {
   return 0;
 }
 
+/* ------------------------------------------------------- moe.save_async */
+
+#define LM_ST_WRITER "moe.SafetensorsWriter"
+
+typedef struct lm_st_writer {
+  moe_safetensors_writer *w; /* NULL once freed */
+  lm_state *S;               /* one reference while w is not NULL */
+} lm_st_writer;
+
+static lm_st_writer *lm_check_writer(lua_State *L, const char *fname) {
+  lm_st_writer *u = (lm_st_writer *)luaL_testudata(L, 1, LM_ST_WRITER);
+  if (u == NULL) lm_argerror(L, 1, fname, "save_async writer expected, got %s", lm_typename(L, 1));
+  return u;
+}
+
+/* Joins the thread (if it runs) and releases everything; idempotent. */
+static int lm_writer_free(lua_State *L) {
+  lm_st_writer *u = (lm_st_writer *)luaL_checkudata(L, 1, LM_ST_WRITER);
+  if (u->w) {
+    moe_safetensors_writer_free(u->w);
+    u->w = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+  return 0;
+}
+
+/* w:wait(): joins the writer; raises the write's error. Again: the same. */
+static int lm_writer_wait(lua_State *L) {
+  lm_st_writer *u = lm_check_writer(L, "wait");
+  if (u->w == NULL) return luaL_error(L, "wait: attempt to use a freed save_async writer");
+  lm_state *S = u->S;
+  moe_status st = moe_safetensors_writer_wait(S->ctx, u->w);
+  if (st != MOE_OK) return lm_corefail(L, S, "save_async", 0);
+  return 0;
+}
+
+/* w:done() -> true once the file is written (or the write failed). */
+static int lm_writer_done(lua_State *L) {
+  lm_st_writer *u = lm_check_writer(L, "done");
+  lua_pushboolean(L, u->w == NULL || moe_safetensors_writer_done(u->w));
+  return 1;
+}
+
+/* moe.save_async(path, tensors [, metadata [, reuse]]) -> writer: moe.save
+ * on a thread; tensors must be contiguous CPU tensors; reuse: an earlier
+ * writer whose buffer the copy may take. */
+static int lm_save_async(lua_State *L) {
+  lm_state *S = lm_S(L);
+  if (lua_type(L, 1) != LUA_TSTRING)
+    lm_argerror(L, 1, "save_async", "path must be a string, got %s", lm_typename(L, 1));
+  if (lua_type(L, 2) != LUA_TTABLE)
+    lm_argerror(L, 2, "save_async", "table of tensors expected ({name = tensor, ...}), got %s",
+                lm_typename(L, 2));
+  if (!lua_isnoneornil(L, 3) && lua_type(L, 3) != LUA_TTABLE)
+    lm_argerror(L, 3, "save_async", "metadata table expected ({key = \"value\", ...}), got %s",
+                lm_typename(L, 3));
+  lm_st_writer *reuse = NULL;
+  if (!lua_isnoneornil(L, 4)) {
+    reuse = (lm_st_writer *)luaL_testudata(L, 4, LM_ST_WRITER);
+    if (reuse == NULL)
+      lm_argerror(L, 4, "save_async", "an earlier save_async writer expected (reuse), got %s", lm_typename(L, 4));
+  }
+  lm_checkend(L, 4, "save_async");
+  lua_settop(L, 4);
+  size_t plen = 0;
+  const char *path = lua_tolstring(L, 1, &plen);
+  if (strlen(path) != plen) lm_argerror(L, 1, "save_async", "path contains a NUL byte");
+  int n = lm_save_collect(L, 2, NULL, NULL);
+  int nm = lua_isnil(L, 3) ? 0 : lm_meta_collect(L, 3, NULL, NULL);
+  void **scratch = (void **)lua_newuserdatauv(L, sizeof(void *) * (size_t)(2 * n + 2 * nm + 1), 0);
+  const char **names = (const char **)scratch;
+  moe_tensor **tensors = (moe_tensor **)(scratch + n);
+  const char **keys = (const char **)(scratch + 2 * n);
+  const char **values = (const char **)(scratch + 2 * n + nm);
+  lm_save_collect(L, 2, names, tensors);
+  if (nm > 0) lm_meta_collect(L, 3, keys, values);
+  if (reuse && reuse->w == NULL) lm_argerror(L, 4, "save_async", "reuse is a freed writer");
+  lm_st_writer *u = (lm_st_writer *)lua_newuserdatauv(L, sizeof *u, 0);
+  u->w = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_ST_WRITER);
+  moe_safetensors_writer *w = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_save_async(S->ctx, path, n, names, tensors, nm, keys, values,
+                                                reuse ? reuse->w : NULL, &w));
+  if (st != MOE_OK) return lm_corefail(L, S, "save_async", 0);
+  u->w = w;
+  u->S = S;
+  S->refs++;
+  return 1;
+}
+
+static const luaL_Reg lm_writer_methods[] = {{"wait", lm_writer_wait}, {"done", lm_writer_done},
+                                             {"free", lm_writer_free}, {NULL, NULL}};
+
 static const luaL_Reg lm_io_functions[] = {{"save", lm_save},
                                            {"load", lm_load},
+                                           {"save_async", lm_save_async},
                                            {"file_digest", lm_file_digest},
                                            {"fsync", lm_fsync},
                                            {"digest", lm_digest},
@@ -266,6 +373,15 @@ void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
   if (luaL_newmetatable(L, LM_ST_BOX)) {
     lua_pushcfunction(L, lm_st_box_gc);
     lua_setfield(L, -2, "__gc");
+  }
+  lua_pop(L, 1);
+  if (luaL_newmetatable(L, LM_ST_WRITER)) {
+    lua_pushcfunction(L, lm_writer_free);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, lm_writer_free);
+    lua_setfield(L, -2, "__close");
+    luaL_newlib(L, lm_writer_methods);
+    lua_setfield(L, -2, "__index");
   }
   lua_pop(L, 1);
   lm_register(L, mod, methods, sentinel, lm_io_functions, NULL);

@@ -72,6 +72,28 @@ moe_status moe_safetensors_save(moe_ctx *ctx, const char *path, int64_t n,
                                 int64_t n_meta, const char *const *meta_keys,
                                 const char *const *meta_values);
 
+/* Writes the same file as moe_safetensors_save on a thread of its own and
+ * returns once the data is copied: the arguments are checked, the layout and
+ * header made, and every tensor's bytes copied into one host buffer here (the
+ * caller may change or free the tensors afterwards); the thread opens
+ * "<path>.tmp.<pid>.async", writes, fsyncs, renames and syncs the folder,
+ * touching no moe_ctx. The tensors must be contiguous CPU tensors (copy
+ * device tensors to the host first). reuse (NULL or an earlier writer):
+ * its buffer is taken when large enough (joined first if need be), so
+ * repeated saves copy into memory that is already mapped. moe_safetensors_writer_wait joins the
+ * thread and returns the write's status (its message in ctx); it may be
+ * called again. done polls. moe_safetensors_writer_free joins if needed and
+ * frees the buffer. */
+typedef struct moe_safetensors_writer moe_safetensors_writer;
+moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
+                                      const char *const *names, moe_tensor *const *tensors,
+                                      int64_t n_meta, const char *const *meta_keys,
+                                      const char *const *meta_values, moe_safetensors_writer *reuse,
+                                      moe_safetensors_writer **out);
+bool moe_safetensors_writer_done(const moe_safetensors_writer *w);
+moe_status moe_safetensors_writer_wait(moe_ctx *ctx, moe_safetensors_writer *w);
+void moe_safetensors_writer_free(moe_safetensors_writer *w); /* NULL is a no-op */
+
 /* A loaded file: names, tensors and metadata, in the header's order. It
  * holds one reference to each tensor; moe_safetensors_free drops them, so
  * retain a tensor to keep it past the free. */

@@ -11,6 +11,9 @@
  * they give errno for the messages and fsync for the atomic write.
  */
 #include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -426,6 +429,185 @@ done:
   free(h.p);
   free(es);
   return st;
+}
+
+/* ------------------------------------------------------------ async save */
+
+/* The background writer (moe_io.h, moe_safetensors_save_async): everything
+ * that needs the context (checks, layout, header) is done by the caller's
+ * thread; the writer thread only opens, writes, fsyncs and renames, with
+ * its own message buffer, and never touches a moe_ctx or a refcount. */
+struct moe_safetensors_writer {
+  pthread_t thread;
+  bool started, joined;
+  atomic_int done;        /* set by the thread as its last act */
+  moe_status status;      /* the thread's result, read after the join */
+  char msg[512];
+  char *path, *tmp;
+  sbuf header;
+  unsigned char *data;    /* the data buffer: every tensor's bytes, copied by the caller's thread */
+  uint64_t nbytes, cap;   /* bytes used, bytes allocated */
+};
+
+static moe_status stw_fail(moe_safetensors_writer *w, moe_status st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(w->msg, sizeof w->msg, fmt, ap);
+  va_end(ap);
+  return st;
+}
+
+static moe_status stw_write_all(moe_safetensors_writer *w, int fd, const void *buf, size_t n) {
+  const char *p = buf;
+  while (n > 0) {
+    ssize_t r = write(fd, p, n > ST_MAX_IO ? ST_MAX_IO : n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0)
+      return stw_fail(w, MOE_ERR_IO, "save_async: writing '%s': %s", w->tmp,
+                      r < 0 ? strerror(errno) : "the write made no progress");
+    p += r;
+    n -= (size_t)r;
+  }
+  return MOE_OK;
+}
+
+static moe_status stw_run(moe_safetensors_writer *w) {
+  int fd = open(w->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return stw_fail(w, MOE_ERR_IO, "save_async: cannot create '%s': %s", w->tmp, strerror(errno));
+  unsigned char len8[8];
+  for (int i = 0; i < 8; i++) len8[i] = (unsigned char)((uint64_t)w->header.n >> (8 * i));
+  moe_status st = stw_write_all(w, fd, len8, 8);
+  if (st == MOE_OK) st = stw_write_all(w, fd, w->header.p, w->header.n);
+  for (uint64_t at = 0; at < w->nbytes && st == MOE_OK; at += ST_MAX_IO) {
+    uint64_t len = w->nbytes - at < ST_MAX_IO ? w->nbytes - at : ST_MAX_IO;
+    st = stw_write_all(w, fd, w->data + at, (size_t)len);
+  }
+  if (st == MOE_OK && fsync(fd) != 0)
+    st = stw_fail(w, MOE_ERR_IO, "save_async: fsync of '%s': %s", w->tmp, strerror(errno));
+  if (close(fd) != 0 && st == MOE_OK)
+    st = stw_fail(w, MOE_ERR_IO, "save_async: closing '%s': %s", w->tmp, strerror(errno));
+  if (st == MOE_OK && rename(w->tmp, w->path) != 0)
+    st = stw_fail(w, MOE_ERR_IO, "save_async: cannot rename '%s' to '%s': %s", w->tmp, w->path, strerror(errno));
+  if (st != MOE_OK) unlink(w->tmp);
+  else st_sync_folder(w->path);
+  return st;
+}
+
+static void *stw_main(void *arg) {
+  moe_safetensors_writer *w = arg;
+  w->status = stw_run(w);
+  atomic_store(&w->done, 1);
+  return NULL;
+}
+
+void moe_safetensors_writer_free(moe_safetensors_writer *w) {
+  if (!w) return;
+  if (w->started && !w->joined) pthread_join(w->thread, NULL);
+  free(w->data);
+  free(w->header.p);
+  free(w->path);
+  free(w->tmp);
+  free(w);
+}
+
+moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
+                                      const char *const *names, moe_tensor *const *tensors,
+                                      int64_t n_meta, const char *const *meta_keys,
+                                      const char *const *meta_values, moe_safetensors_writer *reuse,
+                                      moe_safetensors_writer **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: out is NULL");
+  *out = NULL;
+  MOE_CHECK(st_check_save_args(ctx, path, n, names, tensors, n_meta, meta_keys, meta_values));
+  for (int64_t i = 0; i < n; i++)
+    if (tensors[i]->storage->device.type != MOE_DEVICE_CPU || !moe_tensor_is_contiguous(tensors[i]))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "save_async: tensor '%s' must be a contiguous CPU tensor (a host copy: the "
+                       "writer thread reads it while the caller goes on)", names[i]);
+  const char *dup = NULL;
+  MOE_CHECK(st_find_duplicate(ctx, n, names, &dup));
+  if (dup) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: duplicate tensor name '%s'", dup);
+  MOE_CHECK(st_find_duplicate(ctx, n_meta, meta_keys, &dup));
+  if (dup) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: duplicate metadata key '%s'", dup);
+
+  moe_status st = MOE_OK;
+  st_entry *es = calloc(n > 0 ? (size_t)n : 1, sizeof *es);
+  moe_safetensors_writer *w = calloc(1, sizeof *w);
+  size_t tlen = strlen(path) + 48;
+  if (w) {
+    w->path = strdup(path);
+    w->tmp = malloc(tlen);
+  }
+  if (!es || !w || !w->path || !w->tmp) {
+    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "save_async: out of host memory");
+    goto fail;
+  }
+  atomic_init(&w->done, 0);
+  for (int64_t i = 0; i < n; i++) {
+    es[i].name = names[i];
+    es[i].t = tensors[i];
+    es[i].esize = moe_dtype_size(tensors[i]->dtype);
+  }
+  qsort(es, (size_t)n, sizeof *es, cmp_layout);
+  uint64_t pos = 0;
+  for (int64_t i = 0; i < n; i++) {
+    uint64_t nb = (uint64_t)moe_tensor_numel(es[i].t) * es[i].esize;
+    es[i].begin = pos;
+    es[i].end = pos + nb;
+    pos += nb;
+  }
+  MOE_CHECK_GOTO(st_build_header(ctx, n, es, n_meta, meta_keys, meta_values, &w->header), st, fail);
+  /* the host copy: what the caller waits for; the tensors are free to change afterwards */
+  w->nbytes = pos;
+  if (reuse && reuse->data && reuse->cap >= pos) { /* the previous buffer: its pages are mapped already */
+    if (reuse->started && !reuse->joined) {
+      pthread_join(reuse->thread, NULL);
+      reuse->joined = true;
+    }
+    w->data = reuse->data;
+    w->cap = reuse->cap;
+    reuse->data = NULL;
+    reuse->cap = 0;
+  } else {
+    w->data = malloc(pos > 0 ? (size_t)pos : 1);
+    w->cap = pos;
+  }
+  if (!w->data) {
+    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "save_async: out of host memory for a %llu-byte copy",
+                   (unsigned long long)pos);
+    goto fail;
+  }
+  for (int64_t i = 0; i < n; i++)
+    if (es[i].end > es[i].begin) memcpy(w->data + es[i].begin, moe_tensor_data(es[i].t), (size_t)(es[i].end - es[i].begin));
+  snprintf(w->tmp, tlen, "%s.tmp.%ld.async", path, (long)getpid());
+  int rc = pthread_create(&w->thread, NULL, stw_main, w);
+  if (rc != 0) {
+    st = moe_error(ctx, MOE_ERR_IO, "save_async: cannot start the writer thread: %s", strerror(rc));
+    goto fail;
+  }
+  w->started = true;
+  free(es);
+  *out = w;
+  return MOE_OK;
+fail:
+  free(es);
+  moe_safetensors_writer_free(w);
+  return st;
+}
+
+bool moe_safetensors_writer_done(const moe_safetensors_writer *w) {
+  return w == NULL || !w->started || atomic_load(&((moe_safetensors_writer *)w)->done) != 0;
+}
+
+moe_status moe_safetensors_writer_wait(moe_ctx *ctx, moe_safetensors_writer *w) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!w) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: wait on a NULL writer");
+  if (w->started && !w->joined) {
+    pthread_join(w->thread, NULL);
+    w->joined = true;
+  }
+  if (w->status != MOE_OK) return moe_error(ctx, w->status, "%s", w->msg);
+  return MOE_OK;
 }
 
 /* ------------------------------------------------------------------ load */

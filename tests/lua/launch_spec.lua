@@ -283,6 +283,47 @@ describe("moe-lua launch", function()
     assert.falsy(has(out .. err, "was not stopped"), err)
   end)
 
+  it("restarts a job whose rank was killed mid-step, and the loss curve goes on unchanged", function()
+    if not have_mpirun then return pending("no mpirun on this machine") end
+    local dir = mkdtemp()
+    -- training ranks run MPI, whose allocations LeakSanitizer would report (tests/CMakeLists.txt)
+    local noleak = "ASAN_OPTIONS=detect_leaks=0:abort_on_error=0"
+    local out, err, rc = launch("-n 2 --max-restarts 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/k") ..
+      " kill=true", noleak)
+    assert.are.equal(0, rc, err)
+    assert.truthy(has(err, "moe-lua launch: restart 1/2 after rank 1 died (signal 9)"), err)
+    assert.falsy(has(err, "restart 2/2"), err)
+    out, err, rc = launch("-n 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/ref"), noleak)
+    assert.are.equal(0, rc, err)
+    local function losses(path)
+      local t, first = {}, nil
+      for line in io.lines(path) do
+        local st, v = line:match("^(%d+) (%S+)$")
+        st = math.tointeger(tonumber(st))
+        t[st], first = v, first or st
+      end
+      return t, first
+    end
+    assert.is_nil(io.open(dir .. "/k/losses-0.txt")) -- the first run died
+    local got, first = losses(dir .. "/k/losses-1.txt")
+    local want = losses(dir .. "/ref/losses-0.txt")
+    -- resumed from a checkpoint before the kill (step 6 was in flight), every step after it redone
+    assert.truthy(first > 1 and first <= 7, "the restarted run began at step " .. tostring(first))
+    for st = first, 12 do assert.are.equal(want[st], got[st], "step " .. st) end -- the printed bits
+    rmdir(dir)
+  end)
+
+  it("refuses a bad --max-restarts and stops after K restarts", function()
+    local _, err, rc = launch("--max-restarts -1 x.lua")
+    assert.are.equal(1, rc, err)
+    assert.truthy(has(err, "bad --max-restarts '-1'"), err)
+    if not have_mpirun then return pending("no mpirun on this machine") end
+    _, err, rc = launch("-n 2 --max-restarts 1 " .. dist .. "/launch_fail.lua resume=x overwrite=true")
+    assert.are_not.equal(0, rc, err)
+    assert.truthy(has(err, "restart 1/1 after rank "), err)
+    assert.truthy(has(err, "giving up after 1 restart"), err)
+  end)
+
   it("sends SIGTERM on to both ranks and exits 143", function()
     if not have_mpirun then return pending("no mpirun on this machine") end
     local dir = mkdtemp()

@@ -16,7 +16,7 @@ local M = {
 }
 
 -- In the order they are listed.
-M.commands = { "help", "version", "train", "sample", "plot", "preprocess", "launch" }
+M.commands = { "help", "version", "train", "sample", "plot", "preprocess", "launch", "export" }
 
 local function load(name)
   if type(name) ~= "string" or not name:match("^[%a][%w_%-]*$") then return nil end

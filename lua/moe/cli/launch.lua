@@ -31,6 +31,14 @@ The report (stderr), after mpirun returns:
     left a record. The status of the first failure, not the largest one:
     after it mpirun stops the other ranks (SIGTERM: status 143), and those
     are consequences, not causes.
+
+Restarts (--max-restarts K): when the job fails (a rank died, exited non-zero,
+or a collective timed out and the ranks failed), mpirun has already stopped
+every rank; the launcher logs "restart i/K after <the first failure>" and
+runs the job again with resume=latest in place of any resume= or overwrite=
+argument (moe.train then continues from the newest complete checkpoint in its
+out_dir), at most K times. The ranks see MOE_LAUNCH_RESTART (0 on the first
+run). A launcher that is itself interrupted or terminated does not restart.
 ]]
 local M = {
   summary = "run a script on N ranks through mpirun and report which rank failed first",
@@ -49,6 +57,8 @@ mpirun, then says which rank failed first and why.
                    before SIGKILL, when it is stopped (SIGTERM, Ctrl-C) or a rank
                    fails (Open MPI's odls_base_sigkill_timeout, default 1): training
                    saves a checkpoint on SIGTERM and needs that time to write it
+  --max-restarts K when the job fails, run it again with resume=latest, at most
+                   K times (default 0), logging each restart
   --dry-run        print the mpirun command line and exit
   -h, --help       show this help
 Exit status: the status of the rank that failed first (128 + the signal for a
@@ -113,6 +123,8 @@ local function parse(args)
       if o.stop_grace and not o.stop_grace:match("^%d+$") then
         err = ("--stop-grace '%s' is not a whole number of seconds"):format(o.stop_grace)
       end
+    elseif a == "--max-restarts" then
+      o.max_restarts, err = value(a)
     elseif a == "--dry-run" then
       o.dry_run = true
     elseif a:sub(1, 1) == "-" then
@@ -129,6 +141,14 @@ local function parse(args)
     if not n or n < 1 or n > 1e6 then return nil, ("bad -n '%s' (a whole number of ranks, at least 1)"):format(o.n) end
     o.n = math.tointeger(n)
   end
+  if o.max_restarts ~= nil then
+    local k = tostring(o.max_restarts):match("^%d+$") and tonumber(o.max_restarts)
+    if not k or k > 1e6 then
+      return nil, ("bad --max-restarts '%s' (a whole number of restarts, 0 or more)"):format(o.max_restarts)
+    end
+    o.max_restarts = math.tointeger(k)
+  end
+  o.max_restarts = o.max_restarts or 0
   return o
 end
 
@@ -244,7 +264,7 @@ local function report(n, records, complete, result, lines)
   if result.forwarded then
     say("%s received and sent on to mpirun", signame(result.forwarded))
     say_others(n, records, complete, nil)
-    return 128 + result.forwarded
+    return 128 + result.forwarded, nil, true
   end
   -- the rank that failed first
   local first
@@ -276,26 +296,31 @@ local function report(n, records, complete, result, lines)
       say("mpirun exited with status %d and no rank left an exit record (did the ranks start? " ..
         "see mpirun's messages above)", mpirun_status)
     end
-    return mpirun_status
+    return mpirun_status, ("mpirun exited with status %d"):format(mpirun_status)
   end
-  local rec, status = records[first], nil
+  local rec, status, why = records[first], nil, nil
   if rec and rec.status ~= 0 then
     local msg = rec.error ~= "" and (": " .. rec.error) or ""
     say("rank %d failed first (%s)%s", first, how(rec), msg)
     status = rec.status > 0 and rec.status or 1
+    why = rec.signal ~= 0 and ("rank %d was stopped by %s"):format(first, signame(rec.signal))
+      or ("rank %d failed (exit %d)"):format(first, rec.status)
   elseif said.signal_rank == first then
     say("rank %d died without a word (mpirun: exited on signal %d (%s) on node %s)", first,
       said.signal, said.signal_text, said.node)
     status = 128 + said.signal
+    why = ("rank %d died (signal %d)"):format(first, said.signal)
   elseif said.exit_rank == first and said.exit_code and said.exit_code ~= 0 then
     say("rank %d failed first (exit %d, says mpirun; it left no exit record)", first, said.exit_code)
     status = said.exit_code
+    why = ("rank %d failed (exit %d)"):format(first, said.exit_code)
   else
     say("rank %d died without a word (killed by a signal? it left no exit record)", first)
     status = mpirun_status ~= 0 and mpirun_status or 1
+    why = ("rank %d died"):format(first)
   end
   say_others(n, records, complete, first)
-  return status
+  return status, why
 end
 
 -- ------------------------------------------------------------------ main
@@ -362,8 +387,10 @@ function M.main(...)
   add("--bind-to", "none")
   if o.stop_grace then add("--mca", "odls_base_sigkill_timeout", o.stop_grace) end
   add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT")
+  if o.max_restarts > 0 then add("-x", "MOE_LAUNCH_RESTART") end
   for _, x in ipairs(o.exports) do add("-x", x) end
   add(proc.exe())
+  local fixed = #argv
   for _, a in ipairs(o.rest) do add(a) end
 
   if o.dry_run then
@@ -377,23 +404,41 @@ function M.main(...)
     return 0
   end
 
-  -- clear records a previous run left in a folder we were given
-  for r = 0, n - 1 do os.remove(("%s/rank-%d.exit"):format(dir, r)) end
-  local ok, result = pcall(proc.spawn, argv, {
-    env = env,
-    keep = { "mpirun noticed that process rank", "Process name:", "Exit code:" },
-  })
-  if not ok then
-    if made_dir then os.remove(dir) end
-    return fail("%s", tostring(result))
-  end
-  local records = {}
-  for r = 0, n - 1 do records[r] = read_record(dir, r) end
-  if made_dir then os.execute("rm -rf " .. quote(dir)) end -- with what a killed rank left half-written
   -- on several nodes a record folder that is not shared leaves records
   -- missing: then only records that are there and mpirun's word count
   local complete = not o.hostfile or o.record_dir ~= nil
-  return report(n, records, complete, result, result.lines)
+  local attempt = 0
+  while true do
+    -- clear records a previous run left in a folder we were given
+    for r = 0, n - 1 do os.remove(("%s/rank-%d.exit"):format(dir, r)) end
+    if o.max_restarts > 0 then env.MOE_LAUNCH_RESTART = tostring(attempt) end
+    local ok, result = pcall(proc.spawn, argv, {
+      env = env,
+      keep = { "mpirun noticed that process rank", "Process name:", "Exit code:" },
+    })
+    if not ok then
+      if made_dir then os.execute("rm -rf " .. quote(dir)) end
+      return fail("%s", tostring(result))
+    end
+    local records = {}
+    for r = 0, n - 1 do records[r] = read_record(dir, r) end
+    local status, why, interrupted = report(n, records, complete, result, result.lines)
+    if status == 0 or interrupted or attempt >= o.max_restarts then
+      if made_dir then os.execute("rm -rf " .. quote(dir)) end -- with what a killed rank left half-written
+      if status ~= 0 and o.max_restarts > 0 and not interrupted then
+        say("giving up after %d restart%s", attempt, attempt == 1 and "" or "s")
+      end
+      return status
+    end
+    attempt = attempt + 1
+    say("restart %d/%d after %s (at %s): running it again with resume=latest", attempt, o.max_restarts,
+      why or "a failure", clock(os.time()))
+    -- the script's arguments: resume=latest instead of any resume= or overwrite=
+    for i = #argv, fixed + 2, -1 do
+      if argv[i]:match("^resume=") or argv[i]:match("^overwrite=") then table.remove(argv, i) end
+    end
+    argv[#argv + 1] = "resume=latest"
+  end
 end
 
 return M

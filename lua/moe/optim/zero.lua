@@ -40,7 +40,8 @@ exist in full only between their unit's gather and release; the step then
 starts from the unit's shard (not the parameters), writes the updated values
 back into it and gathers nothing: the next forward gathers each unit.
 
-Not done here: checkpoints of the sharded state (state_dict raises), SGD.
+Checkpoints: opt:state_pieces() (moe/train/dcp.lua saves and loads them;
+state_dict raises). Not done here: SGD.
 ]]
 local moe = require "moe"
 
@@ -321,12 +322,46 @@ function Sharded:clip_grad_norm(max_norm)
 end
 
 function Sharded:state_dict()
-  error("ShardedAdamW:state_dict: the sharded optimizer state cannot be saved yet " ..
-    "(each rank holds 1/P of it; sharded checkpoints are not implemented)", 2)
+  error("ShardedAdamW:state_dict: the sharded state cannot be saved as one state dict (each rank holds " ..
+    "1/P of it): moe.train.dcp saves opt:state_pieces(), this rank's flat ranges of each parameter's state", 2)
 end
 
 function Sharded:load_state_dict()
-  error("ShardedAdamW:load_state_dict: loading a sharded optimizer state is not implemented", 2)
+  error("ShardedAdamW:load_state_dict: each rank holds 1/P of the state; load it with moe.train.dcp " ..
+    "(it fills opt:state_pieces() in place), then opt:load_scalars(scalars)", 2)
+end
+
+--- opt:state_pieces() -> this rank's part of every parameter's state, as
+--- pieces of moe/train/dcp.lua: {name = "<param>.exp_avg" | ".exp_avg_sq" |
+--- ".master", shape = the parameter's shape, dtype, tensor = a view of the
+--- bucket's state (filled in place on load), place = {flat = {a, b}}: the
+--- elements [a, b) of the flattened parameter, write = first replica}. A
+--- parameter that straddles ranks has one piece per rank.
+function Sharded:state_pieces()
+  local out = {}
+  local write = self.replicate_group == nil or self.replicate_group:rank() == 0
+  for _, bk in ipairs(self.buckets) do
+    for _, s in ipairs(bk.segments) do
+      local e = self.params[s.param]
+      for _, key in ipairs({ "exp_avg", "exp_avg_sq", "master" }) do
+        local t = bk[key]
+        if t and s.numel > 0 then
+          out[#out + 1] = { name = e.name .. "." .. key, shape = e.param.shape, dtype = t.dtype,
+            tensor = t:narrow(0, s.shard_offset, s.numel), place = { flat = { s.param_offset, s.param_offset + s.numel } },
+            write = write }
+        end
+      end
+    end
+  end
+  return out
+end
+
+--- opt:load_scalars(scalars): the step count and lr of a checkpoint (the
+--- tensors are loaded through state_pieces).
+function Sharded:load_scalars(scalars)
+  if type(scalars) ~= "table" then return end
+  if scalars.step ~= nil then self.step_count = math.tointeger(scalars.step) or scalars.step end
+  if scalars.lr ~= nil then self.lr = scalars.lr end
 end
 
 function Sharded:state_scalars()

@@ -28,6 +28,7 @@ function M.model(cfg, device, ep_group, etp_group)
         top_k = mo.top_k, mlp_type = mo.mlp_type, activation_fn = mo.activation,
         mlp_impl = mo.mlp_impl, moe_loss_weight = mo.loss_weight, moe_zloss_weight = mo.zloss_weight,
         moe_jitter_eps = mo.jitter_eps,
+        moe_normalize_expert_weights = mo.normalize_expert_weights > 0 and mo.normalize_expert_weights or nil,
       }
       if ep_group then
         opts.moe_expert_model_parallelism, opts.expert_parallel_group = true, ep_group
@@ -57,7 +58,9 @@ end
 --- rebuilt from the config in its state.json and loaded with its weights; state is
 --- the state.json table (state.tokenizer: the tokenizer's record, moe/data/tokenizer.lua).
 function M.load_model(path, device)
-  local c = checkpoint.load(path, { device = device })
+  local dcp = require "moe.train.dcp"
+  local c = dcp.is_sharded(path) and { model = dcp.consolidate(path), state = dcp.read_state(path, 0, 1) }
+    or checkpoint.load(path, { device = device })
   local cfg = tconfig.config(c.state.config or {})
   local model = M.model(cfg, device)
   model:load_state_dict(c.model)

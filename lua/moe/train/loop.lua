@@ -95,19 +95,6 @@ local function sharded_optimizer(par, named, cfg, parts, model)
   return opt, opt.reducer, clip
 end
 
--- What a checkpoint of a sharded run holds: the model, not the optimizer
--- state (each rank has 1/P of it; sharded checkpoints are not implemented).
--- Warns once.
-local function sharded_checkpoint(ckpt, log, warned)
-  ckpt.optim = {}
-  ckpt.state.optim_sharded = true
-  if not warned then
-    log:say("warning: parallel.dp_shard: checkpoints hold the model only, not the sharded optimizer " ..
-      "state (training cannot resume from them)")
-  end
-  return true
-end
-
 -- The number of records in a metrics.jsonl (0 when there is none).
 local function jsonl_records(path)
   local f = io.open(path, "r")
@@ -223,26 +210,29 @@ function M.run(user_cfg, parts)
   -- resume
   -- resume=latest: the newest checkpoint that verifies (rank 0 warns about damaged ones)
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume, { quiet = not par.writer })
-  if resume_path and par.shards > 1 then
-    error(("train: resuming %s with parallel.ep=%d, etp=%d: checkpoints of models with sharded experts " ..
-      "are not supported yet"):format(resume_path, par.ep, par.etp), 0)
+  if resume_path and par.fsdp then
+    error(("train: resuming %s with parallel.shard_params: a model whose parameters are sharded cannot load a " ..
+      "checkpoint yet"):format(resume_path), 0)
   end
   local pending_say
-  if resume_path and par.sharded then
-    error(("train: cannot resume %s with parallel.dp_shard: the sharded optimizer state is not " ..
-      "saved in checkpoints"):format(resume_path), 0)
-  end
   if resume_path then
-    local c = checkpoint.load(resume_path, { device = device })
+    local c
+    if par:uses_dcp(resume_path) then -- sharded checkpoints, onto any layout (moe/train/dcp.lua)
+      c = par:load_checkpoint(resume_path, model, opt)
+    else
+      c = checkpoint.load(resume_path, { device = device })
+    end
     local was, now = c.state.tokenizer, require("moe.data.tokenizer").record(tokenizer)
     if was and now and (was.kind ~= now.kind or was.vocab_size ~= now.vocab_size or was.eod ~= now.eod) then
       error(("train: %s was trained with a %s tokenizer (vocab_size %s), the data now has a %s tokenizer " ..
         "(vocab_size %s)"):format(resume_path, tostring(was.kind), tostring(was.vocab_size), tostring(now.kind),
         tostring(now.vocab_size)), 0)
     end
-    thooks.call(hooks.load, state, c)
-    model:load_state_dict(c.model)
-    opt:load_state_dict(c.optim, c.state.optim_scalars or {})
+    if not par:uses_dcp(resume_path) then
+      thooks.call(hooks.load, state, c)
+      model:load_state_dict(c.model)
+      opt:load_state_dict(c.optim, c.state.optim_scalars or {})
+    end
     moe.set_rng_state(c.state.rng)
     train_data:set_state(c.state.data)
     state.step, state.consumed_tokens = c.state.step, c.state.consumed_tokens or 0
@@ -300,29 +290,38 @@ function M.run(user_cfg, parts)
     end)
   end
 
-  local warned_sharded
   local warned_save = false
   local function save()
-    if par.shards > 1 then -- each rank holds its expert shards only: rank 0's file would miss the others'
+    local rank_state = { rng = moe.get_rng_state(), data = tconfig.plain(train_data:state()) }
+    local tok_rec, tok_files = require("moe.data.tokenizer").record(tokenizer)
+    if par.fsdp then -- sharded parameters: not in sharded checkpoints yet
       if not warned_save then
-        log:say(("warning: checkpoints are skipped with parallel.ep=%d, etp=%d (models with sharded experts " ..
-          "cannot be saved yet: rank 0 holds only its shards)"):format(par.ep, par.etp))
+        log:say("warning: checkpoints are skipped with parallel.shard_params (a model whose parameters are " ..
+          "sharded cannot be saved yet)")
         warned_save = true
+      end
+      return
+    end
+    if par.distributed then -- every rank writes its shards (moe/train/dcp.lua)
+      local path = par:save_checkpoint(state.step, model, opt, rank_state, { consumed_tokens = state.consumed_tokens,
+        skipped_steps = state.skipped_steps, tokenizer = tok_rec,
+        config = tconfig.plain(cfg), optim_scalars = tconfig.plain(opt:state_scalars()) })
+      if path then
+        result.checkpoint, state.checkpoint = path, path
+        log:say(("saved checkpoint %s"):format(path))
       end
       return
     end
     if not par.writer then return end -- rank 0 writes; the others hold the same state
     local ckpt = {
-      model = model:state_dict(), optim = not par.sharded and opt:state_dict() or nil,
-      state = { consumed_tokens = state.consumed_tokens, rng = moe.get_rng_state(),
+      model = model:state_dict(), optim = opt:state_dict(),
+      state = { consumed_tokens = state.consumed_tokens, rng = rank_state.rng,
         skipped_steps = state.skipped_steps,
-        data = tconfig.plain(train_data:state()), config = tconfig.plain(cfg),
+        data = rank_state.data, config = tconfig.plain(cfg),
         optim_scalars = tconfig.plain(opt:state_scalars()) },
     }
     -- the tokenizer's record in state.json and its files in the checkpoint folder
-    local tok_rec, tok_files = require("moe.data.tokenizer").record(tokenizer)
     if tok_rec then ckpt.state.tokenizer, ckpt.files = tok_rec, tok_files end
-    if par.sharded then warned_sharded = sharded_checkpoint(ckpt, log, warned_sharded) end
     -- a save hook may add to ckpt, or write it itself and return the path
     local path = thooks.call(hooks.save, state, ckpt)
     if path == nil then path = checkpoint.save(cfg.out_dir, state.step, ckpt, { keep_last = cfg.keep_last }) end
@@ -421,6 +420,11 @@ function M.run(user_cfg, parts)
   local _ <close> = setmetatable({ prev = proc.soft_stop(true) }, {
     __close = function(o) proc.soft_stop(o.prev) end })
   local function finish(ending) -- what every end of the run does, on every rank
+    local committed = par:finish_checkpoint() -- an asynchronous save's commit
+    if committed then
+      result.checkpoint, state.checkpoint = committed, committed
+      log:say(("saved checkpoint %s"):format(committed))
+    end
     log:close()
     if reducer then reducer:free() end
     if par.sharded then opt:free() end
@@ -502,8 +506,8 @@ function M.run(user_cfg, parts)
   if stop_sig then
     local name = stop_sig == 2 and "SIGINT" or stop_sig == 15 and "SIGTERM" or ("signal " .. stop_sig)
     local saved = "saved nothing (keep_last=0)"
-    if par.ep > 1 then
-      saved = "saved nothing (expert-parallel models cannot be saved yet)"
+    if par.fsdp then
+      saved = "saved nothing (models with sharded parameters cannot be saved yet)"
     elseif cfg.keep_last > 0 then
       saved = ("saved %s (resume=latest continues)"):format(checkpoint.dir_name(cfg.out_dir, state.step):match("[^/]*$"))
     end

@@ -11,6 +11,14 @@ rank, the gradient reducer, and the global means of what is logged.
   par:mean(values)                    -- {v1, ...} -> their means over ranks (one collective)
   par:barrier(), par:close()
 
+Checkpoints of a job of several ranks (moe/train/dcp.lua; docs/DISTRIBUTED.md
+"Checkpoints"): every rank writes what it owns and is the first to hold.
+  par.distributed                      true once moe.dist is in use (checkpoints are sharded)
+  par:save_checkpoint(step, model, opt, data, state_tbl) -> the committed path or nil
+  par:finish_checkpoint() -> the committed path or nil (an asynchronous save's commit)
+  par:uses_dcp(path)                   resume through dcp (an index, or a sharded layout)
+  par:load_checkpoint(path, model, opt) -> {state =, path =}: any layout's checkpoint
+
 Sharded data parallelism (ZeRO-2, HSDP; docs/DISTRIBUTED.md "Sharded data
 parallelism"): parallel.dp_shard = N (and dp_replicate = M, default 1) with
 N * M = the world size. The data are still split over all N * M ranks (par.dp
@@ -154,6 +162,8 @@ function M.setup(cfg)
     par.device = dist.device()
   end
   if shard then setup_sharding(par, shard, rep) end
+  par.distributed = true
+  par.ckpt_opts = { out_dir = cfg.out_dir, keep_last = cfg.keep_last, async = cfg.save_async }
   return par
 end
 
@@ -259,6 +269,10 @@ function WithExperts:clip_grad_norm(max_norm)
 end
 
 function WithExperts:state_scalars() return self.sharded:state_scalars() end
+function WithExperts:load_scalars(scalars)
+  self.sharded:load_scalars(scalars)
+  self.experts:load_state_dict(self.experts:state_dict(), scalars)
+end
 function WithExperts:state_bytes() return self.sharded:state_bytes() end
 function WithExperts:state_dict() return self.sharded:state_dict() end
 function WithExperts:load_state_dict(...) return self.sharded:load_state_dict(...) end
@@ -326,6 +340,59 @@ end
 
 function Par:barrier()
   if self.dp > 1 then self.dist.barrier() end
+end
+
+-- ------------------------------------------------------------ checkpoints
+
+local function dcp() return require "moe.train.dcp" end
+
+--- par:save_checkpoint(step, model, opt, rank_state, state_tbl) -> the path of the
+--- checkpoint committed by this call (this step's when saves are synchronous,
+--- the previous one's when asynchronous), or nil; and the seconds the caller
+--- waited. rank_state: this rank's {rng =, data =}; state_tbl: state.json's table.
+function Par:save_checkpoint(step, model, opt, rank_state, state_tbl)
+  if not self.saver then
+    local o = self.ckpt_opts
+    self.saver = dcp().Saver { out_dir = o.out_dir, rank = self.rank, world = self.dist.world_size(),
+      barrier = function() self.dist.barrier() end, keep_last = o.keep_last, async = o.async }
+  end
+  local before = self.saver.last
+  local stall = self.saver:save(step, dcp().pieces(self, model, opt), rank_state, state_tbl)
+  local committed = self.saver.last ~= before and self.saver.last or nil
+  return committed, stall
+end
+
+--- par:finish_checkpoint() -> the path committed now (an asynchronous save's), or nil.
+function Par:finish_checkpoint()
+  if not self.saver then return nil end
+  local path = self.saver:finish()
+  self.saver:close()
+  return path
+end
+
+--- par:uses_dcp(path): path is resumed through moe/train/dcp.lua: it has an
+--- index, or this layout holds parts of tensors (experts, optimizer shards).
+function Par:uses_dcp(path)
+  return dcp().is_sharded(path) or self.ep > 1 or self.sharded == true
+end
+
+--- par:load_checkpoint(path, model, opt) -> {state =, path =}: the model and
+--- optimizer state of a checkpoint of any layout, each rank reading the
+--- shards that overlap what it holds; the optimizer's scalars (step, lr)
+--- set; state.rng and state.data this rank's (rank 0's when the checkpoint
+--- was written by another number of ranks).
+function Par:load_checkpoint(path, model, opt)
+  local d = dcp()
+  local world = self.dist and self.dist.world_size() or 1
+  local st = d.read_state(path, self.rank, world)
+  d.load_pieces(path, d.pieces(self, model, opt))
+  local scalars = st.optim_scalars or {}
+  if opt.load_scalars then
+    opt:load_scalars(scalars)
+  else
+    opt:load_state_dict(opt:state_dict(), scalars) -- the scalars, and parameters from master copies
+  end
+  return { state = st, path = path }
 end
 
 -- ------------------------------------------------------ expert parallelism
