@@ -41,7 +41,7 @@ local function run(mode)
   c.out_dir = shared .. "/" .. mode
   local times, t0, saver, n_params = {}, nil, nil, 0
   local res = train.run(c, { hooks = {
-    before_step = function(state)
+    before_step = function()
       if not t0 then t0 = moe.clock() end
     end,
     after_step = function(state)

@@ -25,7 +25,6 @@ differ by more than rounding.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
-local checkpoint = require "moe.checkpoint"
 
 local opts = moe.config { steps = 8, verbose = false, loss_weight = 0, device = "cpu", phase = "", dir = "" }
 assert(opts.dir ~= "", "give dir=FOLDER (shared by the three phases)")

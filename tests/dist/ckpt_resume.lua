@@ -132,7 +132,7 @@ if world == 2 then
   assert(latest and latest:match("ckpt%-" .. STOP .. "$"), ("[rank %d] latest is %s"):format(rank, tostring(latest)))
   local tmp = io.popen("ls -1A '" .. shared .. "/" .. name .. "'"):read("a")
   assert(tmp:find(".tmp-ckpt-" .. (STOP + 2) .. "-dcp", 1, true), "the failed save left no temporary folder: " .. tmp)
-  local res = train.run(cfg(name, with(over, { resume = "latest" })))
+  res = train.run(cfg(name, with(over, { resume = "latest" })))
   compare("after a failed save", fref.losses, res.losses, 0)
   tmp = io.popen("ls -1A '" .. shared .. "/" .. name .. "'"):read("a")
   assert(not tmp:find(".tmp-ckpt-", 1, true), "the unfinished save was not removed: " .. tmp)

@@ -376,10 +376,10 @@ return function(kit)
     for a in (input.argv .. "\n"):gmatch("([^\n]*)\n") do argv[#argv + 1] = a end
     -- --help prints the keys and exits: not a parse, kept out of the run
     local exit, wr = os.exit, io.write
-    os.exit = function() error(kit.HELP_EXIT, 0) end
-    io.write = function() end
+    os.exit = function() error(kit.HELP_EXIT, 0) end -- luacheck: ignore 122
+    io.write = function() end -- luacheck: ignore 122
     local ok, cfg = pcall(moe.config, config_defaults(), argv)
-    os.exit, io.write = exit, wr
+    os.exit, io.write = exit, wr -- luacheck: ignore 122
     if not ok then
       if cfg == kit.HELP_EXIT then return "help" end
       error(cfg, 0)

@@ -32,7 +32,7 @@ local function slurp(path)
 end
 local function sh(cmd)
   local out, err = tmpname(), tmpname()
-  local ok, _, rc = os.execute("(" .. cmd .. ") >" .. out .. " 2>" .. err .. " </dev/null")
+  local _, _, rc = os.execute("(" .. cmd .. ") >" .. out .. " 2>" .. err .. " </dev/null")
   return slurp(out), slurp(err), rc
 end
 
@@ -155,6 +155,7 @@ describe("moe-lua launch", function()
 
   it("explains its options and rejects bad ones", function()
     local out, err, rc = launch("--help")
+    local _
     assert.are.equal(0, rc, err)
     assert.truthy(has(out, "usage: moe-lua launch [options]"), out)
     _, err, rc = launch("")
@@ -164,11 +165,13 @@ describe("moe-lua launch", function()
     assert.are.equal(1, rc)
     assert.truthy(has(err, "moe-lua launch: bad -n 'two'"), err)
     _, err, rc = launch("-n 0 " .. dist .. "/launch_env.lua")
+    assert.are.equal(1, rc)
     assert.truthy(has(err, "bad -n '0'"), err)
     _, err, rc = launch("-n 2 no/such/script.lua")
     assert.are.equal(1, rc)
     assert.truthy(has(err, "moe-lua launch: cannot open no/such/script.lua"), err)
     _, err, rc = launch("--bogus x.lua")
+    assert.are.equal(1, rc)
     assert.truthy(has(err, "unknown option '--bogus'"), err)
     _, err, rc = launch("-n 2 --mpirun /no/mpirun " .. dist .. "/launch_env.lua")
     assert.are.equal(1, rc)
@@ -198,7 +201,7 @@ describe("moe-lua launch", function()
     assert.are.equal(0, rc, err)
     assert.truthy(has(out, "MASTER_ADDR=node7 "), out)
     assert.truthy(has(out, "/bin/true -n 4 --hostfile " .. hosts .. " --bind-to none "), out)
-    _, err, rc = launch("--dry-run --mpirun /bin/true --hostfile " .. hosts .. " " .. dist .. "/launch_env.lua")
+    err, rc = select(2, launch("--dry-run --mpirun /bin/true --hostfile " .. hosts .. " " .. dist .. "/launch_env.lua"))
     assert.are.equal(1, rc)
     assert.truthy(has(err, "with --hostfile, give -n"), err)
     -- MASTER_ADDR and MASTER_PORT already set are kept
@@ -288,12 +291,12 @@ describe("moe-lua launch", function()
     local dir = mkdtemp()
     -- training ranks run MPI, whose allocations LeakSanitizer would report (tests/CMakeLists.txt)
     local noleak = "ASAN_OPTIONS=detect_leaks=0:abort_on_error=0"
-    local out, err, rc = launch("-n 2 --max-restarts 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/k") ..
+    local _, err, rc = launch("-n 2 --max-restarts 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/k") ..
       " kill=true", noleak)
     assert.are.equal(0, rc, err)
     assert.truthy(has(err, "moe-lua launch: restart 1/2 after rank 1 died (signal 9)"), err)
     assert.falsy(has(err, "restart 2/2"), err)
-    out, err, rc = launch("-n 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/ref"), noleak)
+    _, err, rc = launch("-n 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/ref"), noleak)
     assert.are.equal(0, rc, err)
     local function losses(path)
       local t, first = {}, nil
@@ -329,7 +332,7 @@ describe("moe-lua launch", function()
     local dir = mkdtemp()
     local errf = dir .. "/stderr"
     local t0 = os.time()
-    local out, err, rc = sh(([[
+    local _, err, rc = sh(([[
       %s %s launch -n 2 --record-dir %s %s/launch_spin.lua 2>%s & p=$!
       i=0
       until grep -q 'ready 0' %s && grep -q 'ready 1' %s; do

@@ -298,7 +298,7 @@ local function report(n, records, complete, result, lines)
     end
     return mpirun_status, ("mpirun exited with status %d"):format(mpirun_status)
   end
-  local rec, status, why = records[first], nil, nil
+  local rec, status, why = records[first]
   if rec and rec.status ~= 0 then
     local msg = rec.error ~= "" and (": " .. rec.error) or ""
     say("rank %d failed first (%s)%s", first, how(rec), msg)
@@ -422,7 +422,7 @@ function M.main(...)
     end
     local records = {}
     for r = 0, n - 1 do records[r] = read_record(dir, r) end
-    local status, why, interrupted = report(n, records, complete, result, result.lines)
+    local status, failure, interrupted = report(n, records, complete, result, result.lines)
     if status == 0 or interrupted or attempt >= o.max_restarts then
       if made_dir then os.execute("rm -rf " .. quote(dir)) end -- with what a killed rank left half-written
       if status ~= 0 and o.max_restarts > 0 and not interrupted then
@@ -432,7 +432,7 @@ function M.main(...)
     end
     attempt = attempt + 1
     say("restart %d/%d after %s (at %s): running it again with resume=latest", attempt, o.max_restarts,
-      why or "a failure", clock(os.time()))
+      failure or "a failure", clock(os.time()))
     -- the script's arguments: resume=latest instead of any resume= or overwrite=
     for i = #argv, fixed + 2, -1 do
       if argv[i]:match("^resume=") or argv[i]:match("^overwrite=") then table.remove(argv, i) end

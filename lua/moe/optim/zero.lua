@@ -321,12 +321,12 @@ function Sharded:clip_grad_norm(max_norm)
   return moe.no_grad(function() return moe.scope(clip, self, max_norm) end)
 end
 
-function Sharded:state_dict()
+function Sharded.state_dict()
   error("ShardedAdamW:state_dict: the sharded state cannot be saved as one state dict (each rank holds " ..
     "1/P of it): moe.train.dcp saves opt:state_pieces(), this rank's flat ranges of each parameter's state", 2)
 end
 
-function Sharded:load_state_dict()
+function Sharded.load_state_dict()
   error("ShardedAdamW:load_state_dict: each rank holds 1/P of the state; load it with moe.train.dcp " ..
     "(it fills opt:state_pieces() in place), then opt:load_scalars(scalars)", 2)
 end

@@ -125,7 +125,6 @@ function M.pieces(par, model, opt)
   for name in pairs(model:state_dict()) do names[#names + 1] = name end
   table.sort(names)
   local sd = model:state_dict()
-  local by_tensor = {}
   for _, name in ipairs(names) do
     local t = sd[name]
     local e = { name = "model." .. name, dtype = t.dtype, tensor = t }
@@ -135,7 +134,6 @@ function M.pieces(par, model, opt)
     else
       e.shape, e.place, e.write = t.shape, { full = true }, rank0
     end
-    by_tensor[t] = e
     out[#out + 1] = e
   end
   if opt == nil then return out end
@@ -399,7 +397,6 @@ local function flat_boxes(a, b, shape, out, prefix, base)
     if b > a then out[#out + 1] = { offsets = { table.unpack(prefix) }, sizes = {}, start = a - base } end
     return out
   end
-  local dim = shape[nd + 1]
   local row = 1
   for d = nd + 2, #shape do row = row * shape[d] end
   local function whole(r0, r1, at) -- rows [r0, r1) of this dim, whole
@@ -525,7 +522,7 @@ function M.load_pieces(path, pieces, opts)
           fail("'%s' is [%s] in %s but [%s] here", p.name, table.concat(e.shape, ", "), path,
             table.concat(p.shape, ", "))
         end
-        local want = 0
+        local want
         do
           local a, b = as_flat(p.place, p.shape)
           if a then want = b - a else want = numel(p.place.sizes) end
