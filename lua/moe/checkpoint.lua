@@ -202,6 +202,13 @@ local function digests_text(dir, files)
   return body .. ("%s %d %s\n"):format(moe.digest(body), #body, M.DIGESTS)
 end
 
+--- write_digests(dir, files): dir/digests.txt for the files (names in dir),
+--- fsynced: what save does, for checkpoints written another way (moe/train/dcp.lua).
+function M.write_digests(dir, files)
+  write_file(dir .. "/" .. M.DIGESTS, digests_text(dir, files))
+  fsync(dir .. "/" .. M.DIGESTS)
+end
+
 -- Checks the files of checkpoint dir against its digests.txt: true, or
 -- nil and why (naming the file); "none" when there is no digests.txt.
 local function check_digests(dir)

@@ -273,10 +273,13 @@ describe("moe-lua launch -n 2: SIGTERM stops both ranks at the same step", funct
       assert.truthy(log:find(("[rank %d] stopped by SIGTERM at step %s; saved ckpt-%s"):format(r, n0, n0), 1, true), log)
     end
     assert.falsy(log:find("was not stopped", 1, true), log)
-    -- the checkpoint is complete and loads
-    local c = require("moe.checkpoint").load(("%s/ckpt-%s"):format(out_dir, n0))
-    assert.are.equal(tonumber(n0), c.state.step)
-    assert.truthy(next(c.model) ~= nil and next(c.optim) ~= nil)
+    -- the checkpoint (sharded: every rank wrote its part) is complete, verifies and loads
+    local path = ("%s/ckpt-%s"):format(out_dir, n0)
+    assert.is_true(require("moe.checkpoint").verify(path))
+    local dcp = require "moe.train.dcp"
+    assert.are.equal(tonumber(n0), dcp.read_state(path, 0, 1).step)
+    assert.truthy(next((dcp.consolidate(path, "model."))) ~= nil)
+    assert.truthy(next((dcp.consolidate(path, "optim."))) ~= nil)
     -- each rank's exit record: stopped by SIGTERM, written before mpirun's SIGKILL
     for r = 0, 1 do
       local text = slurp(("%s/rank-%d.exit"):format(rec, r)) or ""

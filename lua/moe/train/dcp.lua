@@ -325,6 +325,11 @@ function M.commit(dir, final, step, world, state)
   st.format, st.version, st.step = checkpoint.FORMAT, checkpoint.VERSION, step
   st.sharded, st.world_size, st.ranks = M.FORMAT, world, arr(ranks)
   write_synced(dir .. "/state.json", json.encode(st) .. "\n")
+  -- every file's digest (checkpoint.verify checks them at resume=latest and load)
+  local listed = { "index.json", "state.json" }
+  for r = 0, world - 1 do listed[#listed + 1] = ("shard-%d.json"):format(r) end
+  for _, f in ipairs(files) do listed[#listed + 1] = f end
+  checkpoint.write_digests(dir, listed)
   if moe.fsync then moe.fsync(dir) end
   if exists(final .. "/state.json") or exists(final) then
     local old = dir .. ".old"
