@@ -44,6 +44,34 @@ static void host_block_free(void *p, size_t block) {
 
 /* ----------------------------------------------------------------- storage */
 
+/* s->data: a fresh block of s->nbytes on s's device (none for 0 bytes); on
+ * the host counted in the context's statistics. fn names the caller. */
+static moe_status data_alloc(moe_ctx *ctx, const char *fn, moe_storage *s) {
+  size_t nbytes = s->nbytes;
+  if (s->device.type == MOE_DEVICE_CUDA)
+    return nbytes > 0 ? moe_cuda_alloc(ctx, s->device.index, nbytes, &s->data, &s->block) : MOE_OK;
+  moe_memory_stats *m = &ctx->cpu_stats;
+  if (nbytes > 0) {
+    if (nbytes > (size_t)INT64_MAX - MOE_HOST_ALIGN)
+      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
+                       "%s: %zu bytes is more than a host allocation can hold", fn, nbytes);
+    size_t block = (nbytes + MOE_HOST_ALIGN - 1) / MOE_HOST_ALIGN * MOE_HOST_ALIGN;
+    void *d = host_block_alloc(block);
+    if (!d)
+      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: out of host memory allocating %zu bytes", fn,
+                       nbytes);
+    s->data = d;
+    s->block = block;
+    m->system_allocs++;
+  }
+  m->allocated += (int64_t)nbytes;
+  m->reserved = m->allocated;
+  if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
+  if (m->reserved > m->peak_reserved) m->peak_reserved = m->reserved;
+  m->alloc_count++;
+  return MOE_OK;
+}
+
 moe_status moe_storage_new(moe_ctx *ctx, moe_device d, size_t nbytes, moe_storage **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "storage_new: out is NULL");
@@ -54,39 +82,12 @@ moe_status moe_storage_new(moe_ctx *ctx, moe_device d, size_t nbytes, moe_storag
   s->device = d;
   s->nbytes = nbytes;
   s->ctx = ctx;
-  if (d.type == MOE_DEVICE_CUDA) {
-    if (nbytes > 0) {
-      moe_status st = moe_cuda_alloc(ctx, d.index, nbytes, &s->data, &s->block);
-      if (st != MOE_OK) {
-        free(s);
-        return st;
-      }
-    }
-    *out = s;
-    return MOE_OK;
+  moe_status st = data_alloc(ctx, "storage_new", s);
+  if (st != MOE_OK) {
+    free(s);
+    return st;
   }
-  moe_memory_stats *m = &ctx->cpu_stats;
-  if (nbytes > 0) {
-    if (nbytes > (size_t)INT64_MAX - MOE_HOST_ALIGN) {
-      free(s);
-      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
-                       "storage_new: %zu bytes is more than a host allocation can hold", nbytes);
-    }
-    s->block = (nbytes + MOE_HOST_ALIGN - 1) / MOE_HOST_ALIGN * MOE_HOST_ALIGN;
-    s->data = host_block_alloc(s->block);
-    if (!s->data) {
-      free(s);
-      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
-                       "storage_new: out of host memory allocating %zu bytes", nbytes);
-    }
-    m->system_allocs++;
-  }
-  m->allocated += (int64_t)nbytes;
-  m->reserved = m->allocated;
-  if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
-  if (m->reserved > m->peak_reserved) m->peak_reserved = m->reserved;
-  m->alloc_count++;
-  m->live_storages++;
+  if (d.type != MOE_DEVICE_CUDA) ctx->cpu_stats.live_storages++;
   *out = s;
   return MOE_OK;
 }
@@ -142,26 +143,7 @@ moe_status moe_storage_alloc_data(moe_ctx *ctx, moe_storage *s) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!s) return moe_error(ctx, MOE_ERR_INVALID_ARG, "storage_alloc_data: storage is NULL");
   if (!s->data_freed) return MOE_OK;
-  if (s->nbytes > 0) {
-    if (s->device.type == MOE_DEVICE_CUDA) {
-      MOE_CHECK(moe_cuda_alloc(ctx, s->device.index, s->nbytes, &s->data, &s->block));
-    } else {
-      size_t block = (s->nbytes + MOE_HOST_ALIGN - 1) / MOE_HOST_ALIGN * MOE_HOST_ALIGN;
-      void *d = host_block_alloc(block);
-      if (!d)
-        return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY,
-                         "storage_alloc_data: out of host memory allocating %zu bytes", s->nbytes);
-      s->data = d;
-      s->block = block;
-      moe_memory_stats *m = &s->ctx->cpu_stats;
-      m->system_allocs++;
-      m->alloc_count++;
-      m->allocated += (int64_t)s->nbytes;
-      m->reserved = m->allocated;
-      if (m->allocated > m->peak_allocated) m->peak_allocated = m->allocated;
-      if (m->reserved > m->peak_reserved) m->peak_reserved = m->reserved;
-    }
-  }
+  MOE_CHECK(data_alloc(ctx, "storage_alloc_data", s));
   s->data_freed = false;
   return MOE_OK;
 }

@@ -102,20 +102,19 @@ function M.setup(layer, o, name, level)
   if P > 1 then take_slice(layer.experts, q * El, El) end
 end
 
---- expert_params(model) -> list of the expert-parallel parameters of model
---- (the experts of every layer with layer.ep), each once, in model order;
---- and the EP group size (nil when there are none; every such layer must
---- use groups of one size).
-function M.expert_params(model)
+--- sharded_experts(model, field, what) -> list of the experts' parameters of
+--- every layer of model with layer[field] (a parallel state: ep, wp), each
+--- once, in model order; and the group size (nil when there are none; every
+--- such layer must use groups of one size; what names the kind in the error).
+function M.sharded_experts(model, field, what)
   local out, seen, size = {}, {}, nil
   for _, m in ipairs(model:modules()) do
-    local ep = rawget(m, "ep")
-    if type(ep) == "table" and ep.group then
-      if size and size ~= ep.size then
-        error("expert parallelism: layers with expert-parallel groups of sizes " .. size .. " and "
-          .. ep.size, 2)
+    local st = rawget(m, field)
+    if type(st) == "table" and st.group then
+      if size and size ~= st.size then
+        error(("%s: layers with groups of sizes %d and %d"):format(what, size, st.size), 3)
       end
-      size = ep.size
+      size = st.size
       for _, p in ipairs(m.experts:parameters()) do
         if not seen[p] then
           seen[p] = true
@@ -126,6 +125,10 @@ function M.expert_params(model)
   end
   return out, size
 end
+
+--- expert_params(model) -> the expert-parallel parameters of model (the experts
+--- of every layer with layer.ep) and the EP group size (sharded_experts).
+function M.expert_params(model) return M.sharded_experts(model, "ep", "expert parallelism") end
 
 local function sum(t, a, b)
   local n = 0

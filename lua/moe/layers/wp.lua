@@ -111,24 +111,7 @@ end
 --- the group size (nil when there are none; every such layer must use groups
 --- of one size).
 function M.slice_params(model)
-  local out, seen, size = {}, {}, nil
-  for _, m in ipairs(model:modules()) do
-    local wp = rawget(m, "wp")
-    if type(wp) == "table" and wp.group then
-      if size and size ~= wp.size then
-        error("weight parallelism: layers with weight-parallel groups of sizes " .. size .. " and "
-          .. wp.size, 2)
-      end
-      size = wp.size
-      for _, p in ipairs(m.experts:parameters()) do
-        if not seen[p] then
-          seen[p] = true
-          out[#out + 1] = p
-        end
-      end
-    end
-  end
-  return out, size
+  return require("moe.layers.ep").sharded_experts(model, "wp", "weight parallelism")
 end
 
 --- route_tokens(layer, x2 (T, d), ids (T, k), gates (T, k), inner) -> y (T, d),
