@@ -22,9 +22,7 @@ errors for ffn_hidden_size not divisible, unequal token counts, the capacity
 layer, and the same group for both kinds of parallelism.
 ]]
 local moe = require "moe"
-local nn = require "moe.nn"
 local layers = require "moe.layers"
-local routers = require "moe.routers"
 local T = dofile(arg[0]:match("^(.*/)") .. "common.lua")
 local dist = T.dist
 dist.init { timeout = 120 }
@@ -33,22 +31,8 @@ assert(T.size >= 2, "run with moe-lua launch -n 2 (or 4)")
 local E, K, D, F, N = 8, 2, 8, 8, 6
 local TOL = 1e-12
 
--- The top-k router with a per-source-rank bias: -30 on the logits of the
--- experts that rank's tokens may not pick (uneven loads).
-local Ban = nn.class("BanRouter", routers.TopK)
-function Ban:logits(x)
-  local l = routers.TopK.logits(self, x)
-  local b = rawget(self, "ban_bias")
-  if b then l = l + b:to(l.dtype) end
-  return l
-end
-
-local function ban_bias(banned)
-  local v = {}
-  for e = 1, E do v[e] = 0 end
-  for _, e in ipairs(banned or {}) do v[e + 1] = -30 end
-  return moe.keep(moe.tensor(v, { dtype = "f64" }))
-end
+local MK = dofile(arg[0]:match("^(.*/)") .. "moekit.lua")(T, E, TOL)
+local Ban, ban_bias, loss_of, close, uneven = MK.Ban, MK.ban_bias, MK.loss_of, MK.close, MK.uneven
 
 local function build(c, wp_group, ep_group)
   moe.manual_seed(7)
@@ -75,29 +59,6 @@ local function data(w, n)
   return x:requires_grad_(true), c
 end
 
-local function loss_of(layer, x, c, bans)
-  layer.router.ban_bias = bans
-  local y = layer(x)
-  local l = (y * c):sum() * (1 / y:numel())
-  local aux = rawget(layer, "aux_loss")
-  layer.aux_loss = nil
-  if aux then l = l + aux end
-  return l, y
-end
-
-local function close(got, want, what)
-  local a, b = T.flat(got), T.flat(want)
-  T.check(#a == #b, "%s: %d values, wanted %d", what, #a, #b)
-  local worst = 0
-  for i = 1, #a do
-    local err = math.abs(a[i] - b[i]) / math.max(1, math.abs(b[i]))
-    if err > worst then worst = err end
-    if err > TOL then T.fail("%s: value %d is %.17g, wanted %.17g", what, i, a[i], b[i]) end
-  end
-  return worst
-end
-
-local function uneven(s) return { s % E, (s + 1) % E, (s + 3) % E } end
 
 -- wp_group (and ep_group) over the whole world: every rank's tokens meet
 local function check_case(c, wp_group, ep_group)
