@@ -9,7 +9,9 @@ a named pipe in a file's place. Each must be a clean error naming the file.
 resume=latest skips a damaged newest checkpoint with a warning naming it and
 takes the newest good one; an explicit resume of a damaged one is an error;
 a checkpoint written before digests (no digests.txt, version 1) still loads,
-with one warning.
+with one warning. And a training process killed with SIGKILL in the middle
+of its saves (six times, at delays after a save began) leaves only complete
+checkpoints: every ckpt-<step> verifies and the newest loads.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -240,5 +242,60 @@ describe("resume=latest", function()
     assert.truthy(tostring(err):find(bad2 .. "/model.safetensors", 1, true), err)
     assert.is_nil(checkpoint.latest_good(fresh("empty")))
     assert.truthy(bad)
+  end)
+end)
+
+describe("a process killed while it saves", function()
+  -- moe-lua trains in a child that saves every step and writes "saving <step>"
+  -- to a file when each save starts; the test kills it with SIGKILL at several
+  -- delays after a save began (mid-write for most). Every time, the newest
+  -- checkpoint that resume=latest picks verifies and loads, and a resumed run
+  -- finishes.
+  local exe = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
+  it("leaves the previous checkpoint loadable, every time", function()
+    trained() -- the corpus
+    local dir = fresh("killed")
+    local marks = root .. "/marks"
+    local script = root .. "/kill_train.lua"
+    write(script, ([[
+      local train = require "moe.train"
+      local marks = %q
+      train.run({ lr = 1e-3, warmup = 0, min_lr = 1e-4, seq_len = 16, batch_size = 2, steps = tonumber(arg[2]),
+        log_every = 100, eval_every = 0, quiet = true, device = "cpu", seed = 3, sample_tokens = 0,
+        keep_last = 2, save_every = 1, tensorboard = false, data = %q, valid_fraction = 0.1,
+        out_dir = %q, resume = arg[1], decay = "constant",
+        model = { d_model = 256, n_layers = 6, n_heads = 2, ffn = "dense", d_ff = 1024 } },
+        { hooks = { save = function(state)
+          local f = io.open(marks, "a"); f:write("saving ", state.step, "\n"); f:close()
+        end } })
+    ]]):format(marks, prefix, dir))
+    -- two checkpoints first, then runs that resume and are killed in their first save
+    assert.is_true(os.execute(("%s %s none 2 >/dev/null"):format(sh_quote(exe), sh_quote(script))))
+    local kills, mid = 0, 0 -- runs killed; of them, killed in the middle of a save
+    for _, delay_ms in ipairs({ 0, 2, 5, 10, 20, 40 }) do
+      os.remove(marks)
+      local cmd = ("%s %s latest 400 & p=$!; i=0; until [ -s %s ] || [ $i -gt 600 ]; do i=$((i + 1)); " ..
+        "sleep 0.02; done; sleep %.3f; kill -9 $p; wait $p 2>/dev/null"):format(sh_quote(exe), sh_quote(script),
+        sh_quote(marks), delay_ms / 1000)
+      local _, _, rc = os.execute(cmd)
+      if rc == 9 or rc == 137 then kills = kills + 1 end
+      mid = mid + #checkpoint.remove_unfinished(dir) -- a save the kill cut short
+      -- atomic saves: every ckpt-<step> there is complete (none half written)
+      for _, step in ipairs(checkpoint.list(dir)) do
+        local path = checkpoint.dir_name(dir, step)
+        local ok, why = checkpoint.verify(path)
+        assert.is_true(ok, tostring(why))
+      end
+      local latest = checkpoint.resolve(dir, "latest", { quiet = true })
+      if latest then
+        assert.is_true(checkpoint.verify(latest), latest)
+        local c = checkpoint.load(latest)
+        assert.truthy(next(c.model) ~= nil, latest)
+      end
+    end
+    assert.is_true(kills >= 4, ("only %d of 6 runs were killed"):format(kills))
+    -- (the saves of this 4.8M-parameter model take tens of ms: most kills land in one)
+    assert.is_true(mid >= 1, ("none of the %d kills landed in a save"):format(kills))
+    assert.truthy(checkpoint.resolve(dir, "latest", { quiet = true }), "no checkpoint survived")
   end)
 end)
