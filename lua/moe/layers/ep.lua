@@ -51,22 +51,31 @@ local M = {}
 
 local function fail(name, msg, level) error(name .. ": " .. msg, (level or 1) + 1) end
 
-local function is_group(g)
+-- Whether g is a moe.dist group (also for moe/layers/wp.lua).
+function M.is_group(g)
   return (type(g) == "userdata" or type(g) == "table") and pcall(function() return g:size(), g:rank() end)
 end
+local is_group = M.is_group
 
--- The experts' weights of rank q's slice: (E, ...) -> (El, ...), new leaves.
-local function take_slice(ex, e0, El)
+--- keep_slice(ex, dim_of, start, len): the experts' w1, w3, w2 narrowed to
+--- [start, start + len) along dim_of(name), as new leaves (the old ones
+--- freed); moe/layers/wp.lua keeps hidden slices the same way.
+function M.keep_slice(ex, dim_of, start, len)
   moe.no_grad(function()
     for _, name in ipairs({ "w1", "w3", "w2" }) do
       local w = rawget(ex, name)
       if w ~= nil then
-        local s = w:narrow(0, e0, El):contiguous():clone()
+        local s = w:narrow(dim_of(name), start, len):contiguous():clone()
         ex:param(name, s)
         w:free()
       end
     end
   end)
+end
+
+-- The experts' weights of rank q's slice: (E, ...) -> (El, ...).
+local function take_slice(ex, e0, El)
+  M.keep_slice(ex, function() return 0 end, e0, El)
   ex.num_experts = El
 end
 

@@ -46,23 +46,13 @@ local M = {}
 
 local function fail(name, msg, level) error(name .. ": " .. msg, (level or 1) + 1) end
 
-local function is_group(g)
-  return (type(g) == "userdata" or type(g) == "table") and pcall(function() return g:size(), g:rank() end)
-end
+local ep = require "moe.layers.ep"
+local is_group = ep.is_group
 
 -- The experts' hidden slice [h0, h0 + fl): w1, w3 (E, d, f) -> (E, d, fl) and
 -- w2 (E, f, d) -> (E, fl, d), new leaves.
 local function take_slice(ex, h0, fl)
-  moe.no_grad(function()
-    for _, name in ipairs({ "w1", "w3", "w2" }) do
-      local w = rawget(ex, name)
-      if w ~= nil then
-        local s = w:narrow(name == "w2" and 1 or 2, h0, fl):contiguous():clone()
-        ex:param(name, s)
-        w:free()
-      end
-    end
-  end)
+  ep.keep_slice(ex, function(name) return name == "w2" and 1 or 2 end, h0, fl)
   ex.d_ff = fl
 end
 
@@ -111,7 +101,7 @@ end
 --- the group size (nil when there are none; every such layer must use groups
 --- of one size).
 function M.slice_params(model)
-  return require("moe.layers.ep").sharded_experts(model, "wp", "weight parallelism")
+  return ep.sharded_experts(model, "wp", "weight parallelism")
 end
 
 --- route_tokens(layer, x2 (T, d), ids (T, k), gates (T, k), inner) -> y (T, d),
