@@ -10,7 +10,9 @@ save (2 ranks, ep = 2): an uninterrupted run (its losses go to D/ref.txt), a
   run stopped at step K (ckpt-K: each rank's experts as rows of the global
   expert stacks), resumed with ep = 2: bit for bit; and each rank alone
   (ep = 1, grad_accum = 2: the same global batch of 8 sequences) resumes
-  ckpt-K: close.
+  ckpt-K: close. The same with etp = 2 (each rank's hidden units of every
+  expert, N-d boxes of the stacks): bit for bit with etp = 2, close alone; and
+  ep = 2 x dp_shard = 2 resumed on the same layout: bit for bit.
 four (4 ranks, ep = 2 x dp = 2, micro-batch 2: the same global batch): resumes
   the 2-rank checkpoint: close; then trains from scratch to step K and saves
   (D/ep4/ckpt-K: each expert shard held by two ranks, written once).
@@ -96,6 +98,30 @@ if opts.phase == "save" then
     root))
   local worst = compare("ep=2 -> one rank", ref.losses, one.losses, 1e-4)
   say("ok   ckpt_ep: the ep=2 checkpoint resumed on one rank (ep=1, grad_accum=2): losses within %.2e", worst)
+  -- expert-tensor sharding: each rank's hidden units of every expert, an N-d box of the stack
+  local etp = { parallel = { etp = 2 } }
+  local eref = train.run(cfg("etp-ref", etp))
+  train.run(cfg("etp", with(etp, { stop_at = STOP, save_every = STOP, keep_last = 2 })))
+  idx = require("moe.train.dcp").read_index(D .. "/etp/ckpt-" .. STOP)
+  local b1 = idx.tensors["model.blocks.0.ffn.experts.w1"]
+  local b2 = idx.tensors["model.blocks.0.ffn.experts.w2"]
+  assert(b1 and #b1.shards == 2 and b1.shards[1].offsets and b1.shards[2].offsets[3] > 0,
+    "w1's hidden slices are not saved as two boxes along dim 3")
+  assert(b2 and #b2.shards == 2 and b2.shards[2].offsets[2] > 0, "w2's hidden slices are not boxes along dim 2")
+  res = train.run(cfg("etp", with(etp, { resume = "latest", keep_last = 2 })))
+  compare("etp=2 -> etp=2", eref.losses, res.losses, 0)
+  one = train.run(cfg("etp-alone", { grad_accum = 2, parallel = { dp = 1 }, resume = D .. "/etp/ckpt-" .. STOP },
+    root))
+  worst = compare("etp=2 -> one rank", eref.losses, one.losses, 1e-4)
+  say("ok   ckpt_ep: etp=2 saved at %d (hidden slices as boxes), resumed with etp=2 bit for bit, on one rank " ..
+    "within %.2e", STOP, worst)
+  -- expert shards with the other parameters' optimizer state sharded (ZeRO-2)
+  local ez = { parallel = { ep = 2, dp_shard = 2 } }
+  local zref = train.run(cfg("epz-ref", ez))
+  train.run(cfg("epz", with(ez, { stop_at = STOP, save_every = STOP, keep_last = 2 })))
+  res = train.run(cfg("epz", with(ez, { resume = "latest", keep_last = 2 })))
+  compare("ep=2 x dp_shard=2 -> the same", zref.losses, res.losses, 0)
+  say("ok   ckpt_ep: ep=2 x dp_shard=2 saved at %d, resumed on the same layout bit for bit", STOP)
 elseif opts.phase == "four" then
   assert(world == 4, "phase=four runs on 4 ranks")
   local ref = read_ref()
