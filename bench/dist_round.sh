@@ -4,7 +4,8 @@
 # each under `mpirun -n 2 --bind-to none`. Over a build made here and packed with
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
-#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index]   (tests bench by default)
+#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [ckpt] [scale125]
+#                                                           (tests bench by default)
 #
 #   dp       tests/dist/dp_equivalence.lua with device=cuda (dp = 2 against one process, NCCL)
 #   train46  the 46M dMoE of the MegaBlocks ladder (6 x 512, 64 experts top-1, seq 1024,
@@ -14,6 +15,15 @@
 #   layouts  expert parallelism and expert-tensor sharding (tests/dist/ep_train.lua), sharded
 #            data parallelism (tests/dist/zero_equivalence.lua) and parameter sharding
 #            (tests/dist/zero3_equivalence.lua) with device=cuda on 2 GPUs (LAYOUT_STEPS=N: fewer steps)
+#   ckpt     sharded checkpoints on 2 GPUs: tests/dist/ckpt_resume.lua and ckpt_ep.lua (its 2-rank
+#            and one-process phases) with device=cuda, and tests/dist/ckpt_restart.lua: rank 1
+#            killed with SIGKILL mid-step under --max-restarts 2 against an uninterrupted run
+#   scale125 the 125M dMoE (12 x 768, 64 experts top-1, micro-batch 8 per GPU) on one GPU, then
+#            on two with dp = 2, ep = 2, dp_shard = 2 (ZeRO-2) and dp_shard = 2 with
+#            shard_params (ZeRO-3): tokens/s per GPU, peak and model-state memory per GPU;
+#            then a 125M with more experts than one GPU holds (BIG_EXPERTS, default by the
+#            card's memory) on one GPU (expected to run out of memory), with ep = 2 and with
+#            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -123,6 +133,59 @@ EOF
       timeout 300 $ml launch -n 2 tests/dist/zero3_equivalence.lua device=cuda $ls > "$out/zero3_cuda.log" 2>&1
       note "zero3_equivalence (cuda, dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "max|bit|FAILED|ok$" "$out/zero3_cuda.log" | head -8 ;;
+    ckpt)
+      timeout 300 $ml launch -n 2 tests/dist/ckpt_resume.lua device=cuda > "$out/ckpt_resume_cuda.log" 2>&1
+      note "ckpt_resume (cuda, 2 GPUs): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "bit|close|FAILED|rel" "$out/ckpt_resume_cuda.log" | head -8
+      d=$(mktemp -d)
+      timeout 300 $ml launch -n 2 tests/dist/ckpt_ep.lua device=cuda phase=save dir=$d/c > "$out/ckpt_ep_cuda.log" 2>&1
+      note "ckpt_ep phase=save (cuda, ep = 2, etp = 2, ep x dp_shard): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "bit|close|FAILED|rel" "$out/ckpt_ep_cuda.log" | head -8
+      t1=$(date +%s)
+      timeout 300 $ml launch -n 2 --max-restarts 2 tests/dist/ckpt_restart.lua device=cuda \
+        dir=$d/k kill=true > "$out/ckpt_restart_cuda.log" 2>&1
+      rk=$?; t2=$(date +%s)
+      timeout 300 $ml launch -n 2 tests/dist/ckpt_restart.lua device=cuda dir=$d/u kill=false \
+        > "$out/ckpt_restart_ref_cuda.log" 2>&1
+      ru=$?
+      cat $d/k/losses-1.txt > "$out/ckpt_restart_losses_restarted.txt" 2>/dev/null
+      cat $d/u/losses-0.txt > "$out/ckpt_restart_losses_uninterrupted.txt" 2>/dev/null
+      same=$(python3 - "$out" <<'PY'
+import sys
+o = sys.argv[1]
+def rd(n):
+    try: return dict(l.split() for l in open(f"{o}/ckpt_restart_losses_{n}.txt"))
+    except OSError: return {}
+a, b = rd("restarted"), rd("uninterrupted")
+common = [s for s in a if s in b]
+print(f"{sum(a[s] == b[s] for s in common)}/{len(common)} steps after the restart bit-identical" if common else "no losses")
+PY
+)
+      note "ckpt_restart (cuda, kill -9 of rank 1 at step 7, --max-restarts 2): rc=$rk in $((t2 - t1)) s; uninterrupted rc=$ru; $same"
+      grep -E "restart|died|resum" "$out/ckpt_restart_cuda.log" | head -6
+      rm -rf $d ;;
+    scale125)
+      st=${SCALE_STEPS:-60}
+      a125=(bench/train_125m.lua steps=$st log_every=10 data=data/bible_kjv)
+      run125() { # name launcher-args... -- train args...
+        local name=$1; shift
+        timeout 400 "$@" json="$out/s125_$name.json" out_dir=/tmp/s125_$name > "$out/s125_$name.log" 2>&1
+        local rc=$?
+        note "125M $name: rc=$rc $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step.*GiB' "$out/s125_$name.log" | tail -1) ($(($(date +%s) - t0)) s)"
+        [ $rc -eq 0 ] || tail -4 "$out/s125_$name.log"
+      }
+      run125 gpu1 $ml "${a125[@]}"
+      run125 dp2 $ml launch -n 2 "${a125[@]}"
+      run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2
+      run125 zero2 $ml launch -n 2 "${a125[@]}" dp_shard=2
+      run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true
+      mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+      be=${BIG_EXPERTS:-$([ "$mem" -gt 100000 ] && echo 192 || echo 128)}
+      b125=("${a125[@]}" experts=$be steps=$((st / 2)))
+      run125 big_gpu1 $ml "${b125[@]}"
+      run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2
+      run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true
+      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log | head -2 ;;
     index)
       (cd build-gpu && ctest -R "index_cuda|routing_cuda|routers|grouped_cuda" --output-on-failure) \
         > "$out/index_tests.log" 2>&1

@@ -18,7 +18,12 @@ Under `moe-lua launch -n N` it trains with data parallelism (parallel.dp = N,
 batch_size per rank, each rank on cuda:<local rank>); tokens/s is then per
 GPU, and rank 0 alone reports (its metrics are the job's); bucket_mb= sets the
 gradient buckets (parallel.bucket_mb), ep= expert parallelism (parallel.ep), etp=
-expert-tensor sharding (parallel.etp).
+expert-tensor sharding (parallel.etp), dp_shard= sharded data parallelism
+(parallel.dp_shard; with shard_params=true the parameters too, ZeRO-3) and
+dp_replicate= its replicas (HSDP). json= also gets state_allocated_bytes: the
+device memory allocated at the end of the third step, before the gradients
+are zeroed (parameters, gradients, master weights and optimizer state: the
+model state; the step's activations are freed by then).
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -30,7 +35,7 @@ local o = moe.config {
   seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
-  bucket_mb = 25, ep = 1, etp = 1,
+  bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false,
 }
 
 local cfg = train.config {
@@ -46,7 +51,8 @@ local cfg = train.config {
   lr = o.lr, min_lr = o.min_lr, warmup = math.min(o.warmup, o.steps), decay = "cosine", weight_decay = 0.1,
   clip = 1.0, eval_every = 0, eval_iters = 0, log_every = o.log_every, save_every = 0, keep_last = 0,
   out_dir = o.out_dir, device = o.device, dtype = o.dtype, seed = o.seed, tensorboard = true,
-  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep, etp = o.etp },
+  sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep, etp = o.etp,
+    dp_shard = o.dp_shard, dp_replicate = o.dp_replicate, shard_params = o.shard_params },
 }
 
 local dist = moe.dist
@@ -57,7 +63,8 @@ moe.manual_seed(cfg.seed)
 local t0 = moe.clock()
 -- with expert parallelism train.run builds the model (its MoE layers take the EP group),
 -- and the first-batch export below (one process's whole model) is skipped
-local model = (o.ep == 1 and o.etp == 1) and train.build_model(cfg, device) or nil
+local whole = o.ep == 1 and o.etp == 1 and o.dp_shard <= 1
+local model = whole and train.build_model(cfg, device) or nil
 local train_data, _, tokenizer = train.build_data(cfg)
 local n_params, n_active
 if model then
@@ -99,7 +106,12 @@ if on_gpu then
   moe.cuda.synchronize(device)
   moe.reset_peak_memory_stats(device)
 end
-local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer })
+local state_bytes
+local function after_step(st)
+  if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
+end
+local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer,
+  hooks = { after_step = after_step } })
 model = model or result.model
 n_params = n_params or model:num_parameters() -- this rank's (its expert shards)
 n_active = n_active or model:num_active_parameters()
@@ -134,13 +146,14 @@ local out = {
   ms_per_step = steps_timed > 0 and 1000 * secs / steps_timed or nil,
   mfu = steps_timed > 0 and mfu_sum / steps_timed or nil,
   peak_allocated_bytes = mem.peak_allocated, peak_reserved_bytes = mem.peak_reserved,
+  state_allocated_bytes = state_bytes,
   first_loss = first.loss, first_train_loss = result.losses[1], last_loss = result.losses[result.step],
   losses = {}, seconds = result.seconds,
 }
 for _, r in ipairs(recs) do out.losses[#out.losses + 1] = { r.step, r.loss } end
 print(("train_125m: %d steps, %.0f tokens/s, %.1f ms/step, MFU %.1f%%, peak allocated %.2f GiB, "
-  .. "loss %.4f -> %.4f"):format(out.steps, out.tokens_per_s or 0, out.ms_per_step or 0, 100 * (out.mfu or 0),
-  (out.peak_allocated_bytes or 0) / 2 ^ 30, out.first_train_loss or 0, out.last_loss or 0))
+  .. "model state %.2f GiB, loss %.4f -> %.4f"):format(out.steps, out.tokens_per_s or 0, out.ms_per_step or 0,
+  100 * (out.mfu or 0), (out.peak_allocated_bytes or 0) / 2 ^ 30, (state_bytes or 0) / 2 ^ 30, out.first_train_loss or 0, out.last_loss or 0))
 out.losses = bench.list(out.losses)
 out.title = "Training the 125M " .. o.kind .. " (moe-lua)"
 out.reference = "bench/train_torch.py (PyTorch on the exported weights and batch; bench/train_report.py joins both)"

@@ -8,13 +8,14 @@ complete checkpoint and redoes the steps after it.
 
   moe-lua launch -n 2 --max-restarts 2 tests/dist/ckpt_restart.lua dir=D kill=true
   moe-lua launch -n 2 tests/dist/ckpt_restart.lua dir=D2 kill=false     (the uninterrupted run)
+  device=cuda: each rank on its GPU (NCCL)
 
 At the end rank 0 writes D/losses-<run>.txt: "step loss" (%.17g) of every
 step this run trained.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
-local opts = moe.config { dir = "", kill = false, steps = 12, resume = "" }
+local opts = moe.config { dir = "", kill = false, steps = 12, resume = "", device = "cpu" }
 assert(opts.dir ~= "", "give dir=FOLDER")
 local dist = moe.dist
 dist.init { timeout = 120 }
@@ -22,7 +23,7 @@ local rank = dist.rank()
 local attempt = tonumber(os.getenv("MOE_LAUNCH_RESTART") or "0")
 local K = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua")
 local root, prefix = K.corpus(rank)
-local cfg = K.base_cfg({ steps = opts.steps, device = "cpu", loss_weight = 0.01 }, root, prefix, "run", "moe",
+local cfg = K.base_cfg({ steps = opts.steps, device = opts.device, loss_weight = 0.01 }, root, prefix, "run", "moe",
   { save_every = 2, keep_last = 2, save_async = true, resume = opts.resume, eval_every = 0 })
 cfg.out_dir = opts.dir .. "/out"
 local pid = moe.proc.getpid()
