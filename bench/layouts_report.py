@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""bench/layouts_report.py - the table of bench/dist_round.sh's scale125 step: the 125M dMoE
+on one GPU and on two with each layout, from the s125_<name>.json files that
+bench/train_125m.lua wrote (json=), as JSON and markdown.
+
+  python3 bench/layouts_report.py DIR OUT_PREFIX     (writes OUT_PREFIX.json and OUT_PREFIX.md)
+
+Per-GPU efficiency is a layout's tokens/s per GPU over the one-GPU run's (the same micro-batch of
+8 x 1024 tokens per GPU); model-state memory is what bench/train_125m.lua measured at the end of
+the third step (parameters, gradients, optimizer state), over the one-GPU run's.
+"""
+import json, os, sys
+
+src, prefix = sys.argv[1], sys.argv[2]
+names = [("gpu1", "1 GPU", "-"), ("dp2", "2 GPUs", "dp = 2"), ("ep2", "2 GPUs", "ep = 2"),
+         ("zero2", "2 GPUs", "dp_shard = 2 (ZeRO-2)"),
+         ("zero3", "2 GPUs", "dp_shard = 2, shard_params (ZeRO-3 / FSDP)"),
+         ("big_gpu1", "1 GPU", "-"), ("big_ep2", "2 GPUs", "ep = 2"),
+         ("big_zero3", "2 GPUs", "dp_shard = 2, shard_params (ZeRO-3 / FSDP)")]
+rows, base = [], {}
+for key, gpus, layout in names:
+    p = os.path.join(src, f"s125_{key}.json")
+    big = key.startswith("big")
+    if not os.path.exists(p):
+        log = os.path.join(src, f"s125_{key}.log")
+        why = "did not run"
+        if os.path.exists(log) and "out of memory" in open(log, errors="replace").read():
+            why = "out of memory"
+        rows.append({"name": key, "gpus": gpus, "layout": layout, "status": why})
+        continue
+    d = json.load(open(p))
+    r = {"name": key, "gpus": gpus, "layout": layout, "status": "ran", "device": d["device"],
+         "date": d["date"], "experts": d["config"]["experts"], "params_per_rank": d["params"],
+         "tokens_per_s_per_gpu": d["tokens_per_s"], "ms_per_step": d["ms_per_step"],
+         "peak_allocated_gib": d["peak_allocated_bytes"] / 2**30,
+         "model_state_gib": (d.get("state_allocated_bytes") or 0) / 2**30,
+         "mlp_impl": d["mlp_impl"], "loss_first": d["first_train_loss"], "loss_last": d["last_loss"],
+         "steps": d["steps"], "version": d.get("version")}
+    if key == "gpu1":
+        base = r
+    if not big and base:
+        r["efficiency_per_gpu"] = r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+        r["model_state_vs_1gpu"] = r["model_state_gib"] / base["model_state_gib"]
+    rows.append(r)
+json.dump({"title": "The 125M dMoE on one GPU and on two, by layout", "rows": rows},
+          open(prefix + ".json", "w"), indent=1)
+dev = next((r["device"] for r in rows if r.get("device")), "?")
+date = next((r["date"] for r in rows if r.get("date")), "?")
+with open(prefix + ".md", "w") as f:
+    f.write(f"# The 125M dMoE by layout ({dev}, {date})\n\n")
+    f.write("MegaBlocks ladder 125M dMoE (12 x 768, 64 experts top-1, GELU experts 3072 wide, seq 1024, "
+            "byte vocabulary), bf16 compute with fp32 weights and AdamW, micro-batch 8 per GPU, "
+            "`bench/dist_round.sh scale125` (one call; the one-GPU run is the reference).\n\n")
+    f.write("| model | GPUs | layout | experts impl | tokens/s per GPU | ms/step | per-GPU efficiency "
+            "| peak GiB | model state GiB | state vs 1 GPU | loss |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for r in rows:
+        big_e = next((x["experts"] for x in rows if x["name"].startswith("big") and x.get("experts")), "?")
+        model = "125M, %s experts" % (r.get("experts") or (big_e if r["name"].startswith("big") else 64))
+        if r["status"] != "ran":
+            f.write(f"| {model} | {r['gpus']} | {r['layout']} | | {r['status']} | | | | | | |\n")
+            continue
+        eff = "%.1f%%" % (100 * r["efficiency_per_gpu"]) if "efficiency_per_gpu" in r else ""
+        st = "%.1f%%" % (100 * r["model_state_vs_1gpu"]) if "model_state_vs_1gpu" in r else ""
+        f.write(f"| {model} | {r['gpus']} | {r['layout']} | {r['mlp_impl']} | {r['tokens_per_s_per_gpu']:.0f} | "
+                f"{r['ms_per_step']:.1f} | {eff} | {r['peak_allocated_gib']:.2f} | {r['model_state_gib']:.2f} | {st} | "
+                f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |\n")
+    big = next((x for x in rows if x["name"] == "big_zero3" and x["status"] == "ran"), None)
+    if big:
+        f.write(f"\nThe model with {big['experts']} experts has {big['params_per_rank']:,} parameters: "
+                f"{2 * big['model_state_gib']:.0f} GiB of model state in all, more than one GPU holds. "
+                "Per-GPU efficiency compares the same micro-batch per GPU, so the global batch of the "
+                "two-GPU runs is twice the one-GPU run's (hence the other losses).\n")
+print(open(prefix + ".md").read())
