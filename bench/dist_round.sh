@@ -31,12 +31,7 @@
 # (e.g. DIST_ARGS="dtype=f32"; the torch side gets the same dtype through DIST_DTYPE).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/out}; mkdir -p "$out"
-cd "$root"
-[ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+. "$root/bench/gpu_env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 export MASTER_PORT=${MASTER_PORT:-29533}
 ml=/work/main/build-gpu/moe-lua

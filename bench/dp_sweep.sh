@@ -7,12 +7,7 @@
 #   bash bench/dp_sweep.sh
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/out}; mkdir -p "$out"
-cd "$root"
-[ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+. "$root/bench/gpu_env.sh"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 ml=/work/main/build-gpu/moe-lua
 a46=(bench/train_125m.lua n_layers=6 d_model=512 n_heads=8 ffn=2048 experts=64 batch_size=16

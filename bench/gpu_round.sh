@@ -11,12 +11,7 @@
 # through bench/lib.lua: key=value arguments (json=FILE, repeats=N, cooldown=S, ...).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/out}; mkdir -p "$out"
-cd "$root"
-[ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+. "$root/bench/gpu_env.sh"
 ml=/work/main/build-gpu/moe-lua
 summary=()
 note() { summary+=("$1"); }

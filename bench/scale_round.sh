@@ -37,10 +37,7 @@ out=${OUT:-$root/out}; mkdir -p "$out"
 cd "$root"
 dev=${SCALE_DEVICE:-cuda}
 if [ "$dev" = cuda ]; then
-  [ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-  if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-  export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-  export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+  . "$root/bench/gpu_env.sh"
   ml=${MOE_LUA:-/work/main/build-gpu/moe-lua}
   n=${SCALE_N:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader > "$out/gpus.txt"

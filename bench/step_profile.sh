@@ -10,12 +10,7 @@
 # Steps are counted from the run's own arguments (steps=, default 20).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/out}; mkdir -p "$out"
-cd "$root"
-[ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+. "$root/bench/gpu_env.sh"
 name=$1; shift
 steps=20
 for a in "$@"; do case $a in steps=*) steps=${a#steps=} ;; esac; done
