@@ -71,16 +71,24 @@ Sharded.__index = Sharded
 
 --- shard(model, opts) -> sh: replaces the model's parameters by views of the
 --- units' flat buffers, keeps this rank's shard of each, and releases them.
---- opts: group (the shard group; default moe.dist.world).
+--- opts: group (the shard group; default moe.dist.world); exclude (a set
+--- {[tensor] = true} of parameters left out of every unit: held whole, as
+--- they are, e.g. expert shards that expert parallelism places). sh.named
+--- lists the sharded parameters (new tensors), sh.kept the others.
 function M.shard(model, opts)
   opts = opts or {}
   local dist = moe.dist
   if not dist then fail("needs moe.dist, which this build lacks") end
   for k in pairs(opts) do
-    if k ~= "group" then fail("unknown option '%s'", tostring(k)) end
+    if k ~= "group" and k ~= "exclude" then fail("unknown option '%s'", tostring(k)) end
   end
   local group = opts.group or dist.world
-  local named = model:named_parameters()
+  local exclude = opts.exclude or {}
+  if type(exclude) ~= "table" then fail("option exclude must be a set of tensors, got %s", type(exclude)) end
+  local named, kept = {}, {}
+  for _, np in ipairs(model:named_parameters()) do
+    if exclude[np[2]] then kept[#kept + 1] = np else named[#named + 1] = np end
+  end
   for _, np in ipairs(named) do
     if not np[2].requires_grad then
       fail("parameter '%s' does not require grad: frozen parameters are not sharded", np[1])
@@ -97,10 +105,12 @@ function M.shard(model, opts)
   local unit_of = {}
   for g, m in ipairs(unit_mods) do
     for t in pairs(param_set(m)) do
-      if unit_of[t] and unit_of[t] ~= g then
-        fail("a parameter is shared by blocks %d and %d (shared parameters must sit in one unit)", unit_of[t], g)
+      if not exclude[t] then
+        if unit_of[t] and unit_of[t] ~= g then
+          fail("a parameter is shared by blocks %d and %d (shared parameters must sit in one unit)", unit_of[t], g)
+        end
+        unit_of[t] = g
       end
-      unit_of[t] = g
     end
   end
   local list, groups = {}, {}
@@ -114,7 +124,7 @@ function M.shard(model, opts)
   probe:free()
   local by = owners(model)
   local P, r = group:size(), group:rank()
-  local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, model = model,
+  local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, kept = kept, model = model,
     unit_mods = unit_mods, root = root }, Sharded)
   -- bucket -> group
   local group_of_bucket = {}

@@ -180,18 +180,16 @@ function Par:sharded_optimizer(named, cfg, model)
   local optim = require "moe.optim"
   local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
   if cfg.parallel.shard_params then
-    if self.expert_set then
-      error("train: parallel.shard_params with parallel.ep or etp: parameter sharding of models with " ..
-        "expert shards is not supported yet", 0)
-    end
-    if self.replicate_group then
-      error("train: parallel.shard_params with parallel.dp_replicate: HSDP with parameter sharding is not " ..
-        "supported yet (use dp_shard alone)", 0)
-    end
-    local sh = require("moe.fsdp").shard(model, { group = self.shard_group })
+    -- ZeRO-3: the units over the shard group (HSDP: replicas hold equal shards and
+    -- all-reduce their gradient shards over the replicate group); expert shards stay
+    -- out of the units, placed by ep / etp, stepped by AdamW as with ZeRO-2
+    local sh = require("moe.fsdp").shard(model, { group = self.shard_group, exclude = self.expert_set })
     self.fsdp = sh
-    o.group, o.groups, o.units = self.shard_group, sh.groups, sh.units
-    return optim.ShardedAdamW(sh.named, o)
+    o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
+    local sharded = optim.ShardedAdamW(sh.named, o)
+    if not self.expert_set then return sharded end
+    local eo = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
+    return M.with_experts(sharded, optim.AdamW(sh.kept, eo), self)
   end
   if not self.expert_set then
     o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
