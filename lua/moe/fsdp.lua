@@ -75,16 +75,27 @@ Sharded.__index = Sharded
 --- {[tensor] = true} of parameters left out of every unit: held whole, as
 --- they are, e.g. expert shards that expert parallelism places). sh.named
 --- lists the sharded parameters (new tensors), sh.kept the others.
+--- modules and assign (together; moe/train/parallel.lua's layouts): the unit
+--- modules in the order forward runs them, and {[tensor] = index into
+--- modules} for the parameters each holds (a parameter neither assigned nor
+--- excluded goes to the root unit); default: the blocks, each holding the
+--- parameters below it.
+local known = { group = true, exclude = true, modules = true, assign = true }
+
 function M.shard(model, opts)
   opts = opts or {}
   local dist = moe.dist
   if not dist then fail("needs moe.dist, which this build lacks") end
   for k in pairs(opts) do
-    if k ~= "group" and k ~= "exclude" then fail("unknown option '%s'", tostring(k)) end
+    if not known[k] then fail("unknown option '%s'", tostring(k)) end
   end
   local group = opts.group or dist.world
   local exclude = opts.exclude or {}
   if type(exclude) ~= "table" then fail("option exclude must be a set of tensors, got %s", type(exclude)) end
+  if (opts.modules == nil) ~= (opts.assign == nil) or (opts.modules and (type(opts.modules) ~= "table"
+      or type(opts.assign) ~= "table")) then
+    fail("options modules (a list of modules) and assign (tensor -> index) go together")
+  end
   local named, kept = {}, {}
   for _, np in ipairs(model:named_parameters()) do
     if exclude[np[2]] then kept[#kept + 1] = np else named[#named + 1] = np end
@@ -95,15 +106,23 @@ function M.shard(model, opts)
     end
     if not np[2]:is_contiguous() then fail("parameter '%s' must be contiguous", np[1]) end
   end
-  -- units: the blocks in order, then the root
+  -- units: the blocks in order (or the given modules), then the root
   local unit_mods = {}
   local blocks = rawget(model, "blocks")
-  if type(blocks) == "table" and blocks.n and blocks.at then
+  if opts.modules then
+    for i, m in ipairs(opts.modules) do unit_mods[i] = m end
+  elseif type(blocks) == "table" and blocks.n and blocks.at then
     for i = 0, blocks.n - 1 do unit_mods[#unit_mods + 1] = blocks:at(i) end
   end
   local root = #unit_mods + 1
   local unit_of = {}
-  for g, m in ipairs(unit_mods) do
+  for t, g in pairs(opts.assign or {}) do
+    if math.type(g) ~= "integer" or g < 1 or g > #unit_mods then
+      fail("assign: unit index %s is not one of the %d modules", tostring(g), #unit_mods)
+    end
+    if not exclude[t] then unit_of[t] = g end
+  end
+  for g, m in ipairs(opts.modules and {} or unit_mods) do
     for t in pairs(param_set(m)) do
       if not exclude[t] then
         if unit_of[t] and unit_of[t] ~= g then

@@ -162,6 +162,7 @@ function M.setup(cfg)
     par.device = dist.device()
   end
   if shard then setup_sharding(par, shard, rep) end
+  par.shard_params = pc.shard_params
   par.distributed = true
   par.ckpt_opts = { out_dir = cfg.out_dir, keep_last = cfg.keep_last, async = cfg.save_async }
   return par
@@ -179,7 +180,9 @@ end
 function Par:sharded_optimizer(named, cfg, model)
   local optim = require "moe.optim"
   local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
-  if cfg.parallel.shard_params then
+  local pl = self.placement
+  if pl and #pl.units > 0 then return self:placed_optimizer(model, o) end
+  if cfg.parallel.shard_params and not pl then
     -- ZeRO-3: the units over the shard group (HSDP: replicas hold equal shards and
     -- all-reduce their gradient shards over the replicate group); expert shards stay
     -- out of the units, placed by ep / etp, stepped by AdamW as with ZeRO-2
@@ -202,6 +205,40 @@ function Par:sharded_optimizer(named, cfg, model)
   local eopt = optim.AdamW(experts, o)
   o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
   return M.with_experts(optim.ShardedAdamW(dense, o), eopt, self)
+end
+
+-- The optimizer of a layout with units (M.place): the units' parameters
+-- sharded (moe/fsdp.lua), the replicated ones whole with their gradients and
+-- state sharded (ZeRO-2), one bucket per unit and per replicating module; the
+-- expert shards stepped by AdamW (as with ZeRO-2 and expert shards).
+function Par:placed_optimizer(model, o)
+  local optim = require "moe.optim"
+  local pl = self.placement
+  local sh = require("moe.fsdp").shard(model, { group = self.shard_group, modules = pl.units,
+    assign = pl.assign, exclude = pl.whole })
+  self.fsdp = sh
+  local group_of, used = {}, {}
+  for i, np in ipairs(sh.named) do
+    group_of[np[2]] = sh.groups[i]
+    used[sh.groups[i]] = true
+  end
+  local base = #pl.units + (used[#pl.units + 1] and 2 or 1) -- after the root unit, when it has parameters
+  for t, k in pairs(pl.replicated) do group_of[t] = base + k - 1 end
+  local list, groups, experts = {}, {}, {}
+  for _, np in ipairs(model:named_parameters()) do -- model order: buckets launch as backward completes them
+    local g = group_of[np[2]]
+    if g then
+      list[#list + 1] = np
+      groups[#groups + 1] = g
+    elseif self.expert_set and self.expert_set[np[2]] then
+      experts[#experts + 1] = np
+    end
+  end
+  o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, groups, sh.units
+  local sharded = optim.ShardedAdamW(list, o)
+  if #experts == 0 then return sharded end
+  return M.with_experts(sharded, optim.AdamW(experts, { lr = o.lr, betas = o.betas, eps = o.eps,
+    weight_decay = o.weight_decay }), self)
 end
 
 -- ShardedAdamW over the replicated parameters and AdamW over the expert
@@ -393,6 +430,166 @@ function Par:load_checkpoint(path, model, opt)
   return { state = st, path = path }
 end
 
+-- ------------------------------------------------------------ layouts
+
+local answers = { replicate = true, shard = true, expert = true }
+
+local function describe(name, m)
+  return ("module '%s' (%s)"):format(name, tostring(rawget(m, "__name") or m.__name or "module"))
+end
+
+--- place(model, layout, par) -> placement: layout(name, module) is asked for
+--- every module of the model (model:named_modules() order; the model itself
+--- is ""), and answers
+---   "replicate"  its parameters are held whole on every rank (their
+---                gradients all-reduced, or with parallel.dp_shard reduce-
+---                scattered and their optimizer state sharded: ZeRO-2)
+---   "shard"      a unit (ZeRO-3; needs parallel.dp_shard): its parameters
+---                sharded over dp_shard, gathered for its forward and its
+---                backward and released after each (the model's own unit,
+---                "" answered "shard", is kept from its forward to backward)
+---   "expert"     a module whose every parameter is an expert shard (an MoE
+---                layer's experts): placed by parallel.ep / etp
+---   nil          its parent's placement (the model's: "shard" with
+---                parallel.shard_params, else "replicate")
+--- A parameter takes the answer of the nearest module above it (itself
+--- included) that answered, except expert shards, which are always placed
+--- by ep / etp. Checked before anything is built on it, each an error naming
+--- the module: an answer not in the list, "shard" without dp_shard,
+--- "expert" where ep and etp are 1 or on a module with other parameters,
+--- "replicate" or "shard" on a module that holds expert shards itself, a
+--- tied parameter placed in two units, and the tied embeddings of a
+--- TransformerLM (read by the model's own forward) in a unit other than the
+--- model's.
+--- placement: units (the "shard" modules that hold parameters, in module
+--- order), unit_names, assign {[tensor] = unit index}, replicated {[tensor] =
+--- index of its replicating module}, whole {[tensor] = true} (replicated and
+--- expert shards), experts (a count).
+function M.place(model, layout, par)
+  if type(layout) ~= "function" then
+    error(("train: the layout must be a function(name, module) -> \"replicate\" | \"shard\" | \"expert\" " ..
+      "| nil, got a %s"):format(type(layout)), 0)
+  end
+  local expert_set = par.expert_set or {}
+  local mods = model:named_modules()
+  local answer = {}
+  for _, e in ipairs(mods) do
+    local name, m = e[1], e[2]
+    local ok, a = pcall(layout, name, m)
+    if not ok then error(("train: the layout failed on %s: %s"):format(describe(name, m), tostring(a)), 0) end
+    if a ~= nil then
+      if not answers[a] then
+        error(("train: the layout placed %s as %s: expected \"replicate\", \"shard\", \"expert\" or nil " ..
+          "(its parent's placement)"):format(describe(name, m), type(a) == "string" and ("'" .. a .. "'") or
+          tostring(a)), 0)
+      end
+      local own_expert
+      for _, pn in ipairs(m._params) do
+        local t = rawget(m, pn)
+        if t ~= nil and expert_set[t] then
+          own_expert = pn
+          break
+        end
+      end
+      if a == "shard" and not par.sharded then
+        error(("train: the layout placed %s as \"shard\", which needs parallel.dp_shard (the ranks its " ..
+          "parameters are sharded over)"):format(describe(name, m)), 0)
+      elseif a == "expert" then
+        if par.shards == 1 then
+          error(("train: the layout placed %s as \"expert\", but parallel.ep and parallel.etp are 1: no " ..
+            "expert is sharded (set parallel.ep or etp)"):format(describe(name, m)), 0)
+        end
+        local params = m:named_parameters()
+        if #params == 0 then
+          error(("train: the layout placed %s as \"expert\", but it holds no parameter"):format(describe(name, m)), 0)
+        end
+        for _, np in ipairs(params) do
+          if not expert_set[np[2]] then
+            error(("train: the layout placed %s as \"expert\", but its parameter '%s' is not an expert shard " ..
+              "(\"expert\" fits a module whose every parameter is an MoE layer's expert weight)"):format(
+              describe(name, m), np[1]), 0)
+          end
+        end
+      elseif own_expert then
+        error(("train: the layout placed %s as \"%s\", but its '%s' is an expert shard, spread over " ..
+          "parallel.ep=%d x etp=%d when the model was built: answer \"expert\" (or nil)"):format(
+          describe(name, m), a, own_expert, par.ep, par.etp), 0)
+      end
+      answer[m] = a
+    end
+  end
+  -- each parameter: the nearest answer above it
+  local pl = { units = {}, unit_names = {}, assign = {}, replicated = {}, whole = {}, experts = 0 }
+  local unit_index, rep_index, nrep = {}, {}, 0
+  local placed = {} -- tensor -> {kind, module, name}
+  local function place_param(t, pname, kind, by, byname)
+    if expert_set[t] then
+      if not placed[t] then pl.experts = pl.experts + 1 end
+      placed[t] = { "expert" }
+      pl.whole[t] = true
+      return
+    end
+    local prev = placed[t]
+    if prev and (prev[1] ~= kind or prev[2] ~= by) and (kind == "shard" or prev[1] == "shard") then
+      error(("train: the layout places parameter '%s' (tied: held by '%s' and '%s') in two ways (%s by '%s', " ..
+        "%s by '%s'): a tied parameter sits in one unit"):format(pname, prev[4], byname, prev[1], prev[3], kind,
+        byname), 0)
+    end
+    if prev then return end
+    placed[t] = { kind, by, byname, pname }
+    if kind == "shard" then
+      if not unit_index[by] then
+        pl.units[#pl.units + 1] = by
+        pl.unit_names[#pl.units] = byname
+        unit_index[by] = #pl.units
+      end
+      pl.assign[t] = unit_index[by]
+    else
+      if not rep_index[by] then
+        nrep = nrep + 1
+        rep_index[by] = nrep
+      end
+      pl.replicated[t] = rep_index[by]
+      pl.whole[t] = true
+    end
+  end
+  local function walk(m, name, kind, by, byname)
+    if answer[m] and answer[m] ~= "expert" then kind, by, byname = answer[m], m, name end
+    for _, pn in ipairs(m._params) do
+      local t = rawget(m, pn)
+      if t ~= nil then place_param(t, name == "" and pn or name .. "." .. pn, kind, by, byname) end
+    end
+    for _, c in ipairs(m._children) do
+      local child = rawget(m, c)
+      if child ~= nil then walk(child, name == "" and c or name .. "." .. c, kind, by, byname) end
+    end
+  end
+  walk(model, "", par.shard_params and "shard" or "replicate", model, "")
+  -- a TransformerLM with tied embeddings reads wte.weight in its own forward (the output
+  -- projection): a unit of wte's own would be released by then
+  local wte, tied = rawget(model, "wte"), rawget(model, "lm_head") == nil
+  local w = type(wte) == "table" and rawget(wte, "weight")
+  if tied and w and placed[w] and placed[w][1] == "shard" and placed[w][2] ~= model then
+    error(("train: the layout places the tied embeddings 'wte.weight' in the unit of '%s', but the model's " ..
+      "own forward reads them (the output projection): place '%s' as \"replicate\", or leave it to the " ..
+      "model's unit (\"\" answered \"shard\")"):format(placed[w][3], placed[w][3]), 0)
+  end
+  return pl
+end
+
+--- par:placement_summary() -> a line for the log, or nil.
+function Par:placement_summary()
+  local pl = self.placement
+  if not pl then return nil end
+  local nrep = 0
+  for _ in pairs(pl.replicated) do nrep = nrep + 1 end
+  local names = {}
+  for i, n in ipairs(pl.unit_names) do names[i] = n == "" and "(model)" or n end
+  return ("layout: %d unit%s sharded over %d rank%s (%s); %d parameters replicated; %d expert shards"):format(
+    #pl.units, #pl.units == 1 and "" or "s", self.dp_shard or 1, (self.dp_shard or 1) == 1 and "" or "s",
+    #names > 0 and table.concat(names, ", ") or "none", nrep, pl.experts)
+end
+
 -- ------------------------------------------------------ expert parallelism
 
 --- setup_ep(par, ep, etp): the mesh {dp = world / (ep etp), ep, etp};
@@ -416,9 +613,16 @@ function M.setup_ep(par, ep, etp)
   if par.dp // (ep * etp) > 1 then par.replica_group = par.mesh:group("dp") end
 end
 
---- par:attach(model): finds the expert shards (moe/layers/ep.lua, wp.lua); an
---- error when parallel.ep (etp) > 1 and the model has no such layer.
-function Par:attach(model)
+--- par:attach(model [, layout]): finds the expert shards (moe/layers/ep.lua,
+--- wp.lua); an error when parallel.ep (etp) > 1 and the model has no such
+--- layer. With layout (train.run's parts.layout), places every module
+--- (M.place): par.placement, or an error naming the module.
+function Par:attach(model, layout)
+  self:find_experts(model)
+  if layout ~= nil then self.placement = M.place(model, layout, self) end
+end
+
+function Par:find_experts(model)
   if self.shards == 1 then return end
   self.expert_params, self.expert_set = {}, {}
   local function add(list)
