@@ -80,6 +80,8 @@ Sharded.__index = Sharded
 --- modules} for the parameters each holds (a parameter neither assigned nor
 --- excluded goes to the root unit); default: the blocks, each holding the
 --- parameters below it.
+--- sh.layout is the reducer's layout of the units (sh.named[i] is its
+--- params[i]; sh.units[g].bucket the bucket of unit g).
 local known = { group = true, exclude = true, modules = true, assign = true }
 
 function M.shard(model, opts)
@@ -144,7 +146,7 @@ function M.shard(model, opts)
   local by = owners(model)
   local P, r = group:size(), group:rank()
   local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, kept = kept, model = model,
-    unit_mods = unit_mods, root = root }, Sharded)
+    unit_mods = unit_mods, root = root, layout = layout }, Sharded)
   -- bucket -> group
   local group_of_bucket = {}
   for i, where in ipairs(layout.params) do group_of_bucket[where.bucket] = groups[i] end
@@ -169,7 +171,8 @@ function M.shard(model, opts)
       local S = b.shard_numel
       local shard = moe.keep(flats[k]:narrow(0, r * S, S):clone())
       local unit = dist.fsdp_unit(flats[k], shard, { group = group })
-      self.units[group_of_bucket[k]] = { unit = unit, shard = shard, flat = flats[k], padded = b.padded }
+      self.units[group_of_bucket[k]] = { unit = unit, shard = shard, flat = flats[k], padded = b.padded,
+        bucket = k }
     end
   end)
   assert(P == layout.size or P == 1)

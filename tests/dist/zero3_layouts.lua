@@ -15,7 +15,8 @@ grad_accum = W micro-batches of the same size: the same global batch):
   4 ranks  dp_replicate = 2 x dp_shard = 2, shard_params (HSDP with
            parameter sharding);
            ep = 2 x dp_shard = 2 x dp_replicate = 2, shard_params (experts
-           sharded by ep and replicated over the dp dim left)
+           sharded by ep and, each MoE layer's experts a unit, by the 2
+           data-parallel ranks left)
 Checked: the job's logged loss at every step within 1e-5 relative of the
 reference's, and every parameter (gathered through the model's state dict;
 an expert stack: this rank's experts and hidden units) within 1e-4 of its largest value after
@@ -62,15 +63,22 @@ local function compare(ffn, layout)
     { grad_accum = world, parallel = { dp = 1 }, model = model }))
   local ref = refs[key]
   layout.shard_params = true
-  local whole, units = 0, 0
+  local whole, units, eunits = 0, 0, 0
   local z = train.run(K.base_cfg(o, root, prefix, "z3-" .. key .. lname:gsub("[ =x]", ""), ffn,
     { parallel = layout, model = model }), { hooks = { after_step = function(state)
       local sh = state.parallel.fsdp
       units = sh and sh:stats().units or 0
       for _, u in pairs(sh and sh.units or {}) do if u.unit:ready() then whole = whole + 1 end end
+      local ex = state.parallel.expert_fsdp
+      eunits = ex and #ex.units or 0
+      for _, u in ipairs(ex and ex.units or {}) do if u.unit:ready() then whole = whole + 1 end end
     end } })
-  -- the units: the 2 blocks and the root, none whole between steps
-  expect(units == 3 and whole == 0, ("%s: %d units, %d whole after a step"):format(lname, units, whole))
+  -- the units: the 2 blocks and the root, none whole between steps; with data-parallel ranks
+  -- left over by ep x etp, each MoE layer's experts too
+  local left = world // ((layout.ep or 1) * (layout.etp or 1))
+  local want_e = (layout.ep or layout.etp) and left > 1 and 2 or 0
+  expect(units == 3 and eunits == want_e and whole == 0, ("%s: %d units, %d expert units (%d expected), %d " ..
+    "whole after a step"):format(lname, units, eunits, want_e, whole))
   local lworst = K.max_rel(z.losses, ref.losses, opts.steps)
   -- parameters: the state dict gathers every unit; an expert stack holds this rank's rows
   local q, El, w, Fl = 0, E, 0, F

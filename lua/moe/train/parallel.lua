@@ -191,8 +191,7 @@ function Par:sharded_optimizer(named, cfg, model)
     o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
     local sharded = optim.ShardedAdamW(sh.named, o)
     if not self.expert_set then return sharded end
-    local eo = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
-    return M.with_experts(sharded, optim.AdamW(sh.kept, eo), self)
+    return M.with_experts(sharded, self:expert_optimizer(model, sh.kept, o), self)
   end
   if not self.expert_set then
     o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
@@ -237,8 +236,179 @@ function Par:placed_optimizer(model, o)
   o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, groups, sh.units
   local sharded = optim.ShardedAdamW(list, o)
   if #experts == 0 then return sharded end
-  return M.with_experts(sharded, optim.AdamW(experts, { lr = o.lr, betas = o.betas, eps = o.eps,
-    weight_decay = o.weight_decay }), self)
+  return M.with_experts(sharded, self:expert_optimizer(model, experts, o), self)
+end
+
+-- The optimizer of the expert shards under parameter sharding: AdamW over
+-- them whole, or, with parallel.shard_params and data-parallel ranks left
+-- over (world > ep x etp), M.expert_shards: sharded over those ranks too.
+function Par:expert_optimizer(model, experts, o)
+  local ao = { lr = o.lr, betas = o.betas, eps = o.eps, weight_decay = o.weight_decay }
+  if self.shard_params and self.replica_group then return M.expert_shards(self, model, ao) end
+  return require("moe.optim").AdamW(experts, ao)
+end
+
+-- ------------------------------------------- expert shards, sharded again
+
+-- With parallel.shard_params and a replica group (the world / (ep etp) ranks
+-- holding the same expert shard), each MoE layer's experts module becomes a
+-- unit of its own over the replica group (moe/fsdp.lua: gathered for the
+-- experts' forward and backward, released after each), and its gradient is
+-- reduce-scattered (avg) over that group once backward is done, then divided
+-- by ep x etp: the same gradient rule as par:finish_experts, on 1/R of the
+-- elements. AdamW steps each rank's shard (its moments 1/R of the shard's);
+-- the step writes into the unit's shard, the next forward gathers it.
+-- Not through the reducer: a backward arms one reducer, the dense one.
+local ExpertShards = {}
+ExpertShards.__index = ExpertShards
+
+function M.expert_shards(par, model, o)
+  local mods, idx, assign, exclude = {}, {}, {}, {}
+  for _, e in ipairs(model:named_modules()) do
+    local m = e[2]
+    for _, pn in ipairs(m._params) do
+      local t = rawget(m, pn)
+      if t ~= nil and par.expert_set[t] then
+        if not idx[m] then
+          mods[#mods + 1] = m
+          idx[m] = #mods
+        end
+        assign[t] = idx[m]
+      end
+    end
+  end
+  for _, np in ipairs(model:named_parameters()) do
+    if not assign[np[2]] then exclude[np[2]] = true end
+  end
+  local group = par.replica_group
+  local sh = require("moe.fsdp").shard(model, { group = group, modules = mods, assign = assign, exclude = exclude })
+  local R, r = group:size(), group:rank()
+  local self = setmetatable({ par = par, sh = sh, lr = o.lr, step_count = 0, group = group, units = {},
+    hyper = { beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay } }, ExpertShards)
+  -- per unit: its parameters' places in the flat buffer and this rank's part of each
+  for g = 1, #mods do
+    local u = sh.units[g]
+    local b = sh.layout.buckets[u.bucket]
+    local S = b.shard_numel
+    local e = { unit = u.unit, shard = u.shard, padded = u.padded, S = S, dtype = b.dtype, device = b.device,
+      params = {}, segments = {} }
+    moe.no_grad(function()
+      local sd = b.dtype == "f64" and "f64" or "f32"
+      e.exp_avg = moe.keep(moe.zeros({ S }, { dtype = sd, device = b.device }))
+      e.exp_avg_sq = moe.keep(moe.zeros({ S }, { dtype = sd, device = b.device }))
+      if b.dtype == "bf16" or b.dtype == "f16" then
+        e.master = moe.keep(moe.zeros({ S }, { dtype = "f32", device = b.device }))
+        e.master:copy_(u.shard)
+      end
+    end)
+    self.units[g] = e
+  end
+  par.expert_params, par.expert_set = {}, {}
+  for i, np in ipairs(sh.named) do
+    local where = sh.layout.params[i]
+    local g = sh.groups[i]
+    local e = self.units[g]
+    local t, n = np[2], np[2]:numel()
+    e.params[#e.params + 1] = { param = t, offset = where.offset, numel = n }
+    -- this rank's elements of t: [a, b) of the flat buffer within [r S, (r + 1) S)
+    local a, bnd = math.max(where.offset, r * e.S), math.min(where.offset + n, (r + 1) * e.S)
+    if bnd > a then
+      e.segments[#e.segments + 1] = { offset = a - r * e.S, numel = bnd - a,
+        weight_decay = t:dim() < 2 and 0 or self.hyper.weight_decay }
+    end
+    par.expert_params[#par.expert_params + 1] = t
+    par.expert_set[t] = true
+  end
+  assert(R == sh.layout.size or R == 1)
+  par.expert_fsdp = self
+  return self
+end
+
+--- finish(): after backward (the last micro-batch): every unit's gradient
+--- reduce-scattered (avg) over the replica group and divided by ep x etp,
+--- the full gradients dropped and the units released.
+function ExpertShards:finish()
+  local scale = 1 / self.par.shards
+  moe.no_grad(function()
+    for _, e in ipairs(self.units) do
+      local flat = moe.zeros({ e.padded }, { dtype = e.dtype, device = e.device })
+      for _, p in ipairs(e.params) do
+        local g = p.param.grad
+        if g ~= nil then flat:narrow(0, p.offset, p.numel):copy_(g:reshape({ p.numel })) end
+        p.param.grad = nil -- a shard no token reached: zeros, as one process has
+      end
+      local gs = moe.empty({ e.S }, { dtype = e.dtype, device = e.device })
+      self.par.dist.reduce_scatter(gs, flat, "avg", { group = self.group })
+      flat:free()
+      if e.grad then e.grad:free() end
+      e.grad = moe.keep(gs * scale)
+      gs:free()
+      e.unit:release()
+    end
+  end)
+end
+
+--- sumsq() -> the sum over the world of the squares of every rank's
+--- gradient shards (each rank holds distinct elements of the experts).
+function ExpertShards:sumsq()
+  local sq = 0
+  for _, e in ipairs(self.units) do
+    if e.grad then
+      local n = e.grad:double():norm(2):item()
+      sq = sq + n * n
+    end
+  end
+  local t = moe.tensor({ sq }, { dtype = "f64" })
+  self.par.dist.all_reduce(t, "sum")
+  local v = t:item()
+  t:free()
+  return v
+end
+
+function ExpertShards:scale(coef)
+  moe.no_grad(function()
+    for _, e in ipairs(self.units) do
+      if e.grad then e.grad:copy_(e.grad * coef) end
+    end
+  end)
+end
+
+function ExpertShards:step()
+  self.step_count = self.step_count + 1
+  local h = self.hyper
+  local o = { lr = self.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, weight_decay = 0, step = self.step_count }
+  moe.no_grad(function()
+    moe.scope(function()
+      for _, e in ipairs(self.units) do
+        if e.grad then
+          for _, sg in ipairs(e.segments) do
+            local a, n = sg.offset, sg.numel
+            o.weight_decay = sg.weight_decay
+            moe.ops.adamw_step(e.shard:narrow(0, a, n), e.grad:narrow(0, a, n), e.exp_avg:narrow(0, a, n),
+              e.exp_avg_sq:narrow(0, a, n), e.master and e.master:narrow(0, a, n) or nil, o)
+          end
+        end
+      end
+    end)
+  end)
+end
+
+function ExpertShards:zero_grad()
+  for _, e in ipairs(self.units) do
+    if e.grad then e.grad:free() end
+    e.grad = nil
+    for _, p in ipairs(e.params) do p.param.grad = nil end
+  end
+end
+
+function ExpertShards.state_dict()
+  error("train: the expert shards of parameter sharding cannot be saved yet", 2)
+end
+
+function ExpertShards:load_state_dict(_, scalars)
+  if type(scalars) ~= "table" then return end
+  if scalars.step ~= nil then self.step_count = math.tointeger(scalars.step) or scalars.step end
+  if scalars.lr ~= nil then self.lr = scalars.lr end
 end
 
 -- ShardedAdamW over the replicated parameters and AdamW over the expert
@@ -279,12 +449,18 @@ function WithExperts:clip_grad_norm(max_norm)
   local par = self.par
   local dense = self.sharded:clip_grad_norm(nil) -- the norm over the shard group, nothing scaled
   local list = {}
-  for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
-  local e = require("moe.optim").clip_grad_norm(list, nil)
-  local t = moe.tensor({ e * e }, { dtype = "f64" })
-  par.dist.all_reduce(t, "sum", { group = par.expert_group })
-  local total = math.sqrt(dense * dense + t:item())
-  t:free()
+  local esq
+  if self.experts.sumsq then -- sharded over the replica group as well: every rank's squares
+    esq = self.experts:sumsq()
+  else
+    for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
+    local e = require("moe.optim").clip_grad_norm(list, nil)
+    local t = moe.tensor({ e * e }, { dtype = "f64" })
+    par.dist.all_reduce(t, "sum", { group = par.expert_group })
+    esq = t:item()
+    t:free()
+  end
+  local total = math.sqrt(dense * dense + esq)
   if max_norm and total > max_norm then
     local coef = max_norm / (total + 1e-6)
     moe.no_grad(function()
@@ -299,6 +475,7 @@ function WithExperts:clip_grad_norm(max_norm)
         end
       end)
     end)
+    if self.experts.scale then self.experts:scale(coef) end
   end
   return total
 end
@@ -660,6 +837,7 @@ end
 --- token reached gets a zero gradient (one process has one for every expert).
 function Par:finish_experts()
   if self.shards == 1 then return end
+  if self.expert_fsdp then return self.expert_fsdp:finish() end -- sharded over the replicas too
   local dist, scale = self.dist, 1 / self.shards
   for _, p in ipairs(self.expert_params) do
     local g = p.grad
