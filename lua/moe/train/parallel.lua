@@ -49,6 +49,16 @@ tensor sharding"): every expert's hidden units are split over groups of N
 ranks (moe/layers/wp.lua), alone or with ep (the mesh {dp = world / (ep N),
 ep, etp = N}); the same methods handle both kinds of expert shard (par.shards
 = ep N ranks hold the pieces of one expert set; their gradients / ep N).
+
+Parameter sharding (parallel.shard_params, ZeRO-3; moe/fsdp.lua) with
+dp_shard, with dp_replicate (HSDP) and with ep / etp: the dense parameters
+in units over dp_shard, the expert shards placed by ep / etp and, with
+data-parallel ranks left over, sharded over those too (M.expert_shards).
+
+Layouts as Lua functions (train.run(cfg, {layout = fn}); docs/DISTRIBUTED.md
+"Layouts as Lua functions"): par:attach(model, fn) asks fn(name, module) for
+every module (M.place) and checks the answers before anything trains;
+par:sharded_optimizer then builds the units the layout asked for.
 ]]
 local moe = require "moe"
 
