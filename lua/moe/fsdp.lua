@@ -71,36 +71,67 @@ Sharded.__index = Sharded
 
 --- shard(model, opts) -> sh: replaces the model's parameters by views of the
 --- units' flat buffers, keeps this rank's shard of each, and releases them.
---- opts: group (the shard group; default moe.dist.world).
+--- opts: group (the shard group; default moe.dist.world); exclude (a set
+--- {[tensor] = true} of parameters left out of every unit: held whole, as
+--- they are, e.g. expert shards that expert parallelism places). sh.named
+--- lists the sharded parameters (new tensors), sh.kept the others.
+--- modules and assign (together; moe/train/parallel.lua's layouts): the unit
+--- modules in the order forward runs them, and {[tensor] = index into
+--- modules} for the parameters each holds (a parameter neither assigned nor
+--- excluded goes to the root unit); default: the blocks, each holding the
+--- parameters below it.
+--- sh.layout is the reducer's layout of the units (sh.named[i] is its
+--- params[i]; sh.units[g].bucket the bucket of unit g).
+local known = { group = true, exclude = true, modules = true, assign = true }
+
 function M.shard(model, opts)
   opts = opts or {}
   local dist = moe.dist
   if not dist then fail("needs moe.dist, which this build lacks") end
   for k in pairs(opts) do
-    if k ~= "group" then fail("unknown option '%s'", tostring(k)) end
+    if not known[k] then fail("unknown option '%s'", tostring(k)) end
   end
   local group = opts.group or dist.world
-  local named = model:named_parameters()
+  local exclude = opts.exclude or {}
+  if type(exclude) ~= "table" then fail("option exclude must be a set of tensors, got %s", type(exclude)) end
+  if (opts.modules == nil) ~= (opts.assign == nil) or (opts.modules and (type(opts.modules) ~= "table"
+      or type(opts.assign) ~= "table")) then
+    fail("options modules (a list of modules) and assign (tensor -> index) go together")
+  end
+  local named, kept = {}, {}
+  for _, np in ipairs(model:named_parameters()) do
+    if exclude[np[2]] then kept[#kept + 1] = np else named[#named + 1] = np end
+  end
   for _, np in ipairs(named) do
     if not np[2].requires_grad then
       fail("parameter '%s' does not require grad: frozen parameters are not sharded", np[1])
     end
     if not np[2]:is_contiguous() then fail("parameter '%s' must be contiguous", np[1]) end
   end
-  -- units: the blocks in order, then the root
+  -- units: the blocks in order (or the given modules), then the root
   local unit_mods = {}
   local blocks = rawget(model, "blocks")
-  if type(blocks) == "table" and blocks.n and blocks.at then
+  if opts.modules then
+    for i, m in ipairs(opts.modules) do unit_mods[i] = m end
+  elseif type(blocks) == "table" and blocks.n and blocks.at then
     for i = 0, blocks.n - 1 do unit_mods[#unit_mods + 1] = blocks:at(i) end
   end
   local root = #unit_mods + 1
   local unit_of = {}
-  for g, m in ipairs(unit_mods) do
+  for t, g in pairs(opts.assign or {}) do
+    if math.type(g) ~= "integer" or g < 1 or g > #unit_mods then
+      fail("assign: unit index %s is not one of the %d modules", tostring(g), #unit_mods)
+    end
+    if not exclude[t] then unit_of[t] = g end
+  end
+  for g, m in ipairs(opts.modules and {} or unit_mods) do
     for t in pairs(param_set(m)) do
-      if unit_of[t] and unit_of[t] ~= g then
-        fail("a parameter is shared by blocks %d and %d (shared parameters must sit in one unit)", unit_of[t], g)
+      if not exclude[t] then
+        if unit_of[t] and unit_of[t] ~= g then
+          fail("a parameter is shared by blocks %d and %d (shared parameters must sit in one unit)", unit_of[t], g)
+        end
+        unit_of[t] = g
       end
-      unit_of[t] = g
     end
   end
   local list, groups = {}, {}
@@ -114,8 +145,8 @@ function M.shard(model, opts)
   probe:free()
   local by = owners(model)
   local P, r = group:size(), group:rank()
-  local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, model = model,
-    unit_mods = unit_mods, root = root }, Sharded)
+  local self = setmetatable({ group = group, units = {}, groups = groups, named = {}, kept = kept, model = model,
+    unit_mods = unit_mods, root = root, layout = layout }, Sharded)
   -- bucket -> group
   local group_of_bucket = {}
   for i, where in ipairs(layout.params) do group_of_bucket[where.bucket] = groups[i] end
@@ -140,7 +171,8 @@ function M.shard(model, opts)
       local S = b.shard_numel
       local shard = moe.keep(flats[k]:narrow(0, r * S, S):clone())
       local unit = dist.fsdp_unit(flats[k], shard, { group = group })
-      self.units[group_of_bucket[k]] = { unit = unit, shard = shard, flat = flats[k], padded = b.padded }
+      self.units[group_of_bucket[k]] = { unit = unit, shard = shard, flat = flats[k], padded = b.padded,
+        bucket = k }
     end
   end)
   assert(P == layout.size or P == 1)

@@ -119,16 +119,11 @@ for ci, ffn in ipairs({ "moe", "dense" }) do
   end
 end
 
--- errors: shard_params without dp_shard, with dp_replicate
+-- errors: shard_params without dp_shard
 do
   local ok, err = pcall(train.run, K.base_cfg(opts, root, prefix, "bad1", "dense",
     { parallel = { shard_params = true } }))
   expect(not ok and tostring(err):find("needs parallel.dp_shard", 1, true), "no dp_shard: " .. tostring(err))
-  if world == 4 then
-    ok, err = pcall(train.run, K.base_cfg(opts, root, prefix, "bad2", "dense",
-      { parallel = { dp_shard = 2, dp_replicate = 2, shard_params = true } }))
-    expect(not ok and tostring(err):find("HSDP with parameter sharding", 1, true), "hsdp: " .. tostring(err))
-  end
 end
 
 os.execute("rm -rf '" .. root .. "'")

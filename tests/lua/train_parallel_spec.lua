@@ -4,6 +4,9 @@ config checks of parallel.dp and parallel.bucket_mb, moe.train.parallel's
 helpers in a world of one, and moe.dist.reducer where all_reduce is the
 identity (gradients unchanged bit for bit, .grad views of the buckets, the
 bucket count, errors). The multi-rank test is tests/dist/dp_equivalence.lua.
+Also: the errors of invalid layouts a single process can raise (config and
+setup checks, parallel.place's answers), and a layout trained in a world of
+one (dp_shard = 1) against no layout; tests/dist/layouts.lua on 2 ranks.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -204,6 +207,158 @@ describe("parameter sharding in a world of one", function()
     data = prefix
     local a = run({ dp_shard = 1 }, tmp .. "-a")
     local b = run({ dp_shard = 1, shard_params = true }, tmp .. "-b")
+    assert.are.same(a.losses, b.losses)
+    local sa, sb = a.model:state_dict(), b.model:state_dict()
+    for k, t in pairs(sa) do assert.are.same(t:totable(), sb[k]:totable(), k) end
+    os.execute("rm -rf '" .. tmp .. "-a' '" .. tmp .. "-b' '" .. tmp .. "-d'")
+  end)
+end)
+
+describe("invalid layouts", function()
+  it("are errors before training: dims the model or the job cannot use", function()
+    local tconfig = require "moe.train.config"
+    local function check_fails(over, msg)
+      local ok, err = pcall(tconfig.check, train.config(over))
+      assert.is_false(ok)
+      assert.are.equal("train: " .. msg, err)
+    end
+    check_fails({ parallel = { ep = 3 } }, "parallel.ep=3 does not divide model.moe.num_experts=8")
+    check_fails({ parallel = { etp = 3 } }, "parallel.etp=3 does not divide model.moe.ffn_hidden_size=256")
+    check_fails({ parallel = { etp = 2 }, model = { moe = { kind = "moe" } } },
+      "parallel.etp=2 needs model.moe.kind=dmoe (the capacity layer does not split its experts)")
+    local function setup_fails(over, msg)
+      local ok, err = pcall(parallel.setup, train.config(over))
+      assert.is_false(ok)
+      assert.are.equal(msg, err)
+    end
+    setup_fails({ parallel = { dp_replicate = 2 } }, "train: parallel.dp_replicate=2 needs parallel.dp_shard " ..
+      "(the ranks each replica is sharded over)")
+    setup_fails({ parallel = { dp_shard = 1, dp = 2 } }, "train: parallel.dp=2 with dp_shard=1 x dp_replicate=1: " ..
+      "data parallelism spans the 1 ranks (leave dp at 0)")
+    setup_fails({ parallel = { dp_shard = 1 }, optimizer = "sgd" }, "train: parallel.dp_shard needs " ..
+      "optimizer=adamw (the sharded optimizer is AdamW), got sgd")
+    setup_fails({ parallel = { shard_params = true } }, "train: parallel.shard_params=true needs " ..
+      "parallel.dp_shard (the ranks the parameters are sharded over)")
+    setup_fails({ parallel = { dp_shard = 2, dp_replicate = 2 } }, "train: parallel.dp_shard=2 x dp_replicate=2 " ..
+      "= 4 but the job has 1 rank (their product must be the world size)")
+  end)
+end)
+
+describe("layouts as Lua functions (parallel.place)", function()
+  local build = require "moe.train.build"
+  local function model_of(tie)
+    moe.manual_seed(1)
+    return build.model(train.config { model = { d_model = 16, n_layers = 2, n_heads = 2, tie_embeddings = tie,
+      moe = { num_experts = 4, top_k = 2, ffn_hidden_size = 16 } }, device = "cpu" }, "cpu")
+  end
+  -- a par as expert parallelism over 2 ranks would make it: the experts' weights are expert shards
+  local function par_of(model, o)
+    o = o or {}
+    local par = { sharded = o.sharded ~= false, shards = o.shards or 2, ep = o.shards or 2, etp = 1,
+      expert_set = {} }
+    if par.shards > 1 then
+      for _, np in ipairs(model:named_parameters()) do
+        if np[1]:match("experts%.w%d$") then par.expert_set[np[2]] = true end
+      end
+    end
+    return par
+  end
+  local function place_fails(layout, msg, o, tie)
+    local m = model_of(tie)
+    local ok, err = pcall(parallel.place, m, layout, par_of(m, o))
+    assert.is_false(ok)
+    assert.are.equal("train: " .. msg, err)
+  end
+
+  it("places each module: units, replicated parameters, experts", function()
+    local m = model_of(false)
+    local pl = parallel.place(m, function(name, mod)
+      if mod.__name == "CausalSelfAttention" then return "shard" end
+      if name:match("%.experts$") then return "expert" end
+    end, par_of(m))
+    assert.are.same({ "blocks.0.attn", "blocks.1.attn" }, pl.unit_names)
+    assert.are.equal(4, pl.experts)
+    local n_rep, n_unit = 0, 0
+    for _, np in ipairs(m:named_parameters()) do
+      if pl.replicated[np[2]] then n_rep = n_rep + 1 end
+      if pl.assign[np[2]] then
+        n_unit = n_unit + 1
+        assert.matches("^blocks%.%d%.attn%.", np[1])
+      end
+    end
+    assert.are.equal(4, n_unit) -- qkv and proj weights of two blocks
+    assert.are.equal(#m:named_parameters() - 4 - 4, n_rep)
+    -- the experts stay expert shards under a sharded block, without an answer of their own
+    local pl2 = parallel.place(m, function(name) if name:match("^blocks%.%d$") then return "shard" end end, par_of(m))
+    assert.are.same({ "blocks.0", "blocks.1" }, pl2.unit_names)
+    assert.are.equal(4, pl2.experts)
+  end)
+
+  it("names the module of every answer it cannot use", function()
+    place_fails(42, "the layout must be a function(name, module) -> \"replicate\" | \"shard\" | \"expert\" | nil, " ..
+      "got a number")
+    place_fails(function(name) if name == "ln_f" then return "sharded" end end,
+      "the layout placed module 'ln_f' (LayerNorm) as 'sharded': expected \"replicate\", \"shard\", \"expert\" or " ..
+      "nil (its parent's placement)")
+    place_fails(function(name) if name == "ln_f" then return 1 end end,
+      "the layout placed module 'ln_f' (LayerNorm) as 1: expected \"replicate\", \"shard\", \"expert\" or " ..
+      "nil (its parent's placement)")
+    place_fails(function(name) if name == "blocks.0.attn" then return "shard" end end,
+      "the layout placed module 'blocks.0.attn' (CausalSelfAttention) as \"shard\", which needs " ..
+      "parallel.dp_shard (the ranks its parameters are sharded over)", { sharded = false })
+    place_fails(function(name) if name:match("experts$") then return "expert" end end,
+      "the layout placed module 'blocks.0.ffn.experts' (MLPExperts) as \"expert\", but parallel.ep and " ..
+      "parallel.etp are 1: no expert is sharded (set parallel.ep or etp)", { shards = 1 })
+    place_fails(function(name) if name == "blocks.1.ffn" then return "expert" end end,
+      "the layout placed module 'blocks.1.ffn' (dMoE) as \"expert\", but its parameter 'router.layer.weight' is " ..
+      "not an expert shard (\"expert\" fits a module whose every parameter is an MoE layer's expert weight)")
+    place_fails(function(name) if name == "drop" then return "expert" end end,
+      "the layout placed module 'drop' (Dropout) as \"expert\", but it holds no parameter")
+    place_fails(function(name) if name:match("experts$") then return "shard" end end,
+      "the layout placed module 'blocks.0.ffn.experts' (MLPExperts) as \"shard\", but its 'w1' is an expert " ..
+      "shard, spread over parallel.ep=2 x etp=1 when the model was built: answer \"expert\" (or nil)")
+    place_fails(function(name) if name == "wte" then return "shard" end end,
+      "the layout places the tied embeddings 'wte.weight' in the unit of 'wte', but the model's own forward " ..
+      "reads them (the output projection): place 'wte' as \"replicate\", or leave it to the model's unit " ..
+      "(\"\" answered \"shard\")", nil, true)
+    local m = model_of(false)
+    local ok, err = pcall(parallel.place, m, function(name) if name == "blocks.1" then error("boom", 0) end end,
+      par_of(m))
+    assert.is_false(ok)
+    assert.are.equal("train: the layout failed on module 'blocks.1' (TransformerBlock): boom", err)
+  end)
+
+  it("trains as without a layout (dp_shard = 1 in a world of one)", function()
+    local tmp = os.tmpname()
+    os.remove(tmp)
+    assert(os.execute("mkdir -p '" .. tmp .. "-d'"))
+    local prefix = tmp .. "-d/words"
+    local bld = require("moe.data").IndexedDatasetBuilder(prefix, { dtype = "u16" })
+    for d = 1, 20 do
+      local ids = {}
+      for j = 1, 40 do ids[j] = (d * 7 + j * 13) % 200 end
+      ids[#ids + 1] = 256
+      bld:add_document(ids)
+    end
+    bld:finalize()
+    local function run(layout, dir, hooks)
+      return train.run(train.config {
+        model = { d_model = 16, n_layers = 2, n_heads = 2, d_ff = 32, tie_embeddings = false,
+          moe = { num_experts = 4, top_k = 2, ffn_hidden_size = 16 } },
+        data = prefix, valid_fraction = 0.1, seq_len = 8, batch_size = 2, steps = 3, warmup = 0, eval_every = 0,
+        log_every = 1, tensorboard = false, quiet = true, sample_tokens = 0, clip = 0,
+        out_dir = dir, overwrite = true, parallel = { dp_shard = 1 } }, { layout = layout, hooks = hooks })
+    end
+    local a = run(nil, tmp .. "-a")
+    local names, whole
+    local b = run(function(name, mod)
+      if mod.__name == "CausalSelfAttention" or name == "blocks.1.ffn" then return "shard" end
+    end, tmp .. "-b", { after_step = function(state)
+      names, whole = state.parallel.placement.unit_names, 0
+      for _, u in pairs(state.parallel.fsdp.units) do if u.unit:ready() then whole = whole + 1 end end
+    end })
+    assert.are.same({ "blocks.0.attn", "blocks.1.attn", "blocks.1.ffn" }, names)
+    assert.are.equal(0, whole)
     assert.are.same(a.losses, b.losses)
     local sa, sb = a.model:state_dict(), b.model:state_dict()
     for k, t in pairs(sa) do assert.are.same(t:totable(), sb[k]:totable(), k) end

@@ -38,7 +38,9 @@ Parameter sharding (ZeRO-3, moe/fsdp.lua): with groups = {g1, ...} (one
 bucket per group) and units = {[g] = {unit =, shard =}}, the parameters
 exist in full only between their unit's gather and release; the step then
 starts from the unit's shard (not the parameters), writes the updated values
-back into it and gathers nothing: the next forward gathers each unit.
+back into it and gathers nothing: the next forward gathers each unit. A
+group with no entry in units holds its parameters whole: its bucket is
+stepped and all-gathered as without units (a layout's "replicate" modules).
 
 Checkpoints: opt:state_pieces() (moe/train/dcp.lua saves and loads them;
 state_dict raises). Not done here: SGD.
@@ -147,11 +149,11 @@ function M.AdamW(named_params, opts)
           end
         end
         local e = opts.units[opts.groups[first]]
-        if e == nil or not moe.is_tensor(e.shard) or e.shard:numel() ~= b.shard_numel then
+        if e ~= nil and (not moe.is_tensor(e.shard) or e.shard:numel() ~= b.shard_numel) then
           fail(fn, "units[%s] must be {unit =, shard =} with a shard of %d elements", tostring(opts.groups[first]),
             b.shard_numel)
         end
-        bk.unit_shard = e.shard
+        bk.unit_shard = e and e.shard -- a group without a unit: parameters held whole (ZeRO-2)
       end
       local want = opts.master_weights
       if want == nil then want = low_precision(b.dtype) end

@@ -174,7 +174,7 @@ function M.run(user_cfg, parts)
   local named = model:named_parameters()
   local params = {}
   for i, p in ipairs(named) do params[i] = p[2] end
-  par:attach(model) -- expert parallelism: which parameters are expert shards
+  par:attach(model, parts.layout) -- which parameters are expert shards; a layout places every module
   -- the same seed made the same model on every rank; rank 0's values make sure of it
   -- (before the optimizer copies master weights from the parameters)
   par:broadcast_params(params)
@@ -273,6 +273,7 @@ function M.run(user_cfg, parts)
     log:say(("data parallel over %d ranks: %d sequences per rank per micro-batch, gradients in %d bucket%s"):format(
       par.dp, cfg.batch_size, reducer:buckets(), reducer:buckets() == 1 and "" or "s"))
   end
+  if par.placement then log:say(par:placement_summary()) end
   if par.shards > 1 then
     log:say(("expert shards over groups of %d ranks (ep=%d x etp=%d): %d expert tensors sharded"):format(
       par.shards, par.ep, par.etp, #par.expert_params))

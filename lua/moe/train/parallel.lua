@@ -49,6 +49,16 @@ tensor sharding"): every expert's hidden units are split over groups of N
 ranks (moe/layers/wp.lua), alone or with ep (the mesh {dp = world / (ep N),
 ep, etp = N}); the same methods handle both kinds of expert shard (par.shards
 = ep N ranks hold the pieces of one expert set; their gradients / ep N).
+
+Parameter sharding (parallel.shard_params, ZeRO-3; moe/fsdp.lua) with
+dp_shard, with dp_replicate (HSDP) and with ep / etp: the dense parameters
+in units over dp_shard, the expert shards placed by ep / etp and, with
+data-parallel ranks left over, sharded over those too (M.expert_shards).
+
+Layouts as Lua functions (train.run(cfg, {layout = fn}); docs/DISTRIBUTED.md
+"Layouts as Lua functions"): par:attach(model, fn) asks fn(name, module) for
+every module (M.place) and checks the answers before anything trains;
+par:sharded_optimizer then builds the units the layout asked for.
 ]]
 local moe = require "moe"
 
@@ -162,6 +172,7 @@ function M.setup(cfg)
     par.device = dist.device()
   end
   if shard then setup_sharding(par, shard, rep) end
+  par.shard_params = pc.shard_params
   par.distributed = true
   par.ckpt_opts = { out_dir = cfg.out_dir, keep_last = cfg.keep_last, async = cfg.save_async }
   return par
@@ -179,19 +190,18 @@ end
 function Par:sharded_optimizer(named, cfg, model)
   local optim = require "moe.optim"
   local o = { lr = cfg.lr, betas = { cfg.beta1, cfg.beta2 }, eps = cfg.eps, weight_decay = cfg.weight_decay }
-  if cfg.parallel.shard_params then
-    if self.expert_set then
-      error("train: parallel.shard_params with parallel.ep or etp: parameter sharding of models with " ..
-        "expert shards is not supported yet", 0)
-    end
-    if self.replicate_group then
-      error("train: parallel.shard_params with parallel.dp_replicate: HSDP with parameter sharding is not " ..
-        "supported yet (use dp_shard alone)", 0)
-    end
-    local sh = require("moe.fsdp").shard(model, { group = self.shard_group })
+  local pl = self.placement
+  if pl and #pl.units > 0 then return self:placed_optimizer(model, o) end
+  if cfg.parallel.shard_params and not pl then
+    -- ZeRO-3: the units over the shard group (HSDP: replicas hold equal shards and
+    -- all-reduce their gradient shards over the replicate group); expert shards stay
+    -- out of the units, placed by ep / etp, stepped by AdamW as with ZeRO-2
+    local sh = require("moe.fsdp").shard(model, { group = self.shard_group, exclude = self.expert_set })
     self.fsdp = sh
-    o.group, o.groups, o.units = self.shard_group, sh.groups, sh.units
-    return optim.ShardedAdamW(sh.named, o)
+    o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
+    local sharded = optim.ShardedAdamW(sh.named, o)
+    if not self.expert_set then return sharded end
+    return M.with_experts(sharded, self:expert_optimizer(model, sh.kept, o), self)
   end
   if not self.expert_set then
     o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
@@ -204,6 +214,211 @@ function Par:sharded_optimizer(named, cfg, model)
   local eopt = optim.AdamW(experts, o)
   o.group, o.replicate_group, o.bucket_mb = self.shard_group, self.replicate_group, cfg.parallel.bucket_mb
   return M.with_experts(optim.ShardedAdamW(dense, o), eopt, self)
+end
+
+-- The optimizer of a layout with units (M.place): the units' parameters
+-- sharded (moe/fsdp.lua), the replicated ones whole with their gradients and
+-- state sharded (ZeRO-2), one bucket per unit and per replicating module; the
+-- expert shards stepped by AdamW (as with ZeRO-2 and expert shards).
+function Par:placed_optimizer(model, o)
+  local optim = require "moe.optim"
+  local pl = self.placement
+  local sh = require("moe.fsdp").shard(model, { group = self.shard_group, modules = pl.units,
+    assign = pl.assign, exclude = pl.whole })
+  self.fsdp = sh
+  local group_of, used = {}, {}
+  for i, np in ipairs(sh.named) do
+    group_of[np[2]] = sh.groups[i]
+    used[sh.groups[i]] = true
+  end
+  local base = #pl.units + (used[#pl.units + 1] and 2 or 1) -- after the root unit, when it has parameters
+  for t, k in pairs(pl.replicated) do group_of[t] = base + k - 1 end
+  local list, groups, experts = {}, {}, {}
+  for _, np in ipairs(model:named_parameters()) do -- model order: buckets launch as backward completes them
+    local g = group_of[np[2]]
+    if g then
+      list[#list + 1] = np
+      groups[#groups + 1] = g
+    elseif self.expert_set and self.expert_set[np[2]] then
+      experts[#experts + 1] = np
+    end
+  end
+  o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, groups, sh.units
+  local sharded = optim.ShardedAdamW(list, o)
+  if #experts == 0 then return sharded end
+  return M.with_experts(sharded, self:expert_optimizer(model, experts, o), self)
+end
+
+-- The optimizer of the expert shards under parameter sharding: AdamW over
+-- them whole, or, with parallel.shard_params and data-parallel ranks left
+-- over (world > ep x etp), M.expert_shards: sharded over those ranks too.
+function Par:expert_optimizer(model, experts, o)
+  local ao = { lr = o.lr, betas = o.betas, eps = o.eps, weight_decay = o.weight_decay }
+  if self.shard_params and self.replica_group then return M.expert_shards(self, model, ao) end
+  return require("moe.optim").AdamW(experts, ao)
+end
+
+-- ------------------------------------------- expert shards, sharded again
+
+-- With parallel.shard_params and a replica group (the world / (ep etp) ranks
+-- holding the same expert shard), each MoE layer's experts module becomes a
+-- unit of its own over the replica group (moe/fsdp.lua: gathered for the
+-- experts' forward and backward, released after each), and its gradient is
+-- reduce-scattered (avg) over that group once backward is done, then divided
+-- by ep x etp: the same gradient rule as par:finish_experts, on 1/R of the
+-- elements. AdamW steps each rank's shard (its moments 1/R of the shard's);
+-- the step writes into the unit's shard, the next forward gathers it.
+-- Not through the reducer: a backward arms one reducer, the dense one.
+local ExpertShards = {}
+ExpertShards.__index = ExpertShards
+
+function M.expert_shards(par, model, o)
+  local mods, idx, assign, exclude = {}, {}, {}, {}
+  for _, e in ipairs(model:named_modules()) do
+    local m = e[2]
+    for _, pn in ipairs(m._params) do
+      local t = rawget(m, pn)
+      if t ~= nil and par.expert_set[t] then
+        if not idx[m] then
+          mods[#mods + 1] = m
+          idx[m] = #mods
+        end
+        assign[t] = idx[m]
+      end
+    end
+  end
+  for _, np in ipairs(model:named_parameters()) do
+    if not assign[np[2]] then exclude[np[2]] = true end
+  end
+  local group = par.replica_group
+  local sh = require("moe.fsdp").shard(model, { group = group, modules = mods, assign = assign, exclude = exclude })
+  local R, r = group:size(), group:rank()
+  local self = setmetatable({ par = par, sh = sh, lr = o.lr, step_count = 0, group = group, units = {},
+    hyper = { beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay } }, ExpertShards)
+  -- per unit: its parameters' places in the flat buffer and this rank's part of each
+  for g = 1, #mods do
+    local u = sh.units[g]
+    local b = sh.layout.buckets[u.bucket]
+    local S = b.shard_numel
+    local e = { unit = u.unit, shard = u.shard, padded = u.padded, S = S, dtype = b.dtype, device = b.device,
+      params = {}, segments = {} }
+    moe.no_grad(function()
+      local sd = b.dtype == "f64" and "f64" or "f32"
+      e.exp_avg = moe.keep(moe.zeros({ S }, { dtype = sd, device = b.device }))
+      e.exp_avg_sq = moe.keep(moe.zeros({ S }, { dtype = sd, device = b.device }))
+      if b.dtype == "bf16" or b.dtype == "f16" then
+        e.master = moe.keep(moe.zeros({ S }, { dtype = "f32", device = b.device }))
+        e.master:copy_(u.shard)
+      end
+    end)
+    self.units[g] = e
+  end
+  par.expert_params, par.expert_set = {}, {}
+  for i, np in ipairs(sh.named) do
+    local where = sh.layout.params[i]
+    local g = sh.groups[i]
+    local e = self.units[g]
+    local t, n = np[2], np[2]:numel()
+    e.params[#e.params + 1] = { param = t, offset = where.offset, numel = n }
+    -- this rank's elements of t: [a, b) of the flat buffer within [r S, (r + 1) S)
+    local a, bnd = math.max(where.offset, r * e.S), math.min(where.offset + n, (r + 1) * e.S)
+    if bnd > a then
+      e.segments[#e.segments + 1] = { offset = a - r * e.S, numel = bnd - a,
+        weight_decay = t:dim() < 2 and 0 or self.hyper.weight_decay }
+    end
+    par.expert_params[#par.expert_params + 1] = t
+    par.expert_set[t] = true
+  end
+  assert(R == sh.layout.size or R == 1)
+  par.expert_fsdp = self
+  return self
+end
+
+--- finish(): after backward (the last micro-batch): every unit's gradient
+--- reduce-scattered (avg) over the replica group and divided by ep x etp,
+--- the full gradients dropped and the units released.
+function ExpertShards:finish()
+  local scale = 1 / self.par.shards
+  moe.no_grad(function()
+    for _, e in ipairs(self.units) do
+      local flat = moe.zeros({ e.padded }, { dtype = e.dtype, device = e.device })
+      for _, p in ipairs(e.params) do
+        local g = p.param.grad
+        if g ~= nil then flat:narrow(0, p.offset, p.numel):copy_(g:reshape({ p.numel })) end
+        p.param.grad = nil -- a shard no token reached: zeros, as one process has
+      end
+      local gs = moe.empty({ e.S }, { dtype = e.dtype, device = e.device })
+      self.par.dist.reduce_scatter(gs, flat, "avg", { group = self.group })
+      flat:free()
+      if e.grad then e.grad:free() end
+      e.grad = moe.keep(gs * scale)
+      gs:free()
+      e.unit:release()
+    end
+  end)
+end
+
+--- sumsq() -> the sum over the world of the squares of every rank's
+--- gradient shards (each rank holds distinct elements of the experts).
+function ExpertShards:sumsq()
+  local sq = 0
+  for _, e in ipairs(self.units) do
+    if e.grad then
+      local n = e.grad:double():norm(2):item()
+      sq = sq + n * n
+    end
+  end
+  local t = moe.tensor({ sq }, { dtype = "f64" })
+  self.par.dist.all_reduce(t, "sum")
+  local v = t:item()
+  t:free()
+  return v
+end
+
+function ExpertShards:scale(coef)
+  moe.no_grad(function()
+    for _, e in ipairs(self.units) do
+      if e.grad then e.grad:copy_(e.grad * coef) end
+    end
+  end)
+end
+
+function ExpertShards:step()
+  self.step_count = self.step_count + 1
+  local h = self.hyper
+  local o = { lr = self.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, weight_decay = 0, step = self.step_count }
+  moe.no_grad(function()
+    moe.scope(function()
+      for _, e in ipairs(self.units) do
+        if e.grad then
+          for _, sg in ipairs(e.segments) do
+            local a, n = sg.offset, sg.numel
+            o.weight_decay = sg.weight_decay
+            moe.ops.adamw_step(e.shard:narrow(0, a, n), e.grad:narrow(0, a, n), e.exp_avg:narrow(0, a, n),
+              e.exp_avg_sq:narrow(0, a, n), e.master and e.master:narrow(0, a, n) or nil, o)
+          end
+        end
+      end
+    end)
+  end)
+end
+
+function ExpertShards:zero_grad()
+  for _, e in ipairs(self.units) do
+    if e.grad then e.grad:free() end
+    e.grad = nil
+    for _, p in ipairs(e.params) do p.param.grad = nil end
+  end
+end
+
+function ExpertShards.state_dict()
+  error("train: the expert shards of parameter sharding cannot be saved yet", 2)
+end
+
+function ExpertShards:load_state_dict(_, scalars)
+  if type(scalars) ~= "table" then return end
+  if scalars.step ~= nil then self.step_count = math.tointeger(scalars.step) or scalars.step end
+  if scalars.lr ~= nil then self.lr = scalars.lr end
 end
 
 -- ShardedAdamW over the replicated parameters and AdamW over the expert
@@ -244,12 +459,18 @@ function WithExperts:clip_grad_norm(max_norm)
   local par = self.par
   local dense = self.sharded:clip_grad_norm(nil) -- the norm over the shard group, nothing scaled
   local list = {}
-  for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
-  local e = require("moe.optim").clip_grad_norm(list, nil)
-  local t = moe.tensor({ e * e }, { dtype = "f64" })
-  par.dist.all_reduce(t, "sum", { group = par.expert_group })
-  local total = math.sqrt(dense * dense + t:item())
-  t:free()
+  local esq
+  if self.experts.sumsq then -- sharded over the replica group as well: every rank's squares
+    esq = self.experts:sumsq()
+  else
+    for _, p in ipairs(par.expert_params) do list[#list + 1] = p end
+    local e = require("moe.optim").clip_grad_norm(list, nil)
+    local t = moe.tensor({ e * e }, { dtype = "f64" })
+    par.dist.all_reduce(t, "sum", { group = par.expert_group })
+    esq = t:item()
+    t:free()
+  end
+  local total = math.sqrt(dense * dense + esq)
   if max_norm and total > max_norm then
     local coef = max_norm / (total + 1e-6)
     moe.no_grad(function()
@@ -264,6 +485,7 @@ function WithExperts:clip_grad_norm(max_norm)
         end
       end)
     end)
+    if self.experts.scale then self.experts:scale(coef) end
   end
   return total
 end
@@ -395,6 +617,166 @@ function Par:load_checkpoint(path, model, opt)
   return { state = st, path = path }
 end
 
+-- ------------------------------------------------------------ layouts
+
+local answers = { replicate = true, shard = true, expert = true }
+
+local function describe(name, m)
+  return ("module '%s' (%s)"):format(name, tostring(rawget(m, "__name") or m.__name or "module"))
+end
+
+--- place(model, layout, par) -> placement: layout(name, module) is asked for
+--- every module of the model (model:named_modules() order; the model itself
+--- is ""), and answers
+---   "replicate"  its parameters are held whole on every rank (their
+---                gradients all-reduced, or with parallel.dp_shard reduce-
+---                scattered and their optimizer state sharded: ZeRO-2)
+---   "shard"      a unit (ZeRO-3; needs parallel.dp_shard): its parameters
+---                sharded over dp_shard, gathered for its forward and its
+---                backward and released after each (the model's own unit,
+---                "" answered "shard", is kept from its forward to backward)
+---   "expert"     a module whose every parameter is an expert shard (an MoE
+---                layer's experts): placed by parallel.ep / etp
+---   nil          its parent's placement (the model's: "shard" with
+---                parallel.shard_params, else "replicate")
+--- A parameter takes the answer of the nearest module above it (itself
+--- included) that answered, except expert shards, which are always placed
+--- by ep / etp. Checked before anything is built on it, each an error naming
+--- the module: an answer not in the list, "shard" without dp_shard,
+--- "expert" where ep and etp are 1 or on a module with other parameters,
+--- "replicate" or "shard" on a module that holds expert shards itself, a
+--- tied parameter placed in two units, and the tied embeddings of a
+--- TransformerLM (read by the model's own forward) in a unit other than the
+--- model's.
+--- placement: units (the "shard" modules that hold parameters, in module
+--- order), unit_names, assign {[tensor] = unit index}, replicated {[tensor] =
+--- index of its replicating module}, whole {[tensor] = true} (replicated and
+--- expert shards), experts (a count).
+function M.place(model, layout, par)
+  if type(layout) ~= "function" then
+    error(("train: the layout must be a function(name, module) -> \"replicate\" | \"shard\" | \"expert\" " ..
+      "| nil, got a %s"):format(type(layout)), 0)
+  end
+  local expert_set = par.expert_set or {}
+  local mods = model:named_modules()
+  local answer = {}
+  for _, e in ipairs(mods) do
+    local name, m = e[1], e[2]
+    local ok, a = pcall(layout, name, m)
+    if not ok then error(("train: the layout failed on %s: %s"):format(describe(name, m), tostring(a)), 0) end
+    if a ~= nil then
+      if not answers[a] then
+        error(("train: the layout placed %s as %s: expected \"replicate\", \"shard\", \"expert\" or nil " ..
+          "(its parent's placement)"):format(describe(name, m), type(a) == "string" and ("'" .. a .. "'") or
+          tostring(a)), 0)
+      end
+      local own_expert
+      for _, pn in ipairs(m._params) do
+        local t = rawget(m, pn)
+        if t ~= nil and expert_set[t] then
+          own_expert = pn
+          break
+        end
+      end
+      if a == "shard" and not par.sharded then
+        error(("train: the layout placed %s as \"shard\", which needs parallel.dp_shard (the ranks its " ..
+          "parameters are sharded over)"):format(describe(name, m)), 0)
+      elseif a == "expert" then
+        if par.shards == 1 then
+          error(("train: the layout placed %s as \"expert\", but parallel.ep and parallel.etp are 1: no " ..
+            "expert is sharded (set parallel.ep or etp)"):format(describe(name, m)), 0)
+        end
+        local params = m:named_parameters()
+        if #params == 0 then
+          error(("train: the layout placed %s as \"expert\", but it holds no parameter"):format(describe(name, m)), 0)
+        end
+        for _, np in ipairs(params) do
+          if not expert_set[np[2]] then
+            error(("train: the layout placed %s as \"expert\", but its parameter '%s' is not an expert shard " ..
+              "(\"expert\" fits a module whose every parameter is an MoE layer's expert weight)"):format(
+              describe(name, m), np[1]), 0)
+          end
+        end
+      elseif own_expert then
+        error(("train: the layout placed %s as \"%s\", but its '%s' is an expert shard, spread over " ..
+          "parallel.ep=%d x etp=%d when the model was built: answer \"expert\" (or nil)"):format(
+          describe(name, m), a, own_expert, par.ep, par.etp), 0)
+      end
+      answer[m] = a
+    end
+  end
+  -- each parameter: the nearest answer above it
+  local pl = { units = {}, unit_names = {}, assign = {}, replicated = {}, whole = {}, experts = 0 }
+  local unit_index, rep_index, nrep = {}, {}, 0
+  local placed = {} -- tensor -> {kind, module, name}
+  local function place_param(t, pname, kind, by, byname)
+    if expert_set[t] then
+      if not placed[t] then pl.experts = pl.experts + 1 end
+      placed[t] = { "expert" }
+      pl.whole[t] = true
+      return
+    end
+    local prev = placed[t]
+    if prev and (prev[1] ~= kind or prev[2] ~= by) and (kind == "shard" or prev[1] == "shard") then
+      error(("train: the layout places parameter '%s' (tied: held by '%s' and '%s') in two ways (%s by '%s', " ..
+        "%s by '%s'): a tied parameter sits in one unit"):format(pname, prev[4], byname, prev[1], prev[3], kind,
+        byname), 0)
+    end
+    if prev then return end
+    placed[t] = { kind, by, byname, pname }
+    if kind == "shard" then
+      if not unit_index[by] then
+        pl.units[#pl.units + 1] = by
+        pl.unit_names[#pl.units] = byname
+        unit_index[by] = #pl.units
+      end
+      pl.assign[t] = unit_index[by]
+    else
+      if not rep_index[by] then
+        nrep = nrep + 1
+        rep_index[by] = nrep
+      end
+      pl.replicated[t] = rep_index[by]
+      pl.whole[t] = true
+    end
+  end
+  local function walk(m, name, kind, by, byname)
+    if answer[m] and answer[m] ~= "expert" then kind, by, byname = answer[m], m, name end
+    for _, pn in ipairs(m._params) do
+      local t = rawget(m, pn)
+      if t ~= nil then place_param(t, name == "" and pn or name .. "." .. pn, kind, by, byname) end
+    end
+    for _, c in ipairs(m._children) do
+      local child = rawget(m, c)
+      if child ~= nil then walk(child, name == "" and c or name .. "." .. c, kind, by, byname) end
+    end
+  end
+  walk(model, "", par.shard_params and "shard" or "replicate", model, "")
+  -- a TransformerLM with tied embeddings reads wte.weight in its own forward (the output
+  -- projection): a unit of wte's own would be released by then
+  local wte, tied = rawget(model, "wte"), rawget(model, "lm_head") == nil
+  local w = type(wte) == "table" and rawget(wte, "weight")
+  if tied and w and placed[w] and placed[w][1] == "shard" and placed[w][2] ~= model then
+    error(("train: the layout places the tied embeddings 'wte.weight' in the unit of '%s', but the model's " ..
+      "own forward reads them (the output projection): place '%s' as \"replicate\", or leave it to the " ..
+      "model's unit (\"\" answered \"shard\")"):format(placed[w][3], placed[w][3]), 0)
+  end
+  return pl
+end
+
+--- par:placement_summary() -> a line for the log, or nil.
+function Par:placement_summary()
+  local pl = self.placement
+  if not pl then return nil end
+  local nrep = 0
+  for _ in pairs(pl.replicated) do nrep = nrep + 1 end
+  local names = {}
+  for i, n in ipairs(pl.unit_names) do names[i] = n == "" and "(model)" or n end
+  return ("layout: %d unit%s sharded over %d rank%s (%s); %d parameters replicated; %d expert shards"):format(
+    #pl.units, #pl.units == 1 and "" or "s", self.dp_shard or 1, (self.dp_shard or 1) == 1 and "" or "s",
+    #names > 0 and table.concat(names, ", ") or "none", nrep, pl.experts)
+end
+
 -- ------------------------------------------------------ expert parallelism
 
 --- setup_ep(par, ep, etp): the mesh {dp = world / (ep etp), ep, etp};
@@ -418,9 +800,16 @@ function M.setup_ep(par, ep, etp)
   if par.dp // (ep * etp) > 1 then par.replica_group = par.mesh:group("dp") end
 end
 
---- par:attach(model): finds the expert shards (moe/layers/ep.lua, wp.lua); an
---- error when parallel.ep (etp) > 1 and the model has no such layer.
-function Par:attach(model)
+--- par:attach(model [, layout]): finds the expert shards (moe/layers/ep.lua,
+--- wp.lua); an error when parallel.ep (etp) > 1 and the model has no such
+--- layer. With layout (train.run's parts.layout), places every module
+--- (M.place): par.placement, or an error naming the module.
+function Par:attach(model, layout)
+  self:find_experts(model)
+  if layout ~= nil then self.placement = M.place(model, layout, self) end
+end
+
+function Par:find_experts(model)
   if self.shards == 1 then return end
   self.expert_params, self.expert_set = {}, {}
   local function add(list)
@@ -458,6 +847,7 @@ end
 --- token reached gets a zero gradient (one process has one for every expert).
 function Par:finish_experts()
   if self.shards == 1 then return end
+  if self.expert_fsdp then return self.expert_fsdp:finish() end -- sharded over the replicas too
   local dist, scale = self.dist, 1 / self.shards
   for _, p in ipairs(self.expert_params) do
     local g = p.grad
