@@ -365,13 +365,13 @@ function M.read_index(path)
     local file = part .. ".safetensors"
     if exists(path .. "/" .. file) then
       idx.files[#idx.files + 1] = file
-      local ok, t = pcall(moe.load, path .. "/" .. file)
-      if not ok then fail("cannot read '%s/%s': %s", path, file, tostring(t)) end
-      for k, v in pairs(t) do
+      local ok, r = pcall(moe.open_safetensors, path .. "/" .. file) -- the header only
+      if not ok then fail("cannot read '%s/%s': %s", path, file, tostring(r)) end
+      for k, v in pairs(r:entries()) do
         idx.tensors[part .. "." .. k] = { shape = v.shape, dtype = v.dtype,
           shards = { { file = file, key = k, full = true } } }
-        v:free()
       end
+      r:close()
     end
   end
   return idx
@@ -451,33 +451,50 @@ local function boxes_of(t, pl, shape)
   return out
 end
 
--- Copies the part of src (a shard at place sp) that overlaps dst (at place dp)
--- into dst; returns the number of elements copied.
-local function copy_overlap(dst, dp, src, sp, shape)
+-- The boxes of a shard at place sp, in the shard's stored tensor: {offsets,
+-- sizes (global), shape, base}: the box is the elements [base, base +
+-- numel(shape)) of the stored tensor seen as shape (moe.open_safetensors' read).
+local function src_boxes(sp, shape)
+  if sp.offsets then return { { offsets = sp.offsets, sizes = sp.sizes, shape = sp.sizes, base = 0 } } end
+  local a, b = as_flat(sp, shape)
+  local out = {}
+  for _, bx in ipairs(flat_boxes(a, b, shape)) do
+    out[#out + 1] = { offsets = bx.offsets, sizes = bx.sizes, shape = bx.sizes, base = bx.start }
+  end
+  return out
+end
+
+-- Reads the part of the shard r[key] (at place sp) that overlaps dst (at
+-- place dp) from the file, only its bytes, into dst; returns the number of
+-- elements copied.
+local function copy_overlap(dst, dp, r, key, sp, shape)
   local da, db = as_flat(dp, shape)
   local sa, sb = as_flat(sp, shape)
-  if da and sa then
+  if da and sa then -- two flat ranges: one read of their overlap
     local a, b = math.max(da, sa), math.min(db, sb)
     if a >= b then return 0 end
-    local d = dst:view({ dst:numel() }):narrow(0, a - da, b - a)
-    local s = src:reshape({ src:numel() }):narrow(0, a - sa, b - a)
-    d:copy_(s)
+    local s = r:read(key, { shape = { sb - sa }, offsets = { a - sa }, sizes = { b - a } })
+    dst:view({ dst:numel() }):narrow(0, a - da, b - a):copy_(s)
+    s:free()
     return b - a
   end
   local n = 0
-  for _, db_ in ipairs(boxes_of(dst, dp, shape)) do
-    for _, sb_ in ipairs(boxes_of(src, sp, shape)) do
-      local d, s, m = db_.view, sb_.view, 1
+  local sboxes = src_boxes(sp, shape)
+  for _, dbx in ipairs(boxes_of(dst, dp, shape)) do
+    for _, sbx in ipairs(sboxes) do
+      local d, offs, sizes, m = dbx.view, {}, {}, 1
       for k = 1, #shape do
-        local a = math.max(db_.offsets[k], sb_.offsets[k])
-        local b = math.min(db_.offsets[k] + db_.sizes[k], sb_.offsets[k] + sb_.sizes[k])
+        local a = math.max(dbx.offsets[k], sbx.offsets[k])
+        local b = math.min(dbx.offsets[k] + dbx.sizes[k], sbx.offsets[k] + sbx.sizes[k])
         if a >= b then m = 0; break end
-        d = d:narrow(k - 1, a - db_.offsets[k], b - a)
-        s = s:narrow(k - 1, a - sb_.offsets[k], b - a)
+        d = d:narrow(k - 1, a - dbx.offsets[k], b - a)
+        offs[k], sizes[k] = a - sbx.offsets[k], b - a
         m = m * (b - a)
       end
       if m > 0 then
+        local s = r:read(key, { shape = sbx.shape, base = sbx.base, offsets = offs, sizes = sizes })
         d:copy_(s)
+        s:free()
         n = n + m
       end
     end
@@ -498,24 +515,37 @@ local function same_shape(a, b)
   return true
 end
 
---- load_pieces(path, pieces [, {missing_ok = fn(name)}]): fills every piece's
---- tensor with its part of the checkpoint's global tensor, reading the
---- shards that overlap it (files read once each, on the CPU).
+--- load_pieces(path, pieces [, {missing_ok = fn(name)}]) -> index, stats: fills
+--- every piece's tensor with its part of the checkpoint's global tensor,
+--- reading from the shards that overlap it only the bytes of the overlap
+--- (moe.open_safetensors: each file's header once, then a read per run of
+--- the overlap that is contiguous in the file). stats (also M.last_load):
+--- {bytes =, reads =, files =, seconds =}: what this call read.
 function M.load_pieces(path, pieces, opts)
   opts = opts or {}
+  local t0 = moe.clock()
   local idx = M.read_index(path)
-  local files = {}
-  local function file(name)
-    local f = files[name]
-    if f == nil then
-      local ok, t = pcall(moe.load, path .. "/" .. name)
-      if not ok then fail("cannot read '%s/%s': %s", path, name, tostring(t)) end
-      files[name] = t
-      f = t
+  local readers, entries, order = {}, {}, {}
+  local function reader(name)
+    local r = readers[name]
+    if r == nil then
+      local ok, res = pcall(moe.open_safetensors, path .. "/" .. name)
+      if not ok then fail("cannot read '%s/%s': %s", path, name, tostring(res)) end
+      r = res
+      readers[name], entries[name], order[#order + 1] = r, r:entries(), name
     end
-    return f
+    return r, entries[name]
   end
-  moe.no_grad(function()
+  local function close_all()
+    local bytes, reads = 0, 0
+    for _, name in ipairs(order) do
+      local b, n = readers[name]:bytes_read()
+      bytes, reads = bytes + b, reads + n
+      readers[name]:close()
+    end
+    return bytes, reads
+  end
+  local ok, err = pcall(moe.no_grad, function()
     for _, p in ipairs(pieces) do
       local e = idx.tensors[p.name]
       if e == nil then
@@ -534,10 +564,10 @@ function M.load_pieces(path, pieces, opts)
         end
         local got = 0
         for _, s in ipairs(e.shards) do
-          local src = file(s.file)[s.key]
-          if src == nil then fail("'%s/%s' has no tensor '%s'", path, s.file, s.key) end
+          local r, keys = reader(s.file)
+          if keys[s.key] == nil then fail("'%s/%s' has no tensor '%s'", path, s.file, s.key) end
           moe.scope(function()
-            got = got + copy_overlap(p.tensor, p.place, src, place_of(s), p.shape)
+            got = got + copy_overlap(p.tensor, p.place, r, s.key, place_of(s), p.shape)
           end)
         end
         if got ~= want then
@@ -546,10 +576,10 @@ function M.load_pieces(path, pieces, opts)
       end
     end
   end)
-  for _, f in pairs(files) do
-    for _, t in pairs(f) do t:free() end
-  end
-  return idx
+  local bytes, reads = close_all()
+  if not ok then error(err, 0) end
+  M.last_load = { bytes = bytes, reads = reads, files = #order, seconds = moe.clock() - t0 }
+  return idx, M.last_load
 end
 
 --- read_state(path, rank, world) -> state.json's table, with rng and data of
