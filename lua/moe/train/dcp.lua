@@ -10,6 +10,8 @@ docs/DISTRIBUTED.md "Checkpoints".
   out_dir/ckpt-<step>/index.json              every tensor: shape, dtype, shards (rank 0)
   out_dir/ckpt-<step>/state.json              step, config, optimizer scalars, per-rank
                                               RNG and data states (rank 0; checkpoint.lua's format)
+  out_dir/ckpt-<step>/<name>                  extra files (the tokenizer's; state.files lists them)
+  out_dir/ckpt-<step>/digests.txt             XXH64 and size of every file above
 
 A piece is what one rank holds of one global tensor:
   {name = "model.<param>" | "optim.<param>.<state key>", shape = global shape,
@@ -23,17 +25,20 @@ offsets/sizes: an N-d box (0-based offsets). Ranges are half-open, 0-based.
   local dcp = require "moe.train.dcp"
   local pieces = dcp.pieces(par, model, opt)
   local saver = dcp.Saver{out_dir =, rank =, world =, barrier = fn, keep_last =, async =}
-  saver:save(step, pieces, rank_state, state)   -- rank_state: this rank's {rng=, data=}
+  saver:save(step, pieces, rank_state, state)   -- rank_state: this rank's {rng=, data=};
+                                                -- state.files: {name = text}, written by rank 0
   saver:finish()                                -- waits, barrier, rank 0 commits
   saver:close()                                 -- frees the buffer kept for the next save
-  dcp.load(path, pieces) -> state               -- fills every piece; any layout
+  dcp.load_pieces(path, pieces) -> index, stats -- fills every piece; any layout; reads
+                                                -- only the bytes it needs (stats.bytes)
+  dcp.read_state(path, rank, world) -> state     -- checks state/index/extra files' digests
   dcp.read_index(path) -> index (a legacy checkpoint gets a synthesized one)
   dcp.consolidate(path, prefix) -> name -> full tensor (export)
 
 Atomicity: ranks write into out_dir/.tmp-ckpt-<step>-dcp (each file through
 the safetensors writer's own temporary name, fsync and rename); at finish every
 rank waits for its writes, a barrier makes sure all have, and rank 0 writes
-index.json and state.json (fsynced), fsyncs the folder and renames it to
+the extra files, index.json, state.json and digests.txt (fsynced), fsyncs the folder and renames it to
 ckpt-<step>. checkpoint.list counts only folders with state.json, which the
 rename makes appear with everything else: a crash at any moment leaves the
 previous checkpoints as they were (the .tmp folder is removed at the next start).
@@ -49,7 +54,7 @@ local metrics = require "moe.metrics"
 local M = {}
 
 M.FORMAT = "moe-lua-dcp"
-M.VERSION = 1
+M.VERSION = 2 -- 2: extra files (state.files), checked by read_state
 
 local json = metrics.json
 
@@ -193,6 +198,12 @@ end
 
 -- ------------------------------------------------------------- saving
 
+--- reserved(name): a file name of the checkpoint's own (not for extra files).
+function M.reserved(name)
+  return name == "index.json" or name == "state.json" or name == checkpoint.DIGESTS
+    or name:match("^shard%-%d+%.json$") ~= nil or name:match("^shard%-%d+%.safetensors$") ~= nil
+end
+
 local Saver = {}
 Saver.__index = Saver
 
@@ -317,6 +328,16 @@ function M.commit(dir, final, step, world, state)
       e.shards[#e.shards + 1] = s.shard
     end
   end
+  -- the extra files (state.files: the tokenizer's), before the index and state.json
+  local extra = {}
+  for name in pairs(state and state.files or {}) do extra[#extra + 1] = name end
+  table.sort(extra, function(a, b) return tostring(a) < tostring(b) end)
+  for _, name in ipairs(extra) do
+    if type(name) ~= "string" or not name:match("^[%w_][%w_.%-]*$") or M.reserved(name) then
+      fail("checkpoint %d: bad extra file name '%s'", step, tostring(name))
+    end
+    write_synced(dir .. "/" .. name, state.files[name])
+  end
   local index = { format = M.FORMAT, version = M.VERSION, step = step, world_size = world,
     files = arr(files), tensors = tensors }
   write_synced(dir .. "/index.json", json.encode(index) .. "\n")
@@ -324,11 +345,13 @@ function M.commit(dir, final, step, world, state)
   for k, v in pairs(state or {}) do st[k] = v end
   st.format, st.version, st.step = checkpoint.FORMAT, checkpoint.VERSION, step
   st.sharded, st.world_size, st.ranks = M.FORMAT, world, arr(ranks)
+  st.files = arr(extra)
   write_synced(dir .. "/state.json", json.encode(st) .. "\n")
   -- every file's digest (checkpoint.verify checks them at resume=latest and load)
   local listed = { "index.json", "state.json" }
   for r = 0, world - 1 do listed[#listed + 1] = ("shard-%d.json"):format(r) end
   for _, f in ipairs(files) do listed[#listed + 1] = f end
+  for _, f in ipairs(extra) do listed[#listed + 1] = f end
   checkpoint.write_digests(dir, listed)
   if moe.fsync then moe.fsync(dir) end
   if exists(final .. "/state.json") or exists(final) then
@@ -587,8 +610,23 @@ end
 --- size: rank r's; another: rank 0's, the state every rank draws the same
 --- global batch from).
 function M.read_state(path, rank, world)
+  -- state.json, index.json and the extra files (the tokenizer's) against
+  -- digests.txt: small files, read whole (the shards are checked by
+  -- resume=latest's checkpoint.verify; their headers when they are read)
+  local digests, why = checkpoint.read_digests(path)
+  if not digests then fail("%s", why) end
+  local function check(name)
+    if digests == "none" then return end
+    local ok, err = checkpoint.check_file(path, name, digests)
+    if not ok then fail("%s", err) end
+  end
+  check("state.json")
+  if M.is_sharded(path) then check("index.json") end
   local ok, st = pcall(json.decode, read_file(path .. "/state.json"))
   if not ok or type(st) ~= "table" then fail("corrupt '%s/state.json': %s", path, tostring(st)) end
+  if type(st.files) == "table" then
+    for _, name in ipairs(st.files) do check(name) end
+  end
   if st.ranks then
     local mine = (st.world_size == world and st.ranks[rank + 1]) or st.ranks[1] or {}
     st.rng, st.data = mine.rng, mine.data

@@ -304,7 +304,7 @@ function M.run(user_cfg, parts)
     end
     if par.distributed then -- every rank writes its shards (moe/train/dcp.lua)
       local path = par:save_checkpoint(state.step, model, opt, rank_state, { consumed_tokens = state.consumed_tokens,
-        skipped_steps = state.skipped_steps, tokenizer = tok_rec,
+        skipped_steps = state.skipped_steps, tokenizer = tok_rec, files = tok_rec and tok_files or nil,
         config = tconfig.plain(cfg), optim_scalars = tconfig.plain(opt:state_scalars()) })
       if path then
         result.checkpoint, state.checkpoint = path, path
