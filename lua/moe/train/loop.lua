@@ -441,6 +441,9 @@ function M.run(user_cfg, parts)
     state.lr = lr
     local gn = train_step()
     local step = state.step
+    if step == first_step + 1 and par.writer and os.getenv("MOE_LAUNCH_TIMELINE") then -- launch's restart timeline
+      require("moe.cli.launch").timeline_event("first_step", { step = step, resumed = resume_path })
+    end
     result.losses[step] = state.lm_loss
     result.step = step
     if state.skipped then
