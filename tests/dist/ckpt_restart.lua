@@ -17,7 +17,8 @@ bench/ckpt_round.sh does for the 125M dMoE): d_model=, layers=, heads=,
 experts=, top_k=, ffn= (the experts' hidden size), seq_len=, batch_size=,
 dtype=, activation=, with data=PREFIX (a Megatron dataset with a byte
 vocabulary; default the tests' word corpus), steps=, save_every=,
-kill_step=, ep=, dp_shard=.
+kill_step=, keep_last= (0: no save at the end of a run, none removed),
+async= (false: synchronous saves), ep=, dp_shard=.
 
 At the end rank 0 writes D/losses-<run>.txt: "step loss" (%.17g) of every
 step this run trained.
@@ -26,7 +27,7 @@ local moe = require "moe"
 local train = require "moe.train"
 local opts = moe.config { dir = "", kill = false, steps = 12, resume = "", device = "cpu", save_every = 2,
   kill_step = 7, d_model = 0, layers = 2, heads = 2, experts = 4, top_k = 2, ffn = 32, seq_len = 16, batch_size = 4,
-  dtype = "f32", activation = "gelu", data = "", ep = 1, dp_shard = 0 }
+  dtype = "f32", activation = "gelu", data = "", ep = 1, dp_shard = 0, keep_last = 2, async = true }
 assert(opts.dir ~= "", "give dir=FOLDER")
 local dist = moe.dist
 dist.init { timeout = 120 }
@@ -34,14 +35,14 @@ local rank = dist.rank()
 local attempt = tonumber(os.getenv("MOE_LAUNCH_RESTART") or "0")
 local K = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua")
 local root, prefix = K.corpus(rank)
-local over = { save_every = opts.save_every, keep_last = 2, save_async = true, resume = opts.resume, eval_every = 0,
+local over = { save_every = opts.save_every, keep_last = opts.keep_last, save_async = opts.async, resume = opts.resume,
+  eval_every = 0,
   parallel = { ep = opts.ep, dp_shard = opts.dp_shard } }
 if opts.d_model > 0 then -- a model of the sizes given
   over.model = { d_model = opts.d_model, n_layers = opts.layers, n_heads = opts.heads, d_ff = 4 * opts.d_model,
     pos = "rope", moe = { num_experts = opts.experts, top_k = opts.top_k, ffn_hidden_size = opts.ffn,
       activation = opts.activation, kind = "dmoe", loss_weight = 0.01 } }
   over.seq_len, over.batch_size, over.dtype, over.deterministic = opts.seq_len, opts.batch_size, opts.dtype, false
-  over.valid_fraction = 0
 end
 if opts.data ~= "" then over.data = opts.data end
 local cfg = K.base_cfg({ steps = opts.steps, device = opts.device, loss_weight = 0.01 }, root, prefix, "run", "moe", over)

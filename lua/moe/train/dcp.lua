@@ -211,7 +211,7 @@ Saver.__index = Saver
 function M.Saver(o)
   return setmetatable({ out_dir = o.out_dir, rank = o.rank or 0, world = o.world or 1,
     barrier = o.barrier or function() end, keep_last = o.keep_last or 0,
-    async = o.async and moe.save_async ~= nil, pending = nil, stall = 0, saves = 0 }, Saver)
+    async = o.async and moe.save_async ~= nil, pending = nil, stall = 0, saves = 0, timings = {} }, Saver)
 end
 
 local function tmp_dir(out_dir, step) return ("%s/.tmp-ckpt-%d-dcp"):format(out_dir, step) end
@@ -221,7 +221,9 @@ local function tmp_dir(out_dir, step) return ("%s/.tmp-ckpt-%d-dcp"):format(out_
 --- its shard list. state: rank 0's JSON table for state.json (step, config,
 --- optimizer scalars, ...); rank_state: this rank's own (RNG, data position).
 --- Returns the seconds the caller waited (the training stall); saver.stall
---- sums them over saves, saver.wait the part spent finishing the previous save.
+--- sums them over saves, saver.wait the part spent finishing the previous save;
+--- saver.timings[i] = {step =, stall =, finish =}: save i's stall, and the
+--- seconds its finish took (waiting for the write, the barrier, the commit).
 function Saver:save(step, pieces, rank_state, state)
   local t0 = moe.clock()
   self:finish()
@@ -260,9 +262,12 @@ function Saver:save(step, pieces, rank_state, state)
   end
   -- the shard list goes in last: written and synced before the commit's barrier
   for _, t in ipairs(made) do t:free() end -- the writer holds its own copy
-  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state }
+  local timing = { step = step }
+  self.timings[#self.timings + 1] = timing
+  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state, timing = timing }
   if not self.async then self:finish() end
   local t1 = moe.clock()
+  timing.stall = t1 - t0
   self.saves = self.saves + 1
   self.stall = self.stall + (t1 - t0)
   return t1 - t0
@@ -275,6 +280,7 @@ function Saver:finish()
   local p = self.pending
   if p == nil then return nil end
   self.pending = nil
+  local t0 = moe.clock()
   local ok, err = true, nil
   if p.handle then
     ok, err = pcall(p.handle.wait, p.handle)
@@ -300,6 +306,7 @@ function Saver:finish()
   self.barrier() -- no rank reads or prunes before the rename
   if self.rank == 0 and self.keep_last > 0 then checkpoint.prune(self.out_dir, self.keep_last) end
   self.last = final
+  if p.timing then p.timing.finish = moe.clock() - t0 end
   return final
 end
 
