@@ -13,8 +13,8 @@
 #   gpu1     bench/ckpt_stall.lua layout=single on one GPU: modes none, sync, load
 #   gpu2     moe-lua launch -n 2 bench/ckpt_stall.lua layout=zero_ep: none, sync, load, async
 #   restart  moe-lua launch -n 2 --max-restarts 1 --timeline T tests/dist/ckpt_restart.lua
-#            (synchronous saves every 3 steps, rank 1 killed in step 5, 5 steps; CKPT_REF=1 also
-#            runs it uninterrupted and compares the losses after the restart)
+#            (dp 2, dp_shard 2, ep 2; synchronous saves every 3 steps, rank 1 killed in step 5,
+#            5 steps; CKPT_REF=1 also runs it uninterrupted and compares the losses after the restart)
 #   report   bench/ckpt_report.lua: $OUT/ckpt_125m.json + .md (device, date, versions), copied
 #            to bench/results/dist/ of this tree, and a short table printed last
 #
@@ -24,7 +24,8 @@
 # /tmp/moe-ckpt-round) and host memory for one (an asynchronous save's buffers).
 # Logs and JSON go to $OUT (default out/); the last lines are the summary and the short table.
 # CKPT_CPU=1 runs every step on the CPU at a tiny size with build-cpu/ (the script's own test);
-# CKPT_MODEL overrides the model's arguments, CKPT_STEPS / CKPT_SAVE_EVERY the runs'.
+# CKPT_MODEL overrides the model's arguments, CKPT_STEPS / CKPT_SAVE_EVERY the runs'; CKPT_DATA is the
+# dataset (a byte-vocabulary prefix; default data/bible_kjv when carried, else bench/ckpt_corpus.lua's).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
@@ -46,6 +47,15 @@ fi
 scratch=${CKPT_SCRATCH:-/tmp/moe-ckpt-round}
 steps=${CKPT_STEPS:-6}; every=${CKPT_SAVE_EVERY:-4}; tmo=${CKPT_TIMEOUT:-1500}
 $ml --version > "$out/version.txt" 2>&1
+# the data: CKPT_DATA (a byte-vocabulary dataset prefix), else data/bible_kjv when carried, else a
+# word corpus made here (the tests' 60-document corpus is too short for seq_len 1024)
+data=${CKPT_DATA:-}
+if [ -z "$data" ] && [ -f data/bible_kjv.bin ] && [ "$dev" = cuda ]; then data=data/bible_kjv; fi
+if [ -z "$data" ]; then
+  data=${CKPT_CORPUS:-/tmp/moe-ckpt-corpus}/words
+  [ -f "$data.bin" ] || $ml bench/ckpt_corpus.lua prefix="$data" > "$out/corpus.log" 2>&1
+fi
+model="$model data=$data"
 df -h "$(dirname "$scratch")" > "$out/disk.txt" 2>&1
 summary=(); failed=0
 note() { summary+=("$1"); }
@@ -74,7 +84,7 @@ for s in "${run_steps[@]}"; do
       grep -E "^(none|sync|load|async) " "$out/ckpt_gpu2.log" ;;
     restart)
       rm -rf "$scratch"; mkdir -p "$scratch"
-      ra=(device=$dev $model steps=5 save_every=3 kill_step=5 keep_last=0 async=false)
+      ra=(device=$dev $model steps=5 save_every=3 kill_step=5 keep_last=0 async=false ep=2 dp_shard=2)
       # shellcheck disable=SC2086
       timeout "$tmo" $ml launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
         tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/k" kill=true > "$out/restart.log" 2>&1
