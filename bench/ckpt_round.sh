@@ -29,7 +29,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
-cd "$root"
+cd "$root" || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 if [ "${CKPT_CPU:-0}" = 1 ]; then
   ml=${ML:-$root/build-cpu/moe-lua}; dev=cpu
@@ -46,14 +46,14 @@ fi
 [ "$dev" = cuda ] && export MASTER_PORT=${MASTER_PORT:-29541} # on the CPU launch picks a free port
 scratch=${CKPT_SCRATCH:-/tmp/moe-ckpt-round}
 steps=${CKPT_STEPS:-6}; every=${CKPT_SAVE_EVERY:-4}; tmo=${CKPT_TIMEOUT:-1500}
-$ml --version > "$out/version.txt" 2>&1
+"$ml" --version > "$out/version.txt" 2>&1
 # the data: CKPT_DATA (a byte-vocabulary dataset prefix), else data/bible_kjv when carried, else a
 # word corpus made here (the tests' 60-document corpus is too short for seq_len 1024)
 data=${CKPT_DATA:-}
 if [ -z "$data" ] && [ -f data/bible_kjv.bin ] && [ "$dev" = cuda ]; then data=data/bible_kjv; fi
 if [ -z "$data" ]; then
   data=${CKPT_CORPUS:-/tmp/moe-ckpt-corpus}/words
-  [ -f "$data.bin" ] || $ml bench/ckpt_corpus.lua prefix="$data" > "$out/corpus.log" 2>&1
+  [ -f "$data.bin" ] || "$ml" bench/ckpt_corpus.lua prefix="$data" > "$out/corpus.log" 2>&1
 fi
 model="$model data=$data"
 df -h "$(dirname "$scratch")" > "$out/disk.txt" 2>&1
@@ -68,7 +68,7 @@ for s in "${run_steps[@]}"; do
     gpu1)
       rm -rf "$scratch"
       # shellcheck disable=SC2086
-      timeout "$tmo" $ml bench/ckpt_stall.lua layout=single device=$dev $model steps=$steps save_every=$every \
+      timeout "$tmo" "$ml" bench/ckpt_stall.lua layout=single device=$dev $model steps=$steps save_every=$every \
         modes=none,sync,load scratch="$scratch/gpu1" json="$out/ckpt_gpu1.json" > "$out/ckpt_gpu1.log" 2>&1
       rc=$?; check $rc
       note "1 GPU, single-file: rc=$rc ($(($(date +%s) - t0)) s)"
@@ -76,7 +76,7 @@ for s in "${run_steps[@]}"; do
     gpu2)
       rm -rf "$scratch"
       # shellcheck disable=SC2086
-      timeout "$tmo" $ml launch -n 2 bench/ckpt_stall.lua layout=zero_ep device=$dev $model steps=$steps \
+      timeout "$tmo" "$ml" launch -n 2 bench/ckpt_stall.lua layout=zero_ep device=$dev $model steps=$steps \
         save_every=$every modes=none,sync,load,async scratch="$scratch/gpu2" json="$out/ckpt_gpu2.json" \
         > "$out/ckpt_gpu2.log" 2>&1
       rc=$?; check $rc
@@ -84,9 +84,10 @@ for s in "${run_steps[@]}"; do
       grep -E "^(none|sync|load|async) " "$out/ckpt_gpu2.log" ;;
     restart)
       rm -rf "$scratch"; mkdir -p "$scratch"
+      # shellcheck disable=SC2206 # $model: key=value words
       ra=(device=$dev $model steps=5 save_every=3 kill_step=5 keep_last=0 async=false ep=2 dp_shard=2)
       # shellcheck disable=SC2086
-      timeout "$tmo" $ml launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
+      timeout "$tmo" "$ml" launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
         tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/k" kill=true > "$out/restart.log" 2>&1
       rc_restart=$?; check $rc_restart
       cp "$scratch/k/losses-1.txt" "$out/restart_losses_restarted.txt" 2>/dev/null
@@ -94,7 +95,7 @@ for s in "${run_steps[@]}"; do
       grep -E "restart|died" "$out/restart.log" | head -4
       if [ "${CKPT_REF:-0}" = 1 ]; then
         rm -rf "$scratch/k"
-        timeout "$tmo" $ml launch -n 2 tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/u" kill=false \
+        timeout "$tmo" "$ml" launch -n 2 tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/u" kill=false \
           > "$out/restart_ref.log" 2>&1
         note "uninterrupted reference: rc=$?"
         cp "$scratch/u/losses-0.txt" "$out/restart_losses_uninterrupted.txt" 2>/dev/null
@@ -110,7 +111,7 @@ for s in "${run_steps[@]}"; do
       rn=""
       [ -f "$out/restart_losses_restarted.txt" ] &&
         rn="the restarted run trained steps $(awk '{printf "%s ", $1}' "$out/restart_losses_restarted.txt")"
-      $ml bench/ckpt_report.lua device=$dev single="$out/ckpt_gpu1.json" sharded="$out/ckpt_gpu2.json" \
+      "$ml" bench/ckpt_report.lua device=$dev single="$out/ckpt_gpu1.json" sharded="$out/ckpt_gpu2.json" \
         timeline="$out/restart_timeline.jsonl" restart_rc=$rc_restart restart_note="$rn" \
         json="$out/ckpt_125m.json" > "$out/report.log" 2>&1
       rc=$?; check $rc
