@@ -9,13 +9,15 @@
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
 #   bash bench/ckpt_round.sh [gpu1] [gpu2] [restart] [report]      (all four by default)
+#   (or one step a call on the same warm machine: the results meet in CKPT_KEEP, below)
 #
 #   gpu1     bench/ckpt_stall.lua layout=single on one GPU: modes none, sync, load
 #   gpu2     moe-lua launch -n 2 bench/ckpt_stall.lua layout=zero_ep: none, sync, load, async
 #   restart  moe-lua launch -n 2 --max-restarts 1 --timeline T tests/dist/ckpt_restart.lua
 #            (dp 2, dp_shard 2, ep 2; synchronous saves every 3 steps, rank 1 killed in step 5,
 #            5 steps; CKPT_REF=1 also runs it uninterrupted and compares the losses after the restart)
-#   report   bench/ckpt_report.lua: $OUT/ckpt_125m.json + .md (device, date, versions), copied
+#   report   bench/ckpt_report.lua: $OUT/ckpt_125m.json + .md (device, date, versions: what to
+#            commit as bench/results/dist/ckpt_125m.json + .md), copied
 #            to bench/results/dist/ of this tree, and a short table printed last
 #
 # The 125M dMoE has 3.65 B parameters (64 experts): a checkpoint (bf16 weights, fp32 master
@@ -29,6 +31,11 @@
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/out}; mkdir -p "$out"
+# the results of every step are kept in CKPT_KEEP too (default /tmp/moe-ckpt-round-results on the
+# device machine) and copied to $OUT at the end: steps run in separate calls (each under a
+# per-call time limit) while the machine stays warm still meet in the report
+keep=${CKPT_KEEP:-/tmp/moe-ckpt-round-results}; mkdir -p "$keep"
+final_out=$out; out=$keep
 cd "$root" || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 if [ "${CKPT_CPU:-0}" = 1 ]; then
@@ -60,7 +67,7 @@ df -h "$(dirname "$scratch")" > "$out/disk.txt" 2>&1
 summary=(); failed=0
 note() { summary+=("$1"); }
 check() { [ "$1" -eq 0 ] || failed=1; }
-rc_restart=-1
+rc_restart=$(cat "$out/restart_rc" 2>/dev/null || echo -1)
 run_steps=("$@"); [ ${#run_steps[@]} -eq 0 ] && run_steps=(gpu1 gpu2 restart report)
 for s in "${run_steps[@]}"; do
   t0=$(date +%s)
@@ -89,7 +96,7 @@ for s in "${run_steps[@]}"; do
       # shellcheck disable=SC2086
       timeout "$tmo" "$ml" launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
         tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/k" kill=true > "$out/restart.log" 2>&1
-      rc_restart=$?; check $rc_restart
+      rc_restart=$?; check $rc_restart; echo $rc_restart > "$out/restart_rc"
       cp "$scratch/k/losses-1.txt" "$out/restart_losses_restarted.txt" 2>/dev/null
       note "restart (kill -9 of rank 1 in step 5, --max-restarts 1): rc=$rc_restart ($(($(date +%s) - t0)) s)"
       grep -E "restart|died" "$out/restart.log" | head -4
@@ -112,7 +119,7 @@ for s in "${run_steps[@]}"; do
       [ -f "$out/restart_losses_restarted.txt" ] &&
         rn="the restarted run trained steps $(awk '{printf "%s ", $1}' "$out/restart_losses_restarted.txt")"
       "$ml" bench/ckpt_report.lua device=$dev single="$out/ckpt_gpu1.json" sharded="$out/ckpt_gpu2.json" \
-        timeline="$out/restart_timeline.jsonl" restart_rc=$rc_restart restart_note="$rn" \
+        timeline="$out/restart_timeline.jsonl" restart_rc="$rc_restart" restart_note="$rn" \
         json="$out/ckpt_125m.json" > "$out/report.log" 2>&1
       rc=$?; check $rc
       note "report: rc=$rc"
@@ -121,6 +128,7 @@ for s in "${run_steps[@]}"; do
     *) echo "unknown step $s"; exit 2 ;;
   esac
 done
+[ "$final_out" != "$out" ] && cp -r "$out/." "$final_out/"
 echo "== summary =="
 printf '%s\n' "${summary[@]}"
 [ -f "$out/report.log" ] && sed -n '/^== checkpoints/,$p' "$out/report.log"
