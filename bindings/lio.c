@@ -12,6 +12,18 @@
  *   local w = moe.save_async("shard.safetensors", host_tensors, meta [, w_prev])  -- copies, then returns
  *   w:done() -> bool; w:wait() (raises the write's error); w:free() (also __gc, <close>)
  *
+ *   local r <close> = moe.open_safetensors("shard.safetensors")  -- the header only
+ *   r:entries() -> {name = {dtype =, shape =, offsets = {begin, end}}}   (file bytes)
+ *   r:metadata() -> {key = value}
+ *   r:read(name [, {offsets =, sizes =, shape =, base =}]) -> a new CPU tensor
+ *   r:bytes_read() -> bytes, reads;  r:close() (also __gc, <close>)
+ *
+ * open_safetensors checks the header as load does and keeps the file open;
+ * read reads one box of a tensor (0-based offsets, sizes; default the whole
+ * tensor), only its bytes (core/moe_io.h, moe_safetensors_read_box); with
+ * shape (and base) the box is in the elements [base, base + numel(shape)) of
+ * the stored tensor seen as that shape (a flat range: shape = {n}).
+ *
  * save_async copies the tensors' bytes (contiguous CPU tensors) into one
  * buffer and writes it on a thread (core/moe_io.h): the tensors may change
  * once it returns.
@@ -26,6 +38,8 @@
  *   moe.fsync(path)       -> fsync(2) of a file or a folder
  *   moe.digest(s)         -> "xxh64:<16 hex digits>" of the bytes of string s
  *   moe.file_kind(path)   -> "file", "folder", "named pipe", ... or nil (stat, no open)
+ *   moe.wall_clock()      -> seconds since the epoch (CLOCK_REALTIME), for timestamps
+ *                            other processes compare (launch timelines)
  *
  * are what checkpoints (moe/checkpoint.lua) use to record and verify their
  * files and to make a save durable (core/moe_digest.h). file_digest refuses
@@ -34,6 +48,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "lmoe_internal.h"
@@ -255,6 +270,17 @@ static int lm_file_kind(lua_State *L) {
   return 1;
 }
 
+/* moe.wall_clock() -> seconds since the epoch (CLOCK_REALTIME, ns resolution):
+ * timestamps that other processes compare (moe.clock is monotonic and this
+ * process's own) */
+static int lm_wall_clock(lua_State *L) {
+  lm_checkend(L, 0, "wall_clock");
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
+  return 1;
+}
+
 /* moe.fsync(path) */
 static int lm_fsync(lua_State *L) {
   lm_state *S = lm_S(L);
@@ -357,6 +383,171 @@ static int lm_save_async(lua_State *L) {
   return 1;
 }
 
+/* ------------------------------------------------- moe.open_safetensors */
+
+#define LM_ST_READER "moe.SafetensorsReader"
+
+typedef struct lm_st_reader {
+  moe_safetensors_reader *r; /* NULL once closed */
+  lm_state *S;               /* one reference while r is not NULL */
+} lm_st_reader;
+
+/* Closes the file and frees the header; idempotent (close, __gc, __close). */
+static int lm_reader_close(lua_State *L) {
+  lm_st_reader *u = (lm_st_reader *)luaL_checkudata(L, 1, LM_ST_READER);
+  if (u->r) {
+    moe_safetensors_reader_free(u->r);
+    u->r = NULL;
+    lm_state_unref(u->S);
+    u->S = NULL;
+  }
+  return 0;
+}
+
+static lm_st_reader *lm_check_reader(lua_State *L, const char *fname) {
+  lm_st_reader *u = (lm_st_reader *)luaL_testudata(L, 1, LM_ST_READER);
+  if (u == NULL) lm_argerror(L, 1, fname, "safetensors reader expected, got %s", lm_typename(L, 1));
+  if (u->r == NULL) luaL_error(L, "%s: attempt to use a closed safetensors reader", fname);
+  return u;
+}
+
+/* r:entries() -> {name = {dtype =, shape =, offsets = {begin, end} (file bytes)}} */
+static int lm_reader_entries(lua_State *L) {
+  lm_st_reader *u = lm_check_reader(L, "entries");
+  lm_checkend(L, 1, "entries");
+  int64_t n = moe_safetensors_reader_count(u->r);
+  lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
+  for (int64_t i = 0; i < n; i++) {
+    moe_dtype dt;
+    int ndim = 0;
+    int64_t shape[MOE_MAX_DIMS];
+    uint64_t b = 0, e = 0;
+    moe_safetensors_reader_entry(u->r, i, &dt, &ndim, shape, &b, &e);
+    lua_createtable(L, 0, 3);
+    lua_pushstring(L, moe_dtype_name(dt));
+    lua_setfield(L, -2, "dtype");
+    lm_push_ints(L, ndim, shape);
+    lua_setfield(L, -2, "shape");
+    int64_t off[2] = {(int64_t)b, (int64_t)e};
+    lm_push_ints(L, 2, off);
+    lua_setfield(L, -2, "offsets");
+    lua_setfield(L, -2, moe_safetensors_reader_name(u->r, i));
+  }
+  return 1;
+}
+
+/* r:metadata() -> {key = value} */
+static int lm_reader_metadata(lua_State *L) {
+  lm_st_reader *u = lm_check_reader(L, "metadata");
+  lm_checkend(L, 1, "metadata");
+  int64_t n = moe_safetensors_reader_metadata_count(u->r);
+  lua_createtable(L, 0, n > INT32_MAX ? 0 : (int)n);
+  for (int64_t i = 0; i < n; i++) {
+    lua_pushstring(L, moe_safetensors_reader_metadata_value(u->r, i));
+    lua_setfield(L, -2, moe_safetensors_reader_metadata_key(u->r, i));
+  }
+  return 1;
+}
+
+/* r:bytes_read() -> bytes, reads */
+static int lm_reader_bytes(lua_State *L) {
+  lm_st_reader *u = lm_check_reader(L, "bytes_read");
+  lm_checkend(L, 1, "bytes_read");
+  uint64_t reads = 0, bytes = moe_safetensors_reader_bytes(u->r, &reads);
+  lua_pushinteger(L, (lua_Integer)bytes);
+  lua_pushinteger(L, (lua_Integer)reads);
+  return 2;
+}
+
+/* Reads a list of integers (at most MOE_MAX_DIMS) at field key of the
+ * table at arg; returns its length, -1 when the field is nil. */
+static int lm_box_field(lua_State *L, int arg, const char *key, int64_t *v) {
+  int n = -1;
+  if (lua_getfield(L, arg, key) != LUA_TNIL) {
+    if (!lua_istable(L, -1))
+      lm_argerror(L, arg, "read", "box.%s must be a list of integers, got %s", key, lm_typename(L, -1));
+    lua_Integer len = luaL_len(L, -1);
+    if (len > MOE_MAX_DIMS)
+      lm_argerror(L, arg, "read", "box.%s has %lld items (at most %d dims)", key, (long long)len, MOE_MAX_DIMS);
+    n = (int)len;
+    for (int i = 0; i < n; i++) {
+      lua_rawgeti(L, -1, i + 1);
+      int ok = 0;
+      lua_Integer x = lua_tointegerx(L, -1, &ok);
+      if (!ok) lm_argerror(L, arg, "read", "box.%s[%d] must be an integer, got %s", key, i + 1, lm_describe(L, -1));
+      v[i] = (int64_t)x;
+      lua_pop(L, 1);
+    }
+  }
+  lua_pop(L, 1);
+  return n;
+}
+
+/* r:read(name [, {offsets =, sizes =, shape =, base =}]) -> a new CPU tensor */
+static int lm_reader_read(lua_State *L) {
+  lm_st_reader *u = lm_check_reader(L, "read");
+  lm_state *S = u->S;
+  if (lua_type(L, 2) != LUA_TSTRING) lm_argerror(L, 2, "read", "tensor name expected, got %s", lm_typename(L, 2));
+  const char *name = lua_tostring(L, 2);
+  int64_t i = moe_safetensors_reader_find(u->r, name);
+  if (i < 0) lm_argerror(L, 2, "read", "the file has no tensor '%s'", name);
+  int64_t offsets[MOE_MAX_DIMS], sizes[MOE_MAX_DIMS], shape[MOE_MAX_DIMS], base = 0;
+  int no = -1, ns = -1, nsh = -1;
+  if (!lua_isnoneornil(L, 3)) {
+    if (!lua_istable(L, 3))
+      lm_argerror(L, 3, "read", "box table expected ({offsets =, sizes =, shape =, base =}), got %s",
+                  lm_typename(L, 3));
+    static const char *const known[] = {"offsets", "sizes", "shape", "base", NULL};
+    lm_checkkeys(L, 3, "read", known);
+    no = lm_box_field(L, 3, "offsets", offsets);
+    ns = lm_box_field(L, 3, "sizes", sizes);
+    nsh = lm_box_field(L, 3, "shape", shape);
+    if (lua_getfield(L, 3, "base") != LUA_TNIL) {
+      int ok = 0;
+      base = (int64_t)lua_tointegerx(L, -1, &ok);
+      if (!ok) lm_argerror(L, 3, "read", "box.base must be an integer, got %s", lm_describe(L, -1));
+    }
+    lua_pop(L, 1);
+  }
+  lm_checkend(L, 3, "read");
+  int ndim = 0;
+  moe_safetensors_reader_entry(u->r, i, NULL, &ndim, NULL, NULL, NULL);
+  if (nsh >= 0) ndim = nsh;
+  if ((no >= 0) != (ns >= 0)) lm_argerror(L, 3, "read", "give box.offsets and box.sizes together");
+  if (no >= 0 && (no != ndim || ns != ndim))
+    lm_argerror(L, 3, "read", "box.offsets and box.sizes need %d items (the %s's dims), got %d and %d", ndim,
+                nsh >= 0 ? "view" : "tensor", no, ns);
+  lm_tensor *res = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_read_box(S->ctx, u->r, i, base, ndim, nsh >= 0 ? shape : NULL,
+                                          no >= 0 ? offsets : NULL, ns >= 0 ? sizes : NULL, &out));
+  return lm_result(L, S, res, st, out, "read", 0);
+}
+
+/* moe.open_safetensors(path) -> reader */
+static int lm_open_safetensors(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const char *path = lm_io_path(L, 1, "open_safetensors");
+  lm_checkend(L, 1, "open_safetensors");
+  lm_st_reader *u = (lm_st_reader *)lua_newuserdatauv(L, sizeof *u, 0);
+  u->r = NULL;
+  u->S = NULL;
+  luaL_setmetatable(L, LM_ST_READER);
+  moe_safetensors_reader *r = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_safetensors_open(S->ctx, path, &r));
+  if (st != MOE_OK) return lm_corefail(L, S, "open_safetensors", 0);
+  u->r = r;
+  u->S = S;
+  S->refs++;
+  return 1;
+}
+
+static const luaL_Reg lm_reader_methods[] = {{"entries", lm_reader_entries}, {"metadata", lm_reader_metadata},
+                                             {"read", lm_reader_read},       {"bytes_read", lm_reader_bytes},
+                                             {"close", lm_reader_close},     {NULL, NULL}};
+
 static const luaL_Reg lm_writer_methods[] = {{"wait", lm_writer_wait}, {"done", lm_writer_done},
                                              {"free", lm_writer_free}, {NULL, NULL}};
 
@@ -367,6 +558,8 @@ static const luaL_Reg lm_io_functions[] = {{"save", lm_save},
                                            {"fsync", lm_fsync},
                                            {"digest", lm_digest},
                                            {"file_kind", lm_file_kind},
+                                           {"open_safetensors", lm_open_safetensors},
+                                           {"wall_clock", lm_wall_clock},
                                            {NULL, NULL}};
 
 void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
@@ -381,6 +574,15 @@ void lm_open_io(lua_State *L, int mod, int methods, int sentinel) {
     lua_pushcfunction(L, lm_writer_free);
     lua_setfield(L, -2, "__close");
     luaL_newlib(L, lm_writer_methods);
+    lua_setfield(L, -2, "__index");
+  }
+  lua_pop(L, 1);
+  if (luaL_newmetatable(L, LM_ST_READER)) {
+    lua_pushcfunction(L, lm_reader_close);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, lm_reader_close);
+    lua_setfield(L, -2, "__close");
+    luaL_newlib(L, lm_reader_methods);
     lua_setfield(L, -2, "__index");
   }
   lua_pop(L, 1);

@@ -117,6 +117,42 @@ const char *moe_safetensors_metadata_value(const moe_safetensors *f, int64_t i);
 /* The value of metadata key, borrowed; NULL when absent. */
 const char *moe_safetensors_metadata_get(const moe_safetensors *f, const char *key);
 
+/* Reading parts of a file. moe_safetensors_open reads the 8-byte length and
+ * the header only, and checks them exactly as moe_safetensors_load does
+ * (messages start with "open_safetensors: '<path>': ", and read_box's with "read: "); the file stays open until
+ * moe_safetensors_reader_free. moe_safetensors_read_box then reads one box
+ * of one tensor into a new contiguous CPU tensor of shape sizes: only the
+ * box's bytes, one pread per run of it that is contiguous in the file (the
+ * last dims the box covers whole, and its range in the dim before them).
+ *   shape NULL: the box is in the stored tensor (ndim its ndim, base 0);
+ *   otherwise the elements [base, base + numel(shape)) of the stored tensor
+ *   (row-major) are seen as a tensor of ndim dims `shape` (a flat range:
+ *   ndim 1, shape {count}), and the box is in that view.
+ *   offsets / sizes: 0-based start and size per dim; NULL: the whole view.
+ * An empty box reads nothing. The reader counts what it read (header
+ * included): moe_safetensors_reader_bytes returns the bytes, *reads (when
+ * not NULL) the pread calls. Entries are in the header's order; a reader is
+ * not safe to share between threads. */
+typedef struct moe_safetensors_reader moe_safetensors_reader;
+moe_status moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors_reader **out);
+void moe_safetensors_reader_free(moe_safetensors_reader *r); /* NULL is a no-op; closes the file */
+int64_t moe_safetensors_reader_count(const moe_safetensors_reader *r);
+/* Entry i's name (borrowed) and index of name (-1 when absent). */
+const char *moe_safetensors_reader_name(const moe_safetensors_reader *r, int64_t i);
+int64_t moe_safetensors_reader_find(const moe_safetensors_reader *r, const char *name);
+/* Entry i: dtype, ndim, shape (room for MOE_MAX_DIMS) and its bytes
+ * [file_begin, file_end) in the file; any out pointer may be NULL. False
+ * when i is out of range. */
+bool moe_safetensors_reader_entry(const moe_safetensors_reader *r, int64_t i, moe_dtype *dtype, int *ndim,
+                                  int64_t *shape, uint64_t *file_begin, uint64_t *file_end);
+int64_t moe_safetensors_reader_metadata_count(const moe_safetensors_reader *r);
+const char *moe_safetensors_reader_metadata_key(const moe_safetensors_reader *r, int64_t i);
+const char *moe_safetensors_reader_metadata_value(const moe_safetensors_reader *r, int64_t i);
+uint64_t moe_safetensors_reader_bytes(const moe_safetensors_reader *r, uint64_t *reads);
+moe_status moe_safetensors_read_box(moe_ctx *ctx, moe_safetensors_reader *r, int64_t i, int64_t base, int ndim,
+                                    const int64_t *shape, const int64_t *offsets, const int64_t *sizes,
+                                    moe_tensor **out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -684,9 +684,10 @@ typedef struct st_info {
 typedef struct st_loader {
   moe_ctx *ctx;
   const char *path;
+  const char *op; /* "load", "open_safetensors", "read": the messages' first word */
 } st_loader;
 
-/* "load: '<path>': <message>" with status s. */
+/* "<op>: '<path>': <message>" with status s. */
 #if defined(__GNUC__)
 __attribute__((format(printf, 3, 4)))
 #endif
@@ -696,7 +697,7 @@ static moe_status st_lerr(const st_loader *ld, moe_status s, const char *fmt, ..
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  return moe_error(ld->ctx, s, "load: '%s': %s", ld->path, msg);
+  return moe_error(ld->ctx, s, "%s: '%s': %s", ld->op, ld->path, msg);
 }
 
 /* What a JSON value is, for messages: "-3", "a string", ... */
@@ -920,124 +921,378 @@ fail:
   return st;
 }
 
+/* The checked header of an open file: what moe_safetensors_load and
+ * moe_safetensors_open share. Owns header, root and infos (st_header_free). */
+typedef struct st_header {
+  char *header;
+  moe_json *root;
+  const moe_json *meta; /* in root, or NULL */
+  st_info *infos;       /* (n) names borrowed from root */
+  size_t n;
+  uint64_t data_start;  /* file byte of the data buffer */
+  uint64_t bytes;       /* bytes read: the length and the header */
+} st_header;
+
+static void st_header_free(st_header *h) {
+  free(h->infos);
+  moe_json_free(h->root);
+  free(h->header);
+  memset(h, 0, sizeof *h);
+}
+
+/* Opens ld->path read-only: a regular file; a named pipe does not block the open. */
+static moe_status st_open_regular(const st_loader *ld, int *out_fd, uint64_t *out_size) {
+  int fd = open(ld->path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) return st_lerr(ld, MOE_ERR_IO, "cannot open: %s", strerror(errno));
+  moe_status st = MOE_OK;
+  struct stat sb;
+  int fl;
+  if (fstat(fd, &sb) != 0) {
+    st = st_lerr(ld, MOE_ERR_IO, "cannot stat: %s", strerror(errno));
+  } else if (!S_ISREG(sb.st_mode)) {
+    st = st_lerr(ld, MOE_ERR_IO, "not a regular file (%s)",
+                 S_ISFIFO(sb.st_mode) ? "a named pipe" : S_ISDIR(sb.st_mode) ? "a folder" : "a device or socket");
+  } else if ((fl = fcntl(fd, F_GETFL)) < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    st = st_lerr(ld, MOE_ERR_IO, "fcntl: %s", strerror(errno));
+  }
+  if (st != MOE_OK) {
+    close(fd);
+    return st;
+  }
+  *out_fd = fd;
+  *out_size = (uint64_t)sb.st_size;
+  return MOE_OK;
+}
+
+/* Reads and checks the length, the header and every entry of the file open
+ * at fd (size bytes), and the coverage of its data buffer. */
+static moe_status st_read_header(const st_loader *ld, int fd, uint64_t size, st_header *h) {
+  memset(h, 0, sizeof *h);
+  moe_status st = MOE_OK;
+  if (size < 8)
+    return st_lerr(ld, MOE_ERR_IO,
+                   "the file is %llu bytes, shorter than the 8-byte header length: not a safetensors file",
+                   (unsigned long long)size);
+  unsigned char len8[8];
+  MOE_CHECK(st_pread_all(ld, fd, len8, 8, 0, "the header length"));
+  uint64_t hlen = 0;
+  for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
+  if (hlen > ST_MAX_HEADER)
+    return st_lerr(ld, MOE_ERR_IO,
+                   "header length %llu is absurd (more than %llu bytes): not a safetensors file, or a corrupted one",
+                   (unsigned long long)hlen, ST_MAX_HEADER);
+  if (8 + hlen > size)
+    return st_lerr(ld, MOE_ERR_IO,
+                   "header length %llu runs past the end of the file (%llu bytes): a truncated file or not a safetensors file",
+                   (unsigned long long)hlen, (unsigned long long)size);
+  h->header = malloc(hlen ? hlen : 1);
+  if (!h->header)
+    return st_lerr(ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory for a %llu-byte header", (unsigned long long)hlen);
+  MOE_CHECK_GOTO(st_pread_all(ld, fd, h->header, hlen, 8, "the header"), st, fail);
+  h->bytes = 8 + hlen;
+  char jerr[256];
+  size_t jat = 0;
+  if (!moe_json_parse_limited(h->header, hlen, ST_MAX_LIST, &h->root, &jat, jerr, sizeof jerr)) {
+    st = st_lerr(ld, MOE_ERR_IO, "invalid JSON in the header at byte %zu (file byte %llu): %s", jat,
+                 (unsigned long long)(8 + jat), jerr);
+    goto fail;
+  }
+  const moe_json *root = h->root;
+  if (root->type != MOE_JSON_OBJECT) {
+    st = st_lerr(ld, MOE_ERR_IO, "the header must be a JSON object, got %s", moe_json_type_name(root->type));
+    goto fail;
+  }
+  const moe_json *meta = moe_json_get(root, "__metadata__");
+  if (meta) {
+    if (meta->type != MOE_JSON_OBJECT) {
+      st = st_lerr(ld, MOE_ERR_IO, "__metadata__ must be an object of strings, got %s",
+                   moe_json_type_name(meta->type));
+      goto fail;
+    }
+    for (size_t i = 0; i < meta->n; i++) {
+      if (meta->items[i].type != MOE_JSON_STRING) {
+        st = st_lerr(ld, MOE_ERR_IO, "__metadata__ values must be strings, but \"%.64s\" is %s", meta->keys[i],
+                     moe_json_type_name(meta->items[i].type));
+        goto fail;
+      }
+    }
+  }
+  h->meta = meta;
+  h->n = root->n - (meta ? 1 : 0);
+  h->infos = calloc(h->n ? h->n : 1, sizeof *h->infos);
+  if (!h->infos) {
+    st = st_lerr(ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
+    goto fail;
+  }
+  for (size_t i = 0, k = 0; i < root->n; i++) {
+    if (&root->items[i] == meta) continue;
+    MOE_CHECK_GOTO(st_parse_entry(ld, root->keys[i], &root->items[i], &h->infos[k]), st, fail);
+    k++;
+  }
+  h->data_start = 8 + hlen;
+  MOE_CHECK_GOTO(st_check_coverage(ld, h->n, h->infos, size - h->data_start, h->data_start), st, fail);
+  return MOE_OK;
+fail:
+  st_header_free(h);
+  return st;
+}
+
 moe_status moe_safetensors_load(moe_ctx *ctx, const char *path, moe_device d,
                                 moe_safetensors **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!path || !path[0]) return moe_error(ctx, MOE_ERR_INVALID_ARG, "load: path is %s", path ? "empty" : "NULL");
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "load: out is NULL");
   MOE_CHECK(moe_device_check(ctx, d));
-  st_loader ld = {ctx, path};
+  st_loader ld = {ctx, path, "load"};
   if (!host_is_little_endian())
     return st_lerr(&ld, MOE_ERR_NOT_SUPPORTED, "safetensors files are little-endian and this host is not");
 
-  moe_status st = MOE_OK;
-  char *header = NULL;
-  moe_json *root = NULL;
-  st_info *infos = NULL;
-  moe_safetensors *f = NULL;
-  /* O_NONBLOCK: a named pipe with no writer must not block the open */
-  int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-  if (fd < 0) return st_lerr(&ld, MOE_ERR_IO, "cannot open: %s", strerror(errno));
-  struct stat sb;
-  if (fstat(fd, &sb) != 0) {
-    st = st_lerr(&ld, MOE_ERR_IO, "cannot stat: %s", strerror(errno));
-    goto done;
+  int fd = -1;
+  uint64_t size = 0;
+  MOE_CHECK(st_open_regular(&ld, &fd, &size));
+  st_header h;
+  moe_status st = st_read_header(&ld, fd, size, &h);
+  if (st != MOE_OK) {
+    close(fd);
+    return st;
   }
-  if (!S_ISREG(sb.st_mode)) {
-    st = st_lerr(&ld, MOE_ERR_IO, "not a regular file (%s)",
-                 S_ISFIFO(sb.st_mode) ? "a named pipe" : S_ISDIR(sb.st_mode) ? "a folder" : "a device or socket");
-    goto done;
-  }
-  int fl = fcntl(fd, F_GETFL);
-  if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
-    st = st_lerr(&ld, MOE_ERR_IO, "fcntl: %s", strerror(errno));
-    goto done;
-  }
-  uint64_t size = (uint64_t)sb.st_size;
-  if (size < 8) {
-    st = st_lerr(&ld, MOE_ERR_IO,
-                 "the file is %llu bytes, shorter than the 8-byte header length: not a safetensors file",
-                 (unsigned long long)size);
-    goto done;
-  }
-  unsigned char len8[8];
-  MOE_CHECK_GOTO(st_pread_all(&ld, fd, len8, 8, 0, "the header length"), st, done);
-  uint64_t hlen = 0;
-  for (int i = 7; i >= 0; i--) hlen = (hlen << 8) | len8[i];
-  if (hlen > ST_MAX_HEADER) {
-    st = st_lerr(&ld, MOE_ERR_IO,
-                 "header length %llu is absurd (more than %llu bytes): not a safetensors file, or a corrupted one",
-                 (unsigned long long)hlen, ST_MAX_HEADER);
-    goto done;
-  }
-  if (8 + hlen > size) {
-    st = st_lerr(&ld, MOE_ERR_IO,
-                 "header length %llu runs past the end of the file (%llu bytes): a truncated file or not a safetensors file",
-                 (unsigned long long)hlen, (unsigned long long)size);
-    goto done;
-  }
-  header = malloc(hlen ? hlen : 1);
-  if (!header) {
-    st = st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory for a %llu-byte header", (unsigned long long)hlen);
-    goto done;
-  }
-  MOE_CHECK_GOTO(st_pread_all(&ld, fd, header, hlen, 8, "the header"), st, done);
-  char jerr[256];
-  size_t jat = 0;
-  if (!moe_json_parse_limited(header, hlen, ST_MAX_LIST, &root, &jat, jerr, sizeof jerr)) {
-    st = st_lerr(&ld, MOE_ERR_IO, "invalid JSON in the header at byte %zu (file byte %llu): %s", jat,
-                 (unsigned long long)(8 + jat), jerr);
-    goto done;
-  }
-  if (root->type != MOE_JSON_OBJECT) {
-    st = st_lerr(&ld, MOE_ERR_IO, "the header must be a JSON object, got %s", moe_json_type_name(root->type));
-    goto done;
-  }
-
-  const moe_json *meta = moe_json_get(root, "__metadata__");
-  if (meta) {
-    if (meta->type != MOE_JSON_OBJECT) {
-      st = st_lerr(&ld, MOE_ERR_IO, "__metadata__ must be an object of strings, got %s",
-                   moe_json_type_name(meta->type));
-      goto done;
-    }
-    for (size_t i = 0; i < meta->n; i++) {
-      if (meta->items[i].type != MOE_JSON_STRING) {
-        st = st_lerr(&ld, MOE_ERR_IO, "__metadata__ values must be strings, but \"%.64s\" is %s", meta->keys[i],
-                     moe_json_type_name(meta->items[i].type));
-        goto done;
-      }
-    }
-  }
-  size_t n = root->n - (meta ? 1 : 0);
-  infos = calloc(n ? n : 1, sizeof *infos);
-  if (!infos) {
-    st = st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
-    goto done;
-  }
-  for (size_t i = 0, k = 0; i < root->n; i++) {
-    if (&root->items[i] == meta) continue;
-    MOE_CHECK_GOTO(st_parse_entry(&ld, root->keys[i], &root->items[i], &infos[k]), st, done);
-    k++;
-  }
-  uint64_t data_start = 8 + hlen;
-  MOE_CHECK_GOTO(st_check_coverage(&ld, n, infos, size - data_start, data_start), st, done);
-
-  f = calloc(1, sizeof *f);
+  moe_safetensors *f = calloc(1, sizeof *f);
   if (!f) {
     st = st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
     goto done;
   }
-  MOE_CHECK_GOTO(st_fill_names(&ld, meta, n, infos, f), st, done);
-  for (size_t i = 0; i < n; i++)
-    MOE_CHECK_GOTO(st_read_tensor(&ld, fd, data_start, &infos[i], d, &f->tensors[i]), st, done);
+  MOE_CHECK_GOTO(st_fill_names(&ld, h.meta, h.n, h.infos, f), st, done);
+  for (size_t i = 0; i < h.n; i++)
+    MOE_CHECK_GOTO(st_read_tensor(&ld, fd, h.data_start, &h.infos[i], d, &f->tensors[i]), st, done);
 
 done:
   if (st == MOE_OK) *out = f;
   else moe_safetensors_free(f);
-  free(infos);
-  moe_json_free(root);
-  free(header);
+  st_header_free(&h);
   close(fd);
+  return st;
+}
+
+/* ---------------------------------------------------------------- reader */
+
+struct moe_safetensors_reader {
+  int fd;             /* open while the reader lives */
+  char *path;
+  int64_t n;
+  st_info *infos;     /* (n) checked entries; names point into names */
+  char **names;       /* (n) */
+  int64_t n_meta;
+  char **meta_keys;   /* (n_meta) */
+  char **meta_values; /* (n_meta) */
+  uint64_t data_start;
+  uint64_t bytes, reads; /* read so far: bytes, pread calls */
+};
+
+void moe_safetensors_reader_free(moe_safetensors_reader *r) {
+  if (!r) return;
+  if (r->fd >= 0) close(r->fd);
+  for (int64_t i = 0; i < r->n; i++)
+    if (r->names) free(r->names[i]);
+  for (int64_t i = 0; i < r->n_meta; i++) {
+    if (r->meta_keys) free(r->meta_keys[i]);
+    if (r->meta_values) free(r->meta_values[i]);
+  }
+  free(r->names);
+  free(r->infos);
+  free(r->meta_keys);
+  free(r->meta_values);
+  free(r->path);
+  free(r);
+}
+
+moe_status moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors_reader **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!path || !path[0]) return moe_error(ctx, MOE_ERR_INVALID_ARG, "open_safetensors: path is %s", path ? "empty" : "NULL");
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "open_safetensors: out is NULL");
+  st_loader ld = {ctx, path, "open_safetensors"};
+  if (!host_is_little_endian())
+    return st_lerr(&ld, MOE_ERR_NOT_SUPPORTED, "safetensors files are little-endian and this host is not");
+  int fd = -1;
+  uint64_t size = 0;
+  MOE_CHECK(st_open_regular(&ld, &fd, &size));
+  st_header h;
+  moe_status st = st_read_header(&ld, fd, size, &h);
+  if (st != MOE_OK) {
+    close(fd);
+    return st;
+  }
+  moe_safetensors_reader *r = calloc(1, sizeof *r);
+  if (!r) {
+    close(fd);
+    st_header_free(&h);
+    return st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
+  }
+  r->fd = fd;
+  size_t nm = h.meta ? h.meta->n : 0;
+  r->path = strdup(path);
+  r->infos = calloc(h.n ? h.n : 1, sizeof *r->infos);
+  r->names = calloc(h.n ? h.n : 1, sizeof *r->names);
+  r->meta_keys = calloc(nm ? nm : 1, sizeof *r->meta_keys);
+  r->meta_values = calloc(nm ? nm : 1, sizeof *r->meta_values);
+  if (!r->path || !r->infos || !r->names || !r->meta_keys || !r->meta_values) goto oom;
+  r->n = (int64_t)h.n;
+  r->n_meta = (int64_t)nm;
+  for (size_t i = 0; i < h.n; i++) {
+    r->infos[i] = h.infos[i];
+    if (!(r->names[i] = strdup(h.infos[i].name))) goto oom;
+    r->infos[i].name = r->names[i];
+  }
+  for (size_t i = 0; i < nm; i++) {
+    r->meta_keys[i] = strdup(h.meta->keys[i]);
+    r->meta_values[i] = strdup(h.meta->items[i].str);
+    if (!r->meta_keys[i] || !r->meta_values[i]) goto oom;
+  }
+  r->data_start = h.data_start;
+  r->bytes = h.bytes;
+  r->reads = 2;
+  st_header_free(&h);
+  *out = r;
+  return MOE_OK;
+oom:
+  st_header_free(&h);
+  moe_safetensors_reader_free(r);
+  return st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
+}
+
+int64_t moe_safetensors_reader_count(const moe_safetensors_reader *r) { return r ? r->n : 0; }
+
+const char *moe_safetensors_reader_name(const moe_safetensors_reader *r, int64_t i) {
+  return r && i >= 0 && i < r->n ? r->names[i] : NULL;
+}
+
+int64_t moe_safetensors_reader_find(const moe_safetensors_reader *r, const char *name) {
+  if (!r || !name) return -1;
+  for (int64_t i = 0; i < r->n; i++)
+    if (strcmp(r->names[i], name) == 0) return i;
+  return -1;
+}
+
+bool moe_safetensors_reader_entry(const moe_safetensors_reader *r, int64_t i, moe_dtype *dtype, int *ndim,
+                                  int64_t *shape, uint64_t *file_begin, uint64_t *file_end) {
+  if (!r || i < 0 || i >= r->n) return false;
+  const st_info *e = &r->infos[i];
+  if (dtype) *dtype = e->dtype;
+  if (ndim) *ndim = e->ndim;
+  if (shape)
+    for (int d = 0; d < e->ndim; d++) shape[d] = e->shape[d];
+  if (file_begin) *file_begin = r->data_start + e->begin;
+  if (file_end) *file_end = r->data_start + e->end;
+  return true;
+}
+
+int64_t moe_safetensors_reader_metadata_count(const moe_safetensors_reader *r) { return r ? r->n_meta : 0; }
+
+const char *moe_safetensors_reader_metadata_key(const moe_safetensors_reader *r, int64_t i) {
+  return r && i >= 0 && i < r->n_meta ? r->meta_keys[i] : NULL;
+}
+
+const char *moe_safetensors_reader_metadata_value(const moe_safetensors_reader *r, int64_t i) {
+  return r && i >= 0 && i < r->n_meta ? r->meta_values[i] : NULL;
+}
+
+uint64_t moe_safetensors_reader_bytes(const moe_safetensors_reader *r, uint64_t *reads) {
+  if (reads) *reads = r ? r->reads : 0;
+  return r ? r->bytes : 0;
+}
+
+moe_status moe_safetensors_read_box(moe_ctx *ctx, moe_safetensors_reader *r, int64_t i, int64_t base, int ndim,
+                                    const int64_t *shape, const int64_t *offsets, const int64_t *sizes,
+                                    moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!r) return moe_error(ctx, MOE_ERR_INVALID_ARG, "read: reader is NULL");
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "read: out is NULL");
+  if (i < 0 || i >= r->n)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "read: '%s': entry %lld out of range [0, %lld)", r->path,
+                     (long long)i, (long long)r->n);
+  st_loader ld = {ctx, r->path, "read"};
+  const st_info *e = &r->infos[i];
+  int64_t vshape[MOE_MAX_DIMS] = {0}, off[MOE_MAX_DIMS] = {0}, sz[MOE_MAX_DIMS] = {0};
+  if (shape == NULL) {
+    if (base != 0)
+      return st_lerr(&ld, MOE_ERR_INVALID_ARG, "tensor '%s': base %lld without a view shape (base needs one)",
+                     e->name, (long long)base);
+    ndim = e->ndim;
+    for (int d = 0; d < ndim; d++) vshape[d] = e->shape[d];
+  } else {
+    if (ndim < 0 || ndim > MOE_MAX_DIMS)
+      return st_lerr(&ld, MOE_ERR_INVALID_ARG, "tensor '%s': a view of %d dims (0 to %d)", e->name, ndim,
+                     MOE_MAX_DIMS);
+    for (int d = 0; d < ndim; d++) vshape[d] = shape[d];
+  }
+  /* the view must lie inside the stored elements */
+  uint64_t stored = 1, view = 1;
+  for (int d = 0; d < e->ndim; d++) stored *= (uint64_t)e->shape[d];
+  for (int d = 0; d < ndim; d++) {
+    if (vshape[d] < 0 || (vshape[d] > 0 && view > (uint64_t)INT64_MAX / (uint64_t)vshape[d]))
+      return st_lerr(&ld, MOE_ERR_INVALID_ARG, "tensor '%s': bad view shape %s", e->name,
+                     MOE_SHAPE_OF(ndim, vshape));
+    view *= (uint64_t)vshape[d];
+  }
+  if (base < 0 || (uint64_t)base > stored || view > stored - (uint64_t)base)
+    return st_lerr(&ld, MOE_ERR_INVALID_ARG,
+                   "tensor '%s' %s has %llu elements: a view %s at element %lld does not fit", e->name,
+                   MOE_SHAPE_OF(e->ndim, e->shape), (unsigned long long)stored, MOE_SHAPE_OF(ndim, vshape),
+                   (long long)base);
+  for (int d = 0; d < ndim; d++) {
+    off[d] = offsets ? offsets[d] : 0;
+    sz[d] = sizes ? sizes[d] : vshape[d];
+    if (off[d] < 0 || sz[d] < 0 || off[d] > vshape[d] || sz[d] > vshape[d] - off[d])
+      return st_lerr(&ld, MOE_ERR_INVALID_ARG,
+                     "tensor '%s': box at %s of sizes %s is outside %s (dim %d)", e->name,
+                     MOE_SHAPE_OF(ndim, off), MOE_SHAPE_OF(ndim, sz), MOE_SHAPE_OF(ndim, vshape), d);
+  }
+  moe_tensor *t = NULL;
+  MOE_CHECK(moe_tensor_empty(ctx, ndim, sz, e->dtype, MOE_CPU, &t));
+  int64_t numel = 1;
+  for (int d = 0; d < ndim; d++) numel *= sz[d];
+  if (numel == 0) {
+    *out = t;
+    return MOE_OK;
+  }
+  /* the box in runs contiguous in the file: dims j.. (dim j in part, the
+   * ones after it whole); one pread per run, over the indices of dims < j */
+  size_t es = moe_dtype_size(e->dtype);
+  int64_t stride[MOE_MAX_DIMS], idx[MOE_MAX_DIMS] = {0};
+  int64_t s = 1;
+  for (int d = ndim - 1; d >= 0; d--) {
+    stride[d] = s;
+    s *= vshape[d];
+  }
+  int j = ndim > 0 ? ndim - 1 : 0;
+  int64_t run = ndim > 0 ? sz[j] : 1;
+  while (j > 0 && sz[j] == vshape[j]) {
+    j--;
+    run *= sz[j];
+  }
+  char what[320];
+  snprintf(what, sizeof what, "tensor '%.256s'", e->name);
+  char *dst = moe_tensor_data(t);
+  size_t run_bytes = (size_t)run * es;
+  moe_status st = MOE_OK;
+  for (;;) {
+    int64_t el = base;
+    for (int d = 0; d < ndim; d++) el += (off[d] + (d < j ? idx[d] : 0)) * stride[d];
+    MOE_CHECK_GOTO(st_pread_all(&ld, r->fd, dst, run_bytes, r->data_start + e->begin + (uint64_t)el * es, what), st,
+                   fail);
+    r->bytes += run_bytes;
+    r->reads++;
+    dst += run_bytes;
+    int d = j - 1;
+    while (d >= 0 && ++idx[d] == sz[d]) idx[d--] = 0;
+    if (d < 0) break;
+  }
+  if (e->dtype == MOE_BOOL) {
+    unsigned char *b = moe_tensor_data(t);
+    for (int64_t k = 0; k < numel; k++) b[k] = b[k] != 0;
+  }
+  *out = t;
+  return MOE_OK;
+fail:
+  moe_tensor_release(t);
   return st;
 }

@@ -209,9 +209,10 @@ function M.write_digests(dir, files)
   fsync(dir .. "/" .. M.DIGESTS)
 end
 
--- Checks the files of checkpoint dir against its digests.txt: true, or
--- nil and why (naming the file); "none" when there is no digests.txt.
-local function check_digests(dir)
+--- read_digests(dir) -> {name -> {digest =, bytes =}, order = {name, ...}}, or nil and
+--- why (naming the file); "none" when dir has no digests.txt. The list itself is
+--- checked (its own digest); the files are not read.
+function M.read_digests(dir)
   local dpath = dir .. "/" .. M.DIGESTS
   if not exists(dpath) then return "none" end
   local text, rerr = read_regular(dpath)
@@ -223,22 +224,43 @@ local function check_digests(dir)
   if moe.digest(body) ~= d or #body ~= math.tointeger(size) then
     return nil, ("'%s' is corrupt (its own digest does not match)"):format(dpath)
   end
-  local n = 0
+  local out = { order = {} }
   for line in body:sub(#DIGESTS_HEAD + 1):gmatch("([^\n]*)\n") do
     local want, bytes, name = line:match("^(xxh64:%x+) (%d+) ([^/]+)$")
     if not want then return nil, ("'%s' is corrupt (bad line '%s')"):format(dpath, line) end
-    local file = dir .. "/" .. name
-    local ok, got, got_size = pcall(moe.file_digest, file)
-    if not ok then return nil, tostring(got):gsub("^file_digest: ", "") end
-    if got_size ~= math.tointeger(bytes) then
-      return nil, ("'%s' is corrupt: %d bytes, %s bytes were written"):format(file, got_size, bytes)
-    end
-    if got ~= want then
-      return nil, ("'%s' is corrupt: its digest is %s, %s was written"):format(file, got, want)
-    end
-    n = n + 1
+    out[name] = { digest = want, bytes = math.tointeger(bytes) }
+    out.order[#out.order + 1] = name
   end
-  if n == 0 then return nil, ("'%s' lists no files"):format(dpath) end
+  if #out.order == 0 then return nil, ("'%s' lists no files"):format(dpath) end
+  return out
+end
+
+--- check_file(dir, name, digests) -> true, or nil and why: dir/name against its
+--- line in digests (read_digests); a file digests.txt does not list is an error.
+function M.check_file(dir, name, digests)
+  local want = digests[name]
+  local file = dir .. "/" .. name
+  if not want then return nil, ("'%s/%s' does not list '%s'"):format(dir, M.DIGESTS, name) end
+  local ok, got, got_size = pcall(moe.file_digest, file)
+  if not ok then return nil, (tostring(got):gsub("^file_digest: ", "")) end
+  if got_size ~= want.bytes then
+    return nil, ("'%s' is corrupt: %d bytes, %d bytes were written"):format(file, got_size, want.bytes)
+  end
+  if got ~= want.digest then
+    return nil, ("'%s' is corrupt: its digest is %s, %s was written"):format(file, got, want.digest)
+  end
+  return true
+end
+
+-- Checks the files of checkpoint dir against its digests.txt: true, or
+-- nil and why (naming the file); "none" when there is no digests.txt.
+local function check_digests(dir)
+  local digests, why = M.read_digests(dir)
+  if digests == "none" or not digests then return digests, why end
+  for _, name in ipairs(digests.order) do
+    local ok, err = M.check_file(dir, name, digests)
+    if not ok then return nil, err end
+  end
   return true
 end
 

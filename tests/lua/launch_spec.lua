@@ -291,11 +291,31 @@ describe("moe-lua launch", function()
     local dir = mkdtemp()
     -- training ranks run MPI, whose allocations LeakSanitizer would report (tests/CMakeLists.txt)
     local noleak = "ASAN_OPTIONS=detect_leaks=0:abort_on_error=0"
-    local _, err, rc = launch("-n 2 --max-restarts 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/k") ..
-      " kill=true", noleak)
+    local tl = dir .. "/timeline.jsonl"
+    local _, err, rc = launch("-n 2 --max-restarts 2 --timeline " .. q(tl) .. " " .. dist .. "/ckpt_restart.lua dir=" ..
+      q(dir .. "/k") .. " kill=true", noleak)
     assert.are.equal(0, rc, err)
     assert.truthy(has(err, "moe-lua launch: restart 1/2 after rank 1 died (signal 9)"), err)
     assert.falsy(has(err, "restart 2/2"), err)
+    -- the timeline: the failure the rank reported, its detection, the restart, the first step after it
+    local L = require "moe.cli.launch"
+    local events = L.read_timeline(tl)
+    local kinds = {}
+    for _, e in ipairs(events) do kinds[#kinds + 1] = e.attempt .. ":" .. e.event end
+    assert.are.same({ "0:start", "0:first_step", "0:failure", "0:end", "1:restart", "1:start", "1:first_step", "1:end" },
+      kinds)
+    assert.are.equal(137, events[4].status)
+    assert.are.equal(1, events[3].rank)
+    local rows = L.restarts(events)
+    assert.are.equal(1, #rows)
+    local r = rows[1]
+    assert.are.equal("reported", r.failure_source)
+    assert.are.equal(1, r.failed_rank)
+    assert.truthy(r.failure <= r.detected and r.detected <= r.restart and r.restart < r.first_step, err)
+    assert.truthy(r.total_s > 0 and r.total_s < 60 and math.abs(r.detect_s + r.restart_s + r.first_step_s - r.total_s) < 1e-6)
+    assert.truthy(r.step >= 2 and r.step <= 7, "first step after the restart " .. tostring(r.step))
+    assert.truthy(events[7].resumed:match("/ckpt%-%d+$"), events[7].resumed)
+    assert.truthy(has(err, "moe-lua launch: restart 1 timeline: failure at "), err)
     _, err, rc = launch("-n 2 " .. dist .. "/ckpt_restart.lua dir=" .. q(dir .. "/ref"), noleak)
     assert.are.equal(0, rc, err)
     local function losses(path)
@@ -321,10 +341,21 @@ describe("moe-lua launch", function()
     assert.are.equal(1, rc, err)
     assert.truthy(has(err, "bad --max-restarts '-1'"), err)
     if not have_mpirun then return pending("no mpirun on this machine") end
-    _, err, rc = launch("-n 2 --max-restarts 1 " .. dist .. "/launch_fail.lua resume=x overwrite=true")
+    local dir = mkdtemp()
+    _, err, rc = launch("-n 2 --max-restarts 1 --timeline " .. q(dir .. "/t.jsonl") .. " " .. dist ..
+      "/launch_fail.lua resume=x overwrite=true")
     assert.are_not.equal(0, rc, err)
     assert.truthy(has(err, "restart 1/1 after rank "), err)
     assert.truthy(has(err, "giving up after 1 restart"), err)
+    -- no rank reported the failure: its time is rank 1's exit record
+    local L = require "moe.cli.launch"
+    local rows = L.restarts(L.read_timeline(dir .. "/t.jsonl"))
+    assert.are.equal(1, #rows)
+    assert.are.equal("exit record", rows[1].failure_source)
+    assert.are.equal(1, rows[1].failed_rank)
+    assert.truthy(rows[1].detect_s >= 0 and rows[1].detect_s < 30, rows[1].detect_s)
+    assert.is_nil(rows[1].first_step) -- no training
+    rmdir(dir)
   end)
 
   it("sends SIGTERM on to both ranks and exits 143", function()

@@ -29,6 +29,10 @@ Layouts (layout=auto tries them in this order):
             "moe_lua": the model config, "seq_len": ...} and, in
             "not_mixtral" / "not_gpt2", why the other layouts do not fit.
 layout=mixtral or gpt2 given explicitly is an error listing every mismatch.
+The tokenizer saved in the checkpoint (state.json's record and its files,
+in single-file and sharded checkpoints alike) is read back, checked against
+its record, and its files are copied into out; a checkpoint whose
+tokenizer files are missing exports the model with a warning.
 ]]
 local M = {
   summary = "write a checkpoint as one Hugging Face model (Mixtral, GPT-2 or moe-lua layout)",
@@ -36,7 +40,8 @@ local M = {
 usage: moe-lua export ckpt=DIR format=hf out=DIR2 [layout=auto|mixtral|gpt2|moe-lua]
   ckpt    a checkpoint folder (ckpt-<step>), or an out_dir (its newest checkpoint);
           sharded (several ranks) or not
-  format  hf: out/model.safetensors and out/config.json
+  format  hf: out/model.safetensors and out/config.json, and the tokenizer's files
+          saved in the checkpoint (vocab.json + merges.txt for GPT-2's, tokenizer.bpe)
   layout  auto (default): Mixtral where the model matches it, else GPT-2 for a
           dense model that matches it, else moe-lua's own names]],
 }
@@ -210,12 +215,39 @@ local function run(...)
     if #not_mixtral == 0 then config.not_mixtral = nil end
     if #not_gpt2 == 0 then config.not_gpt2 = nil end
   end
+  -- the tokenizer saved in the checkpoint (single-file or sharded): read back and
+  -- checked against its record, then its files copied beside the model
+  local tok_files, tok_note = {}, nil
+  if type(st.tokenizer) == "table" then
+    local tokenizer = require "moe.data.tokenizer"
+    local ok, err = pcall(tokenizer.from_record, st.tokenizer, path, "", path .. "/state.json")
+    if ok then
+      for _, name in ipairs(st.tokenizer.files or {}) do
+        local f = assert(io.open(path .. "/" .. name, "rb"))
+        tok_files[name] = f:read("a")
+        f:close()
+      end
+    else
+      tok_note = ("warning: the tokenizer is not exported: %s"):format(tostring(err))
+    end
+  end
   checkpoint.mkdir_p(o.out)
   moe.save(o.out .. "/model.safetensors", tensors, { format = "pt" })
   checkpoint.write_atomic(o.out .. "/config.json", json.encode(config) .. "\n")
+  local names = {}
+  for name, text in pairs(tok_files) do
+    checkpoint.write_atomic(o.out .. "/" .. name, text)
+    names[#names + 1] = name
+  end
+  table.sort(names)
   local n = 0
   for _ in pairs(tensors) do n = n + 1 end
   print(("%s: %s (step %s) -> %s: %d tensors in the %s layout"):format(NAME, path, tostring(st.step), o.out, n, layout))
+  if type(st.tokenizer) == "table" and not tok_note then
+    print(("  tokenizer: %s, vocab_size %s%s"):format(tostring(st.tokenizer.kind), tostring(st.tokenizer.vocab_size),
+      #names > 0 and (", files " .. table.concat(names, ", ")) or ""))
+  end
+  if tok_note then io.stderr:write(NAME, ": ", tok_note, "\n") end
   if layout == "moe-lua" then
     if o.layout == "auto" then
       print(("  not Mixtral: %s"):format(table.concat(not_mixtral, "; ")))

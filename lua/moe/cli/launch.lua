@@ -39,6 +39,32 @@ runs the job again with resume=latest in place of any resume= or overwrite=
 argument (moe.train then continues from the newest complete checkpoint in its
 out_dir), at most K times. The ranks see MOE_LAUNCH_RESTART (0 on the first
 run). A launcher that is itself interrupted or terminated does not restart.
+
+The restart timeline (--timeline FILE, or MOE_LAUNCH_TIMELINE=FILE in the
+environment; --timeline starts FILE anew; the ranks get the variable):
+JSON lines, each {"event", "time" (wall-clock seconds, moe.wall_clock),
+"attempt" (0 for the first run, i for restart i), ...}:
+  start       the launcher, as it starts mpirun for an attempt ("ranks")
+  failure     a rank or a script that causes or sees a failure, just before
+              (tests write one and then kill the rank: "rank", "what")
+  first_step  moe.train on rank 0, when the host has finished the run's first
+              step ("step"; "resumed": the checkpoint it resumed from)
+  end         the launcher, as mpirun returns: the detection. "status",
+              "failure" (the launcher's one-line reason), "failed_rank",
+              "failure_time" and "failure_source": a failure event of the
+              attempt ("reported"), else the earliest exit record of a rank
+              that failed ("exit record": a rank that exited non-zero, or a
+              collective that timed out), else none ("unknown": a rank died
+              without a word; "stopped_time" is then when the first of the
+              others stopped on mpirun's SIGTERM, an upper bound)
+  restart     the launcher, as it decides to run the job again
+At the end a launcher that restarted prints one line per restart.
+M.timeline_event(event, fields) appends an event (nothing without the
+variable); M.read_timeline(path) -> the events; M.restarts(events) -> one
+row per restart: {attempt, failure, detected, restart, first_step
+(wall-clock seconds), detect_s, restart_s, first_step_s, total_s (from the
+failure, or from the detection when its time is unknown), step,
+failure_source, failed_rank, why}.
 ]]
 local M = {
   summary = "run a script on N ranks through mpirun and report which rank failed first",
@@ -59,6 +85,8 @@ mpirun, then says which rank failed first and why.
                    saves a checkpoint on SIGTERM and needs that time to write it
   --max-restarts K when the job fails, run it again with resume=latest, at most
                    K times (default 0), logging each restart
+  --timeline F     write the restart timeline to F (JSON lines: each attempt's start,
+                   the failure, its detection, the restart, the first step after it)
   --dry-run        print the mpirun command line and exit
   -h, --help       show this help
 Exit status: the status of the rank that failed first (128 + the signal for a
@@ -125,6 +153,8 @@ local function parse(args)
       end
     elseif a == "--max-restarts" then
       o.max_restarts, err = value(a)
+    elseif a == "--timeline" then
+      o.timeline, err = value(a)
     elseif a == "--dry-run" then
       o.dry_run = true
     elseif a:sub(1, 1) == "-" then
@@ -323,6 +353,120 @@ local function report(n, records, complete, result, lines)
   return status, why
 end
 
+-- -------------------------------------------------------------- timeline
+
+local function json() return require("moe.metrics").json end
+
+local function wall()
+  local moe = require "moe"
+  return moe.wall_clock and moe.wall_clock() or os.time()
+end
+
+local function append_line(path, obj)
+  local f = io.open(path, "a")
+  if not f then return false end
+  f:write(json().encode(obj) .. "\n") -- one write: lines of several processes do not mix
+  f:close()
+  return true
+end
+
+--- timeline_event(event, fields) -> whether it was written: one JSON line
+--- {event, time, attempt, rank, fields...} appended to $MOE_LAUNCH_TIMELINE
+--- (nothing when it is not set). attempt: $MOE_LAUNCH_RESTART or 0; rank: $RANK.
+function M.timeline_event(event, fields)
+  local path = os.getenv("MOE_LAUNCH_TIMELINE")
+  if not path or path == "" then return false end
+  local obj = {}
+  for k, v in pairs(fields or {}) do obj[k] = v end
+  obj.event, obj.time = event, obj.time or wall()
+  obj.attempt = obj.attempt or math.tointeger(tonumber(os.getenv("MOE_LAUNCH_RESTART") or "0")) or 0
+  if obj.rank == nil then obj.rank = math.tointeger(tonumber(os.getenv("RANK") or "")) end
+  return append_line(path, obj)
+end
+
+--- read_timeline(path) -> the events, in the order written (lines that are not
+--- JSON objects are skipped: a rank killed while writing).
+function M.read_timeline(path)
+  local events = {}
+  local f = io.open(path, "r")
+  if not f then return events end
+  for line in f:lines() do
+    local ok, e = pcall(json().decode, line)
+    if ok and type(e) == "table" and type(e.event) == "string" then events[#events + 1] = e end
+  end
+  f:close()
+  return events
+end
+
+--- restarts(events) -> one row per restart (see the header), in order.
+function M.restarts(events)
+  local by = {}
+  for _, e in ipairs(events) do
+    local a = math.tointeger(e.attempt) or 0
+    local t = by[a] or {}
+    by[a] = t
+    if e.event == "end" then t.ending = e
+    elseif e.event == "start" or e.event == "restart" or e.event == "first_step" then
+      t[e.event] = t[e.event] or e
+    end
+  end
+  local rows = {}
+  local a = 1
+  while by[a] do
+    local t = by[a]
+    local prev = by[a - 1] and by[a - 1].ending or {}
+    local r = { attempt = a, failure = prev.failure_time, failure_source = prev.failure_source,
+      failed_rank = prev.failed_rank, why = prev.failure, detected = prev.time,
+      restart = (t.restart or t.start or {}).time, first_step = t.first_step and t.first_step.time,
+      step = t.first_step and t.first_step.step }
+    local function d(x, y) return x and y and y - x or nil end
+    r.detect_s = d(r.failure, r.detected)
+    r.restart_s = d(r.detected, r.restart)
+    r.first_step_s = d(r.restart, r.first_step)
+    r.total_s = d(r.failure or r.detected, r.first_step)
+    rows[#rows + 1] = r
+    a = a + 1
+  end
+  return rows
+end
+
+-- The failure of an attempt that just ended: a failure event of the attempt in
+-- the timeline, else the earliest exit record of a rank that failed (not one
+-- stopped by mpirun's SIGTERM, whose earliest record is the last value).
+local function failure_time(path, attempt, records, n)
+  local reported, rank
+  for _, e in ipairs(M.read_timeline(path)) do
+    if e.event == "failure" and (math.tointeger(e.attempt) or 0) == attempt and type(e.time) == "number"
+        and (reported == nil or e.time < reported) then
+      reported, rank = e.time, e.rank
+    end
+  end
+  local first, first_rank, stopped
+  for r = 0, n - 1 do
+    local rec = records[r]
+    if rec and rec.status ~= 0 and rec.wall ~= math.huge then
+      if rec.signal == 15 then
+        if stopped == nil or rec.wall < stopped then stopped = rec.wall end
+      elseif first == nil or rec.wall < first then
+        first, first_rank = rec.wall, r
+      end
+    end
+  end
+  if reported then return reported, "reported", rank, stopped end
+  if first then return first, "exit record", first_rank, stopped end
+  return nil, "unknown", nil, stopped
+end
+
+-- One line per restart of the timeline at path.
+local function say_timeline(path)
+  for _, r in ipairs(M.restarts(M.read_timeline(path))) do
+    local function f(v) return v and ("%.2f s"):format(v) or "?" end
+    say("restart %d timeline: failure at %s (%s), detected +%s, restarted +%s, first step (%s) +%s: %s from the %s",
+      r.attempt, r.failure and clock(r.failure) or "?", r.failure_source or "?", f(r.detect_s), f(r.restart_s),
+      tostring(r.step or "?"), f(r.first_step_s), f(r.total_s), r.failure and "failure" or "detection")
+  end
+end
+
 -- ------------------------------------------------------------------ main
 
 function M.main(...)
@@ -377,6 +521,18 @@ function M.main(...)
     env.MOE_LAUNCH_DIR = dir
   end
 
+  local timeline = o.timeline or os.getenv("MOE_LAUNCH_TIMELINE")
+  if timeline == "" then timeline = nil end
+  if timeline then
+    if timeline:sub(1, 1) ~= "/" and os.getenv("PWD") then timeline = os.getenv("PWD") .. "/" .. timeline end
+    env.MOE_LAUNCH_TIMELINE = timeline
+    if o.timeline and not o.dry_run then
+      local f = io.open(timeline, "w")
+      if not f then return fail("cannot write the timeline %s", timeline) end
+      f:close()
+    end
+  end
+
   local argv = { mpirun, "-n", tostring(n) }
   local function add(...) for _, a in ipairs({ ... }) do argv[#argv + 1] = a end end
   if o.hostfile then
@@ -388,6 +544,7 @@ function M.main(...)
   if o.stop_grace then add("--mca", "odls_base_sigkill_timeout", o.stop_grace) end
   add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT")
   if o.max_restarts > 0 then add("-x", "MOE_LAUNCH_RESTART") end
+  if timeline then add("-x", "MOE_LAUNCH_TIMELINE") end
   for _, x in ipairs(o.exports) do add("-x", x) end
   add(proc.exe())
   local fixed = #argv
@@ -395,8 +552,8 @@ function M.main(...)
 
   if o.dry_run then
     local words = {}
-    for _, k in ipairs({ "MOE_LAUNCH_DIR", "MASTER_ADDR", "MASTER_PORT", "OMPI_ALLOW_RUN_AS_ROOT",
-      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" }) do
+    for _, k in ipairs({ "MOE_LAUNCH_DIR", "MOE_LAUNCH_TIMELINE", "MASTER_ADDR", "MASTER_PORT",
+      "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" }) do
       if env[k] then words[#words + 1] = k .. "=" .. quote(env[k]) end
     end
     for _, a in ipairs(argv) do words[#words + 1] = quote(a) end
@@ -412,6 +569,7 @@ function M.main(...)
     -- clear records a previous run left in a folder we were given
     for r = 0, n - 1 do os.remove(("%s/rank-%d.exit"):format(dir, r)) end
     if o.max_restarts > 0 then env.MOE_LAUNCH_RESTART = tostring(attempt) end
+    if timeline then append_line(timeline, { event = "start", time = wall(), attempt = attempt, ranks = n }) end
     local ok, result = pcall(proc.spawn, argv, {
       env = env,
       keep = { "mpirun noticed that process rank", "Process name:", "Exit code:" },
@@ -420,10 +578,18 @@ function M.main(...)
       if made_dir then os.execute("rm -rf " .. quote(dir)) end
       return fail("%s", tostring(result))
     end
+    local detected = wall()
     local records = {}
     for r = 0, n - 1 do records[r] = read_record(dir, r) end
     local status, failure, interrupted = report(n, records, complete, result, result.lines)
+    if timeline then
+      local ft, source, frank, stopped = nil, nil, nil, nil
+      if status ~= 0 then ft, source, frank, stopped = failure_time(timeline, attempt, records, n) end
+      append_line(timeline, { event = "end", time = detected, attempt = attempt, status = status, failure = failure,
+        failure_time = ft, failure_source = source, failed_rank = frank, stopped_time = stopped })
+    end
     if status == 0 or interrupted or attempt >= o.max_restarts then
+      if timeline and attempt > 0 then say_timeline(timeline) end
       if made_dir then os.execute("rm -rf " .. quote(dir)) end -- with what a killed rank left half-written
       if status ~= 0 and o.max_restarts > 0 and not interrupted then
         say("giving up after %d restart%s", attempt, attempt == 1 and "" or "s")
@@ -431,8 +597,10 @@ function M.main(...)
       return status
     end
     attempt = attempt + 1
+    local now = wall()
+    if timeline then append_line(timeline, { event = "restart", time = now, attempt = attempt, after = failure }) end
     say("restart %d/%d after %s (at %s): running it again with resume=latest", attempt, o.max_restarts,
-      failure or "a failure", clock(os.time()))
+      failure or "a failure", clock(now))
     -- the script's arguments: resume=latest instead of any resume= or overwrite=
     for i = #argv, fixed + 2, -1 do
       if argv[i]:match("^resume=") or argv[i]:match("^overwrite=") then table.remove(argv, i) end

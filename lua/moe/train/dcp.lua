@@ -10,6 +10,8 @@ docs/DISTRIBUTED.md "Checkpoints".
   out_dir/ckpt-<step>/index.json              every tensor: shape, dtype, shards (rank 0)
   out_dir/ckpt-<step>/state.json              step, config, optimizer scalars, per-rank
                                               RNG and data states (rank 0; checkpoint.lua's format)
+  out_dir/ckpt-<step>/<name>                  extra files (the tokenizer's; state.files lists them)
+  out_dir/ckpt-<step>/digests.txt             XXH64 and size of every file above
 
 A piece is what one rank holds of one global tensor:
   {name = "model.<param>" | "optim.<param>.<state key>", shape = global shape,
@@ -23,17 +25,20 @@ offsets/sizes: an N-d box (0-based offsets). Ranges are half-open, 0-based.
   local dcp = require "moe.train.dcp"
   local pieces = dcp.pieces(par, model, opt)
   local saver = dcp.Saver{out_dir =, rank =, world =, barrier = fn, keep_last =, async =}
-  saver:save(step, pieces, rank_state, state)   -- rank_state: this rank's {rng=, data=}
+  saver:save(step, pieces, rank_state, state)   -- rank_state: this rank's {rng=, data=};
+                                                -- state.files: {name = text}, written by rank 0
   saver:finish()                                -- waits, barrier, rank 0 commits
   saver:close()                                 -- frees the buffer kept for the next save
-  dcp.load(path, pieces) -> state               -- fills every piece; any layout
+  dcp.load_pieces(path, pieces) -> index, stats -- fills every piece; any layout; reads
+                                                -- only the bytes it needs (stats.bytes)
+  dcp.read_state(path, rank, world) -> state     -- checks state/index/extra files' digests
   dcp.read_index(path) -> index (a legacy checkpoint gets a synthesized one)
   dcp.consolidate(path, prefix) -> name -> full tensor (export)
 
 Atomicity: ranks write into out_dir/.tmp-ckpt-<step>-dcp (each file through
 the safetensors writer's own temporary name, fsync and rename); at finish every
 rank waits for its writes, a barrier makes sure all have, and rank 0 writes
-index.json and state.json (fsynced), fsyncs the folder and renames it to
+the extra files, index.json, state.json and digests.txt (fsynced), fsyncs the folder and renames it to
 ckpt-<step>. checkpoint.list counts only folders with state.json, which the
 rename makes appear with everything else: a crash at any moment leaves the
 previous checkpoints as they were (the .tmp folder is removed at the next start).
@@ -49,7 +54,7 @@ local metrics = require "moe.metrics"
 local M = {}
 
 M.FORMAT = "moe-lua-dcp"
-M.VERSION = 1
+M.VERSION = 2 -- 2: extra files (state.files), checked by read_state
 
 local json = metrics.json
 
@@ -193,6 +198,12 @@ end
 
 -- ------------------------------------------------------------- saving
 
+--- reserved(name): a file name of the checkpoint's own (not for extra files).
+function M.reserved(name)
+  return name == "index.json" or name == "state.json" or name == checkpoint.DIGESTS
+    or name:match("^shard%-%d+%.json$") ~= nil or name:match("^shard%-%d+%.safetensors$") ~= nil
+end
+
 local Saver = {}
 Saver.__index = Saver
 
@@ -200,7 +211,7 @@ Saver.__index = Saver
 function M.Saver(o)
   return setmetatable({ out_dir = o.out_dir, rank = o.rank or 0, world = o.world or 1,
     barrier = o.barrier or function() end, keep_last = o.keep_last or 0,
-    async = o.async and moe.save_async ~= nil, pending = nil, stall = 0, saves = 0 }, Saver)
+    async = o.async and moe.save_async ~= nil, pending = nil, stall = 0, saves = 0, timings = {} }, Saver)
 end
 
 local function tmp_dir(out_dir, step) return ("%s/.tmp-ckpt-%d-dcp"):format(out_dir, step) end
@@ -210,7 +221,9 @@ local function tmp_dir(out_dir, step) return ("%s/.tmp-ckpt-%d-dcp"):format(out_
 --- its shard list. state: rank 0's JSON table for state.json (step, config,
 --- optimizer scalars, ...); rank_state: this rank's own (RNG, data position).
 --- Returns the seconds the caller waited (the training stall); saver.stall
---- sums them over saves, saver.wait the part spent finishing the previous save.
+--- sums them over saves, saver.wait the part spent finishing the previous save;
+--- saver.timings[i] = {step =, stall =, finish =}: save i's stall, and the
+--- seconds its finish took (waiting for the write, the barrier, the commit).
 function Saver:save(step, pieces, rank_state, state)
   local t0 = moe.clock()
   self:finish()
@@ -249,9 +262,12 @@ function Saver:save(step, pieces, rank_state, state)
   end
   -- the shard list goes in last: written and synced before the commit's barrier
   for _, t in ipairs(made) do t:free() end -- the writer holds its own copy
-  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state }
+  local timing = { step = step }
+  self.timings[#self.timings + 1] = timing
+  self.pending = { step = step, dir = dir, handle = handle, desc = desc, state = state, timing = timing }
   if not self.async then self:finish() end
   local t1 = moe.clock()
+  timing.stall = t1 - t0
   self.saves = self.saves + 1
   self.stall = self.stall + (t1 - t0)
   return t1 - t0
@@ -264,6 +280,7 @@ function Saver:finish()
   local p = self.pending
   if p == nil then return nil end
   self.pending = nil
+  local t0 = moe.clock()
   local ok, err = true, nil
   if p.handle then
     ok, err = pcall(p.handle.wait, p.handle)
@@ -289,6 +306,7 @@ function Saver:finish()
   self.barrier() -- no rank reads or prunes before the rename
   if self.rank == 0 and self.keep_last > 0 then checkpoint.prune(self.out_dir, self.keep_last) end
   self.last = final
+  if p.timing then p.timing.finish = moe.clock() - t0 end
   return final
 end
 
@@ -317,6 +335,16 @@ function M.commit(dir, final, step, world, state)
       e.shards[#e.shards + 1] = s.shard
     end
   end
+  -- the extra files (state.files: the tokenizer's), before the index and state.json
+  local extra = {}
+  for name in pairs(state and state.files or {}) do extra[#extra + 1] = name end
+  table.sort(extra, function(a, b) return tostring(a) < tostring(b) end)
+  for _, name in ipairs(extra) do
+    if type(name) ~= "string" or not name:match("^[%w_][%w_.%-]*$") or M.reserved(name) then
+      fail("checkpoint %d: bad extra file name '%s'", step, tostring(name))
+    end
+    write_synced(dir .. "/" .. name, state.files[name])
+  end
   local index = { format = M.FORMAT, version = M.VERSION, step = step, world_size = world,
     files = arr(files), tensors = tensors }
   write_synced(dir .. "/index.json", json.encode(index) .. "\n")
@@ -324,11 +352,13 @@ function M.commit(dir, final, step, world, state)
   for k, v in pairs(state or {}) do st[k] = v end
   st.format, st.version, st.step = checkpoint.FORMAT, checkpoint.VERSION, step
   st.sharded, st.world_size, st.ranks = M.FORMAT, world, arr(ranks)
+  st.files = arr(extra)
   write_synced(dir .. "/state.json", json.encode(st) .. "\n")
   -- every file's digest (checkpoint.verify checks them at resume=latest and load)
   local listed = { "index.json", "state.json" }
   for r = 0, world - 1 do listed[#listed + 1] = ("shard-%d.json"):format(r) end
   for _, f in ipairs(files) do listed[#listed + 1] = f end
+  for _, f in ipairs(extra) do listed[#listed + 1] = f end
   checkpoint.write_digests(dir, listed)
   if moe.fsync then moe.fsync(dir) end
   if exists(final .. "/state.json") or exists(final) then
@@ -365,13 +395,13 @@ function M.read_index(path)
     local file = part .. ".safetensors"
     if exists(path .. "/" .. file) then
       idx.files[#idx.files + 1] = file
-      local ok, t = pcall(moe.load, path .. "/" .. file)
-      if not ok then fail("cannot read '%s/%s': %s", path, file, tostring(t)) end
-      for k, v in pairs(t) do
+      local ok, r = pcall(moe.open_safetensors, path .. "/" .. file) -- the header only
+      if not ok then fail("cannot read '%s/%s': %s", path, file, tostring(r)) end
+      for k, v in pairs(r:entries()) do
         idx.tensors[part .. "." .. k] = { shape = v.shape, dtype = v.dtype,
           shards = { { file = file, key = k, full = true } } }
-        v:free()
       end
+      r:close()
     end
   end
   return idx
@@ -451,33 +481,50 @@ local function boxes_of(t, pl, shape)
   return out
 end
 
--- Copies the part of src (a shard at place sp) that overlaps dst (at place dp)
--- into dst; returns the number of elements copied.
-local function copy_overlap(dst, dp, src, sp, shape)
+-- The boxes of a shard at place sp, in the shard's stored tensor: {offsets,
+-- sizes (global), shape, base}: the box is the elements [base, base +
+-- numel(shape)) of the stored tensor seen as shape (moe.open_safetensors' read).
+local function src_boxes(sp, shape)
+  if sp.offsets then return { { offsets = sp.offsets, sizes = sp.sizes, shape = sp.sizes, base = 0 } } end
+  local a, b = as_flat(sp, shape)
+  local out = {}
+  for _, bx in ipairs(flat_boxes(a, b, shape)) do
+    out[#out + 1] = { offsets = bx.offsets, sizes = bx.sizes, shape = bx.sizes, base = bx.start }
+  end
+  return out
+end
+
+-- Reads the part of the shard r[key] (at place sp) that overlaps dst (at
+-- place dp) from the file, only its bytes, into dst; returns the number of
+-- elements copied.
+local function copy_overlap(dst, dp, r, key, sp, shape)
   local da, db = as_flat(dp, shape)
   local sa, sb = as_flat(sp, shape)
-  if da and sa then
+  if da and sa then -- two flat ranges: one read of their overlap
     local a, b = math.max(da, sa), math.min(db, sb)
     if a >= b then return 0 end
-    local d = dst:view({ dst:numel() }):narrow(0, a - da, b - a)
-    local s = src:reshape({ src:numel() }):narrow(0, a - sa, b - a)
-    d:copy_(s)
+    local s = r:read(key, { shape = { sb - sa }, offsets = { a - sa }, sizes = { b - a } })
+    dst:view({ dst:numel() }):narrow(0, a - da, b - a):copy_(s)
+    s:free()
     return b - a
   end
   local n = 0
-  for _, db_ in ipairs(boxes_of(dst, dp, shape)) do
-    for _, sb_ in ipairs(boxes_of(src, sp, shape)) do
-      local d, s, m = db_.view, sb_.view, 1
+  local sboxes = src_boxes(sp, shape)
+  for _, dbx in ipairs(boxes_of(dst, dp, shape)) do
+    for _, sbx in ipairs(sboxes) do
+      local d, offs, sizes, m = dbx.view, {}, {}, 1
       for k = 1, #shape do
-        local a = math.max(db_.offsets[k], sb_.offsets[k])
-        local b = math.min(db_.offsets[k] + db_.sizes[k], sb_.offsets[k] + sb_.sizes[k])
+        local a = math.max(dbx.offsets[k], sbx.offsets[k])
+        local b = math.min(dbx.offsets[k] + dbx.sizes[k], sbx.offsets[k] + sbx.sizes[k])
         if a >= b then m = 0; break end
-        d = d:narrow(k - 1, a - db_.offsets[k], b - a)
-        s = s:narrow(k - 1, a - sb_.offsets[k], b - a)
+        d = d:narrow(k - 1, a - dbx.offsets[k], b - a)
+        offs[k], sizes[k] = a - sbx.offsets[k], b - a
         m = m * (b - a)
       end
       if m > 0 then
+        local s = r:read(key, { shape = sbx.shape, base = sbx.base, offsets = offs, sizes = sizes })
         d:copy_(s)
+        s:free()
         n = n + m
       end
     end
@@ -498,24 +545,37 @@ local function same_shape(a, b)
   return true
 end
 
---- load_pieces(path, pieces [, {missing_ok = fn(name)}]): fills every piece's
---- tensor with its part of the checkpoint's global tensor, reading the
---- shards that overlap it (files read once each, on the CPU).
+--- load_pieces(path, pieces [, {missing_ok = fn(name)}]) -> index, stats: fills
+--- every piece's tensor with its part of the checkpoint's global tensor,
+--- reading from the shards that overlap it only the bytes of the overlap
+--- (moe.open_safetensors: each file's header once, then a read per run of
+--- the overlap that is contiguous in the file). stats (also M.last_load):
+--- {bytes =, reads =, files =, seconds =}: what this call read.
 function M.load_pieces(path, pieces, opts)
   opts = opts or {}
+  local t0 = moe.clock()
   local idx = M.read_index(path)
-  local files = {}
-  local function file(name)
-    local f = files[name]
-    if f == nil then
-      local ok, t = pcall(moe.load, path .. "/" .. name)
-      if not ok then fail("cannot read '%s/%s': %s", path, name, tostring(t)) end
-      files[name] = t
-      f = t
+  local readers, entries, order = {}, {}, {}
+  local function reader(name)
+    local r = readers[name]
+    if r == nil then
+      local ok, res = pcall(moe.open_safetensors, path .. "/" .. name)
+      if not ok then fail("cannot read '%s/%s': %s", path, name, tostring(res)) end
+      r = res
+      readers[name], entries[name], order[#order + 1] = r, r:entries(), name
     end
-    return f
+    return r, entries[name]
   end
-  moe.no_grad(function()
+  local function close_all()
+    local bytes, reads = 0, 0
+    for _, name in ipairs(order) do
+      local b, n = readers[name]:bytes_read()
+      bytes, reads = bytes + b, reads + n
+      readers[name]:close()
+    end
+    return bytes, reads
+  end
+  local ok, err = pcall(moe.no_grad, function()
     for _, p in ipairs(pieces) do
       local e = idx.tensors[p.name]
       if e == nil then
@@ -534,10 +594,10 @@ function M.load_pieces(path, pieces, opts)
         end
         local got = 0
         for _, s in ipairs(e.shards) do
-          local src = file(s.file)[s.key]
-          if src == nil then fail("'%s/%s' has no tensor '%s'", path, s.file, s.key) end
+          local r, keys = reader(s.file)
+          if keys[s.key] == nil then fail("'%s/%s' has no tensor '%s'", path, s.file, s.key) end
           moe.scope(function()
-            got = got + copy_overlap(p.tensor, p.place, src, place_of(s), p.shape)
+            got = got + copy_overlap(p.tensor, p.place, r, s.key, place_of(s), p.shape)
           end)
         end
         if got ~= want then
@@ -546,10 +606,10 @@ function M.load_pieces(path, pieces, opts)
       end
     end
   end)
-  for _, f in pairs(files) do
-    for _, t in pairs(f) do t:free() end
-  end
-  return idx
+  local bytes, reads = close_all()
+  if not ok then error(err, 0) end
+  M.last_load = { bytes = bytes, reads = reads, files = #order, seconds = moe.clock() - t0 }
+  return idx, M.last_load
 end
 
 --- read_state(path, rank, world) -> state.json's table, with rng and data of
@@ -557,8 +617,23 @@ end
 --- size: rank r's; another: rank 0's, the state every rank draws the same
 --- global batch from).
 function M.read_state(path, rank, world)
+  -- state.json, index.json and the extra files (the tokenizer's) against
+  -- digests.txt: small files, read whole (the shards are checked by
+  -- resume=latest's checkpoint.verify; their headers when they are read)
+  local digests, why = checkpoint.read_digests(path)
+  if not digests then fail("%s", why) end
+  local function check(name)
+    if digests == "none" then return end
+    local ok, err = checkpoint.check_file(path, name, digests)
+    if not ok then fail("%s", err) end
+  end
+  check("state.json")
+  if M.is_sharded(path) then check("index.json") end
   local ok, st = pcall(json.decode, read_file(path .. "/state.json"))
   if not ok or type(st) ~= "table" then fail("corrupt '%s/state.json': %s", path, tostring(st)) end
+  if type(st.files) == "table" then
+    for _, name in ipairs(st.files) do check(name) end
+  end
   if st.ranks then
     local mine = (st.world_size == world and st.ranks[rank + 1]) or st.ranks[1] or {}
     st.rng, st.data = mine.rng, mine.data

@@ -305,7 +305,7 @@ function M.run(user_cfg, parts)
     end
     if par.distributed then -- every rank writes its shards (moe/train/dcp.lua)
       local path = par:save_checkpoint(state.step, model, opt, rank_state, { consumed_tokens = state.consumed_tokens,
-        skipped_steps = state.skipped_steps, tokenizer = tok_rec,
+        skipped_steps = state.skipped_steps, tokenizer = tok_rec, files = tok_rec and tok_files or nil,
         config = tconfig.plain(cfg), optim_scalars = tconfig.plain(opt:state_scalars()) })
       if path then
         result.checkpoint, state.checkpoint = path, path
@@ -442,6 +442,9 @@ function M.run(user_cfg, parts)
     state.lr = lr
     local gn = train_step()
     local step = state.step
+    if step == first_step + 1 and par.writer and os.getenv("MOE_LAUNCH_TIMELINE") then -- launch's restart timeline
+      require("moe.cli.launch").timeline_event("first_step", { step = step, resumed = resume_path })
+    end
     result.losses[step] = state.lm_loss
     result.step = step
     if state.skipped then
