@@ -615,7 +615,7 @@ moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_t
   if (need_host) {
     host = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m > 0 ? m : 1));
     if (!host) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: no memory", fn);
-    st = moe_tensor_to_i64(ctx, ids, host); /* CUDA: a synchronisation (num_classes -1) */
+    st = moe_tensor_values_i64(ctx, ids, host); /* CUDA: a synchronisation (num_classes -1) */
   }
   if (st == MOE_OK && num_classes == -1) {
     if (m == 0) {

@@ -344,6 +344,31 @@ static void test_bincount(moe_ctx *ctx) {
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
 }
 
+/* moe_host_reads on the CPU: bincount (and one_hot, an op reading its ids on
+ * the host) read nothing back; reading a tensor's values counts one copy and
+ * one sync, as a GPU tensor's would. */
+static void test_host_reads(moe_ctx *ctx) {
+  int64_t c0 = -1, s0 = -1, c1 = -1, s1 = -1;
+  moe_tensor *ids = mk(ctx, MOE_I64, 1, SH(4), VALS(0, 2, 2, 1)), *o = NULL, *h = NULL;
+  moe_host_reads(ctx, &c0, &s0);
+  EXPECT(c0 >= 0 && s0 >= c0);
+  EXPECT_OK(moe_bincount(ctx, ids, 3, &o));
+  EXPECT_OK(moe_one_hot(ctx, ids, 3, &h));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 && s1 == s0);
+  int64_t v[3] = {0};
+  EXPECT_OK(moe_tensor_to_i64(ctx, o, v));
+  EXPECT(v[0] == 1 && v[1] == 1 && v[2] == 2);
+  moe_host_reads(ctx, &c1, NULL);
+  moe_host_reads(ctx, NULL, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 1);
+  moe_host_reads(NULL, &c1, &s1);
+  EXPECT(c1 == 0 && s1 == 0);
+  moe_tensor_release(ids);
+  moe_tensor_release(o);
+  moe_tensor_release(h);
+}
+
 /* ------------------------------------------------------ sort, topk */
 
 static moe_status f_sort(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
@@ -706,6 +731,7 @@ int main(void) {
   RUN(test_embedding);
   RUN(test_one_hot);
   RUN(test_bincount);
+  RUN(test_host_reads);
   RUN(test_sort);
   RUN(test_join);
   RUN(test_rope);

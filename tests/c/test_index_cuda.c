@@ -792,6 +792,28 @@ static void test_bincount_bad_cuda(moe_ctx *ctx) {
   moe_tensor_release(bad);
 }
 
+/* moe_host_reads on a GPU: bincount queues work and reads nothing back; a
+ * copy to the host is one copy and one sync; a synchronisation one sync. */
+static void test_host_reads_cuda(moe_ctx *ctx) {
+  moe_tensor *ids = ids_gpu(ctx, 4, (const int64_t[]){0, 2, 2, 1}), *o = NULL, *h = NULL;
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  int64_t c0, s0, c1, s1;
+  moe_host_reads(ctx, &c0, &s0);
+  EXPECT_OK(moe_bincount(ctx, ids, 3, &o));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 && s1 == s0);
+  EXPECT_OK(moe_to(ctx, o, MOE_I64, MOE_CPU, &h));
+  if (h) EXPECT_VALUES(h, 0, 1, 1, 2);
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 1);
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 2);
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  moe_tensor_release(ids);
+}
+
 /* ------------------------------------------------------- multinomial */
 
 static void test_multinomial_cuda(moe_ctx *ctx) {
@@ -926,6 +948,7 @@ int main(void) {
   RUN(test_multinomial_cuda);
   RUN(test_bincount_cuda);
   RUN(test_bincount_bad_cuda);
+  RUN(test_host_reads_cuda);
   if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
   return harness_end();
 }
