@@ -5,6 +5,7 @@
  *   moe.manual_seed(seed)          moe.get_rng_state() / set_rng_state(s)
  *   moe.memory_stats([device])     moe.reset_peak_memory_stats([device])
  *   moe.empty_cache([device])      moe.clock()
+ *   moe.host_reads()
  *   moe.build_info()               moe.version_report()
  *   moe.cuda.is_available()        moe.cuda.device_count()
  *   moe.cuda.synchronize([dev])    moe.cuda.get_device_name([dev])
@@ -119,6 +120,19 @@ static int lm_empty_cache(lua_State *L) {
   lm_checkend(L, 1, "empty_cache");
   if (moe_memory_empty_cache(S->ctx, d) != MOE_OK) return lm_corefail(L, S, "empty_cache", 1);
   return 0;
+}
+
+/* moe.host_reads() -> {copies =, syncs =}: the context's reads of device
+ * values by the host so far (moe.h moe_host_reads; counted on the CPU too). */
+static int lm_host_reads(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_checkend(L, 0, "host_reads");
+  int64_t copies = 0, syncs = 0;
+  moe_host_reads(S->ctx, &copies, &syncs);
+  lua_createtable(L, 0, 2);
+  lm_setint(L, "copies", copies);
+  lm_setint(L, "syncs", syncs);
+  return 1;
 }
 
 /* -------------------------------------------------------------------- CUDA */
@@ -306,6 +320,7 @@ static const luaL_Reg lm_device_functions[] = {
     {"memory_stats", lm_memory_stats},
     {"reset_peak_memory_stats", lm_reset_peak_memory_stats},
     {"empty_cache", lm_empty_cache},
+    {"host_reads", lm_host_reads},
     {"build_info", lm_build_info},
     {"version_report", lm_version_report},
     {"clock", lm_clock},

@@ -1,5 +1,6 @@
 /*
- * lindex.c - Lua bindings of indexing, sorting, topk, joining, rotary embedding, multinomial.
+ * lindex.c - Lua bindings of indexing, bincount, sorting, topk, joining, rotary embedding,
+ * multinomial.
  * Registered by luaopen_moe through lm_open_index (see lmoe_internal.h).
  *
  * Each function serves as moe.<op>(x, ...) and as the method x:<op>(...)
@@ -150,6 +151,20 @@ static int lm_one_hot(lua_State *L) {
   moe_status st;
   LM_CALL(L, st, moe_one_hot(S->ctx, ids, n, &out));
   return lm_result(L, S, r, st, out, "one_hot", 0);
+}
+
+/* moe.bincount(ids, E): (E) i64 counts of the ids */
+static int lm_bincount(lua_State *L) {
+  lm_state *S = lm_S(L);
+  moe_tensor *ids = lm_checktensor(L, 1, "bincount");
+  int64_t E = lm_checkint(L, 2, "bincount", "number of bins");
+  lm_checkend(L, 2, "bincount");
+  if (E < 0) lm_argerror(L, 2, "bincount", "the number of bins must be >= 0, got %I", (LUAI_UACINT)E);
+  lm_tensor *r = lm_push_empty(L);
+  moe_tensor *out = NULL;
+  moe_status st;
+  LM_CALL(L, st, moe_bincount(S->ctx, ids, E, &out));
+  return lm_result(L, S, r, st, out, "bincount", 0);
 }
 
 /* ------------------------------------------------------ sort, topk */
@@ -363,7 +378,8 @@ static const luaL_Reg lm_index_functions[] = {
     {"cat", lm_cat},                 {"stack", lm_stack},
     {"split", lm_split},             {"chunk", lm_chunk},
     {"rope", lm_rope},               {"rope_cache", lm_rope_cache},
-    {"multinomial", lm_multinomial}, {NULL, NULL}};
+    {"multinomial", lm_multinomial}, {"bincount", lm_bincount},
+    {NULL, NULL}};
 
 static const luaL_Reg lm_index_methods[] = {
     {"gather", lm_gather},           {"scatter", lm_scatter},
@@ -372,7 +388,8 @@ static const luaL_Reg lm_index_methods[] = {
     {"sort", lm_sort},               {"argsort", lm_argsort},
     {"topk", lm_topk},               {"split", lm_split},
     {"chunk", lm_chunk},             {"rope", lm_rope},
-    {"multinomial", lm_multinomial}, {NULL, NULL}};
+    {"multinomial", lm_multinomial}, {"bincount", lm_bincount},
+    {NULL, NULL}};
 
 void lm_open_index(lua_State *L, int mod, int methods, int sentinel) {
   lm_register(L, mod, methods, sentinel, lm_index_functions, lm_index_methods);

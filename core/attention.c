@@ -76,7 +76,7 @@ static double *attn_read(moe_ctx *ctx, const moe_tensor *t, moe_status *st) {
                     (long long)n);
     return NULL;
   }
-  *st = moe_tensor_to_f64(ctx, t, p);
+  *st = moe_tensor_values_f64(ctx, t, p);
   if (*st != MOE_OK) {
     free(p);
     return NULL;

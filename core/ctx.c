@@ -53,6 +53,11 @@ void moe_ctx_free(moe_ctx *ctx) {
 const char *moe_ctx_error(const moe_ctx *ctx) { return ctx ? ctx->err : "no context"; }
 moe_status moe_ctx_status(const moe_ctx *ctx) { return ctx ? ctx->status : MOE_ERR_INVALID_ARG; }
 
+void moe_host_reads(const moe_ctx *ctx, int64_t *copies, int64_t *syncs) {
+  if (copies) *copies = ctx ? ctx->host_copies : 0;
+  if (syncs) *syncs = ctx ? ctx->host_syncs : 0;
+}
+
 void moe_ctx_clear(moe_ctx *ctx) {
   if (!ctx) return;
   ctx->status = MOE_OK;

@@ -259,6 +259,7 @@ moe_status moe_cuda_synchronize(moe_ctx *ctx, moe_device d) {
   if (!ctx->cuda || !ctx->cuda->dev[d.index].ready) return MOE_OK; /* nothing was queued */
   MOE_CUDA_CHECK(ctx, cudaSetDevice(d.index));
   MOE_CUDA_CHECK(ctx, cudaStreamSynchronize(ctx->cuda->dev[d.index].stream));
+  ctx->host_syncs++;
   return moe_cuda_kerr_check(ctx, d.index);
 }
 
@@ -282,6 +283,7 @@ moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev) {
 
 moe_status moe_cuda_event_synchronize(moe_ctx *ctx, void *ev) {
   MOE_CUDA_CHECK(ctx, cudaEventSynchronize((cudaEvent_t)ev));
+  ctx->host_syncs++;
   return MOE_OK;
 }
 
@@ -610,6 +612,7 @@ moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *s
     MOE_CUDA_CHECK(ctx, cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDeviceToHost,
                                         (cudaStream_t)stream));
     MOE_CUDA_CHECK(ctx, cudaStreamSynchronize((cudaStream_t)stream));
+    moe_host_read_note(ctx);
     return moe_cuda_kerr_check(ctx, sd.index);
   }
   if (dd.index == sd.index) {

@@ -1,7 +1,7 @@
 /*
  * index.c - the index family (moe_index.h): gather, scatter, scatter_add,
- * index_select, index_add, embedding, one_hot, sort, argsort, topk. Each op
- * validates, runs the CPU reference here or the CUDA entry point of
+ * index_select, index_add, embedding, one_hot, bincount, sort, argsort, topk.
+ * Each op validates, runs the CPU reference here or the CUDA entry point of
  * index_cuda.h, and records its autograd node (moe_autograd.h). Joining and
  * splitting live in join.c, rotary embedding in rope.c, multinomial in
  * multinomial.c; index_util.h holds what they share.
@@ -615,7 +615,7 @@ moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_t
   if (need_host) {
     host = (int64_t *)malloc(sizeof(int64_t) * (size_t)(m > 0 ? m : 1));
     if (!host) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: no memory", fn);
-    st = moe_tensor_to_i64(ctx, ids, host); /* CUDA: a synchronisation (num_classes -1) */
+    st = moe_tensor_values_i64(ctx, ids, host); /* CUDA: a synchronisation (num_classes -1) */
   }
   if (st == MOE_OK && num_classes == -1) {
     if (m == 0) {
@@ -656,6 +656,59 @@ moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_t
   }
   free(host);
   moe_tensor_release(flat);
+  if (st != MOE_OK) {
+    moe_tensor_release(r);
+    return st;
+  }
+  *out = r;
+  return MOE_OK;
+}
+
+/* ------------------------------------------------------------ bincount */
+
+moe_status moe_bincount(moe_ctx *ctx, moe_tensor *ids, int64_t E, moe_tensor **out) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  const char *fn = "bincount";
+  MOE_CHECK(ix_null(ctx, fn, "ids", ids));
+  MOE_CHECK(ix_null(ctx, fn, "out", out));
+  MOE_CHECK(ix_index_dtype(ctx, fn, "ids", ids));
+  if (E < 0)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: the number of bins must be >= 0, got %lld", fn,
+                     (long long)E);
+  MOE_CHECK(moe_device_check(ctx, ids->storage->device));
+  int64_t n = moe_tensor_numel(ids);
+  moe_tensor *r = NULL, *flat = NULL, *fc = NULL;
+  moe_status st;
+  if (!ix_cuda(ids)) {
+    st = moe_tensor_full(ctx, 1, (int64_t[]){E}, 0.0, MOE_I64, ids->storage->device, &r);
+    if (st != MOE_OK) return st;
+    int64_t *po = (int64_t *)moe_tensor_data(r), coord[MOE_MAX_DIMS] = {0};
+    const char *p = (const char *)moe_tensor_data(ids);
+    int64_t es = (int64_t)moe_dtype_size(ids->dtype);
+    for (int64_t i = 0; i < n; i++) {
+      int64_t v = moe_load_i64(p + ix_offset(ids->ndim, coord, ids->stride) * es, ids->dtype);
+      if (v < 0 || v >= E) {
+        moe_tensor_release(r);
+        return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                         "%s: ids holds %lld at position %lld, outside [0, %lld)", fn,
+                         (long long)v, (long long)i, (long long)E);
+      }
+      po[v]++;
+      ix_next(ids->ndim, ids->shape, coord);
+    }
+    *out = r;
+    return MOE_OK;
+  }
+  bool prev = moe_grad_set(ctx, false);
+  st = moe_tensor_empty(ctx, 1, (int64_t[]){E}, MOE_I64, ids->storage->device, &r);
+  if (st == MOE_OK) st = moe_reshape(ctx, ids, 1, (int64_t[]){n}, &flat);
+  if (st == MOE_OK) st = moe_contiguous(ctx, flat, &fc);
+  if (st == MOE_OK && E > 0)
+    st = moe_cuda_bincount(ctx, ids->storage->device.index, fn, (int64_t *)moe_tensor_data(r),
+                           moe_tensor_data(fc), fc->dtype, n, E);
+  moe_grad_set(ctx, prev);
+  moe_tensor_release(flat);
+  moe_tensor_release(fc);
   if (st != MOE_OK) {
     moe_tensor_release(r);
     return st;

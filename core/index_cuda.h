@@ -49,6 +49,12 @@ moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *fn, void *ou
 moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn, int64_t *out, const void *ids,
                             moe_dtype ids_dt, int64_t m, int64_t num_classes);
 
+/* out (E) i64 contiguous = the counts of ids (contiguous (n), i64 or i32);
+ * ids outside [0, E) are counted nowhere and reported under fn (kerr.h).
+ * Zeroes out itself (a memset on the stream) before counting. */
+moe_status moe_cuda_bincount(moe_ctx *ctx, int device, const char *fn, int64_t *out,
+                             const void *ids, moe_dtype ids_dt, int64_t n, int64_t E);
+
 /* x, values (rows, cols) contiguous of dtype dt, indices (rows, cols) i64:
  * each row sorted stably (CUB segmented radix sort). rows * cols < 2^31. */
 moe_status moe_cuda_sort_rows(moe_ctx *ctx, int device, void *values, int64_t *indices,

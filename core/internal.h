@@ -36,7 +36,20 @@ struct moe_ctx {
   moe_grad_ready_fn grad_ready; /* leaf hook of moe_backward, or NULL */
   void *grad_ready_ud;          /* its argument */
   moe_knobs knobs;            /* kernel tuning knobs, read at creation (knobs.h) */
+  int64_t host_copies;        /* reads of tensor values by the host (moe_host_reads) */
+  int64_t host_syncs;         /* host waits for a device (moe_host_reads) */
 };
+
+/* One read of device values by the host (moe_host_reads): a copy and the
+ * wait it costs; a CPU read that a GPU tensor would make a copy counts too. */
+static inline void moe_host_read_note(moe_ctx *ctx) {
+  ctx->host_copies++;
+  ctx->host_syncs++;
+}
+/* moe_tensor_to_f64 / _i64 for a CPU reference reading its own operands:
+ * not counted as a host read on the CPU (a GPU tensor's copy still is). */
+moe_status moe_tensor_values_f64(moe_ctx *ctx, const moe_tensor *t, double *values);
+moe_status moe_tensor_values_i64(moe_ctx *ctx, const moe_tensor *t, int64_t *values);
 
 /* Propagate a failure: the callee already wrote the message. */
 #define MOE_CHECK(call)                 \

@@ -172,6 +172,24 @@ moe_status moe_memory_reset_peak(moe_ctx *ctx, moe_device d);
 /* Returns cached, unused device blocks to CUDA (no-op on the CPU). */
 moe_status moe_memory_empty_cache(moe_ctx *ctx, moe_device d);
 
+/* Reads of device values by the host since the context began, for tests and
+ * profiles that count a step's host synchronisations:
+ *   copies  copies of tensor values to the host: a GPU tensor's values
+ *           read or moved to the CPU (item, totable, to("cpu")), the routing
+ *           plan's counts copy (moe_routing.h);
+ *   syncs   host waits for a device: each of those copies (it waits for the
+ *           stream), moe_cuda_synchronize, and the synchronisation of a
+ *           CUDA event.
+ * Counted on every device: reading a CPU tensor's values (moe_tensor_to_f64
+ * / moe_tensor_to_i64, what item and totable use) and a CPU plan's counts
+ * copy count one copy and one sync each, as they would on a GPU, so a CPU
+ * test sees what a GPU step would pay (in a GPU run such a read of a host
+ * tensor counts too; read a GPU tensor's values directly, not through a CPU
+ * copy, to count its one copy once). Not counted: copies from the host to a
+ * device, between two devices, and waits inside NCCL or allocator teardown.
+ * Either pointer may be NULL. */
+void moe_host_reads(const moe_ctx *ctx, int64_t *copies, int64_t *syncs);
+
 /* ----------------------------------------------------------------- storage */
 
 typedef struct moe_storage {

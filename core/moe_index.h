@@ -24,11 +24,12 @@
  * context goes on afterwards.
  *
  * Determinism: nothing here uses floating-point atomics. On CUDA the ops that
- * accumulate (scatter_add, index_add, the backward of gather, index_select
- * and embedding) sort the targets with a stable radix sort and let one
- * thread own each target, adding in the order of the index tensor, as the
- * CPU does; scatter with repeated targets keeps the last one in row-major
- * order, on both devices.
+ * accumulate floats (scatter_add, index_add, the backward of gather,
+ * index_select and embedding) sort the targets with a stable radix sort and
+ * let one thread own each target, adding in the order of the index tensor,
+ * as the CPU does; integer sums (scatter_add of i32/i64, bincount) use
+ * integer atomics, whose result does not depend on the order; scatter with
+ * repeated targets keeps the last one in row-major order, on both devices.
  *
  * dtypes: data movement (gather, scatter, index_select, embedding, cat,
  * stack, split) takes every dtype; accumulation (scatter_add, index_add) takes
@@ -81,6 +82,20 @@ moe_status moe_embedding(moe_ctx *ctx, moe_tensor *weight, moe_tensor *ids, moe_
  * ids[s]. num_classes -1 means max(ids) + 1 (on CUDA this reads ids back to
  * the host: a synchronisation). */
 moe_status moe_one_hot(moe_ctx *ctx, moe_tensor *ids, int64_t num_classes, moe_tensor **out);
+
+/* ids of any shape and strides (i64 or i32), E >= 0 -> out (E) i64 on ids'
+ * device: out[e] = how many elements of ids equal e (the MoE router's expert
+ * counts). Not differentiable. CPU: an id outside [0, E) is an error naming
+ * the value, its position and the range. CUDA: no check at the launch (that
+ * would be a synchronisation): an id outside [0, E) is counted in no bin and
+ * reported at the next synchronisation, as every index op here (above). One
+ * launch after a memset: each block counts into a histogram in shared memory
+ * (E <= MOE_BINCOUNT_SMEM_MAX; larger E counts straight into global memory),
+ * lanes of a warp holding the same id add once, then the blocks add their
+ * bins to out with integer atomics (deterministic: integer sums do not depend
+ * on the order). Nothing synchronises with the host. */
+moe_status moe_bincount(moe_ctx *ctx, moe_tensor *ids, int64_t E, moe_tensor **out);
+#define MOE_BINCOUNT_SMEM_MAX 8192
 
 /* ------------------------------------------------------ sort and topk */
 /*

@@ -195,6 +195,10 @@ moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn, int64_t *o
                             moe_dtype ids_dt, int64_t m, int64_t num_classes) {
   return NO_CUDA_FN(ctx, "moe_cuda_one_hot");
 }
+moe_status moe_cuda_bincount(moe_ctx *ctx, int device, const char *fn, int64_t *out,
+                             const void *ids, moe_dtype ids_dt, int64_t n, int64_t E) {
+  return NO_CUDA_FN(ctx, "moe_cuda_bincount");
+}
 moe_status moe_cuda_sort_rows(moe_ctx *ctx, int device, void *values, int64_t *indices,
                               const void *x, moe_dtype dt, int64_t rows, int64_t cols,
                               bool descending) {

@@ -262,6 +262,7 @@ moe_status moe_routing_plan_counts_to_host(moe_ctx *ctx, moe_routing_plan *p) {
     }
   } else {
     memcpy(off, moe_tensor_data(p->offsets), sizeof(int64_t) * (size_t)(E + 1));
+    moe_host_read_note(ctx); /* counted as on a GPU (moe_host_reads) */
   }
   return rt_set_host(ctx, p, off, true);
 }

@@ -400,16 +400,18 @@ moe_status moe_tensor_from_f64(moe_ctx *ctx, const double *values, int ndim,
 
 /* Reads t in row-major order into vf (as doubles) or vi (as int64s). */
 static moe_status tensor_read(moe_ctx *ctx, const char *fn, const moe_tensor *t, double *vf,
-                              int64_t *vi) {
+                              int64_t *vi, bool count) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
   MOE_CHECK(check_arg(ctx, fn, t, "tensor"));
   if (moe_tensor_numel(t) == 0) return MOE_OK;
   if (!vf && !vi) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: values is NULL", fn);
   moe_tensor *h = (moe_tensor *)t; /* only retained and released */
-  if (t->storage->device.type != MOE_DEVICE_CPU)
-    MOE_CHECK(moe_to(ctx, h, t->dtype, MOE_CPU, &h));
-  else
+  if (t->storage->device.type != MOE_DEVICE_CPU) {
+    MOE_CHECK(moe_to(ctx, h, t->dtype, MOE_CPU, &h)); /* counted by the copy */
+  } else {
     moe_tensor_retain(h);
+    if (count) moe_host_read_note(ctx); /* what the copy of a GPU tensor would cost */
+  }
   moe_kview v = moe_kview_of(h);
   moe_loop l;
   moe_loop_init(&l, 1, (const moe_kview *[]){&v});
@@ -430,11 +432,19 @@ static moe_status tensor_read(moe_ctx *ctx, const char *fn, const moe_tensor *t,
 }
 
 moe_status moe_tensor_to_f64(moe_ctx *ctx, const moe_tensor *t, double *values) {
-  return tensor_read(ctx, "to_f64", t, values, NULL);
+  return tensor_read(ctx, "to_f64", t, values, NULL, true);
 }
 
 moe_status moe_tensor_to_i64(moe_ctx *ctx, const moe_tensor *t, int64_t *values) {
-  return tensor_read(ctx, "to_i64", t, NULL, values);
+  return tensor_read(ctx, "to_i64", t, NULL, values, true);
+}
+
+moe_status moe_tensor_values_f64(moe_ctx *ctx, const moe_tensor *t, double *values) {
+  return tensor_read(ctx, "to_f64", t, values, NULL, false);
+}
+
+moe_status moe_tensor_values_i64(moe_ctx *ctx, const moe_tensor *t, int64_t *values) {
+  return tensor_read(ctx, "to_i64", t, NULL, values, false);
 }
 
 /* ------------------------------------------------------------------- views */

@@ -1,8 +1,8 @@
 /*
  * index.cu - CUDA kernels of the index family (entry points in
  * core/index_cuda.h, called by core/index.c): gather, the sort-based
- * scatter / scatter_add, index_add, one_hot, row sort (CUB), warp topk,
- * rope and multinomial.
+ * scatter / scatter_add, index_add, one_hot, bincount, row sort (CUB), warp
+ * topk, rope and multinomial.
  *
  * No floating-point atomics: accumulation sorts the targets with CUB's stable
  * radix sort and gives each distinct target one thread, which adds its
@@ -366,6 +366,80 @@ extern "C" moe_status moe_cuda_one_hot(moe_ctx *ctx, int device, const char *fn,
   ix_one_hot_kernel<<<moe_blocks(m), MOE_THREADS, 0, (cudaStream_t)stream>>>(
       m, out, ids, ids_dt == MOE_I32, num_classes, kerr, tag);
   MOE_CUDA_CHECK_LAUNCH(ctx, "one_hot kernel");
+  return MOE_OK;
+}
+
+/* -------------------------------------------------------------- bincount */
+
+/* Counts ids (contiguous (n)) into out (E). smem: each block counts into a
+ * histogram of E 32-bit bins in shared memory (the launch keeps a block's
+ * share of ids under 2^31), then adds its non-zero bins to out; else every
+ * count goes straight to out. The warps walk the ids together (base is one
+ * value per warp), so the lanes holding one id find each other
+ * (__match_any_sync) and the lowest adds their number: one atomic per
+ * distinct id per warp, which keeps a skewed histogram (an untrained router
+ * sending most tokens to one expert) from queueing on one bin. Integer
+ * atomics: the same counts in any order. ids outside [0, E) go nowhere and
+ * are reported (kerr). */
+__global__ void __launch_bounds__(MOE_THREADS)
+    ix_bincount_kernel(int64_t n, const void *ids, bool i32, int64_t E, bool smem,
+                       unsigned long long *out, moe_kerr *kerr, int kerr_tag) {
+  extern __shared__ unsigned int ix_hist[];
+  if (smem) {
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) ix_hist[e] = 0u;
+    __syncthreads();
+  }
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x & ~31); base < n;
+       base += stride) {
+    const int64_t i = base + lane;
+    long long key = -1;
+    if (i < n) {
+      const int64_t v = ix_load_index(ids, i32, i);
+      if (v >= 0 && v < E) key = (long long)v;
+      else moe_kerr_report(kerr, kerr_tag, v, E);
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, key);
+    if (key >= 0 && lane == __ffs(peers) - 1) {
+      const unsigned c = (unsigned)__popc(peers);
+      if (smem) atomicAdd(&ix_hist[key], c);
+      else atomicAdd(&out[key], (unsigned long long)c);
+    }
+  }
+  if (smem) {
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
+      const unsigned c = ix_hist[e];
+      if (c) atomicAdd(&out[e], (unsigned long long)c);
+    }
+  }
+}
+
+extern "C" moe_status moe_cuda_bincount(moe_ctx *ctx, int device, const char *fn, int64_t *out,
+                                        const void *ids, moe_dtype ids_dt, int64_t n, int64_t E) {
+  if (E == 0) return MOE_OK;
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  cudaStream_t s = (cudaStream_t)stream;
+  MOE_CUDA_CHECK(ctx, cudaMemsetAsync(out, 0, (size_t)E * sizeof(int64_t), s));
+  if (n == 0) return MOE_OK;
+  int tag = 0;
+  moe_kerr *kerr = (moe_kerr *)moe_cuda_kerr(ctx, device, fn, &tag);
+  const bool smem = E <= MOE_BINCOUNT_SMEM_MAX;
+  /* 8 ids per thread, at most 256 blocks (each adds up to E bins to out),
+   * and enough blocks that none counts 2^31 ids into its 32-bit bins */
+  int64_t blocks = (n + MOE_THREADS * 8 - 1) / (MOE_THREADS * 8);
+  if (blocks > 256) blocks = 256;
+  const int64_t min_blocks = (n + ((int64_t)1 << 31) - 1) >> 31;
+  if (blocks < min_blocks) blocks = min_blocks;
+  if (blocks > INT32_MAX)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED, "%s: %lld ids are too many for one launch", fn,
+                     (long long)n);
+  const size_t shm = smem ? (size_t)E * sizeof(unsigned int) : 0;
+  ix_bincount_kernel<<<(unsigned)blocks, MOE_THREADS, shm, s>>>(
+      n, ids, ids_dt == MOE_I32, E, smem, (unsigned long long *)out, kerr, tag);
+  MOE_CUDA_CHECK_LAUNCH(ctx, "bincount kernel");
   return MOE_OK;
 }
 

@@ -298,6 +298,77 @@ static void test_one_hot(moe_ctx *ctx) {
   moe_tensor_release(f);
 }
 
+/* ------------------------------------------------------------ bincount */
+
+static void test_bincount(moe_ctx *ctx) {
+  moe_tensor *ids = mk(ctx, MOE_I64, 2, SH(2, 3), VALS(3, 0, 3, 1, 3, 0)), *o = NULL;
+  EXPECT_OK(moe_bincount(ctx, ids, 5, &o));
+  EXPECT(o && o->dtype == MOE_I64 && o->ndim == 1 && o->shape[0] == 5);
+  if (o) EXPECT_VALUES(o, 0, 2, 1, 0, 3, 0);
+  moe_tensor_release(o);
+  /* i32, non-contiguous (the transpose reads 3, 1, 0, 3, 3, 0) */
+  moe_tensor *i32 = mk(ctx, MOE_I32, 2, SH(2, 3), VALS(3, 0, 3, 1, 3, 0)), *tr = NULL;
+  EXPECT_OK(moe_transpose(ctx, i32, 0, 1, &tr));
+  EXPECT_OK(moe_bincount(ctx, tr, 4, &o));
+  if (o) EXPECT_VALUES(o, 0, 2, 1, 0, 3);
+  moe_tensor_release(o);
+  /* empty ids: zeros; zero bins with no ids: an empty result */
+  moe_tensor *e = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(0, 2), MOE_I64, MOE_CPU, &e));
+  EXPECT_OK(moe_bincount(ctx, e, 3, &o));
+  if (o) EXPECT_VALUES(o, 0, 0, 0, 0);
+  moe_tensor_release(o);
+  EXPECT_OK(moe_bincount(ctx, e, 0, &o));
+  EXPECT(o && o->shape[0] == 0);
+  moe_tensor_release(o);
+  /* every id in one bin (an untrained router) against a naive count */
+  moe_tensor *many = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(1000), 2, MOE_I64, MOE_CPU, &many));
+  EXPECT_OK(moe_bincount(ctx, many, 3, &o));
+  if (o) EXPECT_VALUES(o, 0, 0, 0, 1000);
+  moe_tensor_release(o);
+  /* errors: out of range (value, position, range), bad dtype, negative E */
+  o = NULL;
+  EXPECT_ERR_MSG(moe_bincount(ctx, ids, 3, &o), MOE_ERR_INVALID_ARG,
+                 "bincount: ids holds 3 at position 0, outside [0, 3)");
+  EXPECT(o == NULL);
+  moe_tensor *neg = mk(ctx, MOE_I64, 1, SH(3), VALS(0, 1, -1));
+  EXPECT_ERR_MSG(moe_bincount(ctx, neg, 3, &o), MOE_ERR_INVALID_ARG,
+                 "bincount: ids holds -1 at position 2, outside [0, 3)");
+  EXPECT_ERR_MSG(moe_bincount(ctx, e, 0, NULL), MOE_ERR_INVALID_ARG, "bincount: out is NULL");
+  moe_tensor *f = mk(ctx, MOE_F32, 1, SH(1), VALS(0));
+  EXPECT_ERR_MSG(moe_bincount(ctx, f, 2, &o), MOE_ERR_DTYPE, "bincount: ids must be i64 or i32, got f32");
+  EXPECT_ERR_MSG(moe_bincount(ctx, ids, -1, &o), MOE_ERR_INVALID_ARG,
+                 "bincount: the number of bins must be >= 0, got -1");
+  moe_tensor *ts[] = {ids, i32, tr, e, many, neg, f};
+  for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
+}
+
+/* moe_host_reads on the CPU: bincount (and one_hot, an op reading its ids on
+ * the host) read nothing back; reading a tensor's values counts one copy and
+ * one sync, as a GPU tensor's would. */
+static void test_host_reads(moe_ctx *ctx) {
+  int64_t c0 = -1, s0 = -1, c1 = -1, s1 = -1;
+  moe_tensor *ids = mk(ctx, MOE_I64, 1, SH(4), VALS(0, 2, 2, 1)), *o = NULL, *h = NULL;
+  moe_host_reads(ctx, &c0, &s0);
+  EXPECT(c0 >= 0 && s0 >= c0);
+  EXPECT_OK(moe_bincount(ctx, ids, 3, &o));
+  EXPECT_OK(moe_one_hot(ctx, ids, 3, &h));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 && s1 == s0);
+  int64_t v[3] = {0};
+  EXPECT_OK(moe_tensor_to_i64(ctx, o, v));
+  EXPECT(v[0] == 1 && v[1] == 1 && v[2] == 2);
+  moe_host_reads(ctx, &c1, NULL);
+  moe_host_reads(ctx, NULL, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 1);
+  moe_host_reads(NULL, &c1, &s1);
+  EXPECT(c1 == 0 && s1 == 0);
+  moe_tensor_release(ids);
+  moe_tensor_release(o);
+  moe_tensor_release(h);
+}
+
 /* ------------------------------------------------------ sort, topk */
 
 static moe_status f_sort(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
@@ -659,6 +730,8 @@ int main(void) {
   RUN(test_index_select_add);
   RUN(test_embedding);
   RUN(test_one_hot);
+  RUN(test_bincount);
+  RUN(test_host_reads);
   RUN(test_sort);
   RUN(test_join);
   RUN(test_rope);

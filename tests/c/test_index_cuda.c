@@ -5,8 +5,8 @@
  * skips (exit 77) without one.
  *
  * Tolerances, per op and dtype (written beside each check too):
- *   gather, index_select, embedding, scatter, one_hot, sort, argsort, topk,
- *   cat, stack, multinomial: exact. They move elements, compare them or
+ *   gather, index_select, embedding, scatter, one_hot, bincount, sort,
+ *   argsort, topk, cat, stack, multinomial: exact. They move elements, compare them or
  *   draw by the same double sums (moe_index.h), so values and indices match
  *   bit for bit (stable order on ties on both devices).
  *   scatter_add, index_add and the backward of gather/index_select/embedding:
@@ -708,6 +708,112 @@ static void test_bad_index_reported_cuda(moe_ctx *ctx) {
   for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
 }
 
+/* ------------------------------------------------------------- bincount */
+
+/* ids (n) in [0, E) with about `skew` of them in bin 0 (an untrained
+ * router), of dtype dt, on the CPU. */
+static moe_tensor *skewed_ids(moe_ctx *ctx, moe_dtype dt, int64_t n, int64_t E, double skew) {
+  moe_tensor *t = rint_(ctx, MOE_I64, E, 1, SH(n)), *u = NULL, *c = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 1, SH(n), MOE_F64, MOE_CPU, &u));
+  EXPECT_OK(moe_uniform_(ctx, u, 0, 1));
+  int64_t *pt = moe_tensor_data(t);
+  const double *pu = moe_tensor_data(u);
+  for (int64_t i = 0; i < n; i++)
+    if (pu[i] < skew) pt[i] = 0;
+  EXPECT_OK(moe_to(ctx, t, dt, MOE_CPU, &c));
+  moe_tensor_release(t);
+  moe_tensor_release(u);
+  return c;
+}
+
+/* Exact against the CPU: sizes 1, odd, a warp and a block boundary, the
+ * MoE router's 16384 ids, one bin taking nearly all; E from 1 to past the
+ * shared-memory histogram (MOE_BINCOUNT_SMEM_MAX: the global path); i32 and
+ * i64; a non-contiguous view; empty ids. */
+static void test_bincount_cuda(moe_ctx *ctx) {
+  const int64_t ns[] = {1, 31, 257, 16384, 100003};
+  const int64_t Es[] = {1, 64, 1000, MOE_BINCOUNT_SMEM_MAX, MOE_BINCOUNT_SMEM_MAX + 1};
+  const double skews[] = {0, 0.97};
+  for (int a = 0; a < 5; a++)
+    for (int b = 0; b < 5; b++)
+      for (int c = 0; c < 2; c++) {
+        moe_dtype dt = (a + b + c) % 2 ? MOE_I32 : MOE_I64;
+        moe_tensor *ids = skewed_ids(ctx, dt, ns[a], Es[b], skews[c]), *idsg = gpu(ctx, ids);
+        moe_tensor *x = NULL, *y = NULL;
+        EXPECT_OK(moe_bincount(ctx, idsg, Es[b], &x));
+        EXPECT_OK(moe_bincount(ctx, ids, Es[b], &y));
+        EXPECT(x && x->storage->device.type == MOE_DEVICE_CUDA && x->dtype == MOE_I64);
+        if (x && y) SAME(x, y, 0, "bincount");
+        rel3(ids, idsg, x);
+        moe_tensor_release(y);
+      }
+  /* a (3, 5) transposed view; 2-D ids */
+  moe_tensor *ids = skewed_ids(ctx, MOE_I64, 15, 4, 0.5), *ids2 = NULL, *tr = NULL, *idsg = NULL;
+  EXPECT_OK(moe_reshape(ctx, ids, 2, SH(3, 5), &ids2));
+  idsg = gpu(ctx, ids2);
+  EXPECT_OK(moe_transpose(ctx, idsg, 0, 1, &tr));
+  moe_tensor *x = NULL, *y = NULL;
+  EXPECT_OK(moe_bincount(ctx, tr, 4, &x));
+  EXPECT_OK(moe_bincount(ctx, ids, 4, &y));
+  if (x && y) SAME(x, y, 0, "bincount non-contiguous");
+  moe_tensor_release(x);
+  moe_tensor_release(y);
+  moe_tensor *e = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 1, SH(0), MOE_I64, GPU, &e));
+  EXPECT_OK(moe_bincount(ctx, e, 3, &x));
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(3), 0, MOE_I64, MOE_CPU, &y));
+  if (x && y) SAME(x, y, 0, "bincount of no ids");
+  moe_tensor_release(x);
+  moe_tensor_release(y);
+  moe_tensor *ts[] = {ids, ids2, tr, idsg, e};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* Out of range on CUDA: no error at the call (no host sync); the bad ids
+ * are counted nowhere and the next synchronisation names them. */
+static void test_bincount_bad_cuda(moe_ctx *ctx) {
+  moe_tensor *bad = ids_gpu(ctx, 4, (const int64_t[]){1, 7, 1, 0}), *o = NULL, *h = NULL;
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  EXPECT_OK(moe_bincount(ctx, bad, 3, &o));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "bincount: index 7 is out of range [0, 3) on cuda:0");
+  EXPECT_OK(moe_to(ctx, o, MOE_I64, MOE_CPU, &h)); /* reported once; the rest counted */
+  if (h) EXPECT_VALUES(h, 0, 1, 2, 0);
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  moe_tensor *neg = ids_gpu(ctx, 2, (const int64_t[]){-3, 0});
+  EXPECT_OK(moe_bincount(ctx, neg, MOE_BINCOUNT_SMEM_MAX + 5, &o)); /* the global path */
+  h = NULL;
+  EXPECT_ERR_MSG(moe_to(ctx, o, MOE_I64, MOE_CPU, &h), MOE_ERR_INVALID_ARG,
+                 "bincount: index -3 is out of range");
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  moe_tensor_release(neg);
+  moe_tensor_release(bad);
+}
+
+/* moe_host_reads on a GPU: bincount queues work and reads nothing back; a
+ * copy to the host is one copy and one sync; a synchronisation one sync. */
+static void test_host_reads_cuda(moe_ctx *ctx) {
+  moe_tensor *ids = ids_gpu(ctx, 4, (const int64_t[]){0, 2, 2, 1}), *o = NULL, *h = NULL;
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  int64_t c0, s0, c1, s1;
+  moe_host_reads(ctx, &c0, &s0);
+  EXPECT_OK(moe_bincount(ctx, ids, 3, &o));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 && s1 == s0);
+  EXPECT_OK(moe_to(ctx, o, MOE_I64, MOE_CPU, &h));
+  if (h) EXPECT_VALUES(h, 0, 1, 1, 2);
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 1);
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_host_reads(ctx, &c1, &s1);
+  EXPECT(c1 == c0 + 1 && s1 == s0 + 2);
+  moe_tensor_release(h);
+  moe_tensor_release(o);
+  moe_tensor_release(ids);
+}
+
 /* ------------------------------------------------------- multinomial */
 
 static void test_multinomial_cuda(moe_ctx *ctx) {
@@ -813,7 +919,17 @@ static void test_timings(moe_ctx *ctx) {
   EXPECT_OK(moe_uniform_(ctx, pr, 0, 1));
   BENCH("multinomial (64, 50257) f32, 1 sample", 64.0 * 50257 * 4,
         { moe_multinomial(ctx, pr, 1, true, &o); moe_tensor_release(o); });
-  moe_tensor *ts[] = {x, x2, ids, idsg, w, tok, tokg, g, z, q, c, s, pr};
+  /* the router's expert counts: 16384 ids into 64 bins, nearly all in one
+   * (an untrained router), by bincount and by the scatter_add of ones */
+  moe_tensor *rid = skewed_ids(ctx, MOE_I64, 16384, 64, 0.97), *ridg = gpu(ctx, rid);
+  moe_tensor *one = NULL, *zb = NULL;
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(16384), 1, MOE_I64, GPU, &one));
+  EXPECT_OK(moe_tensor_full(ctx, 1, SH(64), 0, MOE_I64, GPU, &zb));
+  BENCH("bincount 16384 ids into 64 bins (97% in one)", 16384.0 * 8,
+        { moe_bincount(ctx, ridg, 64, &o); moe_tensor_release(o); });
+  BENCH("scatter_add of ones, the same counts", 16384.0 * 16,
+        { moe_scatter_add(ctx, zb, 0, ridg, one, &o); moe_tensor_release(o); });
+  moe_tensor *ts[] = {x, x2, ids, idsg, w, tok, tokg, g, z, q, c, s, pr, rid, ridg, one, zb};
   for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
 }
 
@@ -830,6 +946,9 @@ int main(void) {
   RUN(test_device_mismatch_cuda);
   RUN(test_bad_index_reported_cuda);
   RUN(test_multinomial_cuda);
+  RUN(test_bincount_cuda);
+  RUN(test_bincount_bad_cuda);
+  RUN(test_host_reads_cuda);
   if (!getenv("MOE_SKIP_BENCH")) RUN(test_timings); /* compute-sanitizer runs skip it */
   return harness_end();
 }

@@ -1,9 +1,10 @@
 --[[
 tests/lua/index_spec.lua - the index family through the `moe` module on the
 CPU: gather, scatter, scatter_add, index_select, index_add, embedding,
-one_hot, sort, argsort, topk, cat, stack, split, chunk, rope, rope_cache,
-multinomial; values, gradients (when the autograd bindings are present) and
-bad-argument errors.
+one_hot, bincount, sort, argsort, topk, cat, stack, split, chunk, rope,
+rope_cache, multinomial; values, gradients (when the autograd bindings are
+present) and bad-argument errors; bincount on cuda too (pending without a
+GPU).
 
 Run: moe-lua tests/lua/busted.lua tests/lua/index_spec.lua (ctest does).
 Dims and indices are 0-based, as everywhere in the moe API.
@@ -86,6 +87,55 @@ describe("embedding and one_hot", function()
     assert.are.same({ 3, 3 }, ids:one_hot().shape)
     assert.has_error(function() moe.one_hot(ids, 2) end, "one_hot: ids holds 2 at position 1, outside [0, 2)")
     assert.has_error(function() moe.one_hot(ids, -3) end)
+  end)
+end)
+
+describe("bincount", function()
+  it("counts ids of any shape and integer dtype into E bins", function()
+    local ids = i64({ { 3, 0, 3 }, { 1, 3, 0 } })
+    local c = moe.bincount(ids, 5)
+    assert.are.equal("i64", c.dtype)
+    assert.are.same({ 2, 1, 0, 3, 0 }, c:totable())
+    assert.are.same({ 2, 1, 0, 3 }, ids:transpose(0, 1):bincount(4):totable())
+    assert.are.same({ 0, 0, 2 }, moe.tensor({ 2, 2 }, { dtype = "i32" }):bincount(3):totable())
+    assert.are.same({ 0, 0 }, moe.zeros({ 0 }, { dtype = "i64" }):bincount(2):totable())
+    -- against a count in Lua over random ids
+    local r = moe.randint(0, 7, { 500 }, { dtype = "i64" })
+    local want = { 0, 0, 0, 0, 0, 0, 0 }
+    for _, v in ipairs(r:totable()) do want[v + 1] = want[v + 1] + 1 end
+    assert.are.same(want, moe.bincount(r, 7):totable())
+  end)
+
+  it("rejects ids outside [0, E), float ids and a negative E", function()
+    local ids = i64({ 0, 4, 1 })
+    assert.has_error(function() moe.bincount(ids, 4) end, "bincount: ids holds 4 at position 1, outside [0, 4)")
+    assert.has_error(function() moe.bincount(i64({ -2 }), 4) end,
+      "bincount: ids holds -2 at position 0, outside [0, 4)")
+    assert.has_error(function() moe.bincount(moe.zeros({ 2 }), 4) end, "bincount: ids must be i64 or i32, got f32")
+    assert.has_error(function() moe.bincount(ids, -1) end,
+      "bad argument #2 to 'bincount' (the number of bins must be >= 0, got -1)")
+    assert.has_error(function() moe.bincount(ids) end)
+  end)
+
+  local gpu = moe.cuda.is_available()
+  local function gpu_it(name, fn)
+    if gpu then it(name, fn) else pending(name .. " (no CUDA GPU)") end
+  end
+
+  gpu_it("on cuda: the CPU's counts; a bad id is reported at the next synchronisation", function()
+    moe.manual_seed(5)
+    for _, E in ipairs({ 1, 64, 8192, 8193 }) do
+      local ids = moe.randint(0, E, { 16384 }, { dtype = "i64" })
+      ids:narrow(0, 0, 15000):fill_(0) -- nearly all in one bin
+      assert.are.same(moe.bincount(ids, E):totable(), moe.bincount(ids:cuda(), E):totable())
+      local i32 = ids:to("i32")
+      assert.are.same(moe.bincount(i32, E):totable(), moe.bincount(i32:cuda(), E):totable())
+    end
+    local c = moe.bincount(i64({ 1, 9, 0 }):cuda(), 3) -- no error yet: no host sync
+    assert.has_error(function() moe.cuda.synchronize() end, "bincount: index 9 is out of range [0, 3) on cuda:0 "
+      .. "(found by the kernel, reported at this synchronisation: the op was queued earlier and its result is "
+      .. "not valid)")
+    assert.are.same({ 1, 1, 0 }, c:totable())
   end)
 end)
 

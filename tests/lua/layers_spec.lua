@@ -217,6 +217,64 @@ describe("layers.dMoE", function()
     assert.is_nil(m:pop_aux_loss())
   end)
 
+  -- The router's load-balancing loss takes its counts from the layer's plan
+  -- (no second count), and a forward + backward reads nothing back to the
+  -- host but the plan's one counts copy (moe.host_reads counts on the CPU as
+  -- on a GPU); the capacity layer's padded plan needs none.
+  it("shares one expert count with the router; host reads: the plan's copy only", function()
+    local orig = moe.bincount
+    local calls = 0
+    moe.bincount = function(...) calls = calls + 1; return orig(...) end
+    local ok, err = pcall(function()
+      for _, case in ipairs({ { "dMoE", "grouped", 1 }, { "dMoE", "sparse", 1 }, { "MoE", "grouped", 1 },
+                              { "MoE", "sparse", 0 } }) do
+        local cls, impl, want = case[1], case[2], case[3]
+        moe.manual_seed(21)
+        local m = layers[cls] { hidden_size = D, ffn_hidden_size = 8, num_experts = E, top_k = K, dtype = "f64",
+          mlp_impl = impl, block_size = 4, moe_loss_weight = 0.1, moe_zloss_weight = 0.01 }
+        m:train()
+        local x = moe.randn({ 3, 5, D }, { dtype = "f64" }):requires_grad_(true)
+        calls = 0
+        local r0 = moe.host_reads()
+        local y = m(x)
+        local loss = moe.sum(y * y) + m:pop_aux_loss()
+        loss:backward()
+        local r1 = moe.host_reads()
+        local what = cls .. " " .. impl
+        assert.are.equal(0, calls, what .. ": the router counted again")
+        assert.are.equal(want, r1.copies - r0.copies, what .. ": copies to the host")
+        assert.are.equal(want, r1.syncs - r0.syncs, what .. ": host synchronisations")
+        assert.is_nil(rawget(m.router, "counts_from"))
+        -- the same aux loss as the router alone (which counts by itself)
+        local layer_aux = (m(x) and m:pop_aux_loss()):item()
+        local alone = m.router(x:reshape({ -1, D }))
+        assert.are.equal(1, calls)
+        assert.are.same(alone.counts:totable(), m.stats.expert_counts:totable())
+        local router_aux = m.router.aux_loss:item()
+        m.router.aux_loss = nil
+        assert.is_true(math.abs(layer_aux - router_aux) <= 1e-12 * math.abs(router_aux), what)
+      end
+      -- uniform_expert_assignment routes other ids than the router's: two counts
+      local m = dmoe({ mlp_impl = "grouped", uniform_expert_assignment = true })
+      calls = 0
+      m(moe.randn({ T, D }, { dtype = "f64" }))
+      assert.are.equal(1, calls)
+      assert.are.same({ 4, 4, 3, 3 }, m.stats.expert_counts:totable()) -- T k = 14 round-robin
+    end)
+    moe.bincount = orig
+    assert(ok, err)
+  end)
+
+  it("takes the count offer back when the router fails", function()
+    local Bad = nn.class("FailingRouter", nn.Module)
+    function Bad.forward() error("router failed", 0) end
+    local m = dmoe({ router = Bad() })
+    local ok, err = pcall(m, moe.randn({ T, D }, { dtype = "f64" }))
+    assert.is_false(ok)
+    assert.are.equal("router failed", err)
+    assert.is_nil(rawget(m.router, "counts_from"))
+  end)
+
   it("adds the shared expert (plain or weighted sum)", function()
     moe.manual_seed(6)
     for _, weighted in ipairs({ false, true }) do

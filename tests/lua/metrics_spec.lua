@@ -7,7 +7,9 @@ tools:
     heatmap per layer plus max/mean; the training log writes one TensorBoard
     histogram per layer and step plus a max/mean scalar, read back here and
     by TensorBoard's own readers (tests/python/check_tensorboard.py
-    --expert-load).
+    --expert-load);
+  - the training log sums the expert counts on their device and reads them
+    to the host once per log interval (moe.host_reads).
 ]]
 local moe = require "moe"
 local metrics = require "moe.metrics"
@@ -230,6 +232,42 @@ describe("expert load with many experts", function()
     io.write("\n-- " .. checker .. " --expert-load\n" .. out)
     assert.matches("expert load: 5 histograms, 6 scalar tags match", out)
     assert.matches("rc=0", out)
+  end)
+end)
+
+describe("the training log's expert counts", function()
+  -- Summed on their device per step (the step's counts are freed with its
+  -- scope, as in the training loop), read to the host once per log interval.
+  it("read nothing back per step and once per interval", function()
+    local tlog = require "moe.train.log"
+    local log = tlog.open({ out_dir = root, log_every = 3, steps = 6, quiet = true },
+      { device = "cpu", tokens_per_step = 1, writer = false })
+    local function step_counts(step)
+      moe.scope(function()
+        log:count_experts {
+          { name = "blocks.0.ffn", stats = { expert_counts = moe.tensor({ step, 0, 2 }, { dtype = "i64" }) } },
+          { name = "blocks.1.ffn", stats = { expert_counts = moe.tensor({ 1, step }, { dtype = "i32" }) } },
+          { name = "blocks.2.attn", stats = {} },
+        }
+      end)
+      log:add_step(1.0, 0.0, 1.0)
+    end
+    for interval = 0, 1 do
+      local r0 = moe.host_reads()
+      for step = 1, 3 do step_counts(step + 3 * interval) end
+      local r1 = moe.host_reads()
+      assert.are.same({ 0, 0 }, { r1.copies - r0.copies, r1.syncs - r0.syncs })
+      local rec = log:record(3 * (interval + 1), 1e-3, 3)
+      local r2 = moe.host_reads()
+      assert.are.same({ 1, 1 }, { r2.copies - r1.copies, r2.syncs - r1.syncs }) -- both layers, one read
+      local s = 6 + 9 * interval -- 1 + 2 + 3, then 4 + 5 + 6
+      assert.are.same({ s, 0, 6 }, rec.expert_counts["blocks.0.ffn"])
+      assert.are.same({ 3, s }, rec.expert_counts["blocks.1.ffn"])
+      assert.is_nil(rec.expert_counts["blocks.2.attn"])
+      assert.are.equal(math.max(s, 6) / ((s + 6) / 3), rec.load_balance)
+      log:write(rec) -- the next interval starts from zero
+    end
+    log:close()
   end)
 end)
 

@@ -14,7 +14,11 @@ router -> routing plan -> experts -> output, with MegaBlocks' option names
 
 forward(x (B, S, d) or (T, d)) -> same shape (and the bias (d) as a second
 value when bias and return_bias). Sets self.aux_loss (the router's, moved
-here, train mode) and self.stats = {expert_counts = (E) i64, ...}.
+here, train mode) and self.stats = {expert_counts = (E) i64, ...}: the
+plan's counts, which the router's load-balancing loss shares (one count per
+layer and step, offer_counts). Host synchronisations: the routing plan's one
+counts copy (moe_routing.h) when the implementation needs the group sizes
+on the host; the router and the statistics read nothing back.
 
 The routing plan: dropless (impl grouped and loop) or padded to block_size
 with ffn_hidden = ffn_hidden_size, MegaBlocks' block-sparse topology (impl
@@ -284,9 +288,33 @@ local function uniform_ids(T, k, E, device)
   return moe.tensor(v, { dtype = "i64", device = device })
 end
 
--- Token choice: (T, d) -> (T, d), plan.
-function dMoE:route_tokens(x2, r)
+-- The router's counts and the layer's plan, one count: for the length of
+-- the router's forward the router may take its counts from the plan this
+-- layer will run (routers/base.lua Router:count), built there from the
+-- router's ids and gates. Not with expert or weight parallelism (their plans
+-- are over other ids or exchanged tokens) nor uniform_expert_assignment.
+-- Returns a to-be-closed holder ({plan =, ids =, gates =} once the router
+-- asked) that takes the offer back when the forward ends, even by an error.
+local OFFER = { __close = function(h) rawset(h.router, "counts_from", nil) end }
+
+function dMoE:offer_counts(router)
+  if self.ep or self.wp or self.uniform_expert_assignment then return nil end
+  local h = setmetatable({ router = router }, OFFER)
+  rawset(router, "counts_from", function(ids, gates)
+    h.plan = moe.ops.routing_plan(ids, self.num_experts, self:plan_opts(gates))
+    h.ids, h.gates = ids, gates
+    return h.plan.counts
+  end)
+  return h
+end
+
+-- Token choice: (T, d) -> (T, d), plan. held: from offer_counts (the plan
+-- already built from these ids and gates, or nil).
+function dMoE:route_tokens(x2, r, held)
   local ids = r.ids
+  if held and held.plan and rawequal(held.ids, ids) and rawequal(held.gates, r.gates) then
+    return self.experts(x2, held.plan, r.gates), held.plan
+  end
   if self.uniform_expert_assignment then ids = uniform_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
   if self.wp then return require("moe.layers.wp").route_tokens(self, x2, ids, r.gates, M.experts_of) end
   return M.experts_of(self, x2, ids, r.gates)
@@ -343,13 +371,15 @@ function dMoE:forward(x)
   end
   local x2 = x:dim() == 2 and x or x:reshape({ -1, d })
   self:resolve_impl(x2.device)
+  local held <close> = self:offer_counts(self.router)
   local r = self.router(x2)
+  if held then rawset(self.router, "counts_from", nil) end
   if type(r) ~= "table" or (r.kind ~= "token" and r.kind ~= "expert") then
     error(self.__name .. ": the router must return {kind = \"token\", ids =, gates =} or {kind = \"expert\", "
       .. "tokens =, gates =}", 2)
   end
   local y, plan
-  if r.kind == "token" then y, plan = self:route_tokens(x2, r) else y, plan = self:route_experts(x2, r) end
+  if r.kind == "token" then y, plan = self:route_tokens(x2, r, held) else y, plan = self:route_experts(x2, r) end
   if self.shared_expert then
     local s = self.shared_expert(x2)
     if self.shared_expert_weighted_sum then

@@ -1,9 +1,17 @@
 --[[
 moe/routers/base.lua - what the routers of moe.routers share: the Router
 base class (a gate Linear named "layer", as MegaBlocks' router.layer), the
-fp32 logits, expert counts (a bincount of the ids by scatter_add), the
-load-balancing loss and the router z-loss. Each router file only adds how
-scores become ids and gates.
+fp32 logits, expert counts (moe.bincount of the ids: one kernel, no host
+synchronisation), the load-balancing loss and the router z-loss. Each router
+file only adds how scores become ids and gates.
+
+Counts shared with the layer: a router gets its counts through
+self:count(ids, gates). A layer that builds the routing plan from the
+router's own ids (layers.dMoE) may set router.counts_from = function(ids,
+gates) -> counts for the length of one forward: count() then calls it once
+(the layer builds its plan there and hands back plan.counts) instead of
+counting again, so the load-balancing loss, the layer's plan and its stats
+use one count per layer per step.
 
 Losses (per router call, i.e. per layer; pop_aux_loss() sums the layers):
   load balancing  loss_weight * E * sum_e f_e P_e, with f_e = count_e / (T k)
@@ -89,9 +97,18 @@ end
 
 -- (E) i64 counts of the ids (any shape, values in [0, E)).
 function M.bincount(ids, E)
-  local flat = ids:reshape({ -1 })
-  local ones = moe.ones({ flat:size(0) }, { dtype = "i64", device = ids.device })
-  return moe.scatter_add(moe.zeros({ E }, { dtype = "i64", device = ids.device }), 0, flat, ones)
+  return moe.bincount(ids, E)
+end
+
+-- (E) i64 counts of this router's ids (T, k) with their gates (T, k): from the
+-- layer's counts_from when it offers one (used once), else a bincount.
+function Router:count(ids, gates)
+  local from = rawget(self, "counts_from")
+  if from then
+    self.counts_from = nil
+    return from(ids, gates)
+  end
+  return M.bincount(ids, self.num_experts)
 end
 
 -- gates (T, k) / ||gates||_p over the k (p nil or false: unchanged).

@@ -35,7 +35,7 @@ function Sigmoid:forward(x)
   local gates = base.normalize(moe.gather(scores, 1, ids), self.cfg.normalize_expert_weights)
   if self.cfg.route_scale ~= 1 then gates = gates * self.cfg.route_scale end
   if gates.dtype ~= x.dtype then gates = gates:to(x.dtype) end
-  local counts = base.bincount(ids, self.num_experts)
+  local counts = self:count(ids, gates)
   local probs = scores / moe.sum(scores, -1, true)
   self:record(probs, counts, logits)
   return { kind = "token", ids = ids, gates = gates, probs = probs, scores = scores, counts = counts,

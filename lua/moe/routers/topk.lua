@@ -27,7 +27,7 @@ function TopK:forward(x)
   local gates, ids = moe.topk(probs, self.top_k, -1)
   gates = base.normalize(gates, self.cfg.normalize_expert_weights)
   if gates.dtype ~= x.dtype then gates = gates:to(x.dtype) end
-  local counts = base.bincount(ids, self.num_experts)
+  local counts = self:count(ids, gates)
   self:record(probs, counts, logits)
   return { kind = "token", ids = ids, gates = gates, probs = probs, counts = counts, logits = logits }
 end

@@ -48,28 +48,70 @@ function Log:say(line)
   if self.writer and not self.cfg.quiet then self.console.print(line) end
 end
 
-local function to_list(t)
-  if t == nil then return nil end
-  local c = t
-  if c.device ~= "cpu" then c = c:cpu() end
-  return c:totable()
+-- The interval's expert counts stay on their device until read: count_experts
+-- adds each layer's counts to a sum there (one add per layer and step, no host
+-- read), and the first lookup of iv.counts[name] (record, global, write: once per
+-- log interval) reads every layer's sum to the host in one copy per device,
+-- puts the Lua lists in place and frees the sums. iv.counts keeps its names in
+-- order in its array part, as before.
+local function read_sums(counts, sums)
+  local by_dev, order = {}, {}
+  for _, name in ipairs(counts) do
+    local t = sums[name]
+    if t then
+      local d = by_dev[t.device]
+      if not d then d = {}; by_dev[t.device] = d; order[#order + 1] = t.device end
+      d[#d + 1] = name
+    end
+  end
+  for _, dev in ipairs(order) do
+    local names, parts = by_dev[dev], {}
+    for i, name in ipairs(names) do parts[i] = sums[name] end
+    local made = #parts > 1
+    local flat = made and moe.cat(parts, 0) or parts[1]
+    local v = flat:totable() -- the interval's one read of this device
+    if made then flat:free() end
+    local k = 0
+    for _, name in ipairs(names) do
+      local t, list = sums[name], {}
+      for j = 1, t:size(0) do list[j] = math.tointeger(v[k + j]) end
+      k = k + t:size(0)
+      rawset(counts, name, list)
+      sums[name] = nil
+      t:free()
+    end
+  end
 end
 
---- count_experts(stats): sums the per-layer expert counts of a model's collect_stats()
---- ({name =, stats = {expert_counts = (E) tensor}}) into the interval.
+--- count_experts(stats): adds the per-layer expert counts of a model's collect_stats()
+--- ({name =, stats = {expert_counts = (E) tensor}}) to the interval, on their device:
+--- nothing is read to the host here (the sums are, once, when the interval is reported).
 function Log:count_experts(stats)
   local acc = self.interval.counts
+  local mt = getmetatable(acc)
+  if not mt then
+    local sums = {}
+    mt = { sums = sums, __index = function(t, k)
+      if type(k) == "string" and next(sums) then read_sums(t, sums); return rawget(t, k) end
+    end }
+    setmetatable(acc, mt)
+  end
+  local sums = mt.sums
   for _, s in ipairs(stats or {}) do
-    local counts = s.stats and to_list(s.stats.expert_counts)
-    if counts then
-      local a = acc[s.name]
-      if not a then
-        a = {}
-        for j = 1, #counts do a[j] = 0 end
-        acc[s.name] = a
+    local c = s.stats and s.stats.expert_counts
+    if c then
+      if c.dtype ~= "i64" then c = c:to("i64") end
+      local a = sums[s.name]
+      if a then
+        sums[s.name] = moe.keep(a + c) -- outlives the micro-batch's scope
+        a:free()
+      elseif rawget(acc, s.name) == nil then
+        sums[s.name] = moe.keep(c:clone())
         acc[#acc + 1] = s.name
+      else -- already read this interval (an early lookup): add on the host
+        local a2, v = rawget(acc, s.name), c:totable()
+        for j = 1, #v do a2[j] = a2[j] + math.tointeger(v[j]) end
       end
-      for j = 1, #counts do a[j] = a[j] + math.tointeger(counts[j]) end
     end
   end
 end
