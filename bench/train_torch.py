@@ -578,6 +578,8 @@ def resolve(args):
             fail("--%s must be an integer >= 1, got %s" % (k.replace("_", "-"), a[k]))
     if a["d_model"] % a["n_heads"] or (a["d_model"] // a["n_heads"]) % 2:
         fail("--d-model %d must split into --n-heads %d heads of an even size" % (a["d_model"], a["n_heads"]))
+    if a["kind"] not in ("dmoe", "dense"):
+        fail("kind %s: this reference trains dmoe or dense" % a["kind"])
     if a["kind"] != "dense" and a["top_k"] > a["experts"]:
         fail("--top-k %d exceeds --experts %d" % (a["top_k"], a["experts"]))
     a["warmup"] = min(a["warmup"], a["steps"])
@@ -631,7 +633,7 @@ def main(argv=None):
     if dev.type == "cuda" and not torch.cuda.is_available():
         fail("--device %s: this torch (%s) sees no CUDA device" % (dev, torch.__version__))
     on_gpu = dev.type == "cuda"
-    if on_gpu:
+    if on_gpu and dev.index is not None:
         torch.cuda.set_device(dev)
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -713,7 +715,8 @@ def main(argv=None):
     fwd = model
     if args.compile:
         if args.compile_scope == "model":
-            fwd = torch.compile(model, mode=args.compile_mode, dynamic=False)
+            # one static graph (no graph break) unless the experts loop over host-read group sizes
+            fwd = torch.compile(model, mode=args.compile_mode, dynamic=False, fullgraph=impl != "loop")
         else:
             for b in model.blocks:
                 b.sa = torch.compile(b.sa, mode=args.compile_mode, dynamic=False)
