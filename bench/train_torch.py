@@ -37,8 +37,10 @@ bench/step_round.sh's to measure, per mode):
   layer, and scatter_add into 64 bins serialises on atomics), the inverse permutation by one
   scatter, then dispatch and combine as gathers in both directions (custom autograd
   functions: no index_add atomics), experts through torch._grouped_mm on bf16 copies of the
-  expert weights (`--expert-impl loop`: one matmul per expert with the group sizes read to the
-  host; used automatically only where torch._grouped_mm is missing or fails, i.e. CPU builds).
+  expert weights (`--expert-layout kn`: stored as moe-lua's (E, d, f) / (E, f, d); `nk`: stored
+  transposed so the grouped GEMMs get K-major B operands, torchtitan's layout);
+  `--expert-impl loop`: one matmul per expert with the group sizes read to the host, used
+  automatically only where torch._grouped_mm is missing or fails (older or CPU builds).
 - no host synchronisation inside a step: losses, aux losses, grad norms and expert counts stay
   on the device in one small vector per step and are read once per log interval.
 - gradient clipping at 1.0 without a pass over the gradients: the global norm by
@@ -60,6 +62,14 @@ bench/step_round.sh's to measure, per mode):
 Timing: the first --warmup-steps (10) steps are untimed (they hold compilation), the rest are
 timed from a device synchronisation to one after the last step, data loading and the log-interval
 reads included (as moe-lua's train.run); peak memory over the whole run.
+
+Routing balance against moe-lua (same initial weights, batches, lr schedule and router: softmax
+top-k, jitter 0, loss weight as given): export from moe-lua with per-step records, then
+  moe-lua bench/train_125m.lua ... steps=300 log_every=1 export=DIR out_dir=DIR/out json=...
+  python3 bench/train_torch.py --init DIR --data data/bible_kjv --steps 300 ... --balance-jsonl B.jsonl
+  python3 bench/balance_compare.py DIR/out/metrics.jsonl B.jsonl OUT_PREFIX
+(the balance JSONL has every step whatever --log-every is; moe-lua's metrics.jsonl has one record
+per log interval). On a CPU shared with other work, OMP_NUM_THREADS=1 runs far faster.
 
 Outputs: --json FILE (tokens/s, ms/step, MFU at 989 TFLOP/s on H100/H200, peak memory, the loss
 per log interval, the first-step agreement when checked; bench/step_report.py and
@@ -265,10 +275,21 @@ class Router(torch.nn.Module):
 
 
 class Experts(torch.nn.Module):
-    def __init__(self, E, d, f):
+    """w1 (E, d, f), w2 (E, f, d) as moe-lua (layout "kn": the GEMMs' B operands row-major), or
+    stored transposed, w1 (E, f, d) and w2 (E, d, f) (layout "nk": B K-major, torchtitan's)."""
+
+    def __init__(self, E, d, f, layout):
         super().__init__()
-        self.w1 = torch.nn.Parameter(torch.empty(E, d, f))
-        self.w2 = torch.nn.Parameter(torch.empty(E, f, d))
+        self.nk = layout == "nk"
+        self.w1 = torch.nn.Parameter(torch.empty(E, f, d) if self.nk else torch.empty(E, d, f))
+        self.w2 = torch.nn.Parameter(torch.empty(E, d, f) if self.nk else torch.empty(E, f, d))
+
+    def bf16(self):
+        """-> w1 (E, d, f), w2 (E, f, d) bf16 (views of transposed copies for "nk")."""
+        w1, w2 = self.w1.to(torch.bfloat16), self.w2.to(torch.bfloat16)
+        if self.nk:
+            return w1.transpose(1, 2), w2.transpose(1, 2)
+        return w1, w2
 
 
 class Dispatch(torch.autograd.Function):
@@ -320,11 +341,11 @@ def expert_mlp(xs, w1, w2, offs, counts):
 
 
 class DMoE(torch.nn.Module):
-    def __init__(self, d, f, E, k, loss_weight):
+    def __init__(self, d, f, E, k, loss_weight, layout):
         super().__init__()
         self.E, self.k, self.loss_weight = E, k, loss_weight
         self.router = Router(d, E)
-        self.experts = Experts(E, d, f)
+        self.experts = Experts(E, d, f, layout)
         self.register_buffer("bins", torch.arange(E, dtype=torch.int64), persistent=False)
 
     def forward(self, x):
@@ -345,8 +366,8 @@ class DMoE(torch.nn.Module):
         inv = torch.empty_like(order).scatter_(0, order, torch.arange(T * k, device=x.device))
         src = order if k == 1 else torch.div(order, k, rounding_mode="floor")
         xs = Dispatch.apply(x2.to(torch.bfloat16), src, inv, k)
-        ys = expert_mlp(xs, self.experts.w1.to(torch.bfloat16), self.experts.w2.to(torch.bfloat16),
-                        ends.to(torch.int32), counts)
+        w1, w2 = self.experts.bf16()
+        ys = expert_mlp(xs, w1, w2, ends.to(torch.int32), counts)
         yk = Combine.apply(ys, inv, order)  # (T k, d) token order
         if k == 1:
             y = yk * gates
@@ -389,7 +410,7 @@ class Block(torch.nn.Module):
         self.ln2 = torch.nn.LayerNorm(d, eps=1e-5)
         self.moe = a["kind"] != "dense"
         if self.moe:
-            self.ffn = DMoE(d, a["ffn"], a["experts"], a["top_k"], a["loss_weight"])
+            self.ffn = DMoE(d, a["ffn"], a["experts"], a["top_k"], a["loss_weight"], a["expert_layout"])
         else:
             self.ffn = MLP(d, a["ffn"])
 
@@ -538,6 +559,9 @@ def parse_args(argv):
                     choices=["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"])
     ap.add_argument("--compile-scope", default="model", choices=["model", "dense"])
     ap.add_argument("--expert-impl", default="auto", choices=["auto", "grouped", "loop"])
+    ap.add_argument("--expert-layout", default="kn", choices=["kn", "nk"],
+                    help="kn: expert weights stored as moe-lua's (E, d, f) / (E, f, d); nk: stored transposed, "
+                    "so torch._grouped_mm gets K-major B operands")
     ap.add_argument("--sdpa", default="auto", choices=["auto", "flash", "cudnn", "efficient", "math"])
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping: the global norm's bound")
     ap.add_argument("--clip-mode", default="fused", choices=["fused", "foreach"],
@@ -583,6 +607,7 @@ def resolve(args):
     if a["kind"] != "dense" and a["top_k"] > a["experts"]:
         fail("--top-k %d exceeds --experts %d" % (a["top_k"], a["experts"]))
     a["warmup"] = min(a["warmup"], a["steps"])
+    a["expert_layout"] = args.expert_layout
     return a
 
 
@@ -665,6 +690,8 @@ def main(argv=None):
         params = dict(model.named_parameters())
         with torch.no_grad():
             for mn, k in names.items():
+                if a["expert_layout"] == "nk" and ".experts.w" in mn:
+                    sd[mn] = sd[mn].transpose(1, 2)
                 if tuple(sd[mn].shape) != tuple(params[k].shape):
                     fail("--init %s: %s is %s in model.safetensors, %s here" % (
                         init_dir, mn, tuple(sd[mn].shape), tuple(params[k].shape)))
