@@ -679,9 +679,13 @@ def main(argv=None):
 
     t0 = time.time()
     torch.manual_seed(a["seed"])
-    model = LM(a)
+    with torch.device(dev):  # parameters made and initialised where they train (3.6 B at 125M x 64)
+        model = LM(a)
     if init_dir:
-        sd, _ = read_safetensors(os.path.join(init_dir, "model.safetensors"), "cpu")
+        path = os.path.join(init_dir, "model.safetensors")
+        if not os.path.isfile(path):
+            fail("--init %s: no %s (bench/train_125m.lua export=DIR writes it)" % (init_dir, path))
+        sd, _ = read_safetensors(path, "cpu")
         names = {moe_name(k): k for k, _ in model.named_parameters()}
         missing, unexpected = set(names) - set(sd), set(sd) - set(names)
         if missing or unexpected:
