@@ -32,7 +32,8 @@ def read(path, label):
                     r = json.loads(line)
                 except ValueError as e:
                     sys.exit("balance_compare: %s line %d: not JSON (%s)" % (path, n, e))
-                if "step" in r:
+                # training records (an evaluation's record has the step but no training loss)
+                if "step" in r and ("loss" in r or "expert_counts" in r):
                     recs.append(r)
     except OSError as e:
         sys.exit("balance_compare: %s (%s): %s" % (label, path, e.strerror))
