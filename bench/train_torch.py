@@ -33,8 +33,8 @@ bench/step_round.sh's to measure, per mode):
   bf16-rounded cos/sin, as moe-lua), F.scaled_dot_product_attention(is_causal) on strided views
   (no copies); `--sdpa auto|flash|cudnn|efficient` pins a backend (auto: torch's choice).
 - MoE: top-1 by max (top-k by topk), a stable sort of the expert ids, the group ends by
-  searchsorted (no bincount: torch's CUDA bincount reads max() to the host, one sync per
-  layer, and scatter_add into 64 bins serialises on atomics), the inverse permutation by one
+  searchsorted (no bincount: torch's CUDA bincount reads max() to the host, a sync per
+  layer, and a scatter_add of ones into E bins contends on atomics), the inverse permutation by one
   scatter, then dispatch and combine as gathers in both directions (custom autograd
   functions: no index_add atomics), experts through torch._grouped_mm on bf16 copies of the
   expert weights (`--expert-layout kn`: stored as moe-lua's (E, d, f) / (E, f, d); `nk`: stored
@@ -57,7 +57,8 @@ bench/step_round.sh's to measure, per mode):
   blocks, the dense MLPs and the head + loss; the MoE layers stay eager). The dropless MoE
   needs no dynamic shapes here: every tensor's shape is fixed by (B, S, k), only the contents
   of the group offsets vary, so the graph is static (dynamic=False) and compiles once.
-  Which mode and scope is fastest on a GPU is step_round.sh's to measure; its table says.
+  Which mode and scope is fastest on a GPU has not been measured yet (this script was written
+  and tested on CPU only): step_round.sh's table says, per model.
 
 Timing: the first --warmup-steps (10) steps are untimed (they hold compilation), the rest are
 timed from a device synchronisation to one after the last step, data loading and the log-interval
