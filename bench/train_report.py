@@ -40,7 +40,7 @@ def main():
     dm = json.load(open(a.dense_moe)) if a.dense_moe else None
     dt = json.load(open(a.dense_torch)) if a.dense_torch else None
     c = m["config"]
-    fs = t["first_step"]
+    fs = t.get("first_step")
     res = {
         "benchmark": "train_125m", "device": m["device"], "date": m["date"], "command": a.command,
         "versions": {"moe_lua": m.get("version"), "torch": t.get("torch"), "torch_cuda": t.get("cuda")},
@@ -54,7 +54,7 @@ def main():
                                           "last_loss", "losses")},
         "torch": {k: t.get(k) for k in ("tokens_per_s", "ms_per_step", "mfu", "peak_allocated_bytes",
                                         "peak_reserved_bytes", "steps", "steps_timed", "grouped_mm", "compile",
-                                        "losses", "note")},
+                                        "compile_mode", "expert_impl", "losses", "data", "note")},
         "first_step_agreement": fs,
         "speed_ratio_moe_lua_over_torch": m["tokens_per_s"] / t["tokens_per_s"],
     }
@@ -95,16 +95,21 @@ def main():
         L.append(row("PyTorch, dense GPT 125M", dt))
     L.append("")
     L.append("moe-lua / PyTorch throughput: %.2fx. Timing excludes the first log interval (moe-lua) or the "
-             "first 10 steps (torch); moe-lua's time includes its data loader (KJV windows), torch trains on "
-             "the exported first batch repeated." % res["speed_ratio_moe_lua_over_torch"])
+             "first %s steps (torch); both times include the data loading. Data: moe-lua the KJV windows of "
+             "its loader; torch %s." % (res["speed_ratio_moe_lua_over_torch"],
+                                        t["steps"] - t["steps_timed"] if "steps_timed" in t else "10",
+                                        t.get("data", "the exported first batch repeated")))
     L.append("")
-    L.append("First step (identical weights exported by moe-lua as safetensors, the same batch, eval mode): "
-             "loss moe-lua %.6f, torch %.6f (|diff| %.2e, tolerance %g); logits mean |diff| %.2e (mean |logit| "
-             "%.3f, tolerance %g relative), max |diff| %.3g; argmax agreement %.4f (tolerance %g): %s." % (
-                 fs["moe_lua_loss"], fs["torch_loss"], fs["loss_abs_diff"], fs["tolerance"]["loss_abs_diff"],
-                 fs["logits_mean_abs_diff"], fs["logits_mean_abs"], fs["tolerance"]["logits_mean_abs_diff_rel"],
-                 fs["logits_max_abs_diff"], fs["argmax_agreement"], fs["tolerance"]["argmax_agreement"],
-                 "agree" if fs["ok"] else "DISAGREE"))
+    if fs is None:
+        L.append("First step: not checked (the torch run had no moe-lua export to start from).")
+    else:
+        L.append("First step (identical weights exported by moe-lua as safetensors, the same batch, eval mode): "
+                 "loss moe-lua %.6f, torch %.6f (|diff| %.2e, tolerance %g); logits mean |diff| %.2e (mean |logit| "
+                 "%.3f, tolerance %g relative), max |diff| %.3g; argmax agreement %.4f (tolerance %g): %s." % (
+                     fs["moe_lua_loss"], fs["torch_loss"], fs["loss_abs_diff"], fs["tolerance"]["loss_abs_diff"],
+                     fs["logits_mean_abs_diff"], fs["logits_mean_abs"], fs["tolerance"]["logits_mean_abs_diff_rel"],
+                     fs["logits_max_abs_diff"], fs["argmax_agreement"], fs["tolerance"]["argmax_agreement"],
+                     "agree" if fs["ok"] else "DISAGREE"))
     L.append("")
     L.append("moe-lua training loss (step, lm loss): " + ", ".join("%d: %.3f" % (s, v) for s, v in m["losses"]))
     L.append("")
