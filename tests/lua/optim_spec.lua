@@ -160,7 +160,7 @@ describe("optim.AdamW", function()
   it("rejects bad arguments and state", function()
     local w = moe.ones({ 2, 2 }, { dtype = "f32" })
     assert.has_error(function() optim.AdamW({ { "w", w } }, { lr = 1, bogus = 2 }) end,
-      "optim.AdamW: unknown option 'bogus' (valid: betas, eps, lr, master_weights, no_decay, weight_decay)")
+      "optim.AdamW: unknown option 'bogus' (valid: betas, eps, lr, master_weights, multi_tensor, no_decay, weight_decay)")
     local half = moe.ones({ 2 }, { dtype = "bf16" })
     assert.has_error(function() optim.AdamW({ { "w", half } }, { master_weights = false }) end,
       "optim.AdamW: parameter 'w' is bf16: it needs master_weights (an fp32 copy)")
