@@ -355,7 +355,7 @@ local function collect_grads(fn, params)
 end
 
 local function check_max_norm(fn, max_norm)
-  if max_norm ~= nil and (type(max_norm) ~= "number" or not (max_norm > 0)) then
+  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0 or max_norm ~= max_norm) then
     fail(fn, "max_norm must be a positive number, got %s", tostring(max_norm))
   end
 end
