@@ -183,26 +183,50 @@ template <typename S, typename G> __device__ __forceinline__ S op_ld(const G *p,
   return r;
 }
 
-/* AdamW on elements [lo, hi) of one tensor: op_adamw_kernel's sequence, plus
- * the optional gradient scale. */
+/* AdamW on elements [lo, hi) of one tensor: op_adamw_kernel's sequence per
+ * element, plus the optional gradient scale. OP_ILP elements per thread and
+ * pass, all loaded before any is computed or stored (the compiler cannot
+ * reorder loads past the stores of possibly aliasing pointers itself), as
+ * apex's multi_tensor_apply does; the element order does not change any
+ * element's bits. */
+#define OP_ILP 4
 template <typename S, typename P, typename G>
 __device__ __forceinline__ void op_adamw_range(int64_t lo, int64_t hi, P *param, const G *grad,
                                                S *m, S *v, S *master, S decay,
                                                const OpScalars<S> &s, bool scaled, S sc) {
   using M = OpMath<S>;
-  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-    S g = op_ld<S>(grad, i);
-    if (scaled) g = M::mul(g, sc);
-    S w = master ? master[i] : op_ld<S>(param, i);
-    w = M::mul(w, decay);
-    S mi = M::add(M::mul(s.beta1, m[i]), M::mul(s.one_m_b1, g));
-    S vi = M::add(M::mul(s.beta2, v[i]), M::mul(s.one_m_b2, M::mul(g, g)));
-    S den = M::add(M::div(M::sqrt(vi), s.sqrt_bc2), s.eps);
-    w = M::sub(w, M::mul(s.step_size, M::div(mi, den)));
-    m[i] = mi;
-    v[i] = vi;
-    if (master) master[i] = w;
-    op_put(param[i], w);
+  const int64_t stride = blockDim.x;
+  for (int64_t base = lo + threadIdx.x; base < hi; base += stride * OP_ILP) {
+    S g[OP_ILP], w[OP_ILP], mi[OP_ILP], vi[OP_ILP];
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      int64_t i = base + j * stride;
+      if (i < hi) {
+        g[j] = op_ld<S>(grad, i);
+        w[j] = master ? master[i] : op_ld<S>(param, i);
+        mi[j] = m[i];
+        vi[j] = v[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      S gj = scaled ? M::mul(g[j], sc) : g[j];
+      S wj = M::mul(w[j], decay);
+      mi[j] = M::add(M::mul(s.beta1, mi[j]), M::mul(s.one_m_b1, gj));
+      vi[j] = M::add(M::mul(s.beta2, vi[j]), M::mul(s.one_m_b2, M::mul(gj, gj)));
+      S den = M::add(M::div(M::sqrt(vi[j]), s.sqrt_bc2), s.eps);
+      w[j] = M::sub(wj, M::mul(s.step_size, M::div(mi[j], den)));
+    }
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      int64_t i = base + j * stride;
+      if (i < hi) {
+        m[i] = mi[j];
+        v[i] = vi[j];
+        if (master) master[i] = w[j];
+        op_put(param[i], w[j]);
+      }
+    }
   }
 }
 
@@ -220,8 +244,10 @@ __device__ __forceinline__ void op_adamw_g(const OpList &L, int k, int64_t lo, i
   }
 }
 
+/* Two blocks of OP_BLOCK per SM at least (registers capped at 64 per thread):
+ * 1024 threads with OP_ILP loads in flight each keep the memory busy. */
 template <typename S>
-__global__ void __launch_bounds__(OP_BLOCK)
+__global__ void __launch_bounds__(OP_BLOCK, 2)
 op_adamw_multi_kernel(OpList L, OpScalars<S> s, const float *gscale, const float *skip) {
   if (skip && *skip != 0.0f) return; /* NaN != 0 as well */
   bool scaled = gscale != nullptr;
