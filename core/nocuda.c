@@ -239,6 +239,20 @@ moe_status moe_cuda_sgd_step(moe_ctx *ctx, int device, int64_t n, void *param, m
                              const moe_optim_scalars *s) {
   return NO_CUDA_FN(ctx, "moe_cuda_sgd_step");
 }
+moe_status moe_cuda_adamw_multi(moe_ctx *ctx, int device, const moe_optim_item *items, int64_t n,
+                                const moe_optim_scalars *s, const float *grad_scale,
+                                const float *skip) {
+  return NO_CUDA_FN(ctx, "moe_cuda_adamw_multi");
+}
+moe_status moe_cuda_grad_norm_multi(moe_ctx *ctx, int device, const moe_optim_item *items,
+                                    int64_t n, float max_norm, float *norm, float *coef,
+                                    float *found_inf) {
+  return NO_CUDA_FN(ctx, "moe_cuda_grad_norm_multi");
+}
+moe_status moe_cuda_scale_multi(moe_ctx *ctx, int device, const moe_optim_item *items, int64_t n,
+                                const float *scale) {
+  return NO_CUDA_FN(ctx, "moe_cuda_scale_multi");
+}
 
 /* pointwise_cuda.h */
 moe_status moe_cuda_pw_unary(moe_ctx *ctx, int device, moe_pw_kop op, const moe_kview *out,

@@ -34,6 +34,31 @@ typedef struct moe_optim_scalars {
 moe_status moe_cuda_adamw_step(moe_ctx *ctx, int device, int64_t n, void *param, moe_dtype pdt,
                                const void *grad, moe_dtype gdt, void *m, void *v, void *master,
                                const moe_optim_scalars *s);
+/* One tensor of a multi-tensor launch (n contiguous elements). AdamW uses
+ * every field; the norm reads grad/gdt; the scale rewrites param/pdt. */
+typedef struct moe_optim_item {
+  int64_t n;
+  void *param;
+  const void *grad;
+  void *m, *v, *master; /* master NULL allowed */
+  moe_dtype pdt, gdt;
+  double decay; /* AdamW: 1 - lr * weight_decay, rounded to the state's precision */
+} moe_optim_item;
+
+/* Multi-tensor AdamW: s->decay is unused (each item has its own). grad_scale
+ * and skip: device pointers to one f32 each, or NULL (moe_optim.h). */
+moe_status moe_cuda_adamw_multi(moe_ctx *ctx, int device, const moe_optim_item *items, int64_t n,
+                                const moe_optim_scalars *s, const float *grad_scale,
+                                const float *skip);
+/* Global norm of the items' grads into *norm (device f32); coef and
+ * found_inf may be NULL. max_norm already rounded to f32. */
+moe_status moe_cuda_grad_norm_multi(moe_ctx *ctx, int device, const moe_optim_item *items,
+                                    int64_t n, float max_norm, float *norm, float *coef,
+                                    float *found_inf);
+/* items' param *= *scale in place. */
+moe_status moe_cuda_scale_multi(moe_ctx *ctx, int device, const moe_optim_item *items, int64_t n,
+                                const float *scale);
+
 /* buf NULL when momentum is 0. */
 moe_status moe_cuda_sgd_step(moe_ctx *ctx, int device, int64_t n, void *param, moe_dtype pdt,
                              const void *grad, moe_dtype gdt, void *buf, void *master,

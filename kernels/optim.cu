@@ -2,7 +2,23 @@
  * optim.cu - CUDA kernels of the optimiser family (entry points in
  * core/optim_cuda.h, called by core/optim.c): the fused AdamW and SGD
  * updates, one launch per parameter tensor, a grid-stride loop of one
- * element per thread.
+ * element per thread; and the multi-tensor AdamW, gradient norm and scale,
+ * which cover a list of tensors in a few launches.
+ *
+ * Multi-tensor launches (as apex/PyTorch multi_tensor_apply): the table of
+ * up to OP_LIST_MAX tensors (pointers, sizes, dtypes, per-tensor decay) is
+ * passed in the kernel arguments (about 3.3 KB, under the 4 KB limit), each
+ * tensor is cut into chunks of MOE_OPTIM_CHUNK elements and block b takes
+ * chunks b, b + grid, ... of the launch, finding the tensor of a chunk by a
+ * binary search of the table's cumulative chunk counts. A list longer than
+ * OP_LIST_MAX tensors takes one more launch per OP_LIST_MAX. The dtypes are
+ * resolved once per chunk (templates), not per element.
+ *
+ * The norm is two passes without atomics: each chunk's sum of squares by 512
+ * threads (thread j takes elements j, j + 512, ... then a shared-memory tree)
+ * into a scratch array in list order, then one block of 512 sums that array
+ * the same way and writes the norm, the clip coefficient and the non-finite
+ * flag. core/optim.c's CPU loop follows the same order, so the bits agree.
  *
  * Bits: every operation is an explicit round-to-nearest intrinsic
  * (__fmul_rn, __fadd_rn, __fsqrt_rn, __fdiv_rn and their double twins) in
@@ -110,6 +126,271 @@ __global__ void op_sgd_kernel(int64_t n, void *param, moe_dtype pdt, const void 
   }
 }
 
+/* ------------------------------------------------------------ multi-tensor */
+
+#define OP_LIST_MAX 48
+#define OP_BLOCK 512 /* threads per block of the multi-tensor kernels (the norm's lanes) */
+
+/* One launch's tensors, in the kernel arguments. */
+struct OpList {
+  int n;
+  int64_t chunk0;                  /* the first chunk's index in the whole list (norm) */
+  int64_t chunk_end[OP_LIST_MAX];  /* chunks of tensors 0..k, cumulative */
+  int64_t numel[OP_LIST_MAX];
+  void *param[OP_LIST_MAX];
+  const void *grad[OP_LIST_MAX];
+  void *m[OP_LIST_MAX], *v[OP_LIST_MAX], *master[OP_LIST_MAX];
+  double decay[OP_LIST_MAX];
+  unsigned char pdt[OP_LIST_MAX], gdt[OP_LIST_MAX];
+};
+static_assert(sizeof(OpList) + sizeof(OpScalars<double>) + 2 * sizeof(void *) <= 4000,
+              "the multi-tensor table must fit in the 4 KB of kernel arguments");
+
+/* The tensor of local chunk c and the chunk's element range [lo, hi). */
+__device__ __forceinline__ int op_find(const OpList &L, int64_t c, int64_t *lo, int64_t *hi) {
+  int a = 0, b = L.n - 1;
+  while (a < b) {
+    int mid = (a + b) / 2;
+    if (c < L.chunk_end[mid]) b = mid;
+    else a = mid + 1;
+  }
+  int64_t first = a ? L.chunk_end[a - 1] : 0;
+  *lo = (c - first) * MOE_OPTIM_CHUNK;
+  int64_t end = *lo + MOE_OPTIM_CHUNK;
+  *hi = end < L.numel[a] ? end : L.numel[a];
+  return a;
+}
+
+/* Conversions as op_load / op_store above (the CPU's op_loadf / op_storef). */
+__device__ __forceinline__ void op_cvt(float &o, float x) { o = x; }
+__device__ __forceinline__ void op_cvt(float &o, double x) { o = __double2float_rn(x); }
+__device__ __forceinline__ void op_cvt(float &o, moe_bf16 x) { o = moe_bf16_to_f32(x); }
+__device__ __forceinline__ void op_cvt(float &o, moe_f16 x) { o = moe_f16_to_f32(x); }
+__device__ __forceinline__ void op_cvt(double &o, double x) { o = x; }
+template <typename G> __device__ __forceinline__ void op_cvt(double &o, G x) {
+  float f;
+  op_cvt(f, x);
+  o = (double)f;
+}
+__device__ __forceinline__ void op_put(float &o, float w) { o = w; }
+__device__ __forceinline__ void op_put(moe_bf16 &o, float w) { o = moe_f32_to_bf16(w); }
+__device__ __forceinline__ void op_put(moe_f16 &o, float w) { o = moe_f32_to_f16(w); }
+__device__ __forceinline__ void op_put(double &o, double w) { o = w; }
+
+template <typename S, typename G> __device__ __forceinline__ S op_ld(const G *p, int64_t i) {
+  S r;
+  op_cvt(r, p[i]);
+  return r;
+}
+
+/* AdamW on elements [lo, hi) of one tensor: op_adamw_kernel's sequence per
+ * element, plus the optional gradient scale. OP_ILP elements per thread and
+ * pass, all loaded before any is computed or stored (the compiler cannot
+ * reorder loads past the stores of possibly aliasing pointers itself), as
+ * apex's multi_tensor_apply does; the element order does not change any
+ * element's bits. */
+#define OP_ILP 4
+template <typename S, typename P, typename G>
+__device__ __forceinline__ void op_adamw_range(int64_t lo, int64_t hi, P *param, const G *grad,
+                                               S *m, S *v, S *master, S decay,
+                                               const OpScalars<S> &s, bool scaled, S sc) {
+  using M = OpMath<S>;
+  const int64_t stride = blockDim.x;
+  for (int64_t base = lo + threadIdx.x; base < hi; base += stride * OP_ILP) {
+    S g[OP_ILP], w[OP_ILP], mi[OP_ILP], vi[OP_ILP];
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      int64_t i = base + j * stride;
+      if (i < hi) {
+        g[j] = op_ld<S>(grad, i);
+        w[j] = master ? master[i] : op_ld<S>(param, i);
+        mi[j] = m[i];
+        vi[j] = v[i];
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      S gj = scaled ? M::mul(g[j], sc) : g[j];
+      S wj = M::mul(w[j], decay);
+      mi[j] = M::add(M::mul(s.beta1, mi[j]), M::mul(s.one_m_b1, gj));
+      vi[j] = M::add(M::mul(s.beta2, vi[j]), M::mul(s.one_m_b2, M::mul(gj, gj)));
+      S den = M::add(M::div(M::sqrt(vi[j]), s.sqrt_bc2), s.eps);
+      w[j] = M::sub(wj, M::mul(s.step_size, M::div(mi[j], den)));
+    }
+#pragma unroll
+    for (int j = 0; j < OP_ILP; j++) {
+      int64_t i = base + j * stride;
+      if (i < hi) {
+        m[i] = mi[j];
+        v[i] = vi[j];
+        if (master) master[i] = w[j];
+        op_put(param[i], w[j]);
+      }
+    }
+  }
+}
+
+template <typename S, typename P>
+__device__ __forceinline__ void op_adamw_g(const OpList &L, int k, int64_t lo, int64_t hi,
+                                           const OpScalars<S> &s, bool scaled, S sc) {
+  P *p = (P *)L.param[k];
+  S *m = (S *)L.m[k], *v = (S *)L.v[k], *w = (S *)L.master[k];
+  S decay = (S)L.decay[k];
+  switch ((moe_dtype)L.gdt[k]) {
+  case MOE_F32: op_adamw_range<S>(lo, hi, p, (const float *)L.grad[k], m, v, w, decay, s, scaled, sc); break;
+  case MOE_F64: op_adamw_range<S>(lo, hi, p, (const double *)L.grad[k], m, v, w, decay, s, scaled, sc); break;
+  case MOE_BF16: op_adamw_range<S>(lo, hi, p, (const moe_bf16 *)L.grad[k], m, v, w, decay, s, scaled, sc); break;
+  default: op_adamw_range<S>(lo, hi, p, (const moe_f16 *)L.grad[k], m, v, w, decay, s, scaled, sc); break;
+  }
+}
+
+/* Two blocks of OP_BLOCK per SM at least (registers capped at 64 per thread):
+ * 1024 threads with OP_ILP loads in flight each keep the memory busy. */
+template <typename S>
+__global__ void __launch_bounds__(OP_BLOCK, 2)
+op_adamw_multi_kernel(OpList L, OpScalars<S> s, const float *gscale, const float *skip) {
+  if (skip && *skip != 0.0f) return; /* NaN != 0 as well */
+  bool scaled = gscale != nullptr;
+  S sc = scaled ? (S)*gscale : (S)1;
+  int64_t total = L.chunk_end[L.n - 1];
+  for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    int64_t lo, hi;
+    int k = op_find(L, c, &lo, &hi);
+    if (std::is_same<S, double>::value) {
+      op_adamw_g<S, double>(L, k, lo, hi, s, scaled, sc);
+    } else {
+      switch ((moe_dtype)L.pdt[k]) {
+      case MOE_F32: op_adamw_g<S, float>(L, k, lo, hi, s, scaled, sc); break;
+      case MOE_BF16: op_adamw_g<S, moe_bf16>(L, k, lo, hi, s, scaled, sc); break;
+      default: op_adamw_g<S, moe_f16>(L, k, lo, hi, s, scaled, sc); break;
+      }
+    }
+  }
+}
+
+/* sh[0] = sum of sh[0..OP_BLOCK) by the pairwise tree of core/optim.c. */
+__device__ __forceinline__ void op_tree(float *sh) {
+  for (int st = OP_BLOCK / 2; st > 0; st >>= 1) {
+    if ((int)threadIdx.x < st) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + st]);
+    __syncthreads();
+  }
+}
+
+template <typename G>
+__device__ __forceinline__ float op_sumsq_range(const G *x, int64_t lo, int64_t hi) {
+  float acc = 0.0f;
+  for (int64_t i = lo + threadIdx.x; i < hi; i += OP_BLOCK) {
+    float f = op_ld<float>(x, i);
+    acc = __fadd_rn(acc, __fmul_rn(f, f));
+  }
+  return acc;
+}
+
+/* Pass 1: part[chunk0 + c] = the sum of squares of chunk c. blockDim OP_BLOCK. */
+__global__ void __launch_bounds__(OP_BLOCK) op_norm_chunks_kernel(OpList L, float *part) {
+  __shared__ float sh[OP_BLOCK];
+  int64_t total = L.chunk_end[L.n - 1];
+  for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    int64_t lo, hi;
+    int k = op_find(L, c, &lo, &hi);
+    float acc;
+    switch ((moe_dtype)L.gdt[k]) {
+    case MOE_F32: acc = op_sumsq_range((const float *)L.grad[k], lo, hi); break;
+    case MOE_F64: acc = op_sumsq_range((const double *)L.grad[k], lo, hi); break;
+    case MOE_BF16: acc = op_sumsq_range((const moe_bf16 *)L.grad[k], lo, hi); break;
+    default: acc = op_sumsq_range((const moe_f16 *)L.grad[k], lo, hi); break;
+    }
+    sh[threadIdx.x] = acc;
+    __syncthreads();
+    op_tree(sh);
+    if (threadIdx.x == 0) part[L.chunk0 + c] = sh[0];
+    __syncthreads(); /* sh[0] read before the next chunk overwrites it */
+  }
+}
+
+/* Pass 2, one block of OP_BLOCK: the norm, the coefficient, the flag. */
+__global__ void __launch_bounds__(OP_BLOCK)
+op_norm_finish_kernel(const float *part, int64_t np, float max_norm, float *norm, float *coef,
+                      float *found_inf) {
+  __shared__ float sh[OP_BLOCK];
+  float acc = 0.0f;
+  for (int64_t i = threadIdx.x; i < np; i += OP_BLOCK) acc = __fadd_rn(acc, part[i]);
+  sh[threadIdx.x] = acc;
+  __syncthreads();
+  op_tree(sh);
+  if (threadIdx.x == 0) {
+    float total = __fsqrt_rn(sh[0]);
+    float q = __fdiv_rn(max_norm, __fadd_rn(total, 1e-6f));
+    *norm = total;
+    if (coef) *coef = q < 1.0f ? q : 1.0f;
+    if (found_inf) *found_inf = isfinite(total) ? 0.0f : 1.0f;
+  }
+}
+
+template <typename P> __device__ __forceinline__ void op_scale_range(P *p, int64_t lo, int64_t hi, float sc) {
+  for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    float f = op_ld<float>(p, i);
+    op_put(p[i], __fmul_rn(f, sc));
+  }
+}
+
+__global__ void __launch_bounds__(OP_BLOCK) op_scale_multi_kernel(OpList L, const float *scale) {
+  float sc = *scale;
+  int64_t total = L.chunk_end[L.n - 1];
+  for (int64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    int64_t lo, hi;
+    int k = op_find(L, c, &lo, &hi);
+    switch ((moe_dtype)L.pdt[k]) {
+    case MOE_F64: {
+      double *p = (double *)L.param[k], sd = (double)sc;
+      for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) p[i] = __dmul_rn(p[i], sd);
+      break;
+    }
+    case MOE_F32: op_scale_range((float *)L.param[k], lo, hi, sc); break;
+    case MOE_BF16: op_scale_range((moe_bf16 *)L.param[k], lo, hi, sc); break;
+    default: op_scale_range((moe_f16 *)L.param[k], lo, hi, sc); break;
+    }
+  }
+}
+
+/* Packs the items accepted by `take` into launches of up to OP_LIST_MAX
+ * tensors; launch(L) runs one. Empty tensors are left out. */
+template <typename Take, typename Launch>
+moe_status op_for_lists(const moe_optim_item *items, int64_t n, Take take, Launch launch) {
+  OpList L;
+  memset(&L, 0, sizeof L);
+  int64_t chunks = 0; /* chunks of the whole list before this launch */
+  for (int64_t k = 0; k < n; k++) {
+    const moe_optim_item &it = items[k];
+    if (!take(it) || it.n == 0) continue;
+    int j = L.n++;
+    int64_t c = (it.n + MOE_OPTIM_CHUNK - 1) / MOE_OPTIM_CHUNK;
+    L.chunk_end[j] = (j ? L.chunk_end[j - 1] : 0) + c;
+    L.numel[j] = it.n;
+    L.param[j] = it.param;
+    L.grad[j] = it.grad;
+    L.m[j] = it.m;
+    L.v[j] = it.v;
+    L.master[j] = it.master;
+    L.decay[j] = it.decay;
+    L.pdt[j] = (unsigned char)it.pdt;
+    L.gdt[j] = (unsigned char)it.gdt;
+    if (L.n == OP_LIST_MAX) {
+      MOE_CHECK(launch(L));
+      chunks += L.chunk_end[L.n - 1];
+      memset(&L, 0, sizeof L);
+      L.chunk0 = chunks;
+    }
+  }
+  if (L.n > 0) MOE_CHECK(launch(L));
+  return MOE_OK;
+}
+
+static unsigned op_grid(const OpList &L) {
+  int64_t c = L.chunk_end[L.n - 1];
+  return (unsigned)(c < (1 << 20) ? c : (1 << 20));
+}
+
 moe_status op_stream(moe_ctx *ctx, int device, cudaStream_t *s) {
   void *p = nullptr;
   MOE_CHECK(moe_cuda_stream(ctx, device, &p));
@@ -149,4 +430,64 @@ extern "C" moe_status moe_cuda_sgd_step(moe_ctx *ctx, int device, int64_t n, voi
         n, param, pdt, grad, gdt, (float *)buf, (float *)master, op_scalars<float>(s));
   MOE_CUDA_CHECK_LAUNCH(ctx, "sgd_step kernel");
   return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_adamw_multi(moe_ctx *ctx, int device, const moe_optim_item *items,
+                                           int64_t n, const moe_optim_scalars *s,
+                                           const float *grad_scale, const float *skip) {
+  cudaStream_t stream;
+  MOE_CHECK(op_stream(ctx, device, &stream));
+  OpScalars<float> sf = op_scalars<float>(s);
+  OpScalars<double> sd = op_scalars<double>(s);
+  MOE_CHECK(op_for_lists(
+      items, n, [](const moe_optim_item &it) { return it.pdt != MOE_F64; },
+      [&](const OpList &L) {
+        op_adamw_multi_kernel<float><<<op_grid(L), OP_BLOCK, 0, stream>>>(L, sf, grad_scale, skip);
+        MOE_CUDA_CHECK_LAUNCH(ctx, "adamw_step_multi kernel");
+        return MOE_OK;
+      }));
+  MOE_CHECK(op_for_lists(
+      items, n, [](const moe_optim_item &it) { return it.pdt == MOE_F64; },
+      [&](const OpList &L) {
+        op_adamw_multi_kernel<double><<<op_grid(L), OP_BLOCK, 0, stream>>>(L, sd, grad_scale, skip);
+        MOE_CUDA_CHECK_LAUNCH(ctx, "adamw_step_multi kernel");
+        return MOE_OK;
+      }));
+  return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_grad_norm_multi(moe_ctx *ctx, int device,
+                                               const moe_optim_item *items, int64_t n,
+                                               float max_norm, float *norm, float *coef,
+                                               float *found_inf) {
+  cudaStream_t stream;
+  MOE_CHECK(op_stream(ctx, device, &stream));
+  int64_t np = 0;
+  for (int64_t k = 0; k < n; k++) np += (items[k].n + MOE_OPTIM_CHUNK - 1) / MOE_OPTIM_CHUNK;
+  MoeScratch part(ctx, device);
+  MOE_CHECK(part.alloc(sizeof(float) * (size_t)(np > 0 ? np : 1)));
+  float *pp = (float *)part.ptr;
+  MOE_CHECK(op_for_lists(
+      items, n, [](const moe_optim_item &) { return true; },
+      [&](const OpList &L) {
+        op_norm_chunks_kernel<<<op_grid(L), OP_BLOCK, 0, stream>>>(L, pp);
+        MOE_CUDA_CHECK_LAUNCH(ctx, "grad_norm_multi kernel");
+        return MOE_OK;
+      }));
+  op_norm_finish_kernel<<<1, OP_BLOCK, 0, stream>>>(pp, np, max_norm, norm, coef, found_inf);
+  MOE_CUDA_CHECK_LAUNCH(ctx, "grad_norm_multi finishing kernel");
+  return MOE_OK;
+}
+
+extern "C" moe_status moe_cuda_scale_multi(moe_ctx *ctx, int device, const moe_optim_item *items,
+                                           int64_t n, const float *scale) {
+  cudaStream_t stream;
+  MOE_CHECK(op_stream(ctx, device, &stream));
+  return op_for_lists(
+      items, n, [](const moe_optim_item &) { return true; },
+      [&](const OpList &L) {
+        op_scale_multi_kernel<<<op_grid(L), OP_BLOCK, 0, stream>>>(L, scale);
+        MOE_CUDA_CHECK_LAUNCH(ctx, "scale_multi kernel");
+        return MOE_OK;
+      });
 }

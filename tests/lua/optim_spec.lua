@@ -3,7 +3,10 @@ tests/lua/optim_spec.lua - moe.optim on the CPU: AdamW against a reference
 written here in plain Lua (doubles) over several steps for f32 and f64
 parameters and for bf16 parameters with fp32 master weights; decoupled weight
 decay and no_decay; SGD with momentum; the learning-rate schedules' values;
-clip_grad_norm; the state_dict / load_state_dict round trip through a
+clip_grad_norm; the multi-tensor AdamW bit for bit against the per-tensor
+path (mixed dtypes, decay groups, missing gradients, device clip coefficient
+and skip flag), optim.grad_norm and lazy clipping (the GPU cases are pending
+without one); the state_dict / load_state_dict round trip through a
 safetensors file (continuing gives the same bits); bad arguments.
 
 Run: moe-lua tests/lua/busted.lua tests/lua/optim_spec.lua (ctest does).
@@ -160,7 +163,7 @@ describe("optim.AdamW", function()
   it("rejects bad arguments and state", function()
     local w = moe.ones({ 2, 2 }, { dtype = "f32" })
     assert.has_error(function() optim.AdamW({ { "w", w } }, { lr = 1, bogus = 2 }) end,
-      "optim.AdamW: unknown option 'bogus' (valid: betas, eps, lr, master_weights, no_decay, weight_decay)")
+      "optim.AdamW: unknown option 'bogus' (valid: betas, eps, lr, master_weights, multi_tensor, no_decay, weight_decay)")
     local half = moe.ones({ 2 }, { dtype = "bf16" })
     assert.has_error(function() optim.AdamW({ { "w", half } }, { master_weights = false }) end,
       "optim.AdamW: parameter 'w' is bf16: it needs master_weights (an fp32 copy)")
@@ -253,5 +256,241 @@ describe("optim.clip_grad_norm", function()
     assert.are.equal(0, optim.clip_grad_norm({ c }, 1))
     assert.has_error(function() optim.clip_grad_norm({ a }, -1) end,
       "optim.clip_grad_norm: max_norm must be a positive number, got -1")
+  end)
+end)
+
+-- ------------------------------------------------------------------ multi-tensor
+
+-- Mixed parameters: f32 and f64 without master, bf16 and f32 with master,
+-- two weight-decay groups (no_decay: 1-D), a parameter left without a
+-- gradient on some steps; one copy per optimizer.
+local function mixed_params(device)
+  local specs = {
+    { "w1", { 4, 5 }, "f32" }, { "b1", { 5 }, "f32" }, { "w2", { 3, 7 }, "bf16" },
+    { "n2", { 7 }, "bf16" }, { "w3", { 2, 3 }, "f64" }, { "w4", { 70 }, "f32" },
+    { "w5", { 6, 2 }, "f16" },
+  }
+  local out = {}
+  for k, s in ipairs(specs) do
+    local n = 1
+    for _, d in ipairs(s[2]) do n = n * d end
+    local v = {}
+    for i = 1, n do v[i] = math.sin(0.37 * i + k) end
+    local t = moe.tensor(v, { dtype = s[3] }):reshape(s[2])
+    if device then t = t:to(device) end
+    out[k] = { s[1], t }
+  end
+  return out
+end
+
+local function set_grads(params, step)
+  for k, e in ipairs(params) do
+    local t = e[2]
+    if not (k == 2 and step % 3 == 0) then -- b1 has no gradient every third step
+      local n = t:numel()
+      local v = {}
+      for i = 1, n do v[i] = math.cos(1.1 * i + step + k) * (0.2 + 0.1 * step) end
+      t.grad = moe.tensor(v, { dtype = t.dtype, device = t.device }):reshape(t.shape)
+    else
+      t.grad = nil
+    end
+  end
+end
+
+local function same_bits(a, b)
+  local x, y = flat(a), flat(b)
+  if #x ~= #y then return false end
+  for i = 1, #x do if x[i] ~= y[i] then return false end end
+  return true
+end
+
+local function assert_same_state(o1, o2)
+  local s1, s2 = o1:state_dict(), o2:state_dict()
+  local n = 0
+  for key, t in pairs(s1) do
+    assert(same_bits(t, s2[key]), "state " .. key .. " differs")
+    n = n + 1
+  end
+  assert.is_true(n > 0)
+  for i, e in ipairs(o1.params) do assert(same_bits(e.param, o2.params[i].param), e.name) end
+end
+
+local function run_pair(device, steps, with_clip)
+  local pa, pb = mixed_params(device), mixed_params(device)
+  local function names(ps)
+    local out = {}
+    for _, e in ipairs(ps) do out[#out + 1] = { e[1], e[2] } end
+    return out
+  end
+  local opts = { lr = 0.01, betas = { 0.9, 0.95 }, weight_decay = 0.1 }
+  local ref = optim.AdamW(names(pa), { lr = opts.lr, betas = opts.betas, weight_decay = 0.1,
+                                       multi_tensor = false })
+  local multi = optim.AdamW(names(pb), opts)
+  assert.is_true(multi.multi_tensor)
+  assert.is_false(ref.multi_tensor)
+  for step = 1, steps do
+    set_grads(pa, step)
+    set_grads(pb, step)
+    if with_clip then
+      local la, lb = {}, {}
+      for i = 1, #pa do la[i], lb[i] = pa[i][2], pb[i][2] end
+      local n1, c1, f1 = optim.grad_norm(la, 0.5)
+      local n2, c2, f2 = optim.grad_norm(lb, 0.5)
+      assert.are.equal(n1:item(), n2:item())
+      ref:step({ grad_scale = c1, skip = f1 })
+      multi:step({ grad_scale = c2, skip = f2 })
+    else
+      ref:step()
+      multi:step()
+    end
+    ref:zero_grad()
+    multi:zero_grad()
+  end
+  assert_same_state(ref, multi)
+  return ref, multi
+end
+
+describe("optim.AdamW multi-tensor", function()
+  it("gives the bits of the per-tensor path over 10 steps of mixed parameters", function()
+    local _, multi = run_pair(nil, 10, false)
+    assert.are.equal(10, multi.step_count)
+  end)
+
+  it("applies the clip coefficient and the skip flag on the device like the reference", function()
+    run_pair(nil, 6, true)
+  end)
+
+  it("skips the update when skip is not 0 (NaN too) and scales with grad_scale", function()
+    local p = moe.tensor({ 1, 2, 3 }, { dtype = "f32" })
+    local q = moe.tensor({ 1, 2, 3 }, { dtype = "f32" })
+    local opt = optim.AdamW({ { "p", p } }, { lr = 0.1 })
+    for _, flag in ipairs({ 1, 0 / 0, -2 }) do
+      p.grad = moe.tensor({ 1, 1, 1 }, { dtype = "f32" })
+      opt:step({ skip = moe.full({}, flag, { dtype = "f32" }) })
+      assert.is_true(same_bits(p, q))
+      assert.are.same({ 0, 0, 0 }, flat(opt.params[1].exp_avg))
+    end
+    p.grad = moe.tensor({ 1, 1, 1 }, { dtype = "f32" })
+    opt:step({ skip = moe.zeros({}, { dtype = "f32" }), grad_scale = moe.full({}, 0.5, { dtype = "f32" }) })
+    assert.is_true(math.abs(flat(opt.params[1].exp_avg)[1] - 0.05) < 1e-7) -- (1 - 0.9) * 0.5
+    assert.has_error(function() opt:step({ grad_scale = 2 }) end,
+      "AdamW:step: option grad_scale must be a tensor, got number")
+    assert.has_error(function() opt:step({ scale = 2 }) end)
+  end)
+
+  it("reports bad lists naming the argument and the entry", function()
+    local p, g = moe.zeros({ 3 }), moe.zeros({ 3 })
+    local m, v = moe.zeros({ 3 }), moe.zeros({ 3 })
+    local ok, err = pcall(moe.ops.adamw_step_multi, { p }, { moe.zeros({ 4 }) }, { m }, { v }, nil, 0, { step = 1 })
+    assert.is_false(ok)
+    local _
+    assert.matches("adamw_step_multi: entry 1: grad has shape %[4%] but param has shape %[3%]", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m }, {}, nil, 0, { step = 1 })
+    assert.matches("bad argument #4 to 'adamw_step_multi' %(exp_avg_sqs has 0 entries but params has 1%)", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m:double() }, { v }, nil, 0, { step = 1 })
+    assert.matches("entry 1: exp_avg must be f32 for a f32 param, got f64", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m }, { v }, { 1 }, 0, { step = 1 })
+    assert.matches("bad argument #5 to 'adamw_step_multi' %(masters%[1%]: tensor expected, got number%)", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m }, { v }, nil, { "x" }, { step = 1 })
+    assert.matches("weight_decays%[1%]: number expected, got string", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m }, { v }, nil, 0, { step = 1, skip = 1 })
+    assert.matches("option skip must be a tensor", err)
+    _, err = pcall(moe.ops.adamw_step_multi, { p }, { g }, { m }, { v }, nil, 0,
+      { step = 1, grad_scale = moe.zeros({ 2 }) })
+    assert.matches("grad_scale must have one element, got shape %[2%]", err)
+    _, err = pcall(moe.ops.grad_norm_multi, { g, moe.zeros({ 2 }, { dtype = "i32" }) }, 1)
+    assert.matches("grad_norm_multi: grad 2: must be f32, f64, bf16 or f16, got i32", err)
+    assert.are.same({ 0, 0, 0 }, flat(p))
+  end)
+end)
+
+describe("optim.grad_norm and lazy clipping", function()
+  local function grads()
+    local a = moe.zeros({ 2, 2 }, { dtype = "f32" })
+    local b = moe.zeros({ 3 }, { dtype = "bf16" })
+    a.grad = moe.tensor({ { 3, 0 }, { 0, 0 } }, { dtype = "f32" })
+    b.grad = moe.tensor({ 0, 4, 0 }, { dtype = "bf16" })
+    return a, b
+  end
+
+  it("returns norm, coefficient and non-finite flag as device tensors", function()
+    local a, b = grads()
+    local n, c, f = optim.grad_norm({ a, b }, 1)
+    assert.is_true(moe.is_tensor(n) and moe.is_tensor(c) and moe.is_tensor(f))
+    assert.are.equal("f32", n.dtype)
+    assert.are.equal(5, n:item())
+    assert.is_true(math.abs(c:item() - 1 / (5 + 1e-6)) < 1e-7)
+    assert.are.equal(0, f:item())
+    assert.are.same({ 3, 0, 0, 0 }, flat(a.grad)) -- untouched
+    local _, c1 = optim.grad_norm({ a, b })
+    assert.are.equal(1, c1:item())
+    b.grad = moe.tensor({ 0, 1 / 0, 0 }, { dtype = "bf16" })
+    n, _, f = optim.grad_norm({ a, b }, 1)
+    assert.are.equal(1, f:item())
+    assert.are.equal(math.huge, n:item())
+  end)
+
+  it("clips lazily: the norm as a tensor, the gradients scaled on the device", function()
+    local a, b = grads()
+    local n = optim.clip_grad_norm({ a, b }, 1, { lazy = true })
+    assert.is_true(moe.is_tensor(n))
+    assert.are.equal(5, n:item())
+    assert.is_true(math.abs(flat(a.grad)[1] - 0.6) < 1e-6)
+    assert.is_true(math.abs(flat(b.grad)[2] - 0.8) < 4e-3)
+    local a2, b2 = grads()
+    assert.are.equal(5, optim.clip_grad_norm({ a2, b2 }, 10, { lazy = true }):item()) -- below max_norm: the same bits
+    assert.are.same({ 3, 0, 0, 0 }, flat(a2.grad))
+    assert.are.same({ 0, 4, 0 }, flat(b2.grad))
+    assert.are.equal(5, optim.clip_grad_norm({ a2, b2 }, math.huge))
+    assert.has_error(function() optim.clip_grad_norm({ a }, 1, { lazy = 1 }) end,
+      "optim.clip_grad_norm: option lazy must be a boolean, got number")
+    assert.has_error(function() optim.grad_norm({ a }, 0) end,
+      "optim.grad_norm: max_norm must be a positive number, got 0")
+  end)
+
+  it("is deterministic: the same bits from the same gradients", function()
+    local ts = {}
+    for k = 1, 5 do
+      local t = moe.zeros({ 1000 * k + 3 })
+      t.grad = moe.randn({ 1000 * k + 3 })
+      ts[k] = t
+    end
+    local n1 = optim.grad_norm(ts):item()
+    local n2 = optim.grad_norm(ts):item()
+    assert.are.equal(n1, n2)
+    local ref = 0
+    for _, t in ipairs(ts) do ref = ref + t.grad:double():pow(2):sum():item() end
+    assert.is_true(math.abs(n1 - math.sqrt(ref)) < 1e-5 * math.sqrt(ref))
+  end)
+end)
+
+describe("optim multi-tensor on cuda", function()
+  local gpu = moe.cuda.is_available()
+  local function gpu_it(name, fn)
+    if gpu then it(name, fn) else pending(name .. " (no CUDA GPU)") end
+  end
+
+  gpu_it("gives the bits of the per-tensor path on the GPU, with clipping", function()
+    run_pair("cuda:0", 10, false)
+    run_pair("cuda:0", 6, true)
+  end)
+
+  gpu_it("computes the norm with the CPU's bits and clips lazily", function()
+    local ts, tc = {}, {}
+    for k = 1, 60 do
+      local g = moe.randn({ 997 * k + 1 }):to(k % 2 == 0 and "bf16" or "f32")
+      tc[k] = moe.zeros({ 1 })
+      tc[k].grad = g
+      ts[k] = moe.zeros({ 1 }):to("cuda:0")
+      ts[k].grad = g:to("cuda:0")
+    end
+    local nc = optim.grad_norm(tc, 1)
+    local ng, cg = optim.grad_norm(ts, 1)
+    assert.are.equal("cuda:0", ng.device)
+    assert.are.equal(nc:item(), ng:item())
+    local n = optim.clip_grad_norm(ts, 1, { lazy = true })
+    assert.are.equal("cuda:0", n.device)
+    assert.is_true(math.abs(optim.grad_norm(ts):item() - 1) < 1e-2)
+    assert.is_true(cg:item() < 1)
   end)
 end)

@@ -3,21 +3,33 @@ moe/optim/init.lua - optimisers, learning-rate schedules and gradient clipping
 (`local optim = require "moe.optim"`).
 
   optim.AdamW(named_params, {lr=1e-3, betas={0.9, 0.95}, eps=1e-8, weight_decay=0.1,
-      no_decay=function(name, t) return t:dim() < 2 end, master_weights=nil})
+      no_decay=function(name, t) return t:dim() < 2 end, master_weights=nil,
+      multi_tensor=true})
   optim.SGD(named_params, {lr=, momentum=0, weight_decay=0, master_weights=nil})
-  opt:step(), opt:zero_grad(), opt.lr (settable), opt.step_count
+  opt:step([{grad_scale=, skip=}]), opt:zero_grad(), opt.lr (settable), opt.step_count
   opt:state_dict() -> {["<param>.exp_avg"]=, ...}, opt:state_scalars() -> {step=, lr=, ...}
   opt:load_state_dict(tensors, scalars)
   optim.schedule{lr=, min_lr=0, warmup=0, total=, decay="cosine"|"linear"|"constant"}
       -> function(step (0-based)) -> lr
-  optim.clip_grad_norm(params, max_norm) -> total norm (one host read)
+  optim.clip_grad_norm(params, max_norm[, {lazy=true}]) -> total norm (a number:
+      one host read; lazy: an f32 device tensor, no host read)
+  optim.grad_norm(params[, max_norm]) -> norm, coef, found_inf (f32 device
+      tensors, gradients untouched; for opt:step{grad_scale=coef, skip=found_inf})
   optim.ShardedAdamW(named_params, {..., group =, replicate_group =, bucket_mb =})
       -> AdamW with state for this rank's shard only (moe/optim/zero.lua)
 
 named_params is model:named_parameters() (an array of {name, tensor}); a plain
-array of tensors is accepted too (names "0", "1", ...). The update itself is
-one fused C call per parameter (moe.ops.adamw_step / sgd_step: CPU loop or one
-CUDA kernel). master_weights = nil means "when the parameter is bf16 or f16":
+array of tensors is accepted too (names "0", "1", ...). AdamW's update is one
+multi-tensor C call per device (moe.ops.adamw_step_multi: a few CUDA launches
+for every parameter), bit-identical to one moe.ops.adamw_step per parameter,
+which multi_tensor=false selects (the reference path); SGD calls sgd_step per
+parameter. opt:step{grad_scale=, skip=} takes f32 one-element device tensors:
+every gradient is multiplied by grad_scale as the update reads it (the clip
+coefficient of optim.grad_norm), and no parameter or state changes when skip
+is not 0 (found_inf); both are read on the device, so a clipped step needs no
+host read. step_count advances on a skipped step too (the host does not know);
+a loop that reads found_inf later may take it back (opt.step_count is
+settable). master_weights = nil means "when the parameter is bf16 or f16":
 such a parameter gets an fp32 master copy and fp32 state, and is rewritten
 from the master by the same call. State tensors have the parameter's shape and
 are saved under PyTorch-like names so they go into a safetensors file as they
@@ -164,7 +176,7 @@ end
 -- ------------------------------------------------------------------ AdamW
 
 local adamw_known = { lr = true, betas = true, eps = true, weight_decay = true, no_decay = true,
-                      master_weights = true }
+                      master_weights = true, multi_tensor = true }
 
 local function default_no_decay(_, t) return t:dim() < 2 end
 
@@ -185,6 +197,10 @@ function M.AdamW(named_params, opts)
                  weight_decay = number_opt(fn, opts, "weight_decay", 0.1) }
   local no_decay = opts.no_decay or default_no_decay
   if type(no_decay) ~= "function" then fail(fn, "option no_decay must be a function") end
+  if opts.multi_tensor ~= nil and type(opts.multi_tensor) ~= "boolean" then
+    fail(fn, "option multi_tensor must be a boolean, got %s", type(opts.multi_tensor))
+  end
+  self.multi_tensor = opts.multi_tensor ~= false
   self.params = normalize_params(fn, named_params)
   for _, e in ipairs(self.params) do
     e.exp_avg = zeros_like_state(e.param)
@@ -197,17 +213,84 @@ end
 
 M.AdamWClass = setmetatable({}, { __index = Optimizer })
 
-function M.AdamWClass:step()
+local step_known = { grad_scale = true, skip = true }
+
+-- The device scalar option key of opt:step, checked; moved to device when
+-- the parameters of a group live elsewhere (a copy on the stream, no host read).
+local function step_scalar(fn, t, key)
+  if t == nil then return nil end
+  if not moe.is_tensor(t) then fail(fn, "option %s must be a tensor, got %s", key, type(t)) end
+  return t
+end
+
+local function on_device(t, device)
+  if t == nil or t.device == device then return t end
+  return t:to(device)
+end
+
+-- The per-tensor reference: one adamw_step per parameter; grad_scale and
+-- skip by tensor ops and one host read of skip.
+local function step_per_tensor(self, o, grad_scale, skip)
+  if skip and skip:item() ~= 0 then return end
+  for _, e in ipairs(self.params) do
+    local g = e.param.grad
+    if g then
+      if grad_scale then -- the product in the state's precision, as the multi-tensor kernel
+        g = moe.scope(function()
+          local gs = on_device(grad_scale, g.device)
+          if g.dtype == "f64" then return g * gs:to("f64") end
+          return g:float() * gs
+        end)
+      end
+      o.weight_decay = e.weight_decay
+      moe.ops.adamw_step(e.param, g, e.exp_avg, e.exp_avg_sq, e.master, o)
+      if grad_scale then g:free() end
+    end
+  end
+end
+
+-- One adamw_step_multi per device over the parameters that have a gradient.
+local function step_multi(self, o, grad_scale, skip)
+  local groups, order = {}, {}
+  for _, e in ipairs(self.params) do
+    local g = e.param.grad
+    if g then
+      local dev = e.param.device
+      local G = groups[dev]
+      if not G then
+        G = { p = {}, g = {}, m = {}, v = {}, w = {}, wd = {}, n = 0 }
+        groups[dev] = G
+        order[#order + 1] = dev
+      end
+      local n = G.n + 1
+      G.n = n
+      G.p[n], G.g[n], G.m[n], G.v[n] = e.param, g, e.exp_avg, e.exp_avg_sq
+      G.w[n], G.wd[n] = e.master or false, e.weight_decay
+    end
+  end
+  o.weight_decay = nil
+  for _, dev in ipairs(order) do
+    local G = groups[dev]
+    o.grad_scale, o.skip = on_device(grad_scale, dev), on_device(skip, dev)
+    moe.ops.adamw_step_multi(G.p, G.g, G.m, G.v, G.w, G.wd, o)
+  end
+end
+
+--- opt:step([{grad_scale =, skip =}]): one AdamW step over every parameter
+--- with a gradient (see the header for the options).
+function M.AdamWClass:step(opts)
+  local fn = "AdamW:step"
+  opts = check_options(fn, opts, step_known)
+  local grad_scale = step_scalar(fn, opts.grad_scale, "grad_scale")
+  local skip = step_scalar(fn, opts.skip, "skip")
   self.step_count = self.step_count + 1
   local h = self.hyper
   local o = { lr = self.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, weight_decay = 0,
               step = self.step_count }
-  for _, e in ipairs(self.params) do
-    local g = e.param.grad
-    if g then
-      o.weight_decay = e.weight_decay
-      moe.ops.adamw_step(e.param, g, e.exp_avg, e.exp_avg_sq, e.master, o)
-    end
+  if self.multi_tensor then
+    moe.scope(step_multi, self, o, grad_scale, skip)
+  else
+    moe.scope(step_per_tensor, self, o, grad_scale, skip)
   end
 end
 
@@ -248,51 +331,98 @@ end
 
 -- ------------------------------------------------------------------ clipping
 
--- Global L2 norm of the gradients of params (tensors or {name, tensor});
--- scales them by max_norm / (norm + 1e-6) when the norm exceeds max_norm.
--- One reduction per gradient on its device, one host read of the total.
--- The norm of one gradient as an f32 scalar on device, in a moe.scope of its
--- own (clip_grad_norm): an fp32 copy of a bf16 gradient is freed before the
--- next gradient's is made, not left to the collector, which does not see
--- device memory.
-local function grad_norm(g, device)
-  local n = (g.dtype == "f64" or g.dtype == "f32") and g:norm(2) or g:float():norm(2)
-  if n.device ~= device then n = n:to(device) end
-  if n.dtype ~= "f32" then n = n:float() end
-  return n
-end
-
-local function scale_(g, coef) g:copy_(g * coef) end
-
-local function clip(fn, params, max_norm)
-  local grads, norms, device = {}, {}, nil
+-- The gradients of params (tensors or {name, tensor}) grouped per device, in
+-- order: {devices = {dev, ...}, [dev] = {g, ...}, all = {g, ...}}.
+local function collect_grads(fn, params)
+  if type(params) ~= "table" then fail(fn, "array of parameters expected, got %s", type(params)) end
+  local out = { devices = {}, all = {} }
   for i, p in ipairs(params) do
     local t = p
     if type(p) == "table" and not moe.is_tensor(p) then t = p[2] end
     if not moe.is_tensor(t) then fail(fn, "parameter %d is not a tensor", i) end
     local g = t.grad
     if g then
-      device = device or g.device
-      grads[#grads + 1] = g
-      norms[#norms + 1] = moe.scope(grad_norm, g, device)
+      local dev = g.device
+      if not out[dev] then
+        out[dev] = {}
+        out.devices[#out.devices + 1] = dev
+      end
+      out[dev][#out[dev] + 1] = g
+      out.all[#out.all + 1] = g
     end
   end
-  if #grads == 0 then return 0 end
-  local total = moe.stack(norms):norm(2):item()
-  if max_norm and total > max_norm then
-    local coef = max_norm / (total + 1e-6)
-    for _, g in ipairs(grads) do moe.scope(scale_, g, coef) end
+  return out
+end
+
+local function check_max_norm(fn, max_norm)
+  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0 or max_norm ~= max_norm) then
+    fail(fn, "max_norm must be a positive number, got %s", tostring(max_norm))
   end
+end
+
+-- norm, coef, found_inf of the collected gradients, on the first device: one
+-- moe.ops.grad_norm_multi per device (two launches on CUDA, no host read);
+-- with several devices, the norm of the per-device norms.
+local function device_norm(grads, max_norm)
+  local devs = grads.devices
+  if #devs <= 1 then return moe.ops.grad_norm_multi(grads.all, max_norm) end
+  local norms = {}
+  for i, dev in ipairs(devs) do
+    local n = moe.ops.grad_norm_multi(grads[dev], nil)
+    norms[i] = on_device(n, devs[1])
+  end
+  return moe.ops.grad_norm_multi(norms, max_norm)
+end
+
+--- optim.grad_norm(params[, max_norm]) -> norm, coef, found_inf: the global L2
+--- norm of the gradients, min(1, max_norm / (norm + 1e-6)) (1 without
+--- max_norm) and 1 when the norm is not finite (else 0), as f32 0-d tensors on
+--- the gradients' device, computed there (f32 sums in a fixed order: the same
+--- bits every run). Gradients are untouched: hand coef and found_inf to
+--- opt:step{grad_scale = coef, skip = found_inf}.
+function M.grad_norm(params, max_norm)
+  local fn = "optim.grad_norm"
+  check_max_norm(fn, max_norm)
+  return moe.scope(device_norm, collect_grads(fn, params), max_norm)
+end
+
+local function scale_grads(grads, coef)
+  for _, dev in ipairs(grads.devices) do moe.ops.scale_multi(grads[dev], on_device(coef, dev)) end
+end
+
+local function clip(fn, params, max_norm, lazy)
+  local grads = collect_grads(fn, params)
+  if #grads.all == 0 and not lazy then return 0 end
+  local norm, coef = device_norm(grads, max_norm)
+  if lazy then
+    if max_norm then scale_grads(grads, coef) end
+    return norm
+  end
+  local total = norm:item()
+  if max_norm and total > max_norm then scale_grads(grads, coef) end
   return total
 end
 
-function M.clip_grad_norm(params, max_norm)
+--- optim.clip_grad_norm(params, max_norm[, {lazy = true}]) -> the global L2
+--- norm of the gradients of params (tensors or {name, tensor}), which are
+--- scaled in place by min(1, max_norm / (norm + 1e-6)); max_norm nil: the norm
+--- only. Without lazy: a number (one host read), gradients scaled only when
+--- the norm exceeds max_norm. lazy: the norm as an f32 0-d tensor on the
+--- gradients' device and the scaling by one multi-tensor kernel reading the
+--- coefficient there (no host read; a non-finite norm leaves the gradients
+--- scaled by 0 or untouched, the caller checks the norm).
+local clip_known = { lazy = true }
+
+function M.clip_grad_norm(params, max_norm, opts)
   local fn = "optim.clip_grad_norm"
   if type(params) ~= "table" then fail(fn, "array of parameters expected, got %s", type(params)) end
-  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
-    fail(fn, "max_norm must be a positive number, got %s", tostring(max_norm))
+  check_max_norm(fn, max_norm)
+  opts = check_options(fn, opts, clip_known)
+  if opts.lazy ~= nil and type(opts.lazy) ~= "boolean" then
+    fail(fn, "option lazy must be a boolean, got %s", type(opts.lazy))
   end
-  return moe.scope(clip, fn, params, max_norm)
+  if max_norm == math.huge then max_norm = nil end
+  return moe.scope(clip, fn, params, max_norm, opts.lazy == true)
 end
 
 M.schedule = schedule

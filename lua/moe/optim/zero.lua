@@ -24,8 +24,9 @@ A step, per bucket (buckets whose parameters had no gradient on any rank are
 skipped, as optim.AdamW skips a parameter whose .grad is nil):
   1. the rank's shard of the parameters in a flat buffer of their dtype
      (copied from the parameters; a bf16 bucket's comes from its master);
-  2. moe.ops.adamw_step on contiguous runs of that buffer (one call per run of
-     segments with the same weight decay whose parameters had a gradient),
+  2. one moe.ops.adamw_step_multi call over the contiguous runs of that
+     buffer (a run: segments with the same weight decay whose parameters
+     had a gradient),
      with the gradient shard and the state shards narrowed alike: the same
      element-wise operations optim.AdamW does on the whole parameter;
   3. an asynchronous all_gather of the buffer into one flat buffer of the
@@ -231,12 +232,16 @@ local function step_bucket(self, k, bk, o)
       shard:narrow(0, s.shard_offset, s.numel):copy_(p:view({ p:numel() }):narrow(0, s.param_offset, s.numel))
     end
   end
-  for _, run in ipairs(runs) do
+  -- every run of the bucket in one multi-tensor call (the bits of one adamw_step per run)
+  local ps, gs, ms, vs, ws, wds = {}, {}, {}, {}, {}, {}
+  for i, run in ipairs(runs) do
     local a, n = run.offset, run.numel
-    o.weight_decay = run.wd
-    moe.ops.adamw_step(shard:narrow(0, a, n), grad:narrow(0, a, n), bk.exp_avg:narrow(0, a, n),
-      bk.exp_avg_sq:narrow(0, a, n), bk.master and bk.master:narrow(0, a, n) or nil, o)
+    ps[i], gs[i] = shard:narrow(0, a, n), grad:narrow(0, a, n)
+    ms[i], vs[i] = bk.exp_avg:narrow(0, a, n), bk.exp_avg_sq:narrow(0, a, n)
+    ws[i], wds[i] = bk.master and bk.master:narrow(0, a, n) or false, run.wd
   end
+  moe.ops.adamw_step_multi(ps, gs, ms, vs, ws, wds,
+    { lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps, step = o.step })
   if bk.master then
     -- segments not stepped this round keep their values: the master's, rounded
     for _, s in ipairs(bk.segments) do
