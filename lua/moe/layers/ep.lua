@@ -369,6 +369,45 @@ local function chunk_experts(ex, cut, c, n)
   return setmetatable(view, { __index = ex, __call = getmetatable(ex).__call })
 end
 
+--- exchange_chunked(layer, xs (R, d), ex) -> yb (R, d): the pipelined part
+--- of route_tokens_chunked (bench/ep_overlap.lua times it alone). xs: the
+--- permuted rows, by chunk, destination rank, local expert; ex.chunks[c] =
+--- {send =, recv =, rows =}, ex.bounds (C + 1 local expert bounds), and
+--- either ex.local_plans (one per chunk) or ex.local_counts and ex.starts
+--- (the plans are then built after the exchanges have started, and stored
+--- in ex.local_plans). yb: each row's expert output, back in xs's order.
+function M.exchange_chunked(layer, xs, ex)
+  local ep = layer.ep
+  local b, chunks, C = ex.bounds, ex.chunks, #ex.chunks
+  -- every chunk's rows on their way, then the local plans (no synchronisation)
+  local pipe = moe.dist.functional.chunked_all_to_all(chunks, ep.group, { trace = ep.trace })
+  pipe:scatter(xs)
+  if ex.local_plans == nil then
+    local lplans = {}
+    for c = 1, C do
+      local n = b[c + 1] - b[c]
+      lplans[c] = moe.ops.routing_plan(segment_ids(ex.starts[c], n, chunks[c].rows, xs.device), n,
+        local_opts(layer, ex.local_counts[c]))
+    end
+    ex.local_plans = lplans
+  end
+  local experts, cut, parts = layer.experts, {}, {}
+  for c = 1, C do parts[c] = { b[c], b[c + 1] - b[c] } end
+  for _, name in ipairs({ "w1", "w3", "w2" }) do
+    local w = rawget(experts, name)
+    if w ~= nil then cut[name] = slices(w, parts) end
+  end
+  -- chunk by chunk: its experts while the others travel
+  for c = 1, C do
+    local xr = pipe:received(c) -- (rows_c, d)
+    local view = chunk_experts(experts, cut, c, parts[c][2])
+    local ye = view(xr, ex.local_plans[c], nil)
+    if rawget(view, "path") ~= nil then experts.path = rawget(view, "path") end
+    pipe:reply(c, ye)
+  end
+  return pipe:gathered()
+end
+
 --- route_tokens_chunked(layer, x2, ids, gates) -> y (T, d), plan: route_tokens
 --- with layer.ep.chunks > 1 (above).
 function M.route_tokens_chunked(layer, x2, ids, gates)
@@ -410,30 +449,11 @@ function M.route_tokens_chunked(layer, x2, ids, gates)
     end
     chunks[c], lcs[c], starts[c] = { send = send, recv = recv, rows = nrecv }, lc, st
   end
-  -- 2. every chunk's rows on their way, then the local plans (no synchronisation)
+  -- 2. and 3.: the pipelined exchange and experts
   local xs = moe.ops.permute(x2, plan) -- (R, d): chunk, destination rank, local expert
-  local pipe = moe.dist.functional.chunked_all_to_all(chunks, group, { trace = ep.trace })
-  pipe:scatter(xs)
-  local lplans = {}
-  for c = 1, C do
-    local n = b[c + 1] - b[c]
-    lplans[c] = moe.ops.routing_plan(segment_ids(starts[c], n, chunks[c].rows, dev), n, local_opts(layer, lcs[c]))
-  end
-  local ex, cut, parts = layer.experts, {}, {}
-  for c = 1, C do parts[c] = { b[c], b[c + 1] - b[c] } end
-  for _, name in ipairs({ "w1", "w3", "w2" }) do
-    local w = rawget(ex, name)
-    if w ~= nil then cut[name] = slices(w, parts) end
-  end
-  -- 3. chunk by chunk: its experts while the others travel
-  for c = 1, C do
-    local xr = pipe:received(c) -- (rows_c, d)
-    local view = chunk_experts(ex, cut, c, parts[c][2])
-    local ye = view(xr, lplans[c], nil)
-    if rawget(view, "path") ~= nil then ex.path = rawget(view, "path") end
-    pipe:reply(c, ye)
-  end
-  local yb = pipe:gathered() -- (R, d)
+  local ex = { chunks = chunks, bounds = b, local_counts = lcs, starts = starts }
+  local yb = M.exchange_chunked(layer, xs, ex) -- (R, d)
+  local lplans = ex.local_plans
   local y = moe.ops.combine(yb, plan, gates)
   moe.pass_up(plan)
   for c = 1, C do moe.pass_up(lplans[c]) end
@@ -443,7 +463,7 @@ function M.route_tokens_chunked(layer, x2, ids, gates)
   view.counts = moe.index_select(plan.counts, 0, lay.remap)
   if capacity then view.kept = moe.index_select(plan.kept, 0, lay.remap) end
   rawset(layer, "ep_last", { plan = plan, local_plans = lplans, chunks = chunks, segments = g,
-    bounds = b })
+    bounds = b, exchange = ex })
   return y, view
 end
 
