@@ -5,7 +5,7 @@ hides behind the local experts' compute. One dMoE layer with its experts
 spread over every rank of the job (EP = world size), forward + backward:
 
   moe-lua launch -n 2 bench/ep_overlap.lua [json=bench/results/dist/ep_overlap.json]
-  moe-lua launch -n 2 bench/ep_overlap.lua device=cpu size=small      (a smoke run on the CPU)
+  OMP_NUM_THREADS=1 moe-lua launch -n 2 bench/ep_overlap.lua device=cpu size=small   (a smoke run on the CPU)
 
 size=125m (default): the 125M dMoE of the MegaBlocks ladder, one layer: d 768,
 ffn 3072, 64 experts top-1, 8 sequences of 1024 tokens per rank, bf16, the
@@ -34,7 +34,10 @@ median over the ranks, since the exchanges tie the ranks together):
                nothing overlaps; below 0 when chunking costs more than it hides)
 On the CPU the collectives are MPI, which moves an asynchronous exchange only
 while it is waited for: nothing overlaps there, the numbers only show that
-the script runs.
+the script runs. Run it there with OMP_NUM_THREADS=1: the CPU kernels'
+OpenMP threads spin after each parallel loop and, with more ranks than free
+cores, starve the other rank's MPI polling (the chunked section then took
+100x longer on a loaded 2-core machine).
 ]]
 local moe = require "moe"
 local layers = require "moe.layers"

@@ -288,6 +288,19 @@ do
   T.ok("ep_overlap: the schedule of 3 chunks, forward and backward")
 end
 
+-- without a graph (evaluation): the same output
+do
+  local ys = {}
+  for i, n in ipairs({ 1, 3 }) do
+    local layer = build({ impl = "grouped", dtype = "f32" }, n)
+    layer:eval()
+    local x = data(me, "f32")
+    moe.no_grad(function() moe.scope(function() ys[i] = T.flat(layer(x:detach())) end) end)
+  end
+  identical(ys[2], ys[1], "no_grad forward, 3 chunks")
+  T.ok("ep_overlap: a forward without a graph, 3 chunks as 1")
+end
+
 -- a bad option
 local ok, err = pcall(layers.dMoE, { hidden_size = D, ffn_hidden_size = FF, num_experts = E, top_k = 1,
   moe_expert_model_parallelism = true, ep_overlap_chunks = 0 })

@@ -38,6 +38,12 @@ backward (deterministic gathers, no atomics), the first all_to_all's
 backward, permute's backward. Every rank must run backward through the
 layer (each all_to_all is a collective), even one whose loss ignores it.
 
+Chunks. With ep_overlap_chunks = C > 1 (layer.ep.chunks, at most El) steps
+3 to 5 run in C chunks of local experts, each chunk's exchange overlapping
+the other chunks' experts, forward and backward, with results bit for bit
+those of one exchange: route_tokens_chunked below. layer.ep.trace = {}
+makes the pipeline list its steps there (tests).
+
 Gradients. The expert weight gradient on its owner is the sum over the
 group's ranks of the gradients of their own losses. When each rank's loss
 is a mean over its own tokens and the job's loss is the mean over ranks, the
@@ -331,7 +337,7 @@ local SLICES = moe.Function {
       end
       pieces[i] = g
     end
-    local out = #pieces == 1 and pieces[1]:clone() or moe.cat(pieces, 0)
+    local out = #pieces == 1 and (#made == 0 and pieces[1] or pieces[1]:clone()) or moe.cat(pieces, 0)
     for _, t in ipairs(made) do t:free() end
     return out
   end,
