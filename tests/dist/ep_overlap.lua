@@ -138,7 +138,7 @@ local function build(c, nchunks)
   local o = { hidden_size = D, ffn_hidden_size = FF, num_experts = E, top_k = K, dtype = c.dtype,
     mlp_type = c.mlp_type, mlp_impl = c.impl, block_size = 4, router = router, init_std = 0.3,
     memory_optimized_mlp = c.memopt, moe_expert_model_parallelism = true, ep_overlap_chunks = nchunks }
-  if c.capacity then o.capacity_factor = c.capacity end
+  if c.capacity then o.capacity_factor, o.drop_policy = c.capacity, c.drop end
   return c.capacity and layers.MoE(o) or layers.dMoE(o)
 end
 
@@ -217,6 +217,8 @@ local cases = {
   { name = "dMoE grouped memory_optimized f32", impl = "grouped", dtype = "f32", memopt = true, bans = uneven },
   { name = "MoE capacity 1 grouped f32 uneven", impl = "grouped", dtype = "f32", capacity = 1.0, bans = uneven },
   { name = "MoE capacity 1 sparse f32", impl = "sparse", dtype = "f32", capacity = 1.0 },
+  { name = "MoE capacity 0.75 score grouped f32 uneven", impl = "grouped", dtype = "f32", capacity = 0.75,
+    drop = "score", bans = uneven },
 }
 local tried = { 2, 3, 4, El + 3 } -- El + 3: clamped to El (one expert per chunk)
 for _, c in ipairs(cases) do
