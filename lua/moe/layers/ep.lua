@@ -294,8 +294,8 @@ capacity plan) are in the experts' own order (stats.expert_counts).
 ]]
 
 -- Chunk bounds, the renumbering (0-based new id of each expert, a host list
--- and a device tensor) for (E, P, El, C) on dev, cached in the layer's ep.
-local function chunk_layout(ep, E, dev)
+-- and a device tensor) for (P, El, C) on dev, cached in the layer's ep.
+local function chunk_layout(ep, dev)
   local P, El, C = ep.size, ep.local_experts, ep.chunks
   local lay = ep.layout
   if lay and lay.device == dev then return lay end
@@ -421,7 +421,7 @@ function M.route_tokens_chunked(layer, x2, ids, gates)
   local group, P, q, El, C = ep.group, ep.size, ep.rank, ep.local_experts, ep.chunks
   local E = layer.num_experts
   local dev = x2.device
-  local lay = chunk_layout(ep, E, dev)
+  local lay = chunk_layout(ep, dev)
   local b, new = lay.bounds, lay.new
   -- 1. the plan over the renumbered experts; the counts in the experts' own order
   local flat = ids:reshape({ -1 })
