@@ -20,6 +20,9 @@ tests/dist/ep_overlap.lua - the chunked, pipelined expert-parallel exchange
    chunks are concatenated, not summed. Routing is made uneven by a router
    that bans experts per rank: some chunks receive no row on some ranks,
    one case bans a whole chunk on every rank, one starves a rank.
+3. The schedule of the pipeline (the order of its starts and waits), a
+   forward without a graph, and train with parallel.ep_chunks: 4 steps with
+   the same losses and parameters bit for bit as without chunks (2 ranks).
 ]]
 local moe = require "moe"
 local layers = require "moe.layers"
@@ -301,6 +304,34 @@ do
   end
   identical(ys[2], ys[1], "no_grad forward, 3 chunks")
   T.ok("ep_overlap: a forward without a graph, 3 chunks as 1")
+end
+
+-- train: parallel.ep_chunks reaches the layers, and 4 steps of training give the same losses
+-- and parameters bit for bit as without chunks (2 ranks; ep = 2, 8 experts: 4 per rank)
+if T.size == 2 then
+  local train = require "moe.train"
+  local root, prefix = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua").corpus(me)
+  local function tcfg(name, nchunks)
+    return { model = { vocab_size = 257, d_model = 32, n_layers = 2, n_heads = 2, ffn = "moe", d_ff = 64,
+        moe = { num_experts = 8, top_k = 2, ffn_hidden_size = 32, loss_weight = 0.01 } },
+      data = prefix, valid_fraction = 0.1, seq_len = 16, batch_size = 4, grad_accum = 1, steps = 4, lr = 3e-3,
+      min_lr = 3e-4, warmup = 2, clip = 1.0, eval_every = 0, log_every = 1, save_every = 0, keep_last = 0,
+      tensorboard = false, sample_tokens = 0, quiet = true, deterministic = true, device = "cpu", seed = 7,
+      out_dir = root .. "/" .. name, parallel = { ep = 2, ep_chunks = nchunks } }
+  end
+  local a, b = train.run(tcfg("one", 1)), train.run(tcfg("chunks", 4))
+  local run = 0
+  for _, m in ipairs(b.model:modules()) do
+    local e = rawget(m, "ep")
+    if type(e) == "table" and e.group then run = e.chunks end
+  end
+  T.check(run == 4, "parallel.ep_chunks = 4: the layers run %d chunks", run)
+  identical(b.losses, a.losses, "train, 4 chunks: losses")
+  local pa = {}
+  for _, np in ipairs(a.model:named_parameters()) do pa[np[1]] = T.flat(np[2]) end
+  for _, np in ipairs(b.model:named_parameters()) do identical(T.flat(np[2]), pa[np[1]], "train: " .. np[1]) end
+  os.execute("rm -rf '" .. root .. "'")
+  T.ok("ep_overlap: train with parallel.ep_chunks = 4, 4 steps bit for bit as 1")
 end
 
 -- a bad option
