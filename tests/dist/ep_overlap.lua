@@ -320,12 +320,12 @@ if T.size == 2 then
       out_dir = root .. "/" .. name, parallel = { ep = 2, ep_chunks = nchunks } }
   end
   local a, b = train.run(tcfg("one", 1)), train.run(tcfg("chunks", 4))
-  local run = 0
+  local nrun = 0
   for _, m in ipairs(b.model:modules()) do
     local e = rawget(m, "ep")
-    if type(e) == "table" and e.group then run = e.chunks end
+    if type(e) == "table" and e.group then nrun = e.chunks end
   end
-  T.check(run == 4, "parallel.ep_chunks = 4: the layers run %d chunks", run)
+  T.check(nrun == 4, "parallel.ep_chunks = 4: the layers run %d chunks", nrun)
   identical(b.losses, a.losses, "train, 4 chunks: losses")
   local pa = {}
   for _, np in ipairs(a.model:named_parameters()) do pa[np[1]] = T.flat(np[2]) end
