@@ -219,7 +219,9 @@ notes[#notes + 1] = ("one dMoE layer, EP over %d ranks: d %d, ffn %d, %d experts
   :format(P, cfg.d, cfg.ffn, cfg.experts, cfg.top_k, cfg.experts // P, cfg.batch, cfg.seq, cfg.dtype, cfg.impl,
     layer1.mlp_impl, R, M)
 notes[#notes + 1] = "every time is forward + backward, the largest median over the ranks; hidden = (a2a + compute "
-  .. "- section) / a2a: the share of the all_to_all time the chunks hide (section 1 has none to hide)"
+  .. "- section) / a2a: the share of the all_to_all time the chunks hide. Section 1 has nothing to hide: its "
+  .. "hidden value (0 ideally) is the bias of the measurement (waits and host work the pieces alone do not "
+  .. "have), to subtract from the others'"
 if device == "cpu" then
   notes[#notes + 1] = "CPU: MPI moves an asynchronous exchange only while it is waited for, so nothing overlaps here"
 end
