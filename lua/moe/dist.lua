@@ -11,6 +11,9 @@ dist.world, dist.device, the device mesh and the differentiable collectives
   mesh:size(dims), mesh:rank(dims), mesh:group(dims)   dims: a name or a list
   mesh.names, mesh.shape
   dist.functional.all_to_all / all_gather / reduce_scatter / all_reduce
+  dist.functional.chunked_all_to_all(chunks, group)   an all_to_all in chunks,
+                                      each started asynchronously, for
+                                      pipelining with compute (below)
 
 Every rank must make the same collective calls in the same order: so must
 mesh:group (it splits the world the first time a combination is asked for)
@@ -319,5 +322,344 @@ local AR = moe.Function {
 -- pattern: the gradient of a replicated output is already the same on
 -- every rank).
 function F.all_reduce(x, group) return AR(x, group_or_world(group)) end
+
+-- ------------------------------------------------- chunked all_to_all
+
+--[[
+A pipeline of all_to_alls in C chunks, each asynchronous, so that the
+compute on one chunk overlaps the exchange of the others (expert
+parallelism's dispatch and return: moe/layers/ep.lua). chunks[c] =
+{send = {P rows}, recv = {P rows}} (P the group's size): chunk c sends rows
+[o_c, o_c + sum(send_c)) of x, o_c the sum of the earlier chunks' sends,
+send_c[j] of them to rank j, in rank order; recv_c[j] rows come from rank j.
+
+  local p = dist.functional.chunked_all_to_all(chunks, group)
+  p:scatter(x)          starts every chunk's all_to_all (in chunk order)
+  p:received(c) -> rc   (sum(recv_c), ...): chunk c's rows, waiting for them only
+  p:reply(c, yc)        starts sending yc (sum(recv_c) rows) back to their
+                        sources (chunk c's splits swapped)
+  p:gathered() -> y     (sum of the sends, ...): every reply, in x's row
+                        order (rows of x past the sends are not in y), waiting
+                        for them all
+opts.trace (a list): each start and wait is appended to it ("scatter: start
+1", "backward reply: wait 3", ...), for tests of the schedule.
+
+Each is differentiable. In backward, gathered starts every reply's reverse
+all_to_all at once (last chunk first); reply(c) waits for chunk c's;
+received(c) starts chunk c's reverse all_to_all as soon as its gradient is
+there; scatter waits for them all. The four pieces are tied by one-element
+"token" tensors (f32) that carry no values, only the order: the received
+chunks hang off scatter's token, the replies' tokens are summed into
+gathered's input. So backward reaches the chunks one after the other, last
+chunk first (the engine runs a node's inputs last-pushed first, and the sum
+pushes the last chunk last), each chunk's own work (what the caller did
+between received(c) and reply(c)) running while the other chunks' exchanges
+are on the wire.
+
+Order. Every rank must start the same collectives in the same order: the
+forward starts scatter's chunks in order and the replies in chunk order (a
+reply given before an earlier chunk's is held until that one is given);
+backward starts the received chunks' reverse all_to_alls last chunk first
+(a gradient that arrives early is held), and scatter's backward starts those
+that got no gradient (with zeros). Every chunk must be received before
+gathered and replied before gathered: otherwise an error.
+
+Streams (GPU): a chunk's collective runs on the communication stream after
+the work queued on the compute stream before it started (moe_dist.h); its
+wait makes the compute stream wait for it, so the compute of chunk c and the
+exchange of chunk c + 1 run at once. On the CPU (MPI) a collective moves when
+it is waited for: the results are the same, the overlap is not there.
+]]
+
+local Pipe = {}
+Pipe.__index = Pipe
+Pipe.__name = "moe.dist.ChunkedAllToAll"
+
+local function pipe_fail(msg, level) error("dist.functional.chunked_all_to_all: " .. msg, level + 1) end
+
+local function token(device) return moe.zeros({ 1 }, { dtype = "f32", device = device }) end
+
+-- Handles made by backward functions (run on autograd's thread, outside any
+-- scope): the engine holds what it needs of them once the function has
+-- returned, so the next function of the pipeline frees them.
+local function linger(p, t) p.linger[#p.linger + 1] = t end
+
+local function free_linger(p)
+  for i = #p.linger, 1, -1 do
+    p.linger[i]:free()
+    p.linger[i] = nil
+  end
+end
+
+local function a2a_async(p, out, x, send, recv)
+  return dist.all_to_all(out, x, send, recv, { group = p.group, async = true })
+end
+
+local function wait_free(w)
+  w:wait()
+  w:free()
+end
+
+-- opts.trace: a list the pipeline appends its steps to ("scatter 1", ...).
+local function note(p, what, c)
+  local t = p.trace
+  if t then t[#t + 1] = c and what .. " " .. c or what end
+end
+
+-- Starts the received chunks' reverse all_to_alls that can go: last chunk
+-- first, each once its gradient is there (or it received no rows, or force:
+-- zeros).
+local function start_backward(p, force)
+  while p.next_bw >= 1 do
+    local c = p.next_bw
+    local g = p.bw_grad[c]
+    if g == nil and (force or p.nrecv[c] == 0) then
+      g = moe.zeros(with_rows(p.row_shape, p.nrecv[c]), { dtype = p.dtype, device = p.device })
+    end
+    if g == nil then return end
+    if p.gx == nil then
+      local make = p.x_rows > p.total and moe.zeros or moe.empty
+      p.gx = make(with_rows(p.row_shape, p.x_rows), { dtype = p.dtype, device = p.device })
+    end
+    local out = p.gx:narrow(0, p.offset[c], p.nsend[c])
+    p.bw_work[c] = a2a_async(p, out, g, p.recv[c], p.send[c])
+    note(p, "backward received: start", c)
+    out:free() -- the work holds the tensors it uses
+    g:free()
+    p.bw_grad[c] = nil
+    p.next_bw = c - 1
+  end
+end
+
+-- Starts the replies that can go, in chunk order.
+local function start_replies(p)
+  while p.next_reply <= p.n and p.reply_rows[p.next_reply] do
+    local c = p.next_reply
+    local y = p.reply_rows[c]
+    local out = p.out:narrow(0, p.offset[c], p.nsend[c])
+    p.reply_work[c] = a2a_async(p, out, y, p.recv[c], p.send[c])
+    note(p, "reply: start", c)
+    out:free()
+    y:free()
+    p.reply_rows[c] = nil
+    p.next_reply = c + 1
+  end
+end
+
+local SCATTER = moe.Function {
+  name = "dist.chunked_all_to_all.scatter",
+  forward = function(ctx, x, p)
+    ctx.p = p
+    p.row_shape, p.x_rows, p.dtype, p.device = x.shape, x.shape[1], x.dtype, x.device
+    local xc = x:contiguous()
+    for c = 1, p.n do
+      local buf = moe.empty(with_rows(x.shape, p.nrecv[c]), { dtype = x.dtype, device = x.device })
+      local piece = xc:narrow(0, p.offset[c], p.nsend[c])
+      p.fw_work[c] = a2a_async(p, buf, piece, p.send[c], p.recv[c])
+      note(p, "scatter: start", c)
+      piece:free()
+      p.received_rows[c] = buf
+    end
+    return token(x.device)
+  end,
+  backward = function(ctx)
+    local p = ctx.p
+    free_linger(p)
+    start_backward(p, true)
+    for c = p.n, 1, -1 do
+      wait_free(p.bw_work[c])
+      p.bw_work[c] = nil
+      note(p, "backward scatter: wait", c)
+    end
+    local gx = p.gx
+    p.gx = nil
+    linger(p, gx)
+    return gx
+  end,
+}
+
+local RECEIVED = moe.Function {
+  name = "dist.chunked_all_to_all.received",
+  forward = function(ctx, _, p, c)
+    ctx.p, ctx.c = p, c
+    wait_free(p.fw_work[c])
+    p.fw_work[c] = nil
+    note(p, "received: wait", c)
+    local buf = p.received_rows[c]
+    p.received_rows[c] = nil
+    return buf
+  end,
+  backward = function(ctx, g)
+    local p, c = ctx.p, ctx.c
+    free_linger(p)
+    -- a handle of our own (the one given to backward is freed when it returns)
+    local d = g:detach()
+    local gc = d:contiguous()
+    if gc ~= d then d:free() end
+    p.bw_grad[c] = gc
+    start_backward(p, false)
+    local t = token(p.device)
+    linger(p, t)
+    return t
+  end,
+}
+
+local REPLY = moe.Function {
+  name = "dist.chunked_all_to_all.reply",
+  forward = function(ctx, y, p, c)
+    ctx.p, ctx.c = p, c
+    if p.out == nil then
+      p.out = moe.empty(with_rows(y.shape, p.total), { dtype = y.dtype, device = y.device })
+      p.out_row_shape = y.shape
+    end
+    local d = y:detach()
+    local yc = d:contiguous()
+    if yc ~= d then d:free() end
+    p.reply_rows[c] = yc
+    start_replies(p)
+    return token(y.device)
+  end,
+  backward = function(ctx)
+    local p, c = ctx.p, ctx.c
+    free_linger(p)
+    wait_free(p.grad_work[c])
+    p.grad_work[c] = nil
+    note(p, "backward reply: wait", c)
+    local gy = p.grad_rows[c]
+    p.grad_rows[c] = nil
+    linger(p, gy)
+    return gy
+  end,
+}
+
+local GATHERED = moe.Function {
+  name = "dist.chunked_all_to_all.gathered",
+  forward = function(ctx, _, p)
+    ctx.p = p
+    for c = 1, p.n do
+      wait_free(p.reply_work[c])
+      p.reply_work[c] = nil
+      note(p, "gathered: wait", c)
+    end
+    local out = p.out
+    p.out = nil
+    return out
+  end,
+  backward = function(ctx, g)
+    local p = ctx.p
+    free_linger(p)
+    local gc = g:contiguous()
+    for c = p.n, 1, -1 do
+      local rows = moe.empty(with_rows(gc.shape, p.nrecv[c]), { dtype = gc.dtype, device = gc.device })
+      local piece = gc:narrow(0, p.offset[c], p.nsend[c])
+      p.grad_work[c] = a2a_async(p, rows, piece, p.send[c], p.recv[c])
+      note(p, "backward gathered: start", c)
+      piece:free()
+      p.grad_rows[c] = rows
+    end
+    local t = token(gc.device)
+    if gc ~= g then gc:free() end
+    linger(p, t)
+    return t
+  end,
+}
+
+local function split_list(v, what, c, P)
+  if moe.is_tensor(v) then v = v:totable() end
+  if type(v) ~= "table" or #v ~= P then
+    pipe_fail(string.format("chunks[%d].%s must be a list of %d row counts (one per rank), got %s", c, what,
+      P, type(v) == "table" and #v .. " entries" or type(v)), 4)
+  end
+  local out, n = {}, 0
+  for j = 1, P do
+    local r = v[j]
+    if math.type(r) ~= "integer" or r < 0 then
+      pipe_fail(string.format("chunks[%d].%s[%d] must be a non-negative integer, got %s", c, what, j,
+        tostring(r)), 4)
+    end
+    out[j] = r
+    n = n + r
+  end
+  return out, n
+end
+
+-- dist.functional.chunked_all_to_all(chunks [, group] [, {trace = list}])
+-- -> a pipeline (above); trace: a list that each step is appended to.
+function F.chunked_all_to_all(chunks, group, opts)
+  group = group_or_world(group)
+  if opts ~= nil and type(opts) ~= "table" then pipe_fail("opts must be a table ({trace =})", 2) end
+  if type(chunks) ~= "table" or #chunks == 0 then
+    pipe_fail("chunks must be a non-empty list of {send =, recv =}, got " .. type(chunks), 2)
+  end
+  local P, n = group:size(), #chunks
+  local p = setmetatable({ group = group, n = n, send = {}, recv = {}, nsend = {}, nrecv = {}, offset = {},
+    total = 0, fw_work = {}, received_rows = {}, got = {}, reply_rows = {}, reply_work = {}, replied = {},
+    next_reply = 1, grad_work = {}, grad_rows = {}, bw_grad = {}, bw_work = {}, next_bw = n, linger = {}, trace = opts and opts.trace }, Pipe)
+  for c, ch in ipairs(chunks) do
+    if type(ch) ~= "table" then pipe_fail(string.format("chunks[%d] must be {send =, recv =}, got %s", c, type(ch)), 2) end
+    p.send[c], p.nsend[c] = split_list(ch.send, "send", c, P)
+    p.recv[c], p.nrecv[c] = split_list(ch.recv, "recv", c, P)
+    p.offset[c] = p.total
+    p.total = p.total + p.nsend[c]
+  end
+  return p
+end
+
+function Pipe:scatter(x)
+  if self.scattered then pipe_fail("scatter was already called on this pipeline", 2) end
+  if not moe.is_tensor(x) or x:dim() == 0 then pipe_fail("scatter: x must be a tensor with rows", 2) end
+  if x.shape[1] < self.total then
+    pipe_fail(string.format("scatter: the chunks send %d rows but x has %d", self.total, x.shape[1]), 2)
+  end
+  self.scattered = true
+  self.token_in = SCATTER(x, self)
+  return self
+end
+
+local function check_chunk(p, c, fname)
+  if math.type(c) ~= "integer" or c < 1 or c > p.n then
+    pipe_fail(string.format("%s: chunk must be an integer in 1..%d, got %s", fname, p.n, tostring(c)), 3)
+  end
+end
+
+function Pipe:received(c)
+  check_chunk(self, c, "received")
+  if not self.scattered then pipe_fail("received: call scatter(x) first", 2) end
+  if self.got[c] then pipe_fail(string.format("received: chunk %d was already received", c), 2) end
+  self.got[c] = true
+  return RECEIVED(self.token_in, self, c)
+end
+
+function Pipe:reply(c, y)
+  check_chunk(self, c, "reply")
+  if self.replied[c] then pipe_fail(string.format("reply: chunk %d was already replied", c), 2) end
+  if not moe.is_tensor(y) or y:dim() == 0 or y.shape[1] ~= self.nrecv[c] then
+    pipe_fail(string.format("reply: chunk %d must reply its %d received rows, got %s", c, self.nrecv[c],
+      moe.is_tensor(y) and (y:dim() == 0 and "a scalar" or y.shape[1] .. " rows") or type(y)), 2)
+  end
+  local rs = self.out_row_shape
+  if rs then
+    for i = 2, #rs do
+      if y.shape[i] ~= rs[i] then pipe_fail(string.format("reply: chunk %d's rows differ in shape from an "
+        .. "earlier chunk's", c), 2) end
+    end
+    if #rs ~= y:dim() then pipe_fail(string.format("reply: chunk %d's rows differ in shape from an earlier "
+      .. "chunk's", c), 2) end
+  end
+  self.replied[c] = true
+  local t = REPLY(y, self, c)
+  self.token_out = self.token_out and self.token_out + t or t
+  return self
+end
+
+function Pipe:gathered()
+  for c = 1, self.n do
+    if self.scattered and not self.got[c] then pipe_fail(string.format("gathered: chunk %d was never received", c), 2) end
+    if not self.replied[c] then pipe_fail(string.format("gathered: chunk %d was never replied", c), 2) end
+  end
+  if self.gathered_once then pipe_fail("gathered was already called on this pipeline", 2) end
+  self.gathered_once = true
+  return GATHERED(self.token_out, self)
+end
 
 return dist

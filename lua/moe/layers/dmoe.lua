@@ -51,6 +51,7 @@ local DEFAULTS = {
   moe_normalize_expert_weights = NONE, moe_loss_weight = 0.1, moe_jitter_eps = NONE,
   moe_lbl_in_fp32 = false, moe_zloss_weight = 0, moe_zloss_in_fp32 = false,
   moe_expert_model_parallelism = false, expert_parallel_group = NONE,
+  ep_overlap_chunks = NONE,      -- moe-lua: chunks of the pipelined expert-parallel exchange (moe/layers/ep.lua)
   moe_weight_parallelism = false, weight_parallel_group = NONE,
   pipeline_model_parallel_size = 1, num_layers_per_virtual_pipeline_stage = NONE,
   memory_optimized_mlp = false, mlp_type = "mlp",

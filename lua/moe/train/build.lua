@@ -32,6 +32,7 @@ function M.model(cfg, device, ep_group, etp_group)
       }
       if ep_group then
         opts.moe_expert_model_parallelism, opts.expert_parallel_group = true, ep_group
+        opts.ep_overlap_chunks = cfg.parallel and cfg.parallel.ep_chunks or nil
       end
       if etp_group then
         opts.moe_weight_parallelism, opts.weight_parallel_group = true, etp_group

@@ -83,6 +83,7 @@ M.descriptions = {
   ["parallel.dp"] = "data-parallel ranks (0 = the job's world size; 1 = each rank trains alone)",
   ["parallel.ep"] = "expert-parallel group size: the experts are sharded over groups of N ranks",
   ["parallel.etp"] = "expert-tensor group size: every expert's hidden units are split over groups of N ranks",
+  ["parallel.ep_chunks"] = "with ep: the experts' all_to_alls in this many chunks, pipelined with their GEMMs (1 = none)",
   ["parallel.shard_params"] = "with dp_shard: shard the parameters too (ZeRO-3), gathered per block for use",
   ["parallel.bucket_mb"] = "size of the gradient all-reduce buckets in MiB (0 = one per parameter)",
   ["parallel.dp_shard"] = "ranks the optimizer state and gradients are sharded over (ZeRO-2; 0 = off)",
@@ -113,7 +114,7 @@ function M.defaults()
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
     max_skipped_in_a_row = 10,
     parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0,
-      shard_params = false },
+      shard_params = false, ep_chunks = 1 },
   }, { help = M.descriptions })
 end
 
@@ -196,7 +197,7 @@ function M.check(cfg)
   for _, k in ipairs({ "seq_len", "batch_size", "grad_accum", "log_every", "max_skipped_in_a_row",
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff",
     "model.moe.num_experts", "model.moe.top_k", "model.moe.ffn_hidden_size", "model.moe.every", "parallel.ep",
-    "parallel.etp" }) do
+    "parallel.etp", "parallel.ep_chunks" }) do
     int(k, 1)
   end
   for _, k in ipairs({ "steps", "eval_every", "eval_iters", "save_every", "keep_last", "stop_at", "warmup",
