@@ -25,9 +25,18 @@ Guards (docs/TRAINING.md "Stops, non-finite steps and config checks"):
     run with an error, saving nothing.
   - With several ranks, both decisions are one all_reduce (max) of two
     numbers per step, in the optimizer step: every rank skips and stops at
-    the same step. With one, nothing is exchanged. The loss and the gradient
-    norm are already host numbers (the norm's item() for clipping, the
-    micro-batches' lm loss), so the check adds no device synchronisation.
+    the same step. With one, nothing is exchanged.
+
+Host reads: a step reads the device once, for the non-finite check: the
+micro-batches' lm and aux losses stay on the device (model:loss(x, y,
+{lazy = true}); a model without that option returns numbers, used as they
+are) and are copied to the host with the gradient norm, when clipping leaves
+it on the device, in one copy after clipping (read_values). A hook of
+after_backward or before_step sees numbers: with one, the losses are read
+there instead. The bindings' backstop collection (moe.cuda.set_gc_step) is
+held off while a step runs: every tensor of the step is freed by its scopes.
+parts.profile (function(phase, step)) is called as each phase of a step
+begins (PHASES), for bench/train_125m.lua's per-phase profile.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -41,6 +50,67 @@ local parallel = require "moe.train.parallel"
 local M = {}
 
 local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
+
+-- The phases of a step, in order, as parts.profile sees them begin: the batch
+-- read and copied to the device; model:loss; backward (with the gradients'
+-- reduction under data parallelism); stats (expert counts, after_backward and
+-- before_step hooks, the micro-batch's end); clipping; the step's host read
+-- (and the ranks' agreement); the optimizer (with after_step hooks and
+-- zero_grad); log (the losses' bookkeeping, logging, evaluation, checkpoints,
+-- up to the next step). "end" marks the end of the last step.
+M.PHASES = { "data", "forward", "backward", "stats", "clip", "read", "optimizer", "log" }
+
+-- model:loss's option: the losses as device scalars, read once per step.
+local LOSS_OPTS = { lazy = true }
+
+-- The values of a step that live on the device until read_values copies them:
+-- each micro-batch's {lm, aux} as a detached (2) tensor of the loss's dtype.
+local function device_pair(lm, aux)
+  return moe.no_grad(function()
+    local a = aux
+    if a == nil then a = moe.zeros({}, { dtype = lm.dtype, device = lm.device })
+    elseif a.dtype ~= lm.dtype then a = a:to(lm.dtype) end
+    return moe.stack({ lm, a })
+  end)
+end
+
+-- read_values(vals [, gn]) -> gn as a number: every entry of vals (a micro-batch's
+-- {lm, aux}: two numbers, or a device pair of device_pair) becomes numbers, and
+-- gn (a number, or a device scalar) too, with one device-to-host copy for all the
+-- device values (none when there are none). The device tensors are freed.
+local function read_values(vals, gn)
+  local dev, dtype = {}, nil
+  for _, v in ipairs(vals) do
+    if moe.is_tensor(v) then dev[#dev + 1] = v; dtype = dtype or v.dtype end
+  end
+  local gn_dev = moe.is_tensor(gn)
+  if gn_dev then dtype = dtype or gn.dtype end
+  if #dev == 0 and not gn_dev then return gn end
+  local host = moe.no_grad(function()
+    local parts = {}
+    for i, v in ipairs(dev) do parts[i] = v end
+    if gn_dev then parts[#parts + 1] = gn:reshape({ 1 }) end
+    local same = true
+    for _, t in ipairs(parts) do same = same and t.dtype == dtype end
+    if not same then -- f64 holds every f32 and bf16 value exactly
+      for i, t in ipairs(parts) do if t.dtype ~= "f64" then parts[i] = t:to("f64") end end
+    end
+    local all = #parts == 1 and parts[1] or moe.cat(parts, 0)
+    local h = all:totable() -- the one host read
+    if all ~= parts[1] then all:free() end
+    return h
+  end)
+  local k = 0
+  for i, v in ipairs(vals) do
+    if moe.is_tensor(v) then
+      vals[i] = { host[k + 1], host[k + 2] }
+      k = k + 2
+      v:free()
+    end
+  end
+  if gn_dev then gn = host[k + 1] end
+  return gn
+end
 
 local function with_rng_kept(fn, ...)
   local rng = moe.get_rng_state()
@@ -352,33 +422,64 @@ function M.run(user_cfg, parts)
   -- last micro-batch's backward all-reduces the gradients (the earlier ones
   -- accumulate locally, as DDP's no_sync): finished before after_backward, so
   -- hooks and clipping see the global gradient.
+  local mark = parts.profile or function() end
   local function micro_step(micro)
+    mark("data", state.step + 1)
     local x, y = par:batch(train_data, cfg.batch_size)
-    local loss, info = model:loss(to_device(x, device), to_device(y, device))
+    x, y = to_device(x, device), to_device(y, device)
+    mark("forward", state.step + 1)
+    local loss, info = model:loss(x, y, LOSS_OPTS)
     if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
     local sync = reducer and micro == cfg.grad_accum
     if sync then reducer:arm() end
+    mark("backward", state.step + 1)
     loss:backward()
     if par.fsdp and not sync then par.fsdp:release_all() end -- gathered by this backward
     if sync then
       reducer:finish()
       par:finish_experts() -- expert shards: the replicas' mean, / ep
     end
+    mark("stats", state.step + 1)
     log:count_experts(info.stats)
-    state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
-    thooks.call(hooks.after_backward, state)
-    state.loss = nil
-    return info.lm_loss, info.aux_loss or 0
+    local lm, aux = info.lm_loss, info.aux_loss
+    local v -- {lm, aux} as numbers, or on the device until the step's read
+    if moe.is_tensor(lm) then v = device_pair(lm, aux) else v = { lm, aux or 0 } end
+    if #hooks.after_backward > 0 then -- hooks see numbers
+      local one = { v }
+      read_values(one)
+      v = one[1]
+      state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, v[1], v[2]
+      thooks.call(hooks.after_backward, state)
+      state.loss = nil
+    end
+    state.micro = micro
+    return v
+  end
+
+  -- The step's means of the micro-batches' losses, summed in order (host numbers).
+  local function step_means(vals)
+    local loss_sum, aux_sum = 0, 0
+    for _, v in ipairs(vals) do loss_sum, aux_sum = loss_sum + v[1], aux_sum + v[2] end
+    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
   end
 
   -- The optimizer step with its hooks, in a moe.scope of its own (a hook's
-  -- temporaries are freed when it ends).
+  -- temporaries are freed when it ends). vals: the micro-batches' losses.
   -- A step whose loss or gradient norm is not finite (on any rank) is skipped:
   -- no update; the gradients are zeroed below as after every step.
-  local function optimizer_step()
-    thooks.call(hooks.before_step, state)
+  local function optimizer_step(vals)
+    if #hooks.before_step > 0 then -- hooks see numbers
+      read_values(vals)
+      step_means(vals)
+      thooks.call(hooks.before_step, state)
+    end
+    mark("clip", state.step + 1)
     local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
+    mark("read", state.step + 1)
+    gn = read_values(vals, gn) -- the step's one host read
+    step_means(vals)
     local sig, bad = agree(not (finite(gn) and finite(state.lm_loss) and finite(state.aux_loss)))
+    mark("optimizer", state.step + 1)
     state.stop_signal = sig > 0 and sig or nil
     state.skipped = bad
     if bad then
@@ -396,15 +497,18 @@ function M.run(user_cfg, parts)
     return gn
   end
 
+  -- The bindings' backstop collection (every gc_step MiB of new CUDA storage) finds
+  -- nothing to free in a step, whose scopes free every tensor it makes: it is held
+  -- off while a step runs (set_gc_step(0) also zeroes the debt), and restored after.
+  local gc_step = moe.cuda and moe.cuda.set_gc_step
+  local gc_restore = { __close = function(o) gc_step(o.prev) end }
   local function train_step()
-    local loss_sum, aux_sum = 0, 0
-    for micro = 1, cfg.grad_accum do
-      local lm, aux = moe.scope(micro_step, micro)
-      loss_sum, aux_sum = loss_sum + lm, aux_sum + aux
-    end
-    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
-    local gn = moe.scope(optimizer_step)
+    local _ <close> = gc_step and setmetatable({ prev = gc_step(0) }, gc_restore) or nil
+    local vals = {}
+    for micro = 1, cfg.grad_accum do vals[micro] = moe.scope(micro_step, micro) end
+    local gn = moe.scope(optimizer_step, vals)
     state.micro = nil
+    mark("log", state.step)
     return gn
   end
 
@@ -497,6 +601,7 @@ function M.run(user_cfg, parts)
     if par.dp > 1 then stop_sig = state.stop_signal else stop_sig = proc.stop_requested() end
     if stop_sig then break end
   end
+  mark("end", state.step)
   log:finish_bar()
   -- a signal during the last step's save or evaluation stops the run too
   if not stop_sig and par.dp == 1 then stop_sig = proc.stop_requested() end
