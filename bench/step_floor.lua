@@ -157,8 +157,9 @@ local function main(argv)
   local out = { title = "The floor of one training step", gemm_tflops = o.gemm_tflops, copy_tbs = o.copy_tbs,
     model = "per phase max(FLOPs / GEMM rate, bytes / copy bandwidth), summed over forward, backward and " ..
       "the optimizer; bench/step_floor.lua says what is counted",
-    rows = rows, reference = "bench/step_floor.lua", config = o,
-    device = ("the rates given: GEMM %g TFLOP/s, copy %g TB/s"):format(o.gemm_tflops, o.copy_tbs) }
+    rows = rows, results = rows, reference = "bench/step_floor.lua", config = o, device = "cpu",
+    notes = { ("computed (no device) at the rates given: GEMM %g TFLOP/s, copy %g TB/s"):format(o.gemm_tflops,
+      o.copy_tbs) } }
   out.columns = {
     { "model", "model" }, { "params", "params" }, { "active", "active_params" }, { "tokens", "tokens" },
     { "GFLOP", function(r) return r.flops / 1e9 end, "%.0f" },
