@@ -50,6 +50,7 @@ parts (optional; each replaces what run would build from cfg):
   tokenizer   with encode(str) and decode(ids), for samples
   hooks       {name = function(state, ...) or a list of them}: load, after_backward,
               before_step, after_step, on_log, on_eval, save (docs/TRAINING.md)
+  profile     function(phase, step), called as each phase of a step begins (loop.PHASES)
 
 Returns {losses = {step -> lm loss}, val_losses = {step -> loss}, step = last step,
 checkpoint = last checkpoint path or nil, sample = last sample text or nil, model = model}.
