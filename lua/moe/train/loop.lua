@@ -63,52 +63,43 @@ M.PHASES = { "data", "forward", "backward", "stats", "clip", "read", "optimizer"
 -- model:loss's option: the losses as device scalars, read once per step.
 local LOSS_OPTS = { lazy = true }
 
--- The values of a step that live on the device until read_values copies them:
--- each micro-batch's {lm, aux} as a detached (2) tensor of the loss's dtype.
-local function device_pair(lm, aux)
-  return moe.no_grad(function()
-    local a = aux
-    if a == nil then a = moe.zeros({}, { dtype = lm.dtype, device = lm.device })
-    elseif a.dtype ~= lm.dtype then a = a:to(lm.dtype) end
-    return moe.stack({ lm, a })
-  end)
-end
-
--- read_values(vals [, gn]) -> gn as a number: every entry of vals (a micro-batch's
--- {lm, aux}: two numbers, or a device pair of device_pair) becomes numbers, and
--- gn (a number, or a device scalar) too, with one device-to-host copy for all the
--- device values (none when there are none). The device tensors are freed.
+-- read_values(vals [, gn]) -> gn as a number. vals: the micro-batches' {lm, aux},
+-- each a number or a device scalar (detached); every device scalar among them,
+-- and gn when it is one, is copied to the host in one copy (a cat of the
+-- scalars, then one read; none when all are numbers) and replaced by its number.
+-- Values of another dtype than the first device scalar's go through f64, which
+-- holds every f32 and bf16 value exactly.
 local function read_values(vals, gn)
-  local dev, dtype = {}, nil
-  for _, v in ipairs(vals) do
-    if moe.is_tensor(v) then dev[#dev + 1] = v; dtype = dtype or v.dtype end
+  local dev, where = {}, {}
+  for i, v in ipairs(vals) do
+    for j = 1, 2 do
+      if moe.is_tensor(v[j]) then dev[#dev + 1], where[#dev + 1] = v[j], { i, j } end
+    end
   end
   local gn_dev = moe.is_tensor(gn)
-  if gn_dev then dtype = dtype or gn.dtype end
-  if #dev == 0 and not gn_dev then return gn end
+  if gn_dev then dev[#dev + 1] = gn end
+  if #dev == 0 then return gn end
   local host = moe.no_grad(function()
-    local parts = {}
-    for i, v in ipairs(dev) do parts[i] = v end
-    if gn_dev then parts[#parts + 1] = gn:reshape({ 1 }) end
+    local parts, dtype = {}, dev[1].dtype
     local same = true
-    for _, t in ipairs(parts) do same = same and t.dtype == dtype end
-    if not same then -- f64 holds every f32 and bf16 value exactly
+    for i, t in ipairs(dev) do
+      parts[i] = t:reshape({ 1 })
+      same = same and t.dtype == dtype
+    end
+    if not same then
       for i, t in ipairs(parts) do if t.dtype ~= "f64" then parts[i] = t:to("f64") end end
     end
     local all = #parts == 1 and parts[1] or moe.cat(parts, 0)
     local h = all:totable() -- the one host read
-    if all ~= parts[1] then all:free() end
+    for _, t in ipairs(parts) do t:free() end
+    all:free()
     return h
   end)
-  local k = 0
-  for i, v in ipairs(vals) do
-    if moe.is_tensor(v) then
-      vals[i] = { host[k + 1], host[k + 2] }
-      k = k + 2
-      v:free()
-    end
+  for k, w in ipairs(where) do
+    vals[w[1]][w[2]] = host[k]
+    dev[k]:free()
   end
-  if gn_dev then gn = host[k + 1] end
+  if gn_dev then gn = host[#dev] end
   return gn
 end
 
@@ -441,13 +432,12 @@ function M.run(user_cfg, parts)
     end
     mark("stats", state.step + 1)
     log:count_experts(info.stats)
-    local lm, aux = info.lm_loss, info.aux_loss
-    local v -- {lm, aux} as numbers, or on the device until the step's read
-    if moe.is_tensor(lm) then v = device_pair(lm, aux) else v = { lm, aux or 0 } end
+    -- {lm, aux}: numbers, or device scalars until the step's read (new handles:
+    -- they outlive this scope, which frees the model's)
+    local lm, aux = info.lm_loss, info.aux_loss or 0
+    local v = { moe.is_tensor(lm) and lm:detach() or lm, moe.is_tensor(aux) and aux:detach() or aux }
     if #hooks.after_backward > 0 then -- hooks see numbers
-      local one = { v }
-      read_values(one)
-      v = one[1]
+      read_values({ v })
       state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, v[1], v[2]
       thooks.call(hooks.after_backward, state)
       state.loss = nil
