@@ -62,6 +62,10 @@ M.PHASES = { "data", "forward", "backward", "stats", "clip", "read", "optimizer"
 
 -- model:loss's option: the losses as device scalars, read once per step.
 local LOSS_OPTS = { lazy = true }
+-- clip_grad_norm's third argument. A clip that returns the norm as a device
+-- scalar ({lazy = true}) joins the step's one read (read_values); one that
+-- returns a number (moe.optim's now, a caller's) reads it itself.
+local CLIP_OPTS = nil
 
 -- read_values(vals [, gn]) -> gn as a number. vals: the micro-batches' {lm, aux},
 -- each a number or a device scalar (detached); every device scalar among them,
@@ -464,7 +468,7 @@ function M.run(user_cfg, parts)
       thooks.call(hooks.before_step, state)
     end
     mark("clip", state.step + 1)
-    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
+    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge, CLIP_OPTS)
     mark("read", state.step + 1)
     gn = read_values(vals, gn) -- the step's one host read
     step_means(vals)
