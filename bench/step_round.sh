@@ -13,12 +13,15 @@
 #   dmoe125   12 x 768, 64 experts top-1, ffn 3072, seq 1024, micro-batch 8
 #   dense125  the dense GPT-125M (12 x 768, ffn 3072), micro-batch 8
 #
-# STEP_STEPS=N steps per timed run (default 60; tokens/s over the log intervals after the
-# first 10 steps), STEP_PROFILE=N profiled steps (default 12; 0: no profile run), STEP_DATA=
+# STEP_STEPS=N steps per timed run (default 40; tokens/s over the log intervals after the
+# first 10 steps), STEP_PROFILE=N profiled steps (default 8; 0: no profile run), STEP_DATA=
 # the dataset prefix (default data/bible_kjv), STEP_TORCH=0 skips PyTorch, STEP_ARGS= more
 # key=value arguments for train_125m.lua (after the model's), STEP_MOE_LUA= the moe-lua to run. Logs and JSON go to
 # $OUT (default bench/results/step); the summary is $OUT/step_round.json and step_round.md,
-# and the last lines printed are its short table.
+# and the last lines printed are its short table. The call keeps within STEP_BUDGET seconds
+# (default 570: the device machine allows 600 a command): parts that would not fit are skipped
+# and named in the summary; all three models with torch.compile may need two calls (e.g.
+# `dmoe46 dense125`, then `dmoe125`), each with its own rates and floor.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/bench/results/step}; mkdir -p "$out"
@@ -27,8 +30,8 @@ cd "$root"
 export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
 export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
 ml=${STEP_MOE_LUA:-$root/build-gpu/moe-lua}
-steps=${STEP_STEPS:-60}
-psteps=${STEP_PROFILE:-12}
+steps=${STEP_STEPS:-40}
+psteps=${STEP_PROFILE:-8}
 data=${STEP_DATA:-data/bible_kjv}
 models=("$@"); [ ${#models[@]} -eq 0 ] && models=(dmoe46 dmoe125 dense125)
 summary=()
@@ -76,37 +79,62 @@ read -r gemm copy < <(python3 -c "import json,sys; r=json.load(open('$out/rates.
 
 torch_compile=0
 python3 bench/train_torch.py --help 2>/dev/null | grep -q -- "--compile" && torch_compile=1
-for m in "${models[@]}"; do
-  case $m in
-    dmoe46)   args=(n_layers=6 d_model=512 n_heads=8 ffn=2048 experts=64 top_k=1 batch_size=16) ;;
-    dmoe125)  args=(n_layers=12 d_model=768 n_heads=12 ffn=3072 experts=64 top_k=1 batch_size=8) ;;
-    dense125) args=(kind=dense n_layers=12 d_model=768 n_heads=12 ffn=3072 batch_size=8) ;;
-    *) echo "unknown model $m (dmoe46, dmoe125, dense125)"; exit 2 ;;
+model_args() {
+  case $1 in
+    dmoe46)   echo "n_layers=6 d_model=512 n_heads=8 ffn=2048 experts=64 top_k=1 batch_size=16" ;;
+    dmoe125)  echo "n_layers=12 d_model=768 n_heads=12 ffn=3072 experts=64 top_k=1 batch_size=8" ;;
+    dense125) echo "kind=dense n_layers=12 d_model=768 n_heads=12 ffn=3072 batch_size=8" ;;
+    *) return 1 ;;
   esac
-  t0=$(date +%s)
-  exp=/tmp/step_export_$m
-  rm -rf "$exp" /tmp/step_run_$m /tmp/step_prof_$m "$out"/{moe,prof,torch,torchc}_$m.*
-  args+=(${STEP_ARGS:-})
-  timeout 400 $ml bench/train_125m.lua "${args[@]}" data=$data steps=$steps log_every=10 export=$exp \
-    out_dir=/tmp/step_run_$m json="$out/moe_$m.json" > "$out/moe_$m.log" 2>&1
-  note "$m moe-lua: rc=$? $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step' "$out/moe_$m.log" | tail -1) ($(($(date +%s) - t0)) s)"
-  if [ "$psteps" -gt 0 ]; then
-    timeout 300 $ml bench/train_125m.lua "${args[@]}" data=$data steps=$((10 + psteps + 1)) log_every=10 \
-      profile=true profile_steps=$psteps out_dir=/tmp/step_prof_$m json="$out/prof_$m.json" > "$out/prof_$m.log" 2>&1
-    note "$m profile: rc=$? $(grep -o 'wall [0-9.]* ms/step.*' "$out/prof_$m.log" | tail -1) ($(($(date +%s) - t0)) s)"
-  fi
-  if [ "${STEP_TORCH:-1}" != 0 ] && [ -f "$out/moe_$m.json" ]; then
-    timeout 400 python3 bench/train_torch.py --export $exp --config "$out/moe_$m.json" \
-      --json "$out/torch_$m.json" > "$out/torch_$m.log" 2>&1
-    note "$m torch eager: rc=$? $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step' "$out/torch_$m.log" | tail -1) ($(($(date +%s) - t0)) s)"
-    if [ $torch_compile = 1 ]; then
-      timeout 500 python3 bench/train_torch.py --export $exp --config "$out/moe_$m.json" --compile \
-        --json "$out/torchc_$m.json" > "$out/torchc_$m.log" 2>&1
-      note "$m torch compile: rc=$? $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step' "$out/torchc_$m.log" | tail -1) ($(($(date +%s) - t0)) s)"
-    fi
-  fi
-  rm -rf "$exp" /tmp/step_run_$m /tmp/step_prof_$m
+}
+for m in "${models[@]}"; do
+  model_args "$m" > /dev/null || { echo "unknown model $m (dmoe46, dmoe125, dense125)"; exit 2; }
 done
+# seconds left of the call's budget (STEP_BUDGET, default 570 of the machine's 600 per command),
+# at most $1: a part that would not fit is skipped, and the table is still written
+start=$(date +%s)
+left() { local l=$((${STEP_BUDGET:-570} - ($(date +%s) - start))); [ "$l" -gt "$1" ] && l=$1; echo "$l"; }
+run_part() { # name limit log command...
+  local name=$1 limit=$2 log=$3; shift 3
+  local l; l=$(left "$limit")
+  if [ "$l" -lt 20 ]; then note "$name: skipped (the call's time budget is spent)"; return 1; fi
+  local t0; t0=$(date +%s)
+  timeout "$l" "$@" > "$log" 2>&1
+  local rc=$?
+  local pat='[0-9]+ tokens/s, [0-9.]+ ms/step'
+  [[ $name == *profile ]] && pat='wall [0-9.]+ ms/step.*'
+  note "$name: rc=$rc $(grep -oE "$pat" "$log" | tail -1) ($(($(date +%s) - t0)) s)"
+  return $rc
+}
+# the timed runs and PyTorch eager first, then the profiles, then torch.compile (the slowest to
+# start): what the budget cuts is the end of this list
+for m in "${models[@]}"; do
+  rm -rf /tmp/step_export_$m /tmp/step_run_$m "$out"/{moe,prof,torch,torchc}_$m.*
+  run_part "$m moe-lua" 400 "$out/moe_$m.log" $ml bench/train_125m.lua $(model_args $m) ${STEP_ARGS:-} \
+    data=$data steps=$steps log_every=10 export=/tmp/step_export_$m out_dir=/tmp/step_run_$m \
+    json="$out/moe_$m.json"
+  rm -rf /tmp/step_run_$m
+  if [ "${STEP_TORCH:-1}" != 0 ] && [ -f "$out/moe_$m.json" ]; then
+    run_part "$m torch eager" 400 "$out/torch_$m.log" python3 bench/train_torch.py \
+      --export /tmp/step_export_$m --config "$out/moe_$m.json" --json "$out/torch_$m.json"
+  fi
+done
+if [ "$psteps" -gt 0 ]; then
+  for m in "${models[@]}"; do
+    run_part "$m profile" 300 "$out/prof_$m.log" $ml bench/train_125m.lua $(model_args $m) ${STEP_ARGS:-} \
+      data=$data steps=$((10 + psteps + 1)) log_every=10 profile=true profile_steps=$psteps \
+      out_dir=/tmp/step_prof_$m json="$out/prof_$m.json"
+    rm -rf /tmp/step_prof_$m
+  done
+fi
+if [ "${STEP_TORCH:-1}" != 0 ] && [ $torch_compile = 1 ]; then
+  for m in "${models[@]}"; do
+    [ -f "$out/moe_$m.json" ] || continue
+    run_part "$m torch compile" 500 "$out/torchc_$m.log" python3 bench/train_torch.py \
+      --export /tmp/step_export_$m --config "$out/moe_$m.json" --compile --json "$out/torchc_$m.json"
+  done
+fi
+for m in "${models[@]}"; do rm -rf /tmp/step_export_$m; done
 
 $ml bench/step_floor.lua gemm_tflops=$gemm copy_tbs=$copy models=$(IFS=,; echo "${models[*]}") \
   json="$out/floor.json" > "$out/floor.log" 2>&1
