@@ -262,13 +262,13 @@ local function after_step(st)
 end
 local profiler
 if o.profile then
-  local first = o.log_every + 1
-  local last = math.min(cfg.steps - 1, first + o.profile_steps - 1)
-  if last < first then
+  local p0 = o.log_every + 1
+  local p1 = math.min(cfg.steps - 1, p0 + o.profile_steps - 1)
+  if p1 < p0 then
     error(("train_125m: profile=true needs steps > log_every + 1 (got steps=%d, log_every=%d)"):format(
       cfg.steps, o.log_every), 0)
   end
-  profiler = new_profiler(device, first, last, o.saturate)
+  profiler = new_profiler(device, p0, p1, o.saturate)
 end
 local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer,
   hooks = { after_step = after_step }, profile = profiler and profiler.mark })
