@@ -6,7 +6,8 @@ from the loop's own files:
 
   - without hooks that need numbers inside the step, the loop reads the device
     once per step (the lm and aux losses of every micro-batch and a device
-    gradient norm, in one copy) and the model's loss reads nothing;
+    gradient norm, in one copy) and once per evaluation (its batches' losses),
+    and the model's loss reads nothing;
   - the losses, grad norms and metrics.jsonl are the same numbers as with a
     model whose loss returns numbers (the read-per-micro-batch path);
   - a step whose loss is NaN on the device is still skipped and counted;
@@ -80,40 +81,44 @@ end
 local function records(dir)
   local out = {}
   for _, r in ipairs(metrics.read_jsonl(dir .. "/metrics.jsonl")) do
-    out[#out + 1] = { r.step, r.loss, r.aux_loss, r.grad_norm, r.skipped_steps }
+    out[#out + 1] = { r.step, r.loss, r.aux_loss, r.grad_norm, r.skipped_steps, r.val_loss }
   end
   return out
 end
 
 describe("train.run host reads", function()
-  it("reads the device once per step, in the loop, and never in model:loss", function()
-    local c = cfg()
+  it("reads the device once per step and once per evaluation, in the loop, never in model:loss", function()
+    local c = cfg({ eval_every = 3, eval_iters = 2 })
     local r, n = counting_reads({ "train/loop.lua", "nn/transformer.lua" }, function()
-      return train.run(c, { train_data = data(1), clip_grad_norm = device_clip })
+      return train.run(c, { train_data = data(1), valid_data = data(50), clip_grad_norm = device_clip })
     end)
     assert.are.equal(6, r.step)
-    assert.are.equal(6, n["train/loop.lua"])
+    assert.is_number(r.val_losses[3])
+    assert.is_number(r.val_losses[6])
+    assert.are.equal(6 + 2, n["train/loop.lua"])
     assert.is_nil(n["nn/transformer.lua"])
   end)
 
   it("gives the same losses and metrics as a model whose loss returns numbers", function()
-    local c1, c2 = cfg(), cfg()
-    local r1 = train.run(c1, { train_data = data(1) })
+    local c1, c2 = cfg({ eval_every = 3, eval_iters = 2 }), cfg({ eval_every = 3, eval_iters = 2 })
+    local r1 = train.run(c1, { train_data = data(1), valid_data = data(50) })
     moe.manual_seed(c2.seed) -- as train.run seeds before it builds the model
     local model = train.build_model(train.config(c2), "cpu")
     local loss = model.loss
     model.loss = function(self, x, y) return loss(self, x, y) end -- no lazy option: numbers
-    local r2 = train.run(c2, { model = model, train_data = data(1) })
+    local r2 = train.run(c2, { model = model, train_data = data(1), valid_data = data(50) })
     for s = 1, 6 do assert.are.equal(r2.losses[s], r1.losses[s]) end
+    assert.is_number(r1.val_losses[3])
+    assert.are.same(r2.val_losses, r1.val_losses)
     assert.are.same(records(c2.out_dir), records(c1.out_dir))
-    assert.are.equal(3, #records(c1.out_dir))
+    assert.are.equal(3 + 2, #records(c1.out_dir)) -- log steps 2, 4, 6 and evaluations at 3, 6
     -- and with a device gradient norm
-    local c3 = cfg()
-    train.run(c3, { train_data = data(1), clip_grad_norm = device_clip })
+    local c3 = cfg({ eval_every = 3, eval_iters = 2 })
+    train.run(c3, { train_data = data(1), valid_data = data(50), clip_grad_norm = device_clip })
     assert.are.same(records(c1.out_dir), records(c3.out_dir))
     -- of another dtype than the losses' (read through f64)
-    local c4 = cfg()
-    train.run(c4, { train_data = data(1), clip_grad_norm = function(params, max_norm)
+    local c4 = cfg({ eval_every = 3, eval_iters = 2 })
+    train.run(c4, { train_data = data(1), valid_data = data(50), clip_grad_norm = function(params, max_norm)
       local n = require("moe.optim").clip_grad_norm(params, max_norm)
       return moe.tensor(n, { dtype = "f64" })
     end })

@@ -120,12 +120,14 @@ local function to_device(t, device)
   return t:to(device)
 end
 
--- One evaluation batch in its own scope: the lm loss as a number.
+-- One evaluation batch in its own scope: {lm loss}, a number or a device scalar
+-- (read with the others by evaluate: one read per evaluation).
 local function eval_batch(model, data, batch_size, device, par)
   local x, y
   if par then x, y = par:batch(data, batch_size) else x, y = data:batch(batch_size) end
-  local _, info = model:loss(to_device(x, device), to_device(y, device))
-  return info.lm_loss
+  local _, info = model:loss(to_device(x, device), to_device(y, device), LOSS_OPTS)
+  local lm = info.lm_loss
+  return { moe.is_tensor(lm) and lm:detach() or lm, 0 }
 end
 
 --- evaluate(model, data, iters, batch_size, device [, par]) -> mean lm loss over iters
@@ -135,13 +137,16 @@ end
 function M.evaluate(model, data, iters, batch_size, device, par)
   if iters == 0 then return nil end
   local start = data:state()
-  local total = 0
+  local vals = {}
   moe.no_grad(function()
     model:eval()
-    for _ = 1, iters do total = total + moe.scope(eval_batch, model, data, batch_size, device, par) end
+    for i = 1, iters do vals[i] = moe.scope(eval_batch, model, data, batch_size, device, par) end
     model:train()
   end)
   data:set_state(start)
+  read_values(vals)
+  local total = 0
+  for _, v in ipairs(vals) do total = total + v[1] end
   if par then return par:mean({ total / iters })[1] end
   return total / iters
 end
