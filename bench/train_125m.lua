@@ -24,6 +24,25 @@ dp_replicate= its replicas (HSDP). json= also gets state_allocated_bytes: the
 device memory allocated at the end of the third step, before the gradients
 are zeroed (parameters, gradients, master weights and optimizer state: the
 model state; the step's activations are freed by then).
+
+profile=true adds a per-phase profile of the steps after the first log
+interval (profile_steps= of them, default 20; the run needs that many steps
+past log_every) to json= as `profile`, through train.run's parts.profile
+marks (moe/train/loop.lua PHASES: data, forward, backward, stats, clip,
+read, optimizer, log). In a measured step every phase boundary records a
+CUDA event and the host clock: gpu_ms is the span of the phase on the
+GPU's queue, host_ms the host's time in it (including its waits). Every
+other profiled step is saturated (saturate=true): before each phase the
+host queues a GEMM blocker longer than the phase's host time in the step
+before, and the phase's events bracket only its own work, so kernel_ms is
+the phase's GPU time without launch gaps (an upper bound: a host read inside
+the phase drains the queue, and what follows runs at the host's pace).
+gpu_idle_ms = wall_ms - the sum of kernel_ms: the GPU waiting for the host.
+Per step also: host_reads (moe.host_reads(), when this build counts them),
+gc_cycles (the bindings' backstop collections, moe.cuda.set_gc_step) and
+Lua heap growth. On the CPU both clocks are the host's, with no blocker.
+A profiled run's tokens/s includes the saturated steps: time throughput in
+a run without profile=true.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -36,7 +55,138 @@ local o = moe.config {
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
   bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false,
+  profile = false, profile_steps = 20, saturate = true,
 }
+
+-- ---------------------------------------------------------------- the profile
+
+local PHASES = require("moe.train.loop").PHASES
+
+-- The counters of one point in time: host reads (when the build counts them), the
+-- bindings' backstop collections, the Lua heap (KiB).
+local function counters()
+  local ok, reads = pcall(function() return moe.host_reads() end)
+  local _, cycles = moe.cuda.set_gc_step()
+  return { reads = ok and reads or nil, gc = cycles, heap = collectgarbage("count") }
+end
+
+-- A GEMM blocker on the GPU: blocker(ms) queues about ms milliseconds of GEMMs
+-- (calibrated once), so that the host can queue a whole phase behind them.
+local function make_blocker(device)
+  local n = 8192
+  local a = moe.randn({ n, n }, { dtype = "bf16", device = device })
+  local b = moe.randn({ n, n }, { dtype = "bf16", device = device })
+  local function one() moe.scope(function() moe.matmul(a, b) end) end
+  for _ = 1, 3 do one() end
+  local e0, e1 = moe.Event(device), moe.Event(device)
+  e0:record()
+  for _ = 1, 10 do one() end
+  e1:record()
+  e1:synchronize()
+  local ms_one = e0:elapsed(e1) / 10
+  e0:free(); e1:free()
+  return function(ms)
+    for _ = 1, math.max(1, math.ceil(ms / ms_one)) do one() end
+  end, function() a:free(); b:free() end, ms_one
+end
+
+-- new_profiler(device, first, last, saturate) -> profiler: profiler.mark is
+-- parts.profile; profiler:summary() (after the run) -> the profile table.
+local function new_profiler(device, first, last, saturate)
+  local on_gpu = device:match("^cuda") ~= nil
+  local P = { marks = {}, first = first, last = last, at = {}, last_host = {} }
+  local blocker, free_blocker, ms_one
+  if on_gpu and saturate then blocker, free_blocker, ms_one = make_blocker(device) end
+  P.blocker_ms = ms_one
+  local function saturated(step) return blocker ~= nil and (step - first) % 2 == 1 end
+  function P.mark(phase, step)
+    if step < first or step > last + 1 then return end
+    local prev = P.marks[#P.marks]
+    local m = { phase = phase, step = step, t = moe.clock() }
+    if on_gpu then m.e_end = moe.Event(device):record() end
+    if prev and not saturated(prev.step) then -- a measured step's host times, for the blocker
+      local key = prev.phase
+      P.last_host[key] = math.max(P.last_host[key] or 0, 1e3 * (m.t - prev.t))
+    end
+    if step <= last and saturated(step) and phase ~= "end" then
+      blocker(1.5 * (P.last_host[phase] or 5) + 0.5)
+      m.e_start = moe.Event(device):record()
+    else
+      m.e_start = m.e_end
+    end
+    if prev == nil or prev.step ~= step then P.at[step] = counters() end
+    P.marks[#P.marks + 1] = m
+  end
+  function P.summary()
+    if on_gpu then moe.cuda.synchronize(device) end
+    local per = {} -- step -> {phase -> {gpu, host}}
+    local ms = on_gpu and function(a, b) return a:elapsed(b) end or function(a, b) return 1e3 * (b - a) end
+    for i = 1, #P.marks - 1 do
+      local m, n = P.marks[i], P.marks[i + 1]
+      if m.step >= first and m.step <= last and m.phase ~= "end" then
+        per[m.step] = per[m.step] or {}
+        local ph = per[m.step][m.phase] or { gpu = 0, host = 0 }
+        ph.gpu = ph.gpu + (on_gpu and ms(m.e_start, n.e_end) or ms(m.t, n.t))
+        ph.host = ph.host + 1e3 * (n.t - m.t)
+        per[m.step][m.phase] = ph
+      end
+    end
+    local out = { method = on_gpu and "CUDA events" or "host clock", steps_measured = 0, steps_saturated = 0,
+      phases = {}, wall_ms = 0, blocker_gemm_ms = P.blocker_ms }
+    local sums = {}
+    for _, name in ipairs(PHASES) do sums[name] = { gpu = 0, host = 0, kernel = 0 } end
+    local reads, gc, heap, counted = 0, 0, 0, 0
+    for s = first, last do
+      if per[s] then
+        local sat = saturated(s)
+        if sat then out.steps_saturated = out.steps_saturated + 1 else out.steps_measured = out.steps_measured + 1 end
+        for name, ph in pairs(per[s]) do
+          local acc = sums[name]
+          if sat then acc.kernel = acc.kernel + ph.gpu
+          else acc.gpu, acc.host = acc.gpu + ph.gpu, acc.host + ph.host end
+        end
+        if not sat and P.at[s] and P.at[s + 1] then
+          counted = counted + 1
+          local a, b = P.at[s], P.at[s + 1]
+          if a.reads and b.reads then reads = reads + (b.reads - a.reads) else reads = nil end
+          gc, heap = gc + (b.gc - a.gc), heap + (b.heap - a.heap)
+        end
+      end
+    end
+    -- wall: host clock from a measured step's first mark to the next step's first mark
+    local first_t = {}
+    for _, m in ipairs(P.marks) do if first_t[m.step] == nil then first_t[m.step] = m.t end end
+    local walls = 0
+    for s = first, last do
+      if per[s] and not saturated(s) and first_t[s + 1] then
+        out.wall_ms, walls = out.wall_ms + 1e3 * (first_t[s + 1] - first_t[s]), walls + 1
+      end
+    end
+    out.wall_ms = walls > 0 and out.wall_ms / walls or nil
+    local nm, ns = math.max(out.steps_measured, 1), out.steps_saturated
+    local kernel_sum = 0
+    for _, name in ipairs(PHASES) do
+      local acc = sums[name]
+      local row = { phase = name, gpu_ms = acc.gpu / nm, host_ms = acc.host / nm,
+        kernel_ms = ns > 0 and acc.kernel / ns or nil }
+      kernel_sum = kernel_sum + (row.kernel_ms or row.gpu_ms)
+      out.phases[#out.phases + 1] = row
+    end
+    out.kernel_ms = kernel_sum
+    out.gpu_idle_ms = out.wall_ms and (out.wall_ms - kernel_sum) or nil
+    out.host_reads_per_step = counted > 0 and reads and reads / counted or nil
+    out.gc_cycles_per_step = counted > 0 and gc / counted or nil
+    out.lua_heap_kib_per_step = counted > 0 and heap / counted or nil
+    for _, m in ipairs(P.marks) do
+      if m.e_start ~= m.e_end then m.e_start:free() end
+      if m.e_end then m.e_end:free() end
+    end
+    if free_blocker then free_blocker() end
+    out.phases = bench.list(out.phases)
+    return out
+  end
+  return P
+end
 
 local cfg = train.config {
   model = {
@@ -110,8 +260,19 @@ local state_bytes
 local function after_step(st)
   if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
 end
+local profiler
+if o.profile then
+  local p0 = o.log_every + 1
+  local p1 = math.min(cfg.steps - 1, p0 + o.profile_steps - 1)
+  if p1 < p0 then
+    error(("train_125m: profile=true needs steps > log_every + 1 (got steps=%d, log_every=%d)"):format(
+      cfg.steps, o.log_every), 0)
+  end
+  profiler = new_profiler(device, p0, p1, o.saturate)
+end
 local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer,
-  hooks = { after_step = after_step } })
+  hooks = { after_step = after_step }, profile = profiler and profiler.mark })
+local profile = profiler and profiler.summary()
 model = model or result.model
 n_params = n_params or model:num_parameters() -- this rank's (its expert shards)
 n_active = n_active or model:num_active_parameters()
@@ -151,6 +312,19 @@ local out = {
   losses = {}, seconds = result.seconds,
 }
 for _, r in ipairs(recs) do out.losses[#out.losses + 1] = { r.step, r.loss } end
+out.profile = profile
+if profile then
+  print(("train_125m: profile (%s) of %d measured + %d saturated steps: wall %.2f ms/step, kernels %.2f ms, " ..
+    "GPU idle %.2f ms, host reads %s, gc cycles %.2f per step"):format(profile.method, profile.steps_measured,
+    profile.steps_saturated, profile.wall_ms or 0, profile.kernel_ms, profile.gpu_idle_ms or 0,
+    profile.host_reads_per_step and ("%.1f"):format(profile.host_reads_per_step) or "not counted",
+    profile.gc_cycles_per_step or 0))
+  print("  phase       gpu ms   host ms  kernel ms")
+  for _, r in ipairs(profile.phases) do
+    print(("  %-10s %8.3f %9.3f %10s"):format(r.phase, r.gpu_ms, r.host_ms,
+      r.kernel_ms and ("%.3f"):format(r.kernel_ms) or "-"))
+  end
+end
 print(("train_125m: %d steps, %.0f tokens/s, %.1f ms/step, MFU %.1f%%, peak allocated %.2f GiB, "
   .. "model state %.2f GiB, loss %.4f -> %.4f"):format(out.steps, out.tokens_per_s or 0, out.ms_per_step or 0,
   100 * (out.mfu or 0), (out.peak_allocated_bytes or 0) / 2 ^ 30, (state_bytes or 0) / 2 ^ 30, out.first_train_loss or 0, out.last_loss or 0))

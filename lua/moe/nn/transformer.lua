@@ -363,10 +363,12 @@ function LM:forward(idx, cache)
   return moe.linear(x, self.wte.weight)
 end
 
--- lm:loss(idx (B, S), targets (B, S)) -> loss (scalar tensor: mean cross
--- entropy + the aux losses of the layers), {lm_loss=, aux_loss=, stats=}.
--- The cross entropy is computed in f32 whatever the model's dtype.
-function LM:loss(idx, targets)
+-- lm:loss(idx (B, S), targets (B, S) [, {lazy = true}]) -> loss (scalar tensor:
+-- mean cross entropy + the aux losses of the layers), {lm_loss=, aux_loss=, stats=}.
+-- The cross entropy is computed in f32 whatever the model's dtype. lazy: lm_loss
+-- and aux_loss are the scalar tensors (aux_loss nil without aux losses), not
+-- numbers read from the device (moe.train reads them once per step).
+function LM:loss(idx, targets, opts)
   local logits = self:forward(idx)
   if logits.dtype ~= "f32" and logits.dtype ~= "f64" then logits = logits:float() end
   local tg = targets.device ~= logits.device and targets:to(logits.device) or targets
@@ -377,6 +379,7 @@ function LM:loss(idx, targets)
     if aux.dtype ~= lm.dtype then aux = aux:to(lm.dtype) end
     total = lm + aux
   end
+  if opts and opts.lazy then return total, { lm_loss = lm, aux_loss = aux, stats = self:collect_stats() } end
   return total, { lm_loss = lm:item(), aux_loss = aux and aux:item() or 0, stats = self:collect_stats() }
 end
 

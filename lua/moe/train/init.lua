@@ -52,6 +52,7 @@ parts (optional; each replaces what run would build from cfg):
               before_step, after_step, on_log, on_eval, save (docs/TRAINING.md)
   layout      function(name, module) -> "replicate" | "shard" | "expert" | nil: where each
               module's parameters live (moe/train/parallel.lua M.place, docs/DISTRIBUTED.md)
+  profile     function(phase, step), called as each phase of a step begins (loop.PHASES)
 
 Returns {losses = {step -> lm loss}, val_losses = {step -> loss}, step = last step,
 checkpoint = last checkpoint path or nil, sample = last sample text or nil, model = model}.

@@ -25,9 +25,18 @@ Guards (docs/TRAINING.md "Stops, non-finite steps and config checks"):
     run with an error, saving nothing.
   - With several ranks, both decisions are one all_reduce (max) of two
     numbers per step, in the optimizer step: every rank skips and stops at
-    the same step. With one, nothing is exchanged. The loss and the gradient
-    norm are already host numbers (the norm's item() for clipping, the
-    micro-batches' lm loss), so the check adds no device synchronisation.
+    the same step. With one, nothing is exchanged.
+
+Host reads: a step reads the device once, for the non-finite check: the
+micro-batches' lm and aux losses stay on the device (model:loss(x, y,
+{lazy = true}); a model without that option returns numbers, used as they
+are) and are copied to the host with the gradient norm, when clipping leaves
+it on the device, in one copy after clipping (read_values). A hook of
+after_backward or before_step sees numbers: with one, the losses are read
+there instead. The bindings' backstop collection (moe.cuda.set_gc_step) is
+held off while a step runs: every tensor of the step is freed by its scopes.
+parts.profile (function(phase, step)) is called as each phase of a step
+begins (PHASES), for bench/train_125m.lua's per-phase profile.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -42,6 +51,62 @@ local M = {}
 
 local function finite(x) return x == x and x ~= math.huge and x ~= -math.huge end
 
+-- The phases of a step, in order, as parts.profile sees them begin: the batch
+-- read and copied to the device; model:loss; backward (with the gradients'
+-- reduction under data parallelism); stats (expert counts, after_backward and
+-- before_step hooks, the micro-batch's end); clipping; the step's host read
+-- (and the ranks' agreement); the optimizer (with after_step hooks and
+-- zero_grad); log (the losses' bookkeeping, logging, evaluation, checkpoints,
+-- up to the next step). "end" marks the end of the last step.
+M.PHASES = { "data", "forward", "backward", "stats", "clip", "read", "optimizer", "log" }
+
+-- model:loss's option: the losses as device scalars, read once per step.
+local LOSS_OPTS = { lazy = true }
+-- clip_grad_norm's third argument. A clip that returns the norm as a device
+-- scalar ({lazy = true}) joins the step's one read (read_values); one that
+-- returns a number (moe.optim's now, a caller's) reads it itself.
+local CLIP_OPTS = nil
+
+-- read_values(vals [, gn]) -> gn as a number. vals: the micro-batches' {lm, aux},
+-- each a number or a device scalar (detached); every device scalar among them,
+-- and gn when it is one, is copied to the host in one copy (a cat of the
+-- scalars, then one read; none when all are numbers) and replaced by its number.
+-- Values of another dtype than the first device scalar's go through f64, which
+-- holds every f32 and bf16 value exactly.
+local function read_values(vals, gn)
+  local dev, where = {}, {}
+  for i, v in ipairs(vals) do
+    for j = 1, 2 do
+      if moe.is_tensor(v[j]) then dev[#dev + 1], where[#dev + 1] = v[j], { i, j } end
+    end
+  end
+  local gn_dev = moe.is_tensor(gn)
+  if gn_dev then dev[#dev + 1] = gn end
+  if #dev == 0 then return gn end
+  local host = moe.no_grad(function()
+    local parts, dtype = {}, dev[1].dtype
+    local same = true
+    for i, t in ipairs(dev) do
+      parts[i] = t:reshape({ 1 })
+      same = same and t.dtype == dtype
+    end
+    if not same then
+      for i, t in ipairs(parts) do if t.dtype ~= "f64" then parts[i] = t:to("f64") end end
+    end
+    local all = #parts == 1 and parts[1] or moe.cat(parts, 0)
+    local h = all:totable() -- the one host read
+    for _, t in ipairs(parts) do t:free() end
+    all:free()
+    return h
+  end)
+  for k, w in ipairs(where) do
+    vals[w[1]][w[2]] = host[k]
+    dev[k]:free()
+  end
+  if gn_dev then gn = host[#dev] end
+  return gn
+end
+
 local function with_rng_kept(fn, ...)
   local rng = moe.get_rng_state()
   local res = table.pack(pcall(fn, ...))
@@ -55,12 +120,14 @@ local function to_device(t, device)
   return t:to(device)
 end
 
--- One evaluation batch in its own scope: the lm loss as a number.
+-- One evaluation batch in its own scope: {lm loss}, a number or a device scalar
+-- (read with the others by evaluate: one read per evaluation).
 local function eval_batch(model, data, batch_size, device, par)
   local x, y
   if par then x, y = par:batch(data, batch_size) else x, y = data:batch(batch_size) end
-  local _, info = model:loss(to_device(x, device), to_device(y, device))
-  return info.lm_loss
+  local _, info = model:loss(to_device(x, device), to_device(y, device), LOSS_OPTS)
+  local lm = info.lm_loss
+  return { moe.is_tensor(lm) and lm:detach() or lm, 0 }
 end
 
 --- evaluate(model, data, iters, batch_size, device [, par]) -> mean lm loss over iters
@@ -70,13 +137,16 @@ end
 function M.evaluate(model, data, iters, batch_size, device, par)
   if iters == 0 then return nil end
   local start = data:state()
-  local total = 0
+  local vals = {}
   moe.no_grad(function()
     model:eval()
-    for _ = 1, iters do total = total + moe.scope(eval_batch, model, data, batch_size, device, par) end
+    for i = 1, iters do vals[i] = moe.scope(eval_batch, model, data, batch_size, device, par) end
     model:train()
   end)
   data:set_state(start)
+  read_values(vals)
+  local total = 0
+  for _, v in ipairs(vals) do total = total + v[1] end
   if par then return par:mean({ total / iters })[1] end
   return total / iters
 end
@@ -353,33 +423,63 @@ function M.run(user_cfg, parts)
   -- last micro-batch's backward all-reduces the gradients (the earlier ones
   -- accumulate locally, as DDP's no_sync): finished before after_backward, so
   -- hooks and clipping see the global gradient.
+  local mark = parts.profile or function() end
   local function micro_step(micro)
+    mark("data", state.step + 1)
     local x, y = par:batch(train_data, cfg.batch_size)
-    local loss, info = model:loss(to_device(x, device), to_device(y, device))
+    x, y = to_device(x, device), to_device(y, device)
+    mark("forward", state.step + 1)
+    local loss, info = model:loss(x, y, LOSS_OPTS)
     if cfg.grad_accum > 1 then loss = loss * (1 / cfg.grad_accum) end
     local sync = reducer and micro == cfg.grad_accum
     if sync then reducer:arm() end
+    mark("backward", state.step + 1)
     loss:backward()
     if par.fsdp and not sync then par.fsdp:release_all() end -- gathered by this backward
     if sync then
       reducer:finish()
       par:finish_experts() -- expert shards: the replicas' mean, / ep
     end
+    mark("stats", state.step + 1)
     log:count_experts(info.stats)
-    state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, info.lm_loss, info.aux_loss or 0
-    thooks.call(hooks.after_backward, state)
-    state.loss = nil
-    return info.lm_loss, info.aux_loss or 0
+    -- {lm, aux}: numbers, or device scalars until the step's read (new handles:
+    -- they outlive this scope, which frees the model's)
+    local lm, aux = info.lm_loss, info.aux_loss or 0
+    local v = { moe.is_tensor(lm) and lm:detach() or lm, moe.is_tensor(aux) and aux:detach() or aux }
+    if #hooks.after_backward > 0 then -- hooks see numbers
+      read_values({ v })
+      state.micro, state.loss, state.lm_loss, state.aux_loss = micro, loss, v[1], v[2]
+      thooks.call(hooks.after_backward, state)
+      state.loss = nil
+    end
+    state.micro = micro
+    return v
+  end
+
+  -- The step's means of the micro-batches' losses, summed in order (host numbers).
+  local function step_means(vals)
+    local loss_sum, aux_sum = 0, 0
+    for _, v in ipairs(vals) do loss_sum, aux_sum = loss_sum + v[1], aux_sum + v[2] end
+    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
   end
 
   -- The optimizer step with its hooks, in a moe.scope of its own (a hook's
-  -- temporaries are freed when it ends).
+  -- temporaries are freed when it ends). vals: the micro-batches' losses.
   -- A step whose loss or gradient norm is not finite (on any rank) is skipped:
   -- no update; the gradients are zeroed below as after every step.
-  local function optimizer_step()
-    thooks.call(hooks.before_step, state)
-    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge)
+  local function optimizer_step(vals)
+    if #hooks.before_step > 0 then -- hooks see numbers
+      read_values(vals)
+      step_means(vals)
+      thooks.call(hooks.before_step, state)
+    end
+    mark("clip", state.step + 1)
+    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge, CLIP_OPTS)
+    mark("read", state.step + 1)
+    gn = read_values(vals, gn) -- the step's one host read
+    step_means(vals)
     local sig, bad = agree(not (finite(gn) and finite(state.lm_loss) and finite(state.aux_loss)))
+    mark("optimizer", state.step + 1)
     state.stop_signal = sig > 0 and sig or nil
     state.skipped = bad
     if bad then
@@ -397,15 +497,18 @@ function M.run(user_cfg, parts)
     return gn
   end
 
+  -- The bindings' backstop collection (every gc_step MiB of new CUDA storage) finds
+  -- nothing to free in a step, whose scopes free every tensor it makes: it is held
+  -- off while a step runs (set_gc_step(0) also zeroes the debt), and restored after.
+  local gc_step = moe.cuda and moe.cuda.set_gc_step
+  local gc_restore = { __close = function(o) gc_step(o.prev) end }
   local function train_step()
-    local loss_sum, aux_sum = 0, 0
-    for micro = 1, cfg.grad_accum do
-      local lm, aux = moe.scope(micro_step, micro)
-      loss_sum, aux_sum = loss_sum + lm, aux_sum + aux
-    end
-    state.lm_loss, state.aux_loss = loss_sum / cfg.grad_accum, aux_sum / cfg.grad_accum
-    local gn = moe.scope(optimizer_step)
+    local _ <close> = gc_step and setmetatable({ prev = gc_step(0) }, gc_restore) or nil
+    local vals = {}
+    for micro = 1, cfg.grad_accum do vals[micro] = moe.scope(micro_step, micro) end
+    local gn = moe.scope(optimizer_step, vals)
     state.micro = nil
+    mark("log", state.step)
     return gn
   end
 
@@ -501,6 +604,7 @@ function M.run(user_cfg, parts)
     if par.dp > 1 then stop_sig = state.stop_signal else stop_sig = proc.stop_requested() end
     if stop_sig then break end
   end
+  mark("end", state.step)
   log:finish_bar()
   -- a signal during the last step's save or evaluation stops the run too
   if not stop_sig and par.dp == 1 then stop_sig = proc.stop_requested() end
