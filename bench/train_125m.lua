@@ -67,7 +67,8 @@ local PHASES = require("moe.train.loop").PHASES
 local function counters()
   local ok, reads = pcall(function() return moe.host_reads() end)
   local _, cycles = moe.cuda.set_gc_step()
-  return { reads = ok and reads or nil, gc = cycles, heap = collectgarbage("count") }
+  -- moe.host_reads() -> {copies =, syncs =}: a read is one copy of device values to the host
+  return { reads = ok and type(reads) == "table" and reads.copies or nil, gc = cycles, heap = collectgarbage("count") }
 end
 
 -- A GEMM blocker on the GPU: blocker(ms) queues about ms milliseconds of GEMMs

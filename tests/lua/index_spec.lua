@@ -132,7 +132,7 @@ describe("bincount", function()
       assert.are.same(moe.bincount(i32, E):totable(), moe.bincount(i32:cuda(), E):totable())
     end
     local c = moe.bincount(i64({ 1, 9, 0 }):cuda(), 3) -- no error yet: no host sync
-    assert.has_error(function() moe.cuda.synchronize() end, "bincount: index 9 is out of range [0, 3) on cuda:0 "
+    assert.has_error(function() moe.cuda.synchronize() end, "synchronize: bincount: index 9 is out of range [0, 3) on cuda:0 "
       .. "(found by the kernel, reported at this synchronisation: the op was queued earlier and its result is "
       .. "not valid)")
     assert.are.same({ 1, 1, 0 }, c:totable())

@@ -479,9 +479,9 @@ describe("optim multi-tensor on cuda", function()
     local ts, tc = {}, {}
     for k = 1, 60 do
       local g = moe.randn({ 997 * k + 1 }):to(k % 2 == 0 and "bf16" or "f32")
-      tc[k] = moe.zeros({ 1 })
+      tc[k] = moe.zeros({ 997 * k + 1 }):to(g.dtype)
       tc[k].grad = g
-      ts[k] = moe.zeros({ 1 }):to("cuda:0")
+      ts[k] = tc[k]:to("cuda:0")
       ts[k].grad = g:to("cuda:0")
     end
     local nc = optim.grad_norm(tc, 1)

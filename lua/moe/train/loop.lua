@@ -260,7 +260,13 @@ function M.run(user_cfg, parts)
   end
   local schedule = parts.schedule or require("moe.optim").schedule {
     lr = cfg.lr, min_lr = cfg.min_lr, warmup = cfg.warmup, total = cfg.steps, decay = cfg.decay }
-  local clip_grad_norm = sharded_clip or parts.clip_grad_norm or require("moe.optim").clip_grad_norm
+  local optim = require "moe.optim"
+  local clip_grad_norm = sharded_clip or parts.clip_grad_norm or optim.clip_grad_norm
+  -- moe.optim's AdamW with its own clipping and no expert shards: the norm and the clip
+  -- coefficient stay on the device (optim.grad_norm), the norm joins the step's one read,
+  -- and the step applies the coefficient as it reads each gradient (no pass of its own)
+  local fused_clip = not sharded_clip and not parts.clip_grad_norm and par.shards == 1
+    and getmetatable(opt) and getmetatable(opt).__index == optim.AdamWClass
   clip_grad_norm = par:ep_clip(clip_grad_norm) -- expert shards: the norm over every rank's
 
   -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
@@ -474,7 +480,13 @@ function M.run(user_cfg, parts)
       thooks.call(hooks.before_step, state)
     end
     mark("clip", state.step + 1)
-    local gn = clip_grad_norm(params, cfg.clip > 0 and cfg.clip or math.huge, CLIP_OPTS)
+    local max_norm = cfg.clip > 0 and cfg.clip or math.huge
+    local gn, coef
+    if fused_clip then
+      gn, coef = optim.grad_norm(params, max_norm)
+    else
+      gn = clip_grad_norm(params, max_norm, CLIP_OPTS)
+    end
     mark("read", state.step + 1)
     gn = read_values(vals, gn) -- the step's one host read
     step_means(vals)
@@ -487,7 +499,7 @@ function M.run(user_cfg, parts)
       state.skipped_in_a_row = state.skipped_in_a_row + 1
     else
       state.skipped_in_a_row = 0
-      opt:step()
+      if coef and cfg.clip > 0 then opt:step { grad_scale = coef } else opt:step() end
     end
     state.step = state.step + 1
     state.consumed_tokens = state.consumed_tokens + tokens_per_step
