@@ -42,10 +42,7 @@ if [ "${CKPT_CPU:-0}" = 1 ]; then
   ml=${ML:-$root/build-cpu/moe-lua}; dev=cpu
   model=${CKPT_MODEL:-d_model=32 layers=2 heads=2 experts=4 top_k=1 ffn=64 seq_len=32 batch_size=2 dtype=f32}
 else
-  [ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-  if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-  export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-  export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+  keep_out=$out; . "$root/bench/gpu_env.sh"; out=$keep_out # its links and Lua paths
   ml=${ML:-/work/main/build-gpu/moe-lua}; dev=cuda
   model=${CKPT_MODEL:-d_model=768 layers=12 heads=12 experts=64 top_k=1 ffn=3072 seq_len=1024 batch_size=8 dtype=bf16}
   nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$out/gpus.txt"

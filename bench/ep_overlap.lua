@@ -179,7 +179,8 @@ t.section1 = time(function()
 end)
 t.a2a_chunked1 = t.a2a
 for C, s in pairs(section_of) do
-  local ex = s.ex
+  local ex = s.ex or error(("ep_overlap: %d chunks were capped to one (%d local experts per rank): give "
+    .. "more experts or fewer ranks"):format(C, cfg.experts // P), 0)
   local run = { chunks = ex.chunks, bounds = ex.bounds, local_plans = ex.local_plans }
   t["section" .. C] = time(function()
     moe.scope(function()

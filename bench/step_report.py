@@ -82,13 +82,20 @@ def main(argv):
         report["models"][m] = entry
     head = ["| model | impl | tokens/s | ms/step | floor ms | step / floor | vs torch eager | peak GiB | "
             "loss first -> last |", "|---|---|---|---|---|---|---|---|---|"]
+    tj = [load(os.path.join(out, "torch_%s.json" % m)) for m in models]
+    torch_data = next((t["data"] for t in tj if t and t.get("data")), "the exported first batch repeated")
+    mj = [load(os.path.join(out, "moe_%s.json" % m)) for m in models]
+    impls = ", ".join("%s %s" % (m, j.get("mlp_impl")) for m, j in zip(models, mj) if j and j.get("mlp_impl"))
+    version_line = next((j["version"].splitlines()[2] for j in mj if j and isinstance(j.get("version"), str)
+                         and len(j["version"].splitlines()) > 2), "version not recorded")
     facts = ["# The training step on one GPU: moe-lua, PyTorch and the floor", "",
              "- device: %s; GEMM %.0f TFLOP/s (bf16 8192^3), copy %.2f TB/s (d2d, read + write), torch %s" % (
                  rates.get("device", "?"), rates.get("gemm_tflops") or 0, rates.get("copy_tbs") or 0,
                  rates.get("torch", "?")),
              "- floor: %s" % (floor.get("model") or "not computed"),
-             "- moe-lua trains on the dataset's batches; bench/train_torch.py on the exported first batch "
-             "repeated (timing only); tokens/s of both over the steps after their warm-up", ""]
+             "- both start from moe-lua's exported initial weights; moe-lua trains on the dataset's batches, "
+             "bench/train_torch.py on %s; tokens/s of both over the steps after their warm-up" % torch_data,
+             "- moe-lua %s; the expert path moe-lua ran: %s" % (version_line, impls), ""]
     md = "\n".join(facts + head + rows + md_prof) + "\n"
     with open(os.path.join(out, "step_round.md"), "w") as f:
         f.write(md)

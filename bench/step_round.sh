@@ -24,13 +24,8 @@
 # `dmoe46 dense125`, then `dmoe125`), each with its own rates and floor.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${OUT:-$root/bench/results/step}; mkdir -p "$out"
-cd "$root"
-[ -e build-gpu ] || ln -s "$root/.deps/gpu" build-gpu
-# the build's absolute paths (/work/main/build-gpu/...) mapped onto this copy, as .ci/gpu does
-if [ "$root" != /work/main ] && [ ! -e /work/main ]; then mkdir -p /work && ln -s "$root" /work/main; fi
-export LUA_PATH="$root/.deps/lua/share/?.lua;$root/.deps/lua/share/?/init.lua;;"
-export LUA_CPATH="$root/.deps/lua/lib/?.so;;"
+OUT=${OUT:-$root/bench/results/step}
+. "$root/bench/gpu_env.sh"
 ml=${STEP_MOE_LUA:-/work/main/build-gpu/moe-lua}
 steps=${STEP_STEPS:-40}
 psteps=${STEP_PROFILE:-8}

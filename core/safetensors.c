@@ -1037,25 +1037,35 @@ fail:
   return st;
 }
 
+/* What load and open begin with: the path and out checked, the file opened (a
+ * regular file) and its header read and checked. On an error nothing is left
+ * open or allocated. */
+static moe_status st_begin(st_loader *ld, const void *out, int *fd, st_header *h) {
+  const char *path = ld->path;
+  if (!path || !path[0])
+    return moe_error(ld->ctx, MOE_ERR_INVALID_ARG, "%s: path is %s", ld->op, path ? "empty" : "NULL");
+  if (!out) return moe_error(ld->ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", ld->op);
+  if (!host_is_little_endian())
+    return st_lerr(ld, MOE_ERR_NOT_SUPPORTED, "safetensors files are little-endian and this host is not");
+  uint64_t size = 0;
+  MOE_CHECK(st_open_regular(ld, fd, &size));
+  moe_status st = st_read_header(ld, *fd, size, h);
+  if (st != MOE_OK) {
+    close(*fd);
+    *fd = -1;
+  }
+  return st;
+}
+
 moe_status moe_safetensors_load(moe_ctx *ctx, const char *path, moe_device d,
                                 moe_safetensors **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  if (!path || !path[0]) return moe_error(ctx, MOE_ERR_INVALID_ARG, "load: path is %s", path ? "empty" : "NULL");
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "load: out is NULL");
   MOE_CHECK(moe_device_check(ctx, d));
   st_loader ld = {ctx, path, "load"};
-  if (!host_is_little_endian())
-    return st_lerr(&ld, MOE_ERR_NOT_SUPPORTED, "safetensors files are little-endian and this host is not");
-
   int fd = -1;
-  uint64_t size = 0;
-  MOE_CHECK(st_open_regular(&ld, &fd, &size));
   st_header h;
-  moe_status st = st_read_header(&ld, fd, size, &h);
-  if (st != MOE_OK) {
-    close(fd);
-    return st;
-  }
+  moe_status st = st_begin(&ld, out, &fd, &h);
+  if (st != MOE_OK) return st;
   moe_safetensors *f = calloc(1, sizeof *f);
   if (!f) {
     st = st_lerr(&ld, MOE_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -1107,20 +1117,11 @@ void moe_safetensors_reader_free(moe_safetensors_reader *r) {
 
 moe_status moe_safetensors_open(moe_ctx *ctx, const char *path, moe_safetensors_reader **out) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
-  if (!path || !path[0]) return moe_error(ctx, MOE_ERR_INVALID_ARG, "open_safetensors: path is %s", path ? "empty" : "NULL");
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "open_safetensors: out is NULL");
   st_loader ld = {ctx, path, "open_safetensors"};
-  if (!host_is_little_endian())
-    return st_lerr(&ld, MOE_ERR_NOT_SUPPORTED, "safetensors files are little-endian and this host is not");
   int fd = -1;
-  uint64_t size = 0;
-  MOE_CHECK(st_open_regular(&ld, &fd, &size));
   st_header h;
-  moe_status st = st_read_header(&ld, fd, size, &h);
-  if (st != MOE_OK) {
-    close(fd);
-    return st;
-  }
+  moe_status st = st_begin(&ld, out, &fd, &h);
+  if (st != MOE_OK) return st;
   moe_safetensors_reader *r = calloc(1, sizeof *r);
   if (!r) {
     close(fd);
