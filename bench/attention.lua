@@ -1,6 +1,6 @@
 --[[
 bench/attention.lua - times moe's fused causal attention (bf16, CUDA),
-forward and forward+backward, at the shapes of issue 3's target (seq
+forward and forward+backward, at the target shapes (seq
 1024-4096, head dim 128) and one head-dim-64 shape, and the same
 forward+backward through autograd. bench/attention_check.lua dumps one
 problem for bench/attention_torch.py to check against PyTorch, which also

@@ -225,7 +225,7 @@ def main():
             verdict = "met at T = %s" % (", ".join(map(str, met)) or "none")
             if miss:
                 verdict += "; NOT met at T = %s" % ", ".join(map(str, miss))
-            f.write("\nTarget (issue 3: forward+backward >= 0.8x torch's default SDPA, head dim 128, "
+            f.write("\nTarget (forward+backward >= 0.8x torch's default SDPA, head dim 128, "
                     "T 1024-4096): %s.\n" % verdict)
             if val:
                 f.write("\nValidation against float64 (B,H,T,D = %s, max abs error): \n\n" % (val["shape"],))

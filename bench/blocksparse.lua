@@ -1,6 +1,6 @@
 --[[
 bench/blocksparse.lua - times the block-sparse products (moe.ops.bsmm_*,
-kernels/blocksparse.cu) on CUDA at the mixtral expert-MLP shapes of issue 4
+kernels/blocksparse.cu) on CUDA at the mixtral expert-MLP shapes
 (T = 16384 tokens, top-2 of E = 8 experts, d = 4096, f = 14336, bf16,
 128 x 128 blocks: R = 32768 + padding rows), against a dense bf16
 moe.matmul (cuBLASLt) of the same FLOPs in the same run:

@@ -70,7 +70,7 @@ for f in sys.argv[1:]:
         done
       done ;;
     ops)
-      # issue 3's list of ops forward and backward against PyTorch on the same GPU
+      # the list of ops forward and backward against PyTorch on the same GPU
       rm -rf /tmp/moe_cmp && $ml bench/torch_compare_check.lua device=cuda dir=/tmp/moe_cmp > "$out/torch_compare_moe.log" 2>&1 &&
         python3 bench/torch_compare.py /tmp/moe_cmp --json "$out/torch_compare.json" \
           --md "$out/torch_compare_table.md" > "$out/torch_compare.log" 2>&1

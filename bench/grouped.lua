@@ -1,6 +1,6 @@
 --[[
 bench/grouped.lua - times moe.ops.grouped_mm / grouped_mm_wgrad on CUDA at
-the GEMM shapes of the GLU expert MLP of issue 4's three configs (T = 16384
+the GEMM shapes of the GLU expert MLP of the three benchmark configs (T = 16384
 tokens, random top-k routing, bf16), for each grouped backend ("loop",
 "cublas_grouped", "streams", "auto") and for the same GEMMs done densely (one group
 holding every row: the dense bf16 GEMM rate of this run). The same shapes

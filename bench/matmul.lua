@@ -1,6 +1,6 @@
 --[[
 bench/matmul.lua - times moe's matrix products on CUDA (cuBLASLt) at the
-shapes of issue 3's target: bf16 GEMMs 4096^3 and 8192^3, a linear layer
+target shapes: bf16 GEMMs 4096^3 and 8192^3, a linear layer
 (16384 x 4096) @ (14336 x 4096)^T with and without its bias, the two GEMMs
 of that layer's backward (dX = dY @ W, dW = dY^T @ X, as moe_linear's
 backward runs them), the whole layer forward and backward through autograd

@@ -2,7 +2,7 @@
 bench/matmul_torch.py (torch), timed in one run on one GPU, into
 bench/results/matmul.json and the table bench/results/matmul.md: per case ms
 and TFLOP/s for both, the ratio moe/torch of the times and whether moe is
-within 5% of torch (ratio <= 1.05), issue 3's target for large bf16 shapes.
+within 5% of torch (ratio <= 1.05), the target for large bf16 shapes.
 
   python3 bench/matmul_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT] [--check CHECK_JSON]
 
@@ -75,7 +75,7 @@ def main():
                      f"{r['torch_tflops']:.1f} | {r['time_ratio_moe_over_torch']:.3f} | "
                      f"{'yes' if r['within_5pct'] else 'no'} |")
     single = out["target_bf16_single_gemms_within_5pct"]
-    lines += ["", "Target (issue 3): matmul/linear within 5% of torch.matmul for large bf16 shapes:",
+    lines += ["", "Target: matmul/linear within 5% of torch.matmul for large bf16 shapes:",
               "- single products (matmul, linear forward, each backward GEMM): "
               + ("met" if single else "NOT met") + ";"]
     for r in target:

@@ -1,5 +1,5 @@
 --[[
-bench/moe_glu_check.lua - issue 4's check "the MoE GLU layer forward and all
+bench/moe_glu_check.lua - the check "the MoE GLU layer forward and all
 gradients against a PyTorch reference with the same weights and routing",
 moe-lua side. Builds a MoE GLU layer in bf16 on the GPU (the CPU without
 one): router logits = x @ wr (f32 softmax, top-k), gates in bf16,

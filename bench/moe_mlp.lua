@@ -1,5 +1,5 @@
 --[[
-bench/moe_mlp.lua - issue 4's benchmark, moe-lua side: the MoE expert MLP
+bench/moe_mlp.lua - the MoE MLP benchmark, moe-lua side: the MoE expert MLP
 with SwiGLU (GLU) experts, forward + backward, bf16, one GPU, T = 16384
 tokens, top-k routing from random logits (top-k of softmax), for the configs
 mixtral (d 4096, f 14336, E 8, k 2), olmoe (2048, 1024, 64, 8) and qwen3

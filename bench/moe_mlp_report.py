@@ -3,7 +3,7 @@ and bench/moe_mlp_torch.py (PyTorch), timed in one run on one GPU, into
 bench/results/moe_mlp.json and the table bench/results/moe_mlp.md: per
 config and implementation ms, TFLOP/s (18 T k d f model FLOPs), percent of
 the dense bf16 GEMM rate measured in the same run, peak extra memory, and
-issue 4's targets:
+the targets:
   resolve: grouped faster than torch._grouped_mm on all three configs;
            sparse within 10% of grouped on mixtral (time <= 1.10 x grouped)
   goal:    grouped >= 85% of dense on mixtral, >= 60% on olmoe and qwen3.
@@ -102,7 +102,7 @@ def main():
             else:
                 lines.append(f"| {c} | {r['d']} | {r['f']} | {r['E']} | {r['k']} | {r['impl']} | "
                              f"skipped: {r.get('error', '?')} | | | |")
-    lines += ["", "Targets (issue 4, same run, same GPU):"]
+    lines += ["", "Targets (same run, same GPU):"]
     for c in configs:
         g, t = get(c, "grouped"), get(c, "torch_grouped_mm")
         lines.append(f"- grouped faster than torch._grouped_mm on {c}: "

@@ -1,4 +1,4 @@
-"""bench/moe_mlp_torch.py - issue 4's benchmark, PyTorch side: the cases of
+"""bench/moe_mlp_torch.py - the MoE MLP benchmark, PyTorch side: the cases of
 bench/moe_mlp.lua (SwiGLU expert MLP, forward + backward, bf16, T = 16384,
 top-k of softmax of random logits; mixtral, olmoe, qwen3) with two PyTorch
 implementations, in the same run on the same GPU:

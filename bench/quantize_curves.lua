@@ -1,6 +1,6 @@
 --[[
 bench/quantize_curves.lua - loss curves with the saved activations of the
-dMoE experts kept off / 8-bit / 4-bit (issue 6): the same model, data and
+dMoE experts kept off / 8-bit / 4-bit: the same model, data and
 seed trained once per mode through moe.train (lua/moe/train/), the
 quantize switches of every dMoE layer set to the mode's bits (quantize =
 {inputs =, rematerialize =, scatter =} on the experts module).

@@ -1,7 +1,7 @@
 -- bench/torch_compare_check.lua - runs a list of ops forward and backward on the GPU and
 -- saves inputs, outputs, the output cotangent and the input gradients to one
 -- safetensors file per case; bench/torch_compare.py recomputes each case with
--- PyTorch on the same GPU and prints the comparison table (issue 3).
+-- PyTorch on the same GPU and prints the comparison table.
 --
 --   moe-lua bench/torch_compare_check.lua dir=/tmp/cmp device=cuda
 --   python3 bench/torch_compare.py /tmp/cmp

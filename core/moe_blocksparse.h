@@ -1,6 +1,6 @@
 /*
  * moe_blocksparse.h - block-sparse matrix products over a routing plan's
- * topology (issue 4 item 4; MegaBlocks' SDD, DSD, DDS and the transposed
+ * topology (MegaBlocks' SDD, DSD, DDS and the transposed
  * forms its backward needs): core/blocksparse.c (CPU reference, autograd),
  * kernels/blocksparse.cu (CUDA). Included by moe.h.
  *

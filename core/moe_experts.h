@@ -1,5 +1,5 @@
 /*
- * moe_experts.h - expert computation over a routing plan (issue 4 item 5):
+ * moe_experts.h - expert computation over a routing plan:
  * parallel_linear, one differentiable op over the grouped GEMM
  * (moe_grouped.h) or the block-sparse products (moe_blocksparse.h), from
  * which Lua composes expert MLPs; and the fused GLU expert MLP in C that a
@@ -74,7 +74,7 @@ typedef struct moe_glu_experts_opts {
   moe_experts_impl impl;
   moe_glu_activation act;
   bool memory_optimized;
-  /* Quantized saved pre-activations (issue 6, MegaBlocks'
+  /* Quantized saved pre-activations (MegaBlocks'
    * quantize_rematerialize_num_bits): with quant_bits 8 or 4, backward keeps
    * h1 and h3 quantized as moe_quantize would (moe_quantize.h: group
    * quant_group_size, 0 a row of the hidden's last dim; stochastic rounding

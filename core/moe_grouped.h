@@ -1,6 +1,6 @@
 /*
  * moe_grouped.h - grouped GEMM over variable-size groups of contiguous rows
- * (issue 4 item 3): core/grouped.c (CPU reference on OpenBLAS, autograd),
+ * in core/grouped.c (CPU reference on OpenBLAS, autograd),
  * kernels/grouped.cu (CUDA). Included by moe.h.
  *
  * Terms. x (R, K): R rows; group g (g = 0..G-1) is the rows

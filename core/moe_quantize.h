@@ -1,7 +1,7 @@
 /*
  * moe_quantize.h - quantization of tensors to 8 or 4 bits with per-group
  * absmax scales, and the saved-tensor hooks that keep activations saved for
- * backward in that packed form (issue 6; implemented in core/quantize.c,
+ * backward in that packed form (implemented in core/quantize.c,
  * CUDA kernels in kernels/quantize.cu; docs/QUANTIZE.md).
  *
  * Layout. x of any shape is seen as (rows, cols) with cols = its last dim

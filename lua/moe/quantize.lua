@@ -1,5 +1,5 @@
 --[[
-moe/quantize.lua - quantization of activations saved for backward (issue 6),
+moe/quantize.lua - quantization of activations saved for backward,
 over the saved-tensor hooks of the autograd. The quantizers themselves are C
 (core/quantize.c, kernels/quantize.cu, bound as moe.ops.quantize /
 dequantize / quantize_scope); docs/QUANTIZE.md describes the formats.

@@ -212,7 +212,7 @@ static void test_parallel_linear_cuda(moe_ctx *ctx) {
   free(xv), free(wv), free(gv), free(idv);
 }
 
-/* glu_experts with its own quantization of h1 and h3 (issue 6) on CUDA:
+/* glu_experts with its own quantization of h1 and h3 on CUDA:
  * the fused passes (quantize in the activation, codes read in backward)
  * give the bits of the unfused route (MOE_GLU_QFUSED=0: activation + two
  * moe_quantize calls, dequantize + the plain backward pass), which is

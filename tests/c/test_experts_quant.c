@@ -1,6 +1,6 @@
 /*
  * test_experts_quant.c - glu_experts with its own quantization of the saved
- * pre-activations (moe_glu_experts_opts.quant_*, issue 6) on the CPU:
+ * pre-activations (moe_glu_experts_opts.quant_*) on the CPU:
  *   - the same bits as the general route (moe_quantize_hooks around the
  *     memory-optimized op, keeping x, gates and the weights): output and
  *     every gradient, 8 and 4 bits, a row and groups, stochastic rounding,

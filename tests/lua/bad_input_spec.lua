@@ -271,7 +271,7 @@ case("config", "table of defaults expected, got nil", function() return moe.conf
 case("config", "unknown key 'x'", function() return moe.config({ y = 1 }, { "x=1" }) end)
 case("config", "y expects an integer, got 'one'", function() return moe.config({ y = 1 }, { "y=one" }) end)
 
--- The operator set of issue 3: index, sort, reductions, norms, losses, joins, attention.
+-- The core operator set: index, sort, reductions, norms, losses, joins, attention.
 case("gather", "dim 5 is out of range for a tensor of 2 dims (expected -2 to 1)", function() return moe.gather(fx.f, 5, moe.tensor({ { 0, 1, 2 } })) end)
 case("gather", "index must be i64 or i32, got f32", function() return moe.gather(fx.f, 1, fx.f) end)
 case("gather", "index holds 7 at position 1, outside [0, 3)", function() return moe.gather(fx.f, 1, moe.tensor({ { 0, 7, 1 } })) end)

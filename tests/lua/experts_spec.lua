@@ -142,7 +142,7 @@ describe("glu_experts", function()
 end)
 
 describe("glu_experts quantize", function()
-  -- the op's own quantization of h1 and h3 (issue 6) gives the bits of the
+  -- the op's own quantization of h1 and h3 gives the bits of the
   -- general saved-tensor route: quantize_scope around the memory-optimized
   -- op, keeping x, the gates and the weights
   local function grads(p, run)

@@ -10,7 +10,7 @@ plain attention, shapes, gradients) and a new expert type defined here and
 used in a dMoE.
 
 Run: moe-lua tests/lua/busted.lua tests/lua/layers_spec.lua (ctest does).
-impl "grouped"/"sparse" cases need moe.ops.parallel_linear (issue 4's C
+impl "grouped"/"sparse" cases need moe.ops.parallel_linear (the C
 op); without it they are reported pending.
 ]]
 local moe = require "moe"

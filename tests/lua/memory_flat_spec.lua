@@ -1,5 +1,5 @@
 --[[
-tests/lua/memory_flat_spec.lua - the memory-flatness test of issue 3: a small
+tests/lua/memory_flat_spec.lua - the memory-flatness test: a small
 MLP trained for 200 SGD steps, with moe.memory_stats(device).allocated read
 after every step and required to equal the value after step 1, without ever
 calling collectgarbage. It runs on the CPU, and on cuda when a GPU is there.

@@ -3,7 +3,7 @@ moe/experts/util.lua - helpers shared by the expert modules (moe/experts/*)
 and the MoE layers (moe/layers/*): option tables checked against their
 defaults, activations by name, the expert linear over a routing plan
 (moe.ops.parallel_linear, or the per-expert loop of impl "loop"), the
-quantize scopes of issue 6 and a recomputing moe.Function (memory-optimized
+quantize scopes and a recomputing moe.Function (memory-optimized
 experts). Not part of the public API; names may change.
 ]]
 local moe = require "moe"
