@@ -14,26 +14,9 @@ The memory-flatness test of the tensor layer is tests/lua/memory_flat_spec.lua.
 local moe = require "moe"
 local train = require "moe.train"
 
-local V, S = 32, 8
-
-local function data(seed)
-  local d = { pos = seed }
-  function d:batch(B)
-    local x, y = {}, {}
-    for b = 1, B do
-      x[b], y[b] = {}, {}
-      for j = 1, S do
-        local v = (self.pos * 5 + b * 3 + j * 7) % V
-        x[b][j], y[b][j] = v, (v * 3 + 1) % V
-      end
-    end
-    self.pos = self.pos + 1
-    return moe.tensor(x, { dtype = "i64" }), moe.tensor(y, { dtype = "i64" })
-  end
-  function d:state() return { pos = self.pos } end
-  function d:set_state(s) self.pos = s.pos end
-  return d
-end
+local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+local toy = dofile(spec_dir .. "/toy_data.lua")
+local V, S, data = toy.V, toy.S, toy.data
 
 local function run(ffn)
   local out_dir = os.tmpname()
