@@ -890,8 +890,26 @@ static int setup_job(void) {
 }
 
 /* Lua's warnings (lauxlib's warnf, "@on"/"@off" and messages in pieces)
- * with the rank prefix; installed only in a job of several ranks. */
+ * with the rank prefix; installed only in a job of several ranks. A message's
+ * pieces are gathered and the line written in one write (stderr is
+ * unbuffered), so the ranks' lines do not interleave within a line. */
 static int warn_state = 0; /* 0 off, 1 on, 2 in the middle of a message */
+static char warn_buf[2048];
+static size_t warn_len = 0;
+
+static void warn_put(const char *s) {
+  size_t n = strlen(s), room = sizeof warn_buf - 1 - warn_len; /* one byte kept for the newline */
+  if (n > room) { /* a long message: what is gathered so far goes out first */
+    fwrite(warn_buf, 1, warn_len, stderr);
+    warn_len = 0;
+    if (n > sizeof warn_buf - 1) {
+      fputs(s, stderr);
+      return;
+    }
+  }
+  memcpy(warn_buf + warn_len, s, n);
+  warn_len += n;
+}
 
 static void host_warnf(void *ud, const char *msg, int tocont) {
   (void)ud;
@@ -901,13 +919,19 @@ static void host_warnf(void *ud, const char *msg, int tocont) {
     return;
   }
   if (warn_state == 0) return;
-  if (warn_state == 1) fprintf(stderr, "%sLua warning: ", rank_prefix);
-  fputs(msg, stderr);
+  if (warn_state == 1) {
+    warn_len = 0;
+    warn_put(rank_prefix);
+    warn_put("Lua warning: ");
+  }
+  warn_put(msg);
   if (tocont) {
     warn_state = 2;
   } else {
-    fputs("\n", stderr);
+    warn_buf[warn_len++] = '\n';
+    fwrite(warn_buf, 1, warn_len, stderr);
     fflush(stderr);
+    warn_len = 0;
     warn_state = 1;
   }
 }
