@@ -15,7 +15,9 @@
 #
 # STEP_STEPS=N steps per timed run (default 40; tokens/s over the log intervals after the
 # first 10 steps), STEP_PROFILE=N profiled steps (default 8; 0: no profile run), STEP_DATA=
-# the dataset prefix (default data/bible_kjv), STEP_TORCH=0 skips PyTorch, STEP_ARGS= more
+# the dataset prefix (default data/bible_kjv), STEP_TORCH=0 skips PyTorch, STEP_BALANCE=N adds
+# the routing-balance comparison of each dMoE over N steps (moe-lua and PyTorch from the same
+# weights and batches, bench/balance_compare.py; run last), STEP_ARGS= more
 # key=value arguments for train_125m.lua (after the model's), STEP_MOE_LUA= the moe-lua to run. Logs and JSON go to
 # $OUT (default bench/results/step); the summary is $OUT/step_round.json and step_round.md,
 # and the last lines printed are its short table. The call keeps within STEP_BUDGET seconds
@@ -132,6 +134,28 @@ if [ "${STEP_TORCH:-1}" != 0 ] && [ $torch_compile = 1 ]; then
   done
 fi
 for m in "${models[@]}"; do rm -rf /tmp/step_export_$m; done
+
+# routing balance (STEP_BALANCE=N steps, dMoE models only): moe-lua with a record per step, then
+# PyTorch from the same initial weights on the same batches with its per-step balance file, set
+# side by side by bench/balance_compare.py ($OUT/balance_<model>.md and .png)
+if [ "${STEP_BALANCE:-0}" -gt 0 ] && [ "${STEP_TORCH:-1}" != 0 ]; then
+  for m in "${models[@]}"; do
+    [ "$m" = dense125 ] && continue
+    b=/tmp/step_balance_$m; rm -rf "$b"
+    run_part "$m balance moe-lua" 300 "$out/balance_moe_$m.log" $ml bench/train_125m.lua $(model_args $m) \
+      ${STEP_ARGS:-} data=$data steps=$STEP_BALANCE log_every=1 export=$b out_dir=$b/out \
+      json="$out/balance_moe_$m.json" || continue
+    cp "$b/out/metrics.jsonl" "$out/balance_moe_$m.jsonl"
+    run_part "$m balance torch" 300 "$out/balance_torch_$m.log" python3 bench/train_torch.py \
+      --init $b --config "$out/balance_moe_$m.json" --steps $STEP_BALANCE \
+      --balance-jsonl "$out/balance_torch_$m.jsonl" --json "$out/balance_torch_$m.json" || continue
+    python3 bench/balance_compare.py "$out/balance_moe_$m.jsonl" "$out/balance_torch_$m.jsonl" \
+      "$out/balance_$m" --title "$m on $(head -1 "$out/gpu.txt" | cut -d, -f2 | sed 's/^ //')" \
+      > "$out/balance_$m.log" 2>&1
+    note "$m balance: rc=$? ($out/balance_$m.md)"
+    rm -rf "$b"
+  done
+fi
 
 $ml bench/step_floor.lua gemm_tflops=$gemm copy_tbs=$copy models=$(IFS=,; echo "${models[*]}") \
   json="$out/floor.json" > "$out/floor.log" 2>&1
