@@ -688,9 +688,9 @@ static void test_index_add_windows_cuda(moe_ctx *ctx) {
     /* all distinct */
     n = window_keys(key, 2, 0, 0, 300, 300, 9);
     index_add_pair(ctx, dts[d], it, 3, 300, 2, n, key, "distinct");
-    /* three keys over 100003 entries: segments of thousands of windows */
+    /* four keys (0, 1, 2, 32) over 100003 entries: segments of thousands of windows */
     n = window_keys(key, 1, 0, 0, 100003, 3, 10);
-    index_add_pair(ctx, dts[d], it, 2, 33, 1, n, key, "three keys, long segments");
+    index_add_pair(ctx, dts[d], it, 2, 33, 1, n, key, "four keys, long segments");
   }
   /* the byte-vocabulary embedding gradient: 16384 tokens into 257 rows of
    * 512, bf16 */
