@@ -323,14 +323,16 @@ __global__ void __launch_bounds__(MOE_THREADS)
       if (k >= (uint64_t)X) break; /* out of range: the rest of the sort is too */
       T *po = out + (o * X + (int64_t)k) * inner + e;
       const bool head = j == 0 || keys[j - 1] != k;
+      int64_t r = j + 1; /* the run is [j, r): found first, so the adds below */
+      while (r < end && keys[r] == k) r++; /* have a known count and their loads overlap */
       C acc = head ? moe_load_as<C, DT>(*po) : moe_load_as<C, DT>(ps[vals[j] * inner]);
-      int64_t jj = head ? j : j + 1;
-      for (; jj < end && keys[jj] == k; jj++)
+#pragma unroll 4
+      for (int64_t jj = head ? j : j + 1; jj < r; jj++)
         acc = ix_add<C>(acc, moe_load_as<C, DT>(ps[vals[jj] * inner]));
       if (!head) Cw[t] = acc;
-      else if (jj == end && jj < n && keys[jj] == k) H[t] = acc;
+      else if (r == end && r < n && keys[r] == k) H[t] = acc;
       else *po = moe_store_from<DT, C>(acc);
-      j = jj;
+      j = r;
     }
   }
 }
@@ -356,12 +358,19 @@ __global__ void __launch_bounds__(MOE_THREADS)
     if (next >= n) continue;
     uint64_t k = keys[next - 1];
     if (k >= (uint64_t)X || keys[next] != k || (w > 0 && keys[w * P - 1] == k)) continue;
+    /* the segment's last window: the largest v with keys[vP] == k (keys
+     * ascend, and window w + 1 starts with k), by bisection, so the adds
+     * below have a known count and their loads overlap */
+    int64_t lo = w + 1, hi = nwin; /* keys[lo P] == k; hi: past the end */
+    while (hi - lo > 1) {
+      int64_t mid = lo + (hi - lo) / 2;
+      if (keys[mid * P] == k) lo = mid;
+      else hi = mid;
+    }
     C acc = H[t];
-    int64_t v = w + 1;
-    do {
-      acc = ix_add<C>(acc, Cw[t + (v - w) * inner]);
-      v++;
-    } while (v * P < n && keys[v * P] == k);
+    const C *pc = Cw + t - w * inner;
+#pragma unroll 8
+    for (int64_t v = w + 1; v <= lo; v++) acc = ix_add<C>(acc, pc[v * inner]);
     out[(o * X + (int64_t)k) * inner + e] = moe_store_from<DT, C>(acc);
   }
 }
