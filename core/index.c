@@ -8,9 +8,10 @@
  *
  * Two engines carry most ops: gather (out[p] = x[p with dim replaced by
  * index[p]]) and scatter (target of p gets or adds src[p]). index_select is
- * gather with the 1-D index expanded to the output's shape, index_add on the
- * CPU is scatter_add with the index expanded likewise, embedding is
- * index_select on dim 0; backward passes are the opposite engine.
+ * gather with the 1-D index expanded to the output's shape, embedding is
+ * index_select on dim 0; backward passes are the opposite engine. index_add
+ * (and so the backward of index_select and embedding) has a third: the
+ * windowed order of moe_index.h, here and in kernels/index.cu alike.
  *
  * Internal helper calls (views, copies) run with grad mode off; each op
  * records exactly one node of its own.
@@ -390,29 +391,173 @@ static moe_status ix_index_select_run(moe_ctx *ctx, const char *fn, moe_tensor *
   return st;
 }
 
+/* index_add's sums, CPU (the order of moe_index.h, the same as CUDA's):
+ * rows are added in the compute type of the dtype (f32 for f32, bf16 and
+ * f16, f64 for f64, i64 wrapping for integers) and rounded once. */
+typedef enum ix_acc { IX_ACC_F32, IX_ACC_F64, IX_ACC_I64 } ix_acc;
+
+static ix_acc ix_acc_of(moe_dtype dt) {
+  if (dt == MOE_F64) return IX_ACC_F64;
+  return moe_dtype_is_float(dt) ? IX_ACC_F32 : IX_ACC_I64;
+}
+
+/* acc (inner, of the compute type) = the row at p (dtype dt). */
+static void ix_row_load(ix_acc a, void *acc, const char *p, moe_dtype dt, int64_t inner) {
+  size_t es = moe_dtype_size(dt);
+  if ((a == IX_ACC_F32 && dt == MOE_F32) || a == IX_ACC_F64) {
+    memcpy(acc, p, (size_t)inner * es);
+  } else if (a == IX_ACC_F32) {
+    float *f = (float *)acc;
+    for (int64_t i = 0; i < inner; i++) f[i] = (float)moe_load_f64(p + i * (int64_t)es, dt);
+  } else {
+    int64_t *v = (int64_t *)acc;
+    for (int64_t i = 0; i < inner; i++) v[i] = moe_load_i64(p + i * (int64_t)es, dt);
+  }
+}
+
+/* acc += the row at p. */
+static void ix_row_add(ix_acc a, void *acc, const char *p, moe_dtype dt, int64_t inner) {
+  size_t es = moe_dtype_size(dt);
+  if (a == IX_ACC_F32 && dt == MOE_F32) {
+    float *f = (float *)acc;
+    const float *s = (const float *)p;
+    for (int64_t i = 0; i < inner; i++) f[i] += s[i];
+  } else if (a == IX_ACC_F32) {
+    float *f = (float *)acc;
+    for (int64_t i = 0; i < inner; i++) f[i] += (float)moe_load_f64(p + i * (int64_t)es, dt);
+  } else if (a == IX_ACC_F64) {
+    double *f = (double *)acc;
+    const double *s = (const double *)p;
+    for (int64_t i = 0; i < inner; i++) f[i] += s[i];
+  } else {
+    int64_t *v = (int64_t *)acc;
+    for (int64_t i = 0; i < inner; i++)
+      v[i] = (int64_t)((uint64_t)v[i] + (uint64_t)moe_load_i64(p + i * (int64_t)es, dt));
+  }
+}
+
+/* acc += part (both of the compute type). */
+static void ix_acc_add(ix_acc a, void *acc, const void *part, int64_t inner) {
+  if (a == IX_ACC_F32) {
+    float *f = (float *)acc;
+    const float *s = (const float *)part;
+    for (int64_t i = 0; i < inner; i++) f[i] += s[i];
+  } else if (a == IX_ACC_F64) {
+    double *f = (double *)acc;
+    const double *s = (const double *)part;
+    for (int64_t i = 0; i < inner; i++) f[i] += s[i];
+  } else {
+    int64_t *v = (int64_t *)acc;
+    const int64_t *s = (const int64_t *)part;
+    for (int64_t i = 0; i < inner; i++) v[i] = (int64_t)((uint64_t)v[i] + (uint64_t)s[i]);
+  }
+}
+
+/* The row at p (dtype dt) = acc, rounded once. */
+static void ix_row_store(ix_acc a, char *p, moe_dtype dt, const void *acc, int64_t inner) {
+  size_t es = moe_dtype_size(dt);
+  if ((a == IX_ACC_F32 && dt == MOE_F32) || a == IX_ACC_F64) {
+    memcpy(p, acc, (size_t)inner * es);
+  } else if (a == IX_ACC_F32) {
+    const float *f = (const float *)acc;
+    for (int64_t i = 0; i < inner; i++) moe_store_f64(p + i * (int64_t)es, dt, f[i]);
+  } else {
+    const int64_t *v = (const int64_t *)acc;
+    for (int64_t i = 0; i < inner; i++) moe_store_i64(p + i * (int64_t)es, dt, v[i]);
+  }
+}
+
+/* CPU index_add: out contiguous (outer, X, inner) holding the base, src
+ * contiguous (outer, n, inner), index (n) any stride. The positions i are
+ * ordered by (index[i], i) with a counting sort (what CUDA's stable radix
+ * sort of the keys gives), cut into windows of MOE_INDEX_ADD_WINDOW, and
+ * each key's segment summed as moe_index.h says. */
+static moe_status ix_index_add_cpu(moe_ctx *ctx, const char *fn, moe_tensor *out, int dim,
+                                   const moe_tensor *index, const moe_tensor *src) {
+  const int64_t P = MOE_INDEX_ADD_WINDOW;
+  int64_t outer = 1, inner = 1, X = out->shape[dim], n = index->shape[0];
+  for (int d = 0; d < dim; d++) outer *= out->shape[d];
+  for (int d = dim + 1; d < out->ndim; d++) inner *= out->shape[d];
+  if (n == 0 || outer == 0 || inner == 0) return MOE_OK;
+  moe_dtype dt = out->dtype;
+  ix_acc a = ix_acc_of(dt);
+  int64_t es = (int64_t)moe_dtype_size(dt), is = (int64_t)moe_dtype_size(index->dtype);
+  int64_t *key = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+  int64_t *pos = (int64_t *)malloc(sizeof(int64_t) * (size_t)n);
+  int64_t *start = (int64_t *)calloc((size_t)X + 1, sizeof(int64_t));
+  void *acc = malloc(sizeof(int64_t) * (size_t)inner), *part = malloc(sizeof(int64_t) * (size_t)inner);
+  moe_status st = MOE_OK;
+  if (!key || !pos || !start || !acc || !part) {
+    st = moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: no memory to sort %lld indices", fn, (long long)n);
+    goto done;
+  }
+  const char *pi = (const char *)moe_tensor_data(index);
+  for (int64_t i = 0; i < n; i++) {
+    int64_t v = moe_load_i64(pi + i * index->stride[0] * is, index->dtype);
+    if (v < 0 || v >= X) { /* the callers checked; an index changed since (a saved one) */
+      st = moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: index holds %lld at position %lld, outside [0, %lld)",
+                     fn, (long long)v, (long long)i, (long long)X);
+      goto done;
+    }
+    key[i] = v;
+    start[v + 1]++;
+  }
+  for (int64_t k = 0; k < X; k++) start[k + 1] += start[k];
+  for (int64_t i = 0; i < n; i++) pos[start[key[i]]++] = i; /* stable: i ascending per key */
+  char *po = (char *)moe_tensor_data(out);
+  const char *ps = (const char *)moe_tensor_data(src);
+  for (int64_t o = 0; o < outer; o++) {
+    const char *srow = ps + o * n * inner * es;
+    for (int64_t j = 0; j < n;) {
+      int64_t k = key[pos[j]], end = j + 1;
+      while (end < n && key[pos[end]] == k) end++;
+      char *orow = po + (o * X + k) * inner * es;
+      /* the head: out's row, then the segment's entries in j's window */
+      int64_t h = (j / P + 1) * P < end ? (j / P + 1) * P : end;
+      ix_row_load(a, acc, orow, dt, inner);
+      for (int64_t q = j; q < h; q++) ix_row_add(a, acc, srow + pos[q] * inner * es, dt, inner);
+      /* each later window's part, summed from its first entry, then added */
+      for (int64_t w = h; w < end; w += P) {
+        int64_t we = w + P < end ? w + P : end;
+        ix_row_load(a, part, srow + pos[w] * inner * es, dt, inner);
+        for (int64_t q = w + 1; q < we; q++) ix_row_add(a, part, srow + pos[q] * inner * es, dt, inner);
+        ix_acc_add(a, acc, part, inner);
+      }
+      ix_row_store(a, orow, dt, acc, inner);
+      j = end;
+    }
+  }
+done:
+  free(key);
+  free(pos);
+  free(start);
+  free(acc);
+  free(part);
+  return st;
+}
+
 /* out: contiguous, holding the base; out.select(dim, index[i]) += src.select(dim, i). */
 static moe_status ix_index_add_into(moe_ctx *ctx, const char *fn, moe_tensor *out, int dim,
                                     moe_tensor *index, moe_tensor *src) {
   if (moe_tensor_numel(src) == 0) return MOE_OK;
+  moe_tensor *sc = NULL;
+  MOE_CHECK(moe_contiguous(ctx, src, &sc));
+  moe_status st = MOE_OK;
   if (ix_cuda(out)) {
-    moe_tensor *sc = NULL, *ic = NULL;
+    moe_tensor *ic = NULL;
     int64_t outer = 1, inner = 1;
     for (int d = 0; d < dim; d++) outer *= out->shape[d];
     for (int d = dim + 1; d < out->ndim; d++) inner *= out->shape[d];
-    moe_status st = moe_contiguous(ctx, src, &sc);
-    if (st == MOE_OK) st = moe_contiguous(ctx, index, &ic);
+    st = moe_contiguous(ctx, index, &ic);
     if (st == MOE_OK)
       st = moe_cuda_index_add(ctx, out->storage->device.index, fn, moe_tensor_data(out),
                               moe_tensor_data(sc), out->dtype, moe_tensor_data(ic), ic->dtype,
                               outer, out->shape[dim], index->shape[0], inner);
-    moe_tensor_release(sc);
     moe_tensor_release(ic);
-    return st;
+  } else {
+    st = ix_index_add_cpu(ctx, fn, out, dim, index, sc);
   }
-  moe_tensor *e = NULL;
-  MOE_CHECK(ix_expand_index(ctx, index, src->ndim, src->shape, dim, &e));
-  moe_status st = ix_scatter_into(ctx, fn, MOE_SCATTER_ADD, out, dim, e, src);
-  moe_tensor_release(e);
+  moe_tensor_release(sc);
   return st;
 }
 

@@ -40,7 +40,8 @@ moe_status moe_cuda_scatter(moe_ctx *ctx, int device, const char *fn, moe_scatte
 
 /* out (contiguous (outer, X, inner), already holding x) and src (contiguous
  * (outer, n, inner)), index contiguous (n): out[o, index[i], e] += src[o, i, e]
- * in order of i, by sorting the n indices (deterministic, no atomics). */
+ * in the windowed order of moe_index_add (moe_index.h), by sorting the n
+ * indices (deterministic, no atomics; the CPU follows the same order). */
 moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *fn, void *out, const void *src, moe_dtype dt,
                               const void *index, moe_dtype index_dt, int64_t outer, int64_t X,
                               int64_t n, int64_t inner);

@@ -23,13 +23,17 @@
  * cuda:0 (found by the kernel, reported at this synchronisation ...)". The
  * context goes on afterwards.
  *
- * Determinism: nothing here uses floating-point atomics. On CUDA the ops that
- * accumulate floats (scatter_add, index_add, the backward of gather,
- * index_select and embedding) sort the targets with a stable radix sort and
- * let one thread own each target, adding in the order of the index tensor,
- * as the CPU does; integer sums (scatter_add of i32/i64, bincount) use
- * integer atomics, whose result does not depend on the order; scatter with
- * repeated targets keeps the last one in row-major order, on both devices.
+ * Determinism: nothing here uses floating-point atomics, and every float
+ * sum has one order, fixed by the index alone, that the CPU and CUDA both
+ * follow, so the two give the same bits. scatter_add and the backward of
+ * gather, sort and topk add each target's sources serially in row-major
+ * order of the index (on CUDA a stable radix sort of the targets gives one
+ * thread each target). index_add, and with it the backward of index_select
+ * and embedding, adds in the windowed order written at moe_index_add below
+ * (parallel on CUDA over windows of the sorted index). Integer sums
+ * (scatter_add of i32/i64, bincount) use integer atomics on CUDA, whose
+ * result does not depend on the order; scatter with repeated targets keeps
+ * the last one in row-major order, on both devices.
  *
  * dtypes: data movement (gather, scatter, index_select, embedding, cat,
  * stack, split) takes every dtype; accumulation (scatter_add, index_add) takes
@@ -71,9 +75,36 @@ moe_status moe_index_select(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor
                             moe_tensor **out);
 /* index is 1-D (n); src has x's shape with dim of size n; out = copy of x,
  * then out.select(dim, index[i]) += src.select(dim, i). Differentiable in x
- * and src. */
+ * and src.
+ *
+ * Summation order (the same on the CPU and CUDA, bit for bit; also the
+ * backward of index_select and embedding). Sort the positions i by
+ * (index[i], i): each key k gets a segment of consecutive sorted entries,
+ * its occurrences in increasing i. Cut the sorted entries into windows of
+ * P = MOE_INDEX_ADD_WINDOW (entries [wP, wP + P)). Per element of a row,
+ * in the compute type (f32 for f32/bf16/f16, f64 for f64, i64 for
+ * integers):
+ *   head = x[k] + s_1 + s_2 + ...   (left to right) over the segment's
+ *          entries in its first window;
+ *   C_v  = s_a + s_b + ...          (left to right, starting from the first
+ *          entry, not from 0) over its entries in each later window v;
+ *   out[k] = (((head + C_w1) + C_w2) + ...) in window order, rounded once
+ *          to x's dtype.
+ * A key whose occurrences all fall in one window is the plain serial sum
+ * x[k] + s_1 + s_2 + ... in order of i. On CUDA the windows are summed in
+ * parallel (one thread per window, row element and outer index), then one
+ * thread per row element of each segment that spans windows adds the
+ * window partials in order; a frequent key no longer costs one thread a
+ * walk over all of its occurrences. */
 moe_status moe_index_add(moe_ctx *ctx, moe_tensor *x, int64_t dim, moe_tensor *index,
                          moe_tensor *src, moe_tensor **out);
+/* P of index_add's summation order: 32 entries of the sorted index per
+ * window. It bounds the serial adds of a window to 32 and of a segment's
+ * second pass to n / 32; with the 16384 tokens of a training step and rows
+ * of 512, 512 windows x 512 elements are 262144 threads, about one full
+ * H100 (132 SMs x 2048), and the f32 partials take 2 x 4 / 32 bytes per
+ * summed element of src. */
+#define MOE_INDEX_ADD_WINDOW 32
 /* weight (V, D), ids of any shape S (i64 or i32): out (S..., D) with
  * out[s] = weight[ids[s]]. Differentiable in weight; the backward sums rows
  * deterministically (a stable sort of ids on CUDA, no atomics). */

@@ -5,8 +5,10 @@
  * topk, rope and multinomial.
  *
  * No floating-point atomics: accumulation sorts the targets with CUB's stable
- * radix sort and gives each distinct target one thread, which adds its
- * sources in the order of the index tensor (the CPU's order). Sums run in
+ * radix sort. scatter_add gives each distinct target one thread, which adds
+ * its sources in the order of the index tensor (the CPU's order); index_add
+ * sums windows of the sorted index in parallel and joins them in window
+ * order (the order of moe_index.h, which the CPU follows). Sums run in
  * f32 for f32/bf16/f16 (f64 for f64, i64 for integers) with the _rn
  * intrinsics, so nothing is fused. Index math is int64; out-of-range indices
  * read 0 and drop writes, and the first one is reported in the device's
@@ -288,27 +290,88 @@ __global__ void __launch_bounds__(MOE_THREADS)
   }
 }
 
-/* Thread (o, j, e): when sorted position j starts a run of index value k,
- * out[o, k, e] += src[o, i, e] for the run's i in order. Consecutive threads
- * take consecutive e (coalesced rows). */
+/* index_add in the order of moe_index.h (moe_index_add), P =
+ * MOE_INDEX_ADD_WINDOW. The sorted entries (keys ascending, positions
+ * ascending per key: CUB's radix sort is stable; out-of-range keys, X, come
+ * last) are cut into windows [wP, wP + P).
+ *
+ * Pass 1, thread (o, w, e): walks window w's entries; each run of one key
+ * k is summed left to right in C. A run that starts k's segment (its head)
+ * starts from out[o, k, e]; a run that continues the segment from window
+ * w - 1 (only a window's first run can) starts from its first entry. A head
+ * that ends inside the window writes out[o, k, e]; a head that goes on
+ * into window w + 1 leaves its sum in H[o, w, e], a continuation leaves
+ * its sum in Cw[o, w, e] (a window holds at most one of each). Consecutive
+ * threads take consecutive e (coalesced rows). */
 template <moe_dtype DT>
 __global__ void __launch_bounds__(MOE_THREADS)
     ix_index_add_kernel(int64_t total, const uint64_t *keys, const int64_t *vals, void *out_,
-                        const void *src_, int64_t X, int64_t n, int64_t inner) {
+                        const void *src_, moe_compute_t<DT> *H, moe_compute_t<DT> *Cw, int64_t X,
+                        int64_t n, int64_t inner, int64_t nwin) {
   using T = moe_st_t<DT>;
   using C = moe_compute_t<DT>;
+  constexpr int64_t P = MOE_INDEX_ADD_WINDOW;
   T *out = (T *)out_;
   const T *src = (const T *)src_;
   int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
   for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += nthreads) {
-    int64_t e = t % inner, rest = t / inner, j = rest % n, o = rest / n;
-    uint64_t k = keys[j];
-    if (k >= (uint64_t)X || (j > 0 && keys[j - 1] == k)) continue;
-    T *po = out + (o * X + (int64_t)k) * inner + e;
-    C acc = moe_load_as<C, DT>(*po);
-    for (int64_t jj = j; jj < n && keys[jj] == k; jj++)
-      acc = ix_add<C>(acc, moe_load_as<C, DT>(src[(o * n + vals[jj]) * inner + e]));
-    *po = moe_store_from<DT, C>(acc);
+    int64_t e = t % inner, rest = t / inner, w = rest % nwin, o = rest / nwin;
+    int64_t j = w * P, end = j + P < n ? j + P : n;
+    const T *ps = src + o * n * inner + e;
+    while (j < end) {
+      uint64_t k = keys[j];
+      if (k >= (uint64_t)X) break; /* out of range: the rest of the sort is too */
+      T *po = out + (o * X + (int64_t)k) * inner + e;
+      const bool head = j == 0 || keys[j - 1] != k;
+      int64_t r = j + 1; /* the run is [j, r): found first, so the adds below */
+      while (r < end && keys[r] == k) r++; /* have a known count and their loads overlap */
+      C acc = head ? moe_load_as<C, DT>(*po) : moe_load_as<C, DT>(ps[vals[j] * inner]);
+#pragma unroll 4
+      for (int64_t jj = head ? j : j + 1; jj < r; jj++)
+        acc = ix_add<C>(acc, moe_load_as<C, DT>(ps[vals[jj] * inner]));
+      if (!head) Cw[t] = acc;
+      else if (r == end && r < n && keys[r] == k) H[t] = acc;
+      else *po = moe_store_from<DT, C>(acc);
+      j = r;
+    }
+  }
+}
+
+/* Pass 2, thread (o, w, e): when window w holds the head of a segment that
+ * goes on into window w + 1 (its last entry and the next have one key k,
+ * and k's segment starts in w), out[o, k, e] = H[w] + Cw[w + 1] + Cw[w + 2]
+ * ... in window order, while the segment goes on. Pass 1's thread (o, w, e)
+ * is index t here too. */
+template <moe_dtype DT>
+__global__ void __launch_bounds__(MOE_THREADS)
+    ix_index_add_join_kernel(int64_t total, const uint64_t *keys, void *out_,
+                             const moe_compute_t<DT> *H, const moe_compute_t<DT> *Cw, int64_t X,
+                             int64_t n, int64_t inner, int64_t nwin) {
+  using T = moe_st_t<DT>;
+  using C = moe_compute_t<DT>;
+  constexpr int64_t P = MOE_INDEX_ADD_WINDOW;
+  T *out = (T *)out_;
+  int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < total; t += nthreads) {
+    int64_t e = t % inner, rest = t / inner, w = rest % nwin, o = rest / nwin;
+    int64_t next = (w + 1) * P; /* the first entry of window w + 1 */
+    if (next >= n) continue;
+    uint64_t k = keys[next - 1];
+    if (k >= (uint64_t)X || keys[next] != k || (w > 0 && keys[w * P - 1] == k)) continue;
+    /* the segment's last window: the largest v with keys[vP] == k (keys
+     * ascend, and window w + 1 starts with k), by bisection, so the adds
+     * below have a known count and their loads overlap */
+    int64_t lo = w + 1, hi = nwin; /* keys[lo P] == k; hi: past the end */
+    while (hi - lo > 1) {
+      int64_t mid = lo + (hi - lo) / 2;
+      if (keys[mid * P] == k) lo = mid;
+      else hi = mid;
+    }
+    C acc = H[t];
+    const C *pc = Cw + t - w * inner;
+#pragma unroll 8
+    for (int64_t v = w + 1; v <= lo; v++) acc = ix_add<C>(acc, pc[v * inner]);
+    out[(o * X + (int64_t)k) * inner + e] = moe_store_from<DT, C>(acc);
   }
 }
 
@@ -331,15 +394,29 @@ extern "C" moe_status moe_cuda_index_add(moe_ctx *ctx, int device, const char *f
                                                              index_dt == MOE_I32, X, kerr, tag);
   MOE_CUDA_CHECK_LAUNCH(ctx, "index_add keys kernel");
   MOE_CHECK(ix_sort_pairs(ctx, device, s, kin, kout, vin, vout, n, ix_key_bits((uint64_t)X)));
-  int64_t total = outer * n * inner;
+  const int64_t nwin = (n + MOE_INDEX_ADD_WINDOW - 1) / MOE_INDEX_ADD_WINDOW;
+  const int64_t total = outer * nwin * inner;
+  MoeScratch part(ctx, device); /* H then Cw, each (outer, nwin, inner) */
   moe_status st = moe_dtype_dispatch(dt, [&](auto tag) -> moe_status {
-    ix_index_add_kernel<decltype(tag)::value><<<moe_blocks(total), MOE_THREADS, 0, s>>>(
-        total, kout, vout, out, src, X, n, inner);
+    constexpr moe_dtype DT = decltype(tag)::value;
+    using C = moe_compute_t<DT>;
+    C *H = nullptr, *Cw = nullptr;
+    if (nwin > 1) { /* one window: no segment spans two, no partials */
+      MOE_CHECK(part.alloc(2 * (size_t)total * sizeof(C)));
+      H = (C *)part.ptr;
+      Cw = H + total;
+    }
+    ix_index_add_kernel<DT><<<moe_blocks(total), MOE_THREADS, 0, s>>>(total, kout, vout, out, src, H,
+                                                                      Cw, X, n, inner, nwin);
+    MOE_CUDA_CHECK_LAUNCH(ctx, "index_add kernel");
+    if (nwin > 1) {
+      ix_index_add_join_kernel<DT><<<moe_blocks(total), MOE_THREADS, 0, s>>>(total, kout, out, H, Cw,
+                                                                             X, n, inner, nwin);
+      MOE_CUDA_CHECK_LAUNCH(ctx, "index_add join kernel");
+    }
     return MOE_OK;
   });
-  MOE_CHECK(st);
-  MOE_CUDA_CHECK_LAUNCH(ctx, "index_add kernel");
-  return MOE_OK;
+  return st;
 }
 
 /* --------------------------------------------------------------- one_hot */

@@ -228,6 +228,242 @@ static void test_index_select_add(moe_ctx *ctx) {
   for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
 }
 
+/* ------------------------------------ index_add's windowed order (CPU) */
+
+/* The order of moe_index_add (moe_index.h), worked out apart from the
+ * library's counting sort: occurrence r (0-based, in order of i) of key k
+ * sits at sorted position below[k] + r, below[k] counting the indices less
+ * than k, so in window (below[k] + r) / P. Per element: the head (x, then
+ * the occurrences in k's first window) and each later window's partial
+ * (from its first occurrence), joined in window order. f32 arithmetic
+ * unless dbl (f64 and the integers, whose small values add exactly in
+ * double). x (outer, X, inner), src (outer, n, inner), out like x. */
+static double wadd(double a, double b, bool dbl) { return dbl ? a + b : (double)((float)a + (float)b); }
+
+static void ref_windowed(int64_t outer, int64_t X, int64_t n, int64_t inner, const double *x,
+                         const int64_t *key, const double *src, bool dbl, double *out) {
+  const int64_t P = MOE_INDEX_ADD_WINDOW;
+  int64_t *below = calloc((size_t)X + 1, sizeof(int64_t)), *occ = malloc(sizeof(int64_t) * (size_t)n);
+  int64_t *fill = calloc((size_t)X + 1, sizeof(int64_t));
+  for (int64_t i = 0; i < n; i++) below[key[i] + 1]++;
+  for (int64_t k = 0; k < X; k++) below[k + 1] += below[k];
+  for (int64_t i = 0; i < n; i++) occ[below[key[i]] + fill[key[i]]++] = i; /* k's i's, in order */
+  for (int64_t o = 0; o < outer; o++)
+    for (int64_t k = 0; k < X; k++)
+      for (int64_t e = 0; e < inner; e++) {
+        double acc = x[(o * X + k) * inner + e], part = 0;
+        int64_t first = below[k] / P, cur = -1;
+        for (int64_t r = 0; r < fill[k]; r++) {
+          double s = src[(o * n + occ[below[k] + r]) * inner + e];
+          int64_t w = (below[k] + r) / P;
+          if (w == first) {
+            acc = wadd(acc, s, dbl);
+          } else if (w != cur) {
+            if (cur >= 0) acc = wadd(acc, part, dbl);
+            part = s;
+            cur = w;
+          } else {
+            part = wadd(part, s, dbl);
+          }
+        }
+        if (cur >= 0) acc = wadd(acc, part, dbl);
+        out[(o * X + k) * inner + e] = acc;
+      }
+  free(below);
+  free(occ);
+  free(fill);
+}
+
+/* index_add(x, 1, index, src) with x (outer, X, inner) and src (outer, n,
+ * inner) of dtype dt: bit for bit the windowed order (ref_windowed, rounded
+ * once to dt), and within the rounding bound of the exact (double) serial
+ * sum: |got - exact| <= (m + 1) u_c sum|terms| + u_dt |got| for a key of m
+ * occurrences (u_c, u_dt: the unit roundoff of the compute type and of dt). */
+static void index_add_case(moe_ctx *ctx, moe_dtype dt, moe_dtype it, int64_t outer, int64_t X,
+                           int64_t inner, int64_t n, const int64_t *key, const char *what) {
+  bool isint = !moe_dtype_is_float(dt), dbl = isint || dt == MOE_F64;
+  moe_tensor *x = NULL, *src = NULL, *idx = NULL, *o = NULL, *want = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 3, SH(outer, X, inner), dt, MOE_CPU, &x));
+  EXPECT_OK(moe_tensor_empty(ctx, 3, SH(outer, n, inner), dt, MOE_CPU, &src));
+  if (isint) {
+    EXPECT_OK(moe_randint_(ctx, x, -50, 50));
+    EXPECT_OK(moe_randint_(ctx, src, -50, 50));
+  } else {
+    EXPECT_OK(moe_uniform_(ctx, x, -1, 1));
+    EXPECT_OK(moe_uniform_(ctx, src, -1, 1));
+  }
+  double *kd = malloc(sizeof(double) * (size_t)n);
+  for (int64_t i = 0; i < n; i++) kd[i] = (double)key[i];
+  EXPECT_OK(moe_tensor_from_f64(ctx, kd, 1, SH(n), it, MOE_CPU, &idx));
+  EXPECT_OK(moe_index_add(ctx, x, 1, idx, src, &o));
+  int64_t on = outer * X * inner, sn = outer * n * inner;
+  double *xd = malloc(sizeof(double) * (size_t)on), *sd = malloc(sizeof(double) * (size_t)sn);
+  double *rd = malloc(sizeof(double) * (size_t)on), *got = malloc(sizeof(double) * (size_t)on);
+  EXPECT_OK(moe_tensor_to_f64(ctx, x, xd));
+  EXPECT_OK(moe_tensor_to_f64(ctx, src, sd));
+  ref_windowed(outer, X, n, inner, xd, key, sd, dbl, rd);
+  EXPECT_OK(moe_tensor_from_f64(ctx, rd, 3, SH(outer, X, inner), dt, MOE_CPU, &want));
+  EXPECT_OK(moe_tensor_to_f64(ctx, want, rd)); /* rounded once to dt, as the op stores */
+  bool ok = o && harness_values(o, rd, on, 0, __FILE__, __LINE__); /* exact: one order */
+  if (!ok) fprintf(stderr, "  (%s, %s: the windowed order)\n", what, moe_dtype_name(dt));
+  EXPECT(ok);
+  /* against the serial sum in double */
+  const double uc = dt == MOE_F64 ? 0x1p-53 : 0x1p-24;
+  const double udt = dt == MOE_BF16 ? 0x1p-8 : dt == MOE_F16 ? 0x1p-11 : uc;
+  int64_t *cnt = calloc((size_t)X, sizeof(int64_t)), bad = 0;
+  for (int64_t i = 0; i < n; i++) cnt[key[i]]++;
+  if (o) EXPECT_OK(moe_tensor_to_f64(ctx, o, got));
+  for (int64_t oo = 0; o && oo < outer; oo++)
+    for (int64_t k = 0; k < X; k++)
+      for (int64_t e = 0; e < inner; e++) {
+        int64_t t = (oo * X + k) * inner + e;
+        double exact = xd[t], mag = fabs(xd[t]);
+        for (int64_t i = 0; i < n; i++)
+          if (key[i] == k) {
+            exact += sd[(oo * n + i) * inner + e];
+            mag += fabs(sd[(oo * n + i) * inner + e]);
+          }
+        double bound = isint ? 0 : (double)(cnt[k] + 1) * uc * mag + udt * fabs(got[t]);
+        if (!(fabs(got[t] - exact) <= bound) && bad++ < 3)
+          fprintf(stderr, "  %s %s: [%lld, %lld, %lld] is %.17g, serial sum %.17g (bound %g)\n", what,
+                  moe_dtype_name(dt), (long long)oo, (long long)k, (long long)e, got[t], exact, bound);
+      }
+  EXPECT(bad == 0);
+  free(kd);
+  free(xd);
+  free(sd);
+  free(rd);
+  free(got);
+  free(cnt);
+  moe_tensor *ts[] = {x, src, idx, o, want};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+/* A fixed shuffle (an LCG) of key[0..n). */
+static void shuffle_keys(int64_t *key, int64_t n, uint64_t seed) {
+  for (int64_t i = n - 1; i > 0; i--) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    int64_t j = (int64_t)((seed >> 33) % (uint64_t)(i + 1)), t = key[i];
+    key[i] = key[j];
+    key[j] = t;
+  }
+}
+
+/* Keys of index_add's window tests. single: key 2 m times after `lead`
+ * entries of keys 0 and 1 (so its segment starts at sorted position lead)
+ * and 7 of key 3, shuffled (X = 4). skewed: about half of the n keys are
+ * 32 (a frequent byte), the rest uniform in [0, X). distinct: a
+ * permutation of [0, n) (X = n). */
+static int64_t window_keys(int64_t *key, int kind, int64_t m, int64_t lead, int64_t n, int64_t X,
+                           uint64_t seed) {
+  if (kind == 0) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < lead; i++) key[c++] = i % 2;
+    for (int64_t i = 0; i < m; i++) key[c++] = 2;
+    for (int64_t i = 0; i < 7; i++) key[c++] = 3;
+    shuffle_keys(key, c, seed);
+    return c;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    uint64_t r = seed >> 33;
+    key[i] = kind == 2 ? i : (r & 1) ? 32 : (int64_t)((r >> 1) % (uint64_t)X);
+  }
+  if (kind == 2) shuffle_keys(key, n, seed);
+  return n;
+}
+
+static void test_index_add_windows(moe_ctx *ctx) {
+  const int64_t P = MOE_INDEX_ADD_WINDOW;
+  /* the order by hand, f32: key 0 takes 2^24 and 31 ones in window 0 (each
+   * one is lost: 2^24 + 1 rounds to 2^24) and two ones in window 1, which
+   * add to 2 first: 2^24 + 2. The serial sum would stay at 2^24. Key 1
+   * (at position 0, sorted last) is a head in window 1: 0 + 5. */
+  double iv[35], sv[35];
+  iv[0] = 1;
+  sv[0] = 5;
+  for (int i = 1; i < 35; i++) {
+    iv[i] = 0;
+    sv[i] = i == 1 ? 16777216.0 : 1.0;
+  }
+  moe_tensor *x = mk(ctx, MOE_F32, 1, SH(2), VALS(0, 0));
+  moe_tensor *ix = mk(ctx, MOE_I64, 1, SH(35), iv), *sx = mk(ctx, MOE_F32, 1, SH(35), sv), *o = NULL;
+  EXPECT(P == 32); /* the hand-worked case assumes it */
+  EXPECT_OK(moe_index_add(ctx, x, 0, ix, sx, &o));
+  EXPECT_VALUES(o, 0, 16777218, 5);
+  moe_tensor_release(o);
+  moe_tensor *ts[] = {x, ix, sx};
+  for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
+
+  const moe_dtype dts[] = {MOE_F32, MOE_F64, MOE_BF16, MOE_F16, MOE_I32};
+  int64_t *key = malloc(sizeof(int64_t) * 4096);
+  char what[96];
+  for (int d = 0; d < 5; d++) {
+    moe_dtype it = d % 2 ? MOE_I32 : MOE_I64;
+    /* one key 1, P - 1, P, P + 1, 3P + 5 times, its segment starting at 0,
+     * inside a window and just before a boundary */
+    const int64_t ms[] = {1, P - 1, P, P + 1, 3 * P + 5}, leads[] = {0, 5, P - 1};
+    for (int a = 0; a < 5; a++)
+      for (int b = 0; b < 3; b++) {
+        int64_t n = window_keys(key, 0, ms[a], leads[b], 0, 4, (uint64_t)(a * 3 + b + 1));
+        snprintf(what, sizeof what, "one key %lld times after %lld", (long long)ms[a], (long long)leads[b]);
+        index_add_case(ctx, dts[d], it, 2, 4, 3, n, key, what);
+      }
+    /* many keys, duplicate-heavy, inner 1 and 513, outer 1 and 3 */
+    int64_t n = window_keys(key, 1, 0, 0, 1000, 257, 7);
+    index_add_case(ctx, dts[d], it, 3, 257, 1, n, key, "skewed, inner 1");
+    index_add_case(ctx, dts[d], it, 1, 257, 513, n, key, "skewed, inner 513");
+    n = window_keys(key, 1, 0, 0, 4096, 257, 8);
+    index_add_case(ctx, dts[d], it, 1, 257, 5, n, key, "skewed, 4096");
+    /* all distinct: every key alone */
+    n = window_keys(key, 2, 0, 0, 300, 300, 9);
+    index_add_case(ctx, dts[d], it, 3, 300, 2, n, key, "distinct");
+  }
+  free(key);
+}
+
+/* embedding's and index_select's backward are index_add: the same bits. */
+static void test_index_add_users(moe_ctx *ctx) {
+  int64_t key[1000];
+  window_keys(key, 1, 0, 0, 1000, 257, 11);
+  double kd[1000];
+  for (int i = 0; i < 1000; i++) kd[i] = (double)key[i];
+  moe_tensor *ids = mk(ctx, MOE_I64, 1, SH(1000), kd), *w = leaf(ctx, rnd(ctx, MOE_F32, 2, SH(257, 7)));
+  moe_tensor *o = NULL, *g = rnd(ctx, MOE_F32, 2, SH(1000, 7)), *z = NULL, *r = NULL;
+  EXPECT_OK(moe_embedding(ctx, w, ids, &o));
+  EXPECT_OK(moe_backward(ctx, o, g, false));
+  EXPECT_OK(moe_tensor_full(ctx, 2, SH(257, 7), 0, MOE_F32, MOE_CPU, &z));
+  EXPECT_OK(moe_index_add(ctx, z, 0, ids, g, &r));
+  double *a = malloc(sizeof(double) * 257 * 7), *b = malloc(sizeof(double) * 257 * 7);
+  EXPECT(moe_tensor_grad(w) != NULL);
+  if (moe_tensor_grad(w) && r) {
+    EXPECT_OK(moe_tensor_to_f64(ctx, moe_tensor_grad(w), a));
+    EXPECT_OK(moe_tensor_to_f64(ctx, r, b));
+    EXPECT(memcmp(a, b, sizeof(double) * 257 * 7) == 0);
+  }
+  moe_tensor_release(o);
+  moe_tensor_release(r);
+  moe_tensor_release(z);
+  moe_tensor_release(g);
+  /* index_select along dim 1 of (5, 257): outer 5 */
+  moe_tensor *x = leaf(ctx, rnd(ctx, MOE_F32, 2, SH(5, 257)));
+  g = rnd(ctx, MOE_F32, 2, SH(5, 1000));
+  EXPECT_OK(moe_index_select(ctx, x, 1, ids, &o));
+  EXPECT_OK(moe_backward(ctx, o, g, false));
+  EXPECT_OK(moe_tensor_full(ctx, 2, SH(5, 257), 0, MOE_F32, MOE_CPU, &z));
+  EXPECT_OK(moe_index_add(ctx, z, 1, ids, g, &r));
+  EXPECT(moe_tensor_grad(x) != NULL);
+  if (moe_tensor_grad(x) && r) {
+    EXPECT_OK(moe_tensor_to_f64(ctx, moe_tensor_grad(x), a));
+    EXPECT_OK(moe_tensor_to_f64(ctx, r, b));
+    EXPECT(memcmp(a, b, sizeof(double) * 5 * 257) == 0);
+  }
+  free(a);
+  free(b);
+  moe_tensor *ts[] = {ids, w, o, g, z, r, x};
+  for (size_t k = 0; k < sizeof ts / sizeof ts[0]; k++) moe_tensor_release(ts[k]);
+}
+
 /* ------------------------------------------------ embedding, one_hot */
 
 static moe_status f_embedding(moe_ctx *ctx, moe_tensor **in, void *ud, moe_tensor **out) {
@@ -728,6 +964,8 @@ int main(void) {
   RUN(test_gather);
   RUN(test_scatter);
   RUN(test_index_select_add);
+  RUN(test_index_add_windows);
+  RUN(test_index_add_users);
   RUN(test_embedding);
   RUN(test_one_hot);
   RUN(test_bincount);

@@ -11,9 +11,13 @@
  *   bit for bit (stable order on ties on both devices).
  *   scatter_add, index_add and the backward of gather/index_select/embedding:
  *   f32 within 1e-6 relative, bf16 within 2^-8 relative. Both devices add in
- *   f32 in the order of the index tensor and round once, so the results are
- *   expected bit-exact; the tolerance only absorbs a compiler's choice on
- *   the CPU side (f32 adds are not reassociated under -ffp-contract=off).
+ *   f32 in one order (scatter_add: the index tensor's; index_add and the
+ *   backward of index_select/embedding: the windowed order of moe_index.h)
+ *   and round once, so the results are expected bit-exact; the tolerance
+ *   only absorbs a compiler's choice on the CPU side (f32 adds are not
+ *   reassociated under -ffp-contract=off). The window tests of index_add
+ *   (test_index_add_windows_cuda, test_index_add_bad_windows_cuda) hold
+ *   that to exact: f32, bf16, f64, f16 and i32.
  *   rope: f32 within 1e-6 relative, bf16 within 2^-8: the same f32
  *   products and one rounding on both (the _rn intrinsics); exact expected.
  */
@@ -599,6 +603,152 @@ static void test_device_mismatch_cuda(moe_ctx *ctx) {
   for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
 }
 
+/* ------------------------------------- index_add's windowed order (CUDA) */
+
+/* A fixed shuffle (an LCG) of key[0..n). */
+static void shuffle_keys(int64_t *key, int64_t n, uint64_t seed) {
+  for (int64_t i = n - 1; i > 0; i--) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    int64_t j = (int64_t)((seed >> 33) % (uint64_t)(i + 1)), t = key[i];
+    key[i] = key[j];
+    key[j] = t;
+  }
+}
+
+/* Keys as test_index.c's window tests make them. single (kind 0): key 2 m
+ * times after `lead` entries of keys 0 and 1 and before 7 of key 3,
+ * shuffled (X = 4). skewed (1): about half of the n keys are 32, the rest
+ * uniform in [0, X). distinct (2): a permutation of [0, n). Returns n. */
+static int64_t window_keys(int64_t *key, int kind, int64_t m, int64_t lead, int64_t n, int64_t X,
+                           uint64_t seed) {
+  if (kind == 0) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < lead; i++) key[c++] = i % 2;
+    for (int64_t i = 0; i < m; i++) key[c++] = 2;
+    for (int64_t i = 0; i < 7; i++) key[c++] = 3;
+    shuffle_keys(key, c, seed);
+    return c;
+  }
+  for (int64_t i = 0; i < n; i++) {
+    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+    uint64_t r = seed >> 33;
+    key[i] = kind == 2 ? i : (r & 1) ? 32 : (int64_t)((r >> 1) % (uint64_t)X);
+  }
+  if (kind == 2) shuffle_keys(key, n, seed);
+  return n;
+}
+
+static moe_tensor *keys_tensor(moe_ctx *ctx, const int64_t *key, int64_t n, moe_dtype it) {
+  moe_tensor *t = NULL, *c = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 1, SH(n), MOE_I64, MOE_CPU, &t));
+  if (t) memcpy(moe_tensor_data(t), key, sizeof(int64_t) * (size_t)n);
+  EXPECT_OK(moe_to(ctx, t, it, MOE_CPU, &c));
+  moe_tensor_release(t);
+  return c;
+}
+
+/* index_add(x, 1, index, src), x (outer, X, inner), src (outer, n, inner)
+ * of dtype dt, on cuda:0 and on the CPU: exact (one order on both). */
+static void index_add_pair(moe_ctx *ctx, moe_dtype dt, moe_dtype it, int64_t outer, int64_t X,
+                           int64_t inner, int64_t n, const int64_t *key, const char *what) {
+  moe_tensor *x = rnd(ctx, dt, MOE_CPU, 3, SH(outer, X, inner)), *xg = gpu(ctx, x);
+  moe_tensor *src = rnd(ctx, dt, MOE_CPU, 3, SH(outer, n, inner)), *srcg = gpu(ctx, src);
+  moe_tensor *idx = keys_tensor(ctx, key, n, it), *idxg = gpu(ctx, idx), *a = NULL, *b = NULL;
+  EXPECT_OK(moe_index_add(ctx, xg, 1, idxg, srcg, &a));
+  EXPECT_OK(moe_index_add(ctx, x, 1, idx, src, &b));
+  char w[128];
+  snprintf(w, sizeof w, "index_add %s (%s, outer %lld, X %lld, inner %lld, n %lld)", what,
+           moe_dtype_name(dt), (long long)outer, (long long)X, (long long)inner, (long long)n);
+  if (a && b) SAME(a, b, 0, w); /* exact: the windowed order on both */
+  moe_tensor *ts[] = {x, xg, src, srcg, idx, idxg, a, b};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
+static void test_index_add_windows_cuda(moe_ctx *ctx) {
+  const int64_t P = MOE_INDEX_ADD_WINDOW;
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16, MOE_F64, MOE_F16, MOE_I32};
+  int64_t *key = malloc(sizeof(int64_t) * 100003);
+  for (int d = 0; d < 5; d++) {
+    moe_dtype it = d % 2 ? MOE_I32 : MOE_I64;
+    /* one key 1, P - 1, P, P + 1, 3P + 5 times, starting at sorted position
+     * 0, inside a window and just before a boundary; inner 1 and 513 */
+    const int64_t ms[] = {1, P - 1, P, P + 1, 3 * P + 5}, leads[] = {0, 5, P - 1};
+    for (int a = 0; a < 5; a++)
+      for (int b = 0; b < 3; b++) {
+        int64_t n = window_keys(key, 0, ms[a], leads[b], 0, 4, (uint64_t)(a * 3 + b + 1));
+        index_add_pair(ctx, dts[d], it, 2, 4, 3, n, key, "one key");
+        index_add_pair(ctx, dts[d], it, 1, 4, 1, n, key, "one key, inner 1");
+        if (b == 1) index_add_pair(ctx, dts[d], it, 1, 4, 513, n, key, "one key, inner 513");
+      }
+    /* many keys, duplicate-heavy */
+    int64_t n = window_keys(key, 1, 0, 0, 1000, 257, 7);
+    index_add_pair(ctx, dts[d], it, 3, 257, 1, n, key, "skewed");
+    index_add_pair(ctx, dts[d], it, 1, 257, 513, n, key, "skewed");
+    index_add_pair(ctx, dts[d], it, 3, 257, 65, n, key, "skewed");
+    /* all distinct */
+    n = window_keys(key, 2, 0, 0, 300, 300, 9);
+    index_add_pair(ctx, dts[d], it, 3, 300, 2, n, key, "distinct");
+    /* four keys (0, 1, 2, 32) over 100003 entries: segments of thousands of windows */
+    n = window_keys(key, 1, 0, 0, 100003, 3, 10);
+    index_add_pair(ctx, dts[d], it, 2, 33, 1, n, key, "four keys, long segments");
+  }
+  /* the byte-vocabulary embedding gradient: 16384 tokens into 257 rows of
+   * 512, bf16 */
+  int64_t n = window_keys(key, 1, 0, 0, 16384, 257, 12);
+  index_add_pair(ctx, MOE_BF16, MOE_I64, 1, 257, 512, n, key, "byte vocabulary");
+  moe_tensor *ids = keys_tensor(ctx, key, 16384, MOE_I64);
+  moe_tensor *ids2 = NULL;
+  EXPECT_OK(moe_reshape(ctx, ids, 2, SH(8, 2048), &ids2));
+  moe_tensor *w = rnd(ctx, MOE_BF16, MOE_CPU, 2, SH(257, 512));
+  pair_ud e = {ids2, gpu(ctx, ids2), 0, 0};
+  grad_pair(ctx, w, f_embedding, &e, 0, "embedding backward, byte vocabulary"); /* exact */
+  rel3(e.gpu, ids2, ids);
+  moe_tensor_release(w);
+  /* index_select's backward along dim 1 (outer 5), f32 */
+  n = window_keys(key, 1, 0, 0, 3000, 257, 13);
+  ids = keys_tensor(ctx, key, n, MOE_I32);
+  moe_tensor *b = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(5, 257));
+  pair_ud u = {ids, gpu(ctx, ids), 1, 0};
+  const bool no[4] = {false, false, false, false};
+  grad_multi(ctx, 1, &b, no, m_index_select, &u, 0, "index_select backward, windows"); /* exact */
+  rel3(u.gpu, ids, b);
+  free(key);
+}
+
+/* Out-of-range entries sort after every valid key, so the valid ones keep
+ * their windows: the result is the CPU's with those entries left out. */
+static void test_index_add_bad_windows_cuda(moe_ctx *ctx) {
+  int64_t key[200], kept[200];
+  int64_t n = window_keys(key, 1, 0, 0, 200, 5, 14), m = 0;
+  for (int64_t i = 0; i < n; i++) key[i] = key[i] == 32 ? 4 : key[i]; /* X = 5: many 4s */
+  key[17] = 9;
+  key[150] = 9; /* one value: which bad entry is reported first is a race */
+  moe_tensor *x = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(5, 33)), *xg = gpu(ctx, x);
+  moe_tensor *src = rnd(ctx, MOE_F32, MOE_CPU, 2, SH(200, 33)), *srcg = gpu(ctx, src);
+  moe_tensor *idxg = NULL, *a = NULL, *b = NULL, *ah = NULL;
+  moe_tensor *idx = keys_tensor(ctx, key, n, MOE_I64);
+  idxg = gpu(ctx, idx);
+  EXPECT_OK(moe_index_add(ctx, xg, 0, idxg, srcg, &a));
+  EXPECT_ERR_MSG(moe_cuda_synchronize(ctx, GPU), MOE_ERR_INVALID_ARG,
+                 "index_add: index 9 is out of range [0, 5)");
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  /* the CPU with rows 17 and 150 left out */
+  float *sv = moe_tensor_data(src);
+  moe_tensor *s2 = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(198, 33), MOE_F32, MOE_CPU, &s2));
+  for (int64_t i = 0; s2 && i < n; i++)
+    if (i != 17 && i != 150) {
+      memcpy((float *)moe_tensor_data(s2) + m * 33, sv + i * 33, 33 * sizeof(float));
+      kept[m++] = key[i];
+    }
+  moe_tensor *i2 = keys_tensor(ctx, kept, m, MOE_I64);
+  EXPECT_OK(moe_index_add(ctx, x, 0, i2, s2, &b));
+  EXPECT_OK(moe_to(ctx, a, MOE_F32, MOE_CPU, &ah));
+  if (ah && b) SAME(ah, b, 0, "index_add, out-of-range entries dropped"); /* exact */
+  moe_tensor *ts[] = {x, xg, src, srcg, idx, idxg, a, b, ah, s2, i2};
+  for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+}
+
 /* ------------------------------------------- bad indices on the device */
 
 static moe_tensor *ids_gpu(moe_ctx *ctx, int n, const int64_t *v) {
@@ -909,6 +1059,20 @@ static void test_timings(moe_ctx *ctx) {
   EXPECT_OK(moe_tensor_full(ctx, 2, SH(50257, 1024), 0, MOE_BF16, GPU, &z));
   BENCH("index_add (embedding bwd core) 8192 x 1024", 8192.0 * 1024 * 2 * 3 + 50257.0 * 1024 * 4,
         { moe_index_add(ctx, z, 0, tokg, g, &o); moe_tensor_release(o); });
+  /* the byte-vocabulary embedding gradient: 16384 tokens (half of them one
+   * byte) into 257 rows of 512, bf16 (one thread per distinct row and
+   * element walked each row's tokens before the windowed order) */
+  int64_t *bk = malloc(sizeof(int64_t) * 16384);
+  window_keys(bk, 1, 0, 0, 16384, 257, 12);
+  moe_tensor *btok = keys_tensor(ctx, bk, 16384, MOE_I64), *btokg = gpu(ctx, btok), *bg = NULL, *bz = NULL;
+  free(bk);
+  EXPECT_OK(moe_tensor_empty(ctx, 2, SH(16384, 512), MOE_BF16, GPU, &bg));
+  EXPECT_OK(moe_normal_(ctx, bg, 0, 1));
+  EXPECT_OK(moe_tensor_full(ctx, 2, SH(257, 512), 0, MOE_BF16, GPU, &bz));
+  BENCH("index_add byte vocab 16384 x 512 bf16 (257)", 16384.0 * 512 * 2 + 257.0 * 512 * 4,
+        { moe_index_add(ctx, bz, 0, btokg, bg, &o); moe_tensor_release(o); });
+  rel3(btok, btokg, bg);
+  moe_tensor_release(bz);
   /* rope (8, 2048, 16, 128) bf16 */
   moe_tensor *q = NULL, *c = NULL, *s = NULL;
   EXPECT_OK(moe_tensor_empty(ctx, 4, SH(8, 2048, 16, 128), MOE_BF16, GPU, &q));
@@ -946,6 +1110,8 @@ int main(void) {
   RUN(test_rope_cuda);
   RUN(test_backward_cuda);
   RUN(test_backward_multi_cuda);
+  RUN(test_index_add_windows_cuda);
+  RUN(test_index_add_bad_windows_cuda);
   RUN(test_device_mismatch_cuda);
   RUN(test_bad_index_reported_cuda);
   RUN(test_multinomial_cuda);

@@ -1,6 +1,7 @@
 --[[
 tests/lua/index_spec.lua - the index family through the `moe` module on the
-CPU: gather, scatter, scatter_add, index_select, index_add, embedding,
+CPU: gather, scatter, scatter_add, index_select, index_add (and its
+windowed summation order; on cuda too, pending without a GPU), embedding,
 one_hot, bincount, sort, argsort, topk, cat, stack, split, chunk, rope,
 rope_cache, multinomial; values, gradients (when the autograd bindings are
 present) and bad-argument errors; bincount on cuda too (pending without a
@@ -64,6 +65,81 @@ describe("gather and scatter", function()
       "bad argument #4 to 'scatter' (tensor expected, got no value)")
     assert.has_error(function() x:index_select(0, i64({ { 0 } })) end,
       "index_select: index must be 1-D, got [1, 1]")
+  end)
+end)
+
+describe("index_add's summation order", function()
+  -- moe_index.h: sort the positions by (index, position), cut the sorted
+  -- entries into windows of P = 32; per key, x plus its entries in its first
+  -- window, then each later window's partial (from its first entry), added
+  -- in window order. Lua adds doubles as an f64 tensor does.
+  local P = 32
+  local function windowed(x, idx, src)
+    local n, X, inner = #idx, #x, #x[1]
+    local below = {}
+    for k = 0, X do below[k] = 0 end
+    for _, k in ipairs(idx) do below[k + 1] = below[k + 1] + 1 end
+    for k = 1, X do below[k] = below[k] + below[k - 1] end
+    local out = {}
+    for k = 0, X - 1 do
+      local row = {}
+      for e = 1, inner do
+        local acc, part, cur, r = x[k + 1][e], 0, nil, 0
+        local first = below[k] // P
+        for i = 1, n do
+          if idx[i] == k then
+            local w = (below[k] + r) // P
+            r = r + 1
+            local s = src[i][e]
+            if w == first then acc = acc + s
+            elseif w ~= cur then
+              if cur then acc = acc + part end
+              part, cur = s, w
+            else part = part + s end
+          end
+        end
+        if cur then acc = acc + part end
+        row[e] = acc
+      end
+      out[k + 1] = row
+    end
+    return out
+  end
+
+  it("adds each key in windows of 32 sorted entries (f64, exact)", function()
+    moe.manual_seed(11)
+    local keys = moe.randint(0, 5, { 170 }, { dtype = "i64" })
+    keys:narrow(0, 20, 110):fill_(3) -- key 3 spans four windows
+    local x = moe.randn({ 5, 3 }, { dtype = "f64" }) * 1e3
+    local src = moe.randn({ 170, 3 }, { dtype = "f64" })
+    local want = windowed(x:totable(), keys:totable(), src:totable())
+    assert.are.same(want, x:index_add(0, keys, src):totable())
+    -- the serial sum in another order: equal within rounding
+    local serial = x:totable()
+    for i, k in ipairs(keys:totable()) do
+      for e = 1, 3 do serial[k + 1][e] = serial[k + 1][e] + src:totable()[i][e] end
+    end
+    local got = x:index_add(0, keys, src):totable()
+    for k = 1, 5 do
+      for e = 1, 3 do assert.is_true(math.abs(got[k][e] - serial[k][e]) <= 1e-9 * 1e3) end
+    end
+  end)
+
+  local gpu = moe.cuda.is_available()
+  local function gpu_it(name, fn)
+    if gpu then it(name, fn) else pending(name .. " (no CUDA GPU)") end
+  end
+
+  gpu_it("on cuda: the CPU's bits (bf16, f32, f64)", function()
+    moe.manual_seed(12)
+    local keys = moe.randint(0, 257, { 5000 }, { dtype = "i64" })
+    keys:narrow(0, 100, 2500):fill_(32) -- a frequent byte
+    for _, dt in ipairs({ "bf16", "f32", "f64" }) do
+      local x = moe.randn({ 257, 65 }, { dtype = dt })
+      local src = moe.randn({ 5000, 65 }, { dtype = dt })
+      local want = x:index_add(0, keys, src):totable()
+      assert.are.same(want, x:cuda():index_add(0, keys:cuda(), src:cuda()):totable())
+    end
   end)
 end)
 
