@@ -117,7 +117,7 @@ for s in "${parts[@]}"; do
         what="2 GPUs, sharded (dp 2, dp_shard 2, ep 2)"
       fi
       # shellcheck disable=SC2086 # $model: key=value words
-      timeout "$tmo" "${run[@]}" device=$dev $model data="$data" scratch="$scratch/$s" \
+      timeout "$tmo" "${run[@]}" device=$dev $model data="$data" init="${CKPT_INIT:-device}" scratch="$scratch/$s" \
         json="$out/ckpt_$s.json" > "$out/ckpt_$s.log" 2>&1
       rc=$?; check $rc
       note "$what: rc=$rc ($(($(date +%s) - t0)) s)"

@@ -45,7 +45,8 @@ size; 0: 2 d_model), seq_len, batch_size (per rank), dtype, activation, data
 layout (single: one process, single-file checkpoints; dp, zero, ep, zero_ep:
 sharded over the job), warm=2, measure=3, between=1, during=3,
 async_saves=1 (0: none), sync=true (false: no synchronous save, verify or
-read), verify=true, scratch (the checkpoints' folder).
+read), verify=true, init=cpu (device: the experts' weights drawn on the
+model's device, below), scratch (the checkpoints' folder).
 ]]
 local moe = require "moe"
 local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
@@ -57,7 +58,7 @@ local dcp = require "moe.train.dcp"
 local t_start = moe.clock()
 local cfg = bench.config { d_model = 256, layers = 4, heads = 4, experts = 8, top_k = 2, ffn = 0, seq_len = 64,
   batch_size = 4, dtype = "f32", activation = "gelu", data = "", layout = "single", device = "cpu", scratch = "",
-  warm = 2, measure = 3, between = 1, during = 3, async_saves = 1, sync = true, verify = true, title = "", repeats = 1,
+  warm = 2, measure = 3, between = 1, during = 3, async_saves = 1, sync = true, verify = true, init = "cpu", title = "", repeats = 1,
   warmup = 0 }
 local dist = moe.dist
 local rank, world = dist.rank(), dist.world_size()
@@ -81,6 +82,7 @@ for _, k in ipairs({ "warm", "measure", "between", "during", "async_saves" }) do
   if math.type(cfg[k]) ~= "integer" or cfg[k] < 0 then error(("ckpt_stall: %s must be an integer >= 0"):format(k), 0) end
 end
 if cfg.warm < 1 or cfg.measure < 1 then error("ckpt_stall: warm and measure must be >= 1", 0) end
+if cfg.init ~= "cpu" and cfg.init ~= "device" then error("ckpt_stall: init must be cpu or device", 0) end
 local async_saves = world > 1 and cfg.async_saves or 0 -- single-file checkpoints are written synchronously
 local on_gpu = cfg.device:match("^cuda") ~= nil
 
@@ -299,14 +301,37 @@ local function finish_async(state, tm)
   return tm
 end
 
--- the model's build, timed (the rest of the set-up is in the first step's time)
+-- the model's build, timed (the rest of the set-up is in the first step's time). init=device:
+-- the experts' weights (moe/experts/mlp.lua draws them with moe.randn(shape), f32 on the
+-- CPU, then the model moves) are drawn on the model's device instead: the same Philox
+-- stream and Box-Muller transform (core/philox.h), so the same values up to the last bit
+-- of log/sin/cos in double before the rounding to f32; a GPU draws 3.65 B of them in well
+-- under a second where 16 CPU cores take tens of seconds. A build that fails that way is
+-- made again the usual way (init_error says why).
 local build_model = build.model
-build.model = function(...)
+build.model = function(bcfg, device, ...)
   local t0 = moe.clock()
-  local m = build_model(...)
+  local m
+  if cfg.init == "device" then
+    local randn = moe.randn
+    moe.randn = function(shape, o)
+      if o == nil then return randn(shape, { device = device }) end
+      return randn(shape, o)
+    end
+    local ok, res = pcall(build_model, bcfg, device, ...)
+    moe.randn = randn
+    if ok then
+      m, row.init = res, "device"
+    else
+      row.init_error = tostring(res)
+      io.stderr:write("ckpt_stall: init=device failed (" .. row.init_error .. "): building on the CPU\n")
+      moe.manual_seed(bcfg.seed)
+    end
+  end
+  if not m then m, row.init = build_model(bcfg, device, ...), "cpu" end
   if on_gpu then moe.cuda.synchronize() end
   row.build_s = moe.clock() - t0
-  phase("model build", row.build_s)
+  phase("model build (init " .. row.init .. ")", row.build_s)
   return m
 end
 
