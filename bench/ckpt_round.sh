@@ -29,28 +29,31 @@
 #            the restart's files -> $OUT/ckpt_125m.json + .md, copied to bench/results/dist/ when the
 #            inputs came from GPUs; the short table is printed last
 #
-# Where the time goes, per part (estimates for 3.65 B parameters on a 16-core host; measured rates on
-# this project's 2-core CPU machine, bench/ckpt_stall.lua at 139 M parameters, scaled by the bytes
-# or elements; the disk's write speed on the GPU machine is the unknown, D GB/s below):
-#   model build     3.65 B normal draws on the CPU (Philox + Box-Muller, OpenMP: 14.5 M/s per core
-#                   here, so about 16 s on 16 cores, 2x that for each of two ranks sharing 32 cores),
-#                   then bf16 and the copy to the GPU (a few s): ~20-30 s, once per part
-#   first step      optimizer state (51 GB on the device, zero-filled / copied: < 1 s), cuBLAS and
-#                   kernel set-up: a few s; 85-95 ms per step after it (bench/results/dist/layouts_125m)
-#   sync save       51 GB copied to the host in 8 MiB pieces and written (page cache), fsync (the disk:
-#                   51 / D s), then digests.txt re-reads every file (XXH64, one thread: 4.4 GB/s here,
-#                   ~12 s): ~25 s + 51 / D s (1 GPU); 2 GPUs: each rank writes its half at once, rank 0
-#                   hashes all of it
-#   verify          every file read and hashed again on every rank (page cache: ~12 s; two ranks at once)
-#   read            pread of every byte a rank holds (1 GPU: 51 GB; 2 GPUs: ~26 GB each) and the copy to
-#                   the device: 2 GB/s here from the page cache: ~25 s (1 GPU), ~13 s (2 GPUs)
-#   async save      the stall: the device-to-host copy of a rank's 26 GB into a fresh host buffer
-#                   (page faults the first time): ~5-10 s; its finish: what remains of 26 / (D / 2) s,
-#                   plus rank 0's hashing (~12 s)
-#   So gpu1 ~ 100 s + 51 / D s, gpu2 ~ 110 s + 2 x 51 / D s, restart ~ 120 s + 51 / D s: at D = 1 GB/s
-#   150, 210 and 170 s. Each part prints its phases as they end (the JSON is rewritten after each) and
-#   stops at CKPT_TIMEOUT (default 560 s) keeping what it measured; gpu2 with D below ~0.7 GB/s: run
-#   it as two calls, CKPT_ASYNC_SAVES=0 (sync, verify, read) and CKPT_SYNC=0 (the asynchronous save).
+# Where the time goes (estimates for 3.65 B parameters, a 51 GB checkpoint). Measured here with
+# bench/ckpt_stall.lua on this project's 2-core CPU machine (shared, so +-30 %) at 139 M parameters
+# (d_model 512, 4 layers, 16 experts, ffn 2048, bf16: a 1.94 GB checkpoint; one process and two ranks)
+# and scaled by parameters or bytes, assuming the GPU host's cores are as fast as these and 16 of
+# them serve a rank; D (GB/s) is the GPU machine's disk write speed with fsync, the one unknown:
+#   model build    166 ns of CPU time a parameter (Philox normal draws, the f32 -> bf16 cast, the
+#                  move): 3.65 B on 16 cores ~ 38 s a rank (each rank of a two-GPU job builds every
+#                  expert, then keeps its half). init=device (CKPT_INIT, the default for gpu1 and gpu2)
+#                  draws the experts on the GPU: a few s. The restart test builds on the CPU, twice.
+#   first step     optimizer state and CUDA set-up: a few s; then 86-95 ms a step (layouts_125m.md)
+#   sync save      the copy to the host in 8 MiB pieces, the write and fsync: 51 / D s at best, and
+#                  digests.txt hashing every file again (XXH64, one thread, 2.9-5.4 GB/s here): 10-17 s
+#   verify         checkpoint.verify, every file read and hashed (page cache; 4.7 GB/s here, 2.9 GB/s
+#                  a rank when two ranks hash at once): ~11 s on one GPU, ~18 s on two
+#   read           par:load_checkpoint, each rank reading what it holds (pread into a fresh host
+#                  tensor, then the copy to the device): 0.84 GB/s here (0.65 GB/s for two ranks sharing
+#                  2 cores): 51 GB ~ 30-60 s on one GPU, 26 GB a rank ~ 15-30 s on two
+#   async stall    each rank's 26 GB copied to the host and into the writer's buffer (fresh pages): at
+#                  the 0.85 GB/s seen here ~30 s, less with a faster host; finish: what is left of the
+#                  write (51 / D s after the stall) plus rank 0's hashing, 10-17 s
+# Per part: gpu1 ~ 85-140 s + 51 / D; gpu2 ~ 110-170 s + 2 x 51 / D; restart ~ 145-180 s + 51 / D.
+# At D = 1 GB/s: 140-190, 210-270 and 195-230 s; gpu2 with D under ~1 GB/s: two calls,
+# CKPT_ASYNC_SAVES=0 (sync, verify, read) then CKPT_SYNC=0 (the asynchronous save alone). Each part
+# stops at CKPT_TIMEOUT (default 300 s: SIGTERM, SIGKILL 20 s later) keeping what it measured: the
+# JSON is rewritten after every phase ("complete": false until the end, the phases with their times).
 #
 # Disk and memory: one checkpoint on disk at a time (each is removed once measured): CKPT_SCRATCH
 # (default /tmp/moe-ckpt-round) needs about 52 GB free (checked before the part starts: CKPT_NEED_GB);
@@ -78,7 +81,7 @@ else
 fi
 [ "$dev" = cuda ] && export MASTER_PORT=${MASTER_PORT:-29541} # on the CPU launch picks a free port
 scratch=${CKPT_SCRATCH:-/tmp/moe-ckpt-round}
-tmo=${CKPT_TIMEOUT:-560}
+tmo=${CKPT_TIMEOUT:-300}
 "$ml" --version > "$out/version.txt" 2>&1
 summary=(); failed=0
 note() { summary+=("$1"); echo "$1"; }
@@ -113,12 +116,13 @@ for s in "${parts[@]}"; do
         run=("$ml" bench/ckpt_stall.lua layout=single)
         what="1 GPU, single-file checkpoints"
       else
-        run=("$ml" launch -n 2 bench/ckpt_stall.lua layout=zero_ep async_saves="${CKPT_ASYNC_SAVES:-1}")
+        run=("$ml" launch -n 2 bench/ckpt_stall.lua layout=zero_ep async_saves="${CKPT_ASYNC_SAVES:-1}"
+          sync="$([ "${CKPT_SYNC:-1}" = 0 ] && echo false || echo true)")
         what="2 GPUs, sharded (dp 2, dp_shard 2, ep 2)"
       fi
       # shellcheck disable=SC2086 # $model: key=value words
-      timeout "$tmo" "${run[@]}" device=$dev $model data="$data" init="${CKPT_INIT:-device}" scratch="$scratch/$s" \
-        json="$out/ckpt_$s.json" > "$out/ckpt_$s.log" 2>&1
+      timeout -k 20 "$tmo" "${run[@]}" device=$dev $model data="$data" init="${CKPT_INIT:-device}" \
+        scratch="$scratch/$s" json="$out/ckpt_$s.json" > "$out/ckpt_$s.log" 2>&1
       rc=$?; check $rc
       note "$what: rc=$rc ($(($(date +%s) - t0)) s)"
       grep -E "^ckpt_stall: " "$out/ckpt_$s.log"
@@ -129,7 +133,7 @@ for s in "${parts[@]}"; do
       # shellcheck disable=SC2206 # $model: key=value words
       ra=(device=$dev $model data=$data steps=5 save_every=3 kill_step=5 keep_last=0 async=false ep=2 dp_shard=2
         timeout=${CKPT_COLLECTIVE_TIMEOUT:-300})
-      timeout "$tmo" "$ml" launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
+      timeout -k 20 "$tmo" "$ml" launch -n 2 --max-restarts 1 --timeline "$out/restart_timeline.jsonl" \
         tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/k" kill=true > "$out/restart.log" 2>&1
       rc=$?; check $rc; echo $rc > "$out/restart_rc"
       cp "$scratch/k/losses-1.txt" "$out/restart_losses_restarted.txt" 2>/dev/null
@@ -137,7 +141,7 @@ for s in "${parts[@]}"; do
       grep -E "restart|died" "$out/restart.log" | head -4
       rm -rf "$scratch/k"
       if [ "${CKPT_REF:-0}" = 1 ]; then
-        timeout "$tmo" "$ml" launch -n 2 tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/u" kill=false \
+        timeout -k 20 "$tmo" "$ml" launch -n 2 tests/dist/ckpt_restart.lua "${ra[@]}" dir="$scratch/u" kill=false \
           > "$out/restart_ref.log" 2>&1
         note "uninterrupted reference: rc=$?"
         cp "$scratch/u/losses-0.txt" "$out/restart_losses_uninterrupted.txt" 2>/dev/null

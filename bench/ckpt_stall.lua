@@ -395,16 +395,14 @@ row.complete = true
 phase("train.run (every step and the work above)", res.seconds)
 if rank == 0 then
   write_out(true)
-  print(("ckpt_stall: %d rank%s, %s: step %.1f ms; sync save %s s (hashing %s s); verify %s s; read %.2f s " ..
-    "(%.2f GiB on rank 0); async stall %s s, finish %s s; checkpoint %.2f GiB; model build %.1f s, first step " ..
-    "%.1f s; run %.1f s"):format(
-    world, world == 1 and "" or "s", cfg.layout, row.step_ms, row.sync_save_s and ("%.2f"):format(row.sync_save_s) or "-",
-    row.sync_digest_s and ("%.2f"):format(row.sync_digest_s) or "-",
-    row.verify_s and ("%.2f"):format(row.verify_s) or "-", row.read_s or 0, gib(row.read_bytes) or 0,
-    row.async_stall_s and ("%.3f"):format(row.async_stall_s) or "-",
-    row.async_finish_s and ("%.2f"):format(row.async_finish_s) or "-", gib(row.ckpt_bytes or row.async_ckpt_bytes) or 0,
-    row.build_s or 0,
-    row.first_step_s or 0, row.run_s))
+  local function f(v, fmt) return v and fmt:format(v) or "-" end
+  print(("ckpt_stall: %d rank%s, %s: step %s ms; sync save %s s (hashing %s s); verify %s s; read %s s (%s GiB on " ..
+    "rank 0); async stall %s s, finish %s s; checkpoint %s GiB; model build %s s (init %s), first step %s s; " ..
+    "run %.1f s"):format(world, world == 1 and "" or "s", cfg.layout, f(row.step_ms, "%.1f"),
+    f(row.sync_save_s, "%.2f"), f(row.sync_digest_s, "%.2f"), f(row.verify_s, "%.2f"), f(row.read_s, "%.2f"),
+    f(gib(row.read_bytes), "%.2f"), f(row.async_stall_s, "%.3f"), f(row.async_finish_s, "%.2f"),
+    f(gib(row.ckpt_bytes or row.async_ckpt_bytes), "%.2f"), f(row.build_s, "%.1f"), tostring(row.init),
+    f(row.first_step_s, "%.1f"), row.run_s))
 end
 dist.barrier()
 if rank == 0 then os.execute("rm -rf " .. q(shared)) end
