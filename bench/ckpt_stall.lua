@@ -58,8 +58,8 @@ local dcp = require "moe.train.dcp"
 local t_start = moe.clock()
 local cfg = bench.config { d_model = 256, layers = 4, heads = 4, experts = 8, top_k = 2, ffn = 0, seq_len = 64,
   batch_size = 4, dtype = "f32", activation = "gelu", data = "", layout = "single", device = "cpu", scratch = "",
-  warm = 2, measure = 3, between = 1, during = 3, async_saves = 1, sync = true, verify = true, init = "cpu", title = "", repeats = 1,
-  warmup = 0 }
+  warm = 2, measure = 3, between = 1, during = 3, async_saves = 1, sync = true, verify = true, init = "cpu",
+  title = "", repeats = 1, warmup = 0 }
 local dist = moe.dist
 local rank, world = dist.rank(), dist.world_size()
 local K = dofile((arg[0]:match("^(.*)/") or ".") .. "/../tests/dist/trainkit.lua")
