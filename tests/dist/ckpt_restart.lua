@@ -18,7 +18,9 @@ experts=, top_k=, ffn= (the experts' hidden size), seq_len=, batch_size=,
 dtype=, activation=, with data=PREFIX (a Megatron dataset with a byte
 vocabulary; default the tests' word corpus), steps=, save_every=,
 kill_step=, keep_last= (0: no save at the end of a run, none removed),
-async= (false: synchronous saves), ep=, dp_shard=.
+async= (false: synchronous saves), ep=, dp_shard=, timeout= (seconds a
+collective may wait, default 120: a large model's save keeps the other
+ranks waiting in its barrier).
 
 At the end rank 0 writes D/losses-<run>.txt: "step loss" (%.17g) of every
 step this run trained.
@@ -27,10 +29,11 @@ local moe = require "moe"
 local train = require "moe.train"
 local opts = moe.config { dir = "", kill = false, steps = 12, resume = "", device = "cpu", save_every = 2,
   kill_step = 7, d_model = 0, layers = 2, heads = 2, experts = 4, top_k = 2, ffn = 32, seq_len = 16, batch_size = 4,
-  dtype = "f32", activation = "gelu", data = "", ep = 1, dp_shard = 0, keep_last = 2, async = true }
+  dtype = "f32", activation = "gelu", data = "", ep = 1, dp_shard = 0, keep_last = 2, async = true,
+  timeout = 120 }
 assert(opts.dir ~= "", "give dir=FOLDER")
 local dist = moe.dist
-dist.init { timeout = 120 }
+dist.init { timeout = opts.timeout }
 local rank = dist.rank()
 local attempt = tonumber(os.getenv("MOE_LAUNCH_RESTART") or "0")
 local K = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua")

@@ -121,6 +121,17 @@ describe("optim.AdamW", function()
     assert.are.same({ 1, 1, 1, 1 }, flat(w))
   end)
 
+  it("loads its state into bf16 parameters that require grad (a model's, at resume)", function()
+    local a = moe.tensor(pvals(6), { dtype = "bf16", requires_grad = true })
+    local o = optim.AdamW({ { "a", a } }, { lr = 3e-3 })
+    local sd = {}
+    for k, t in pairs(o:state_dict()) do sd[k] = t:clone() end
+    sd["a.master"]:fill_(0.5)
+    o:load_state_dict(sd, { step = 2 })
+    assert.are.same({ 0.5, 0.5, 0.5, 0.5, 0.5, 0.5 }, flat(a)) -- the parameter follows the loaded master
+    assert.is_true(a.requires_grad)
+  end)
+
   it("round-trips its state through safetensors and continues bit for bit", function()
     local function make()
       local a = moe.tensor(pvals(6), { dtype = "bf16" }):view(2, 3)

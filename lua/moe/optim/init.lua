@@ -161,11 +161,16 @@ function Optimizer:load_state_dict(tensors, scalars)
   for key in pairs(tensors) do
     if expected[key] == nil then fail(fn, "unexpected state tensor '%s'", key) end
   end
-  for key, t in pairs(expected) do t:copy_(tensors[key]) end
-  for _, e in ipairs(self.params) do
-    -- the parameter follows its master copy, as after a step
-    if e.master then e.param:copy_(e.master) end
-  end
+  moe.no_grad(function() -- parameters are leaves that require grad: written as a step writes them
+    -- (its own state_dict given back: the tensors are already in place)
+    for key, t in pairs(expected) do
+      if not rawequal(t, tensors[key]) then t:copy_(tensors[key]) end
+    end
+    for _, e in ipairs(self.params) do
+      -- the parameter follows its master copy, as after a step
+      if e.master then e.param:copy_(e.master) end
+    end
+  end)
   if scalars ~= nil then
     if type(scalars) ~= "table" then fail(fn, "scalars table expected, got %s", type(scalars)) end
     if scalars.step ~= nil then self.step_count = math.tointeger(scalars.step) or scalars.step end
