@@ -11,7 +11,9 @@ bench/pointwise_check.lua checks each op against the CPU. Timing
 host clock on the CPU), the median over `repeats` samples after a warm-up.
 Bandwidth counts the minimum bytes (every input read once, the output
 written once); the copy (dst:copy_(src)) counts read + write, like
-GPU.md's ceiling.
+GPU.md's ceiling. Two strided cases of attention's shapes (S 1024, H 8,
+D 64, bf16, B from n) follow when n holds at least one batch: the
+(B, H, S, D) -> (B, S, H, D) copy and rope of q as a view of a packed qkv.
 ]]
 local moe = require "moe"
 local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
@@ -35,9 +37,9 @@ local function time(f)
 end
 
 local rows = {}
-local function bench_op(name, bytes_per_elem, f)
+local function bench_op(name, bytes_per_elem, f, elems)
   local s = time(f)
-  local gbs = bytes_per_elem * N / s / 1e9
+  local gbs = bytes_per_elem * (elems or N) / s / 1e9
   rows[#rows + 1] = { op = name, us = s * 1e6, gbs = gbs }
   return gbs
 end
@@ -48,6 +50,25 @@ bench_op("gelu_tanh bf16 fwd", 4, function() return x:gelu_tanh() end)
 bench_op("silu bf16 fwd", 4, function() return x:silu() end)
 bench_op("swiglu bf16 fwd", 6, function() return moe.swiglu(x, u) end)
 bench_op("dropout(0.1) bf16 fwd", 4, function() return x:dropout(0.1) end)
+-- attention's layouts (S 1024, H 8, D 64; B from n): its (B, H, S, D)
+-- output into (B, S, H, D) order (the strided copy of
+-- o:transpose(1, 2):reshape), and rope of q, a strided (B, S, H, D) view of
+-- the packed (B, S, 3, H, D) qkv
+local S, H, D = 1024, 8, 64
+local B = N // (S * H * D)
+if B >= 1 then
+  local o4 = moe.randn({ B, H, S, D }, dev)
+  bench_op("transpose (B,H,S,D)->(B,S,H,D) bf16", 4, function() return o4:transpose(1, 2):contiguous() end,
+           B * S * H * D)
+  o4:free()
+  local Bq = math.max(1, N // (3 * S * H * D))
+  local qkv = moe.randn({ Bq, S, 3, H, D }, dev)
+  local q = qkv:select(2, 0)
+  local cos, sin = moe.rope_cache(S, D, 10000, dev)
+  bench_op("rope of q in a packed qkv bf16", 4, function() return moe.rope(q, cos, sin, "bthd") end,
+           Bq * S * H * D)
+  qkv:free()
+end
 for _, r in ipairs(rows) do r.of_copy = r.gbs / copy_gbs end
 
 bench.write(cfg, {

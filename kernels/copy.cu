@@ -6,10 +6,13 @@
  * Copy converts as the CPU reference does (core/copy.c, core/dtype.c): from a
  * float source through double (moe_load_f64 / moe_store_f64), from an integer
  * or bool source through int64 (moe_load_i64 / moe_store_i64, exact for i64).
- * Same-dtype contiguous copies are one cudaMemcpyAsync; same-dtype strided
- * copies move raw bits by element size; contiguous conversions have a typed
- * kernel per dtype pair (vectorised when aligned); strided conversions take
- * the runtime-dtype kernel. Fill converts its value once on the host with
+ * Same-dtype contiguous copies are one cudaMemcpyAsync; same-dtype copies
+ * whose innermost (merged) dim is dense in both views move whole rows in the
+ * widest word (16, 8, 4, 2 or 1 bytes) that the row length, both pointers
+ * and every row stride allow (moe_copy_rows_kernel); other same-dtype
+ * strided copies move raw bits element by element; contiguous conversions
+ * have a typed kernel per dtype pair (vectorised when aligned); strided
+ * conversions take the runtime-dtype kernel. Fill converts its value once on the host with
  * moe_store_f64 itself and writes those bits. Arange computes
  * start + i * step with __dmul_rn / __dadd_rn (no FMA), like the CPU.
  * The views must not overlap each other (the core checks dst).
@@ -50,6 +53,111 @@ static void moe_copy_bits_launch(int64_t n, const moe_kview *dst, const moe_kvie
                                                                 (const T *)src->data, g);
 }
 
+/* ------------------------------------------------------------ row copies */
+
+/*
+ * A same-dtype copy whose innermost merged dim has stride 1 in both views:
+ * `rows` rows of `row_words` words of type W (16, 8, 4, 2 or 1 bytes). The
+ * outer dims (innermost first, at least one) give each row's offset in
+ * words; the last takes what is left of the row index, so it needs no size.
+ */
+struct MoeRowGeom {
+  int nouter;
+  int64_t shape[MOE_MAX_DIMS - 1];
+  int64_t dst[MOE_MAX_DIMS - 1], src[MOE_MAX_DIMS - 1]; /* strides in words */
+};
+
+/* threadIdx.y and blockIdx.y walk rows, threadIdx.x and blockIdx.x the words
+ * of a row: a thread finds its row's offsets once and then copies. I is
+ * uint32_t when rows and row_words are below 2^31 (the loop steps stay
+ * below 2^24, so nothing wraps), int64_t otherwise. */
+template <typename W, typename I>
+__global__ void __launch_bounds__(MOE_THREADS)
+    moe_copy_rows_kernel(I rows, I row_words, W *__restrict__ dst, const W *__restrict__ src,
+                         MoeRowGeom g) {
+  for (I r = (I)blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += (I)gridDim.y * blockDim.y) {
+    int64_t od = 0, os = 0;
+    I q = r;
+#pragma unroll
+    for (int j = 0; j < MOE_MAX_DIMS - 1; j++) {
+      if (j == g.nouter - 1) {
+        od += (int64_t)q * g.dst[j];
+        os += (int64_t)q * g.src[j];
+        break;
+      }
+      I n = (I)g.shape[j], t = q / n, c = q - t * n;
+      q = t;
+      od += (int64_t)c * g.dst[j];
+      os += (int64_t)c * g.src[j];
+    }
+    W *d = dst + od;
+    const W *s = src + os;
+    for (I w = (I)blockIdx.x * blockDim.x + threadIdx.x; w < row_words;
+         w += (I)gridDim.x * blockDim.x)
+      d[w] = s[w];
+  }
+}
+
+/* A block of MOE_THREADS threads: x over the words of a row (a power of two,
+ * at most MOE_THREADS), y over rows; grid-stride loops cover what the grid
+ * caps leave. */
+static void moe_rows_grid(int64_t rows, int64_t row_words, dim3 *grid, dim3 *block) {
+  int64_t tx = 1;
+  while (tx < row_words && tx < MOE_THREADS) tx *= 2;
+  int64_t ty = MOE_THREADS / tx;
+  int64_t gx = (row_words + tx - 1) / tx, gy = (rows + ty - 1) / ty;
+  if (gx > 65535) gx = 65535;
+  if (gy > 65535) gy = 65535;
+  *block = dim3((unsigned)tx, (unsigned)ty, 1);
+  *grid = dim3((unsigned)gx, (unsigned)gy, 1);
+}
+
+template <typename W>
+static void moe_copy_rows_typed(int64_t rows, int64_t row_words, void *dst, const void *src,
+                                const MoeRowGeom &rg, cudaStream_t s) {
+  dim3 grid, block;
+  moe_rows_grid(rows, row_words, &grid, &block);
+  if (rows <= INT32_MAX && row_words <= INT32_MAX)
+    moe_copy_rows_kernel<W, uint32_t><<<grid, block, 0, s>>>(
+        (uint32_t)rows, (uint32_t)row_words, (W *)dst, (const W *)src, rg);
+  else
+    moe_copy_rows_kernel<W, int64_t><<<grid, block, 0, s>>>(rows, row_words, (W *)dst,
+                                                            (const W *)src, rg);
+}
+
+/* g (merged, ndim >= 2) has stride 1 innermost in both views. The word is
+ * the widest power of two up to 16 bytes dividing the row's bytes, both
+ * pointers and every outer stride in bytes (stride 0 of a broadcast source
+ * divides anything). */
+static void moe_copy_rows(int64_t n, const moe_kview *dst, const moe_kview *src,
+                          const MoeGeom<2> &g, size_t es, cudaStream_t s) {
+  uint64_t bits = (uint64_t)(uintptr_t)dst->data | (uint64_t)(uintptr_t)src->data |
+                  (uint64_t)g.shape[0] * es;
+  for (int j = 1; j < g.ndim; j++)
+    for (int k = 0; k < 2; k++) {
+      int64_t st = g.stride[k][j];
+      bits |= (uint64_t)(st < 0 ? -st : st) * es;
+    }
+  size_t wb = 16;
+  while (wb > 1 && (bits & (wb - 1)) != 0) wb /= 2;
+  MoeRowGeom rg;
+  memset(&rg, 0, sizeof rg);
+  rg.nouter = g.ndim - 1;
+  for (int j = 1; j < g.ndim; j++) {
+    rg.shape[j - 1] = g.shape[j];
+    rg.dst[j - 1] = g.stride[0][j] * (int64_t)es / (int64_t)wb;
+    rg.src[j - 1] = g.stride[1][j] * (int64_t)es / (int64_t)wb;
+  }
+  int64_t rows = n / g.shape[0], row_words = g.shape[0] * (int64_t)es / (int64_t)wb;
+  switch (wb) {
+    case 16: moe_copy_rows_typed<uint4>(rows, row_words, dst->data, src->data, rg, s); break;
+    case 8: moe_copy_rows_typed<uint2>(rows, row_words, dst->data, src->data, rg, s); break;
+    case 4: moe_copy_rows_typed<uint32_t>(rows, row_words, dst->data, src->data, rg, s); break;
+    case 2: moe_copy_rows_typed<uint16_t>(rows, row_words, dst->data, src->data, rg, s); break;
+    default: moe_copy_rows_typed<uint8_t>(rows, row_words, dst->data, src->data, rg, s); break;
+  }
+}
+
 template <moe_dtype OUT, moe_dtype IN>
 static void moe_copy_convert_contig(int64_t n, const moe_kview *dst, const moe_kview *src,
                                     cudaStream_t s) {
@@ -79,6 +187,11 @@ extern "C" moe_status moe_cuda_copy(moe_ctx *ctx, int device, const moe_kview *d
     if (contig) {
       MOE_CUDA_CHECK(ctx, cudaMemcpyAsync(dst->data, src->data, (size_t)n * es,
                                      cudaMemcpyDeviceToDevice, s));
+      return MOE_OK;
+    }
+    if (g.ndim >= 2 && g.stride[0][0] == 1 && g.stride[1][0] == 1) {
+      moe_copy_rows(n, dst, src, g, es, s);
+      MOE_CUDA_CHECK_LAUNCH(ctx, "cuda copy kernel");
       return MOE_OK;
     }
     switch (es) {

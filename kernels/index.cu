@@ -10,7 +10,8 @@
  * sums windows of the sorted index in parallel and joins them in window
  * order (the order of moe_index.h, which the CPU follows). Sums run in
  * f32 for f32/bf16/f16 (f64 for f64, i64 for integers) with the _rn
- * intrinsics, so nothing is fused. Index math is int64; out-of-range indices
+ * intrinsics, so nothing is fused. Index math is int64 (rope: 32-bit where
+ * the sizes allow); out-of-range indices
  * read 0 and drop writes, and the first one is reported in the device's
  * error word (kerr.h), an error at the next synchronisation (moe_index.h). Nothing here synchronises with the
  * host; scratch memory comes from the context's caching allocator and goes
@@ -698,38 +699,141 @@ struct IxRope {
   bool full, inverse;
 };
 
-template <moe_dtype DT>
+/*
+ * Rotates the pairs (j, j + h) of x's rows; a row is one (c0, c1, c2). The
+ * block's y threads (and the grid's y) walk rows, its x threads V
+ * consecutive pairs each: a thread splits its row index once (I: uint32_t
+ * when rows and h are below 2^31, int64_t otherwise) and finds the row's x,
+ * out, cos and sin bases once. V > 1 only when the last dims of x, out, cos
+ * and sin are dense and every pointer and row stride is a multiple of V
+ * elements (ix_rope_vec): then each of x[j..], x[j+h..], the cos and sin
+ * runs and the two outputs is one V-element (up to 16-byte) access. The
+ * arithmetic per pair is the CPU's: the same products and sums, each
+ * rounded once (_rn intrinsics, no FMA).
+ */
+template <moe_dtype DT, int V, typename I>
 __global__ void __launch_bounds__(MOE_THREADS)
-    ix_rope_kernel(int64_t pairs, void *out_, const void *x_, const void *c_, const void *s_,
+    ix_rope_kernel(I rows, I groups, void *out_, const void *x_, const void *c_, const void *s_,
                    IxRope g) {
   using T = moe_st_t<DT>;
   using C = moe_compute_t<DT>;
+  using Vec = MoeVec<T, V>;
   T *out = (T *)out_;
   const T *x = (const T *)x_, *cs = (const T *)c_, *sn = (const T *)s_;
-  int64_t nthreads = (int64_t)gridDim.x * blockDim.x;
-  for (int64_t p = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; p < pairs; p += nthreads) {
-    int64_t j = p % g.h, r = p / g.h;
-    int64_t c2 = r % g.shape[2];
-    r /= g.shape[2];
-    int64_t c1 = r % g.shape[1], c0 = r / g.shape[1];
-    int64_t t = g.tdim == 1 ? c1 : c2;
-    int64_t xo = c0 * g.xs[0] + c1 * g.xs[1] + c2 * g.xs[2];
-    int64_t oo = c0 * g.os[0] + c1 * g.os[1] + c2 * g.os[2];
-    int64_t jb = g.full ? j + g.h : j;
-    C a = moe_load_as<C, DT>(x[xo + j * g.xs[3]]), b = moe_load_as<C, DT>(x[xo + (j + g.h) * g.xs[3]]);
-    C c1v = moe_load_as<C, DT>(cs[t * g.cs0 + j * g.cs1]), c2v = moe_load_as<C, DT>(cs[t * g.cs0 + jb * g.cs1]);
-    C s1v = moe_load_as<C, DT>(sn[t * g.ss0 + j * g.ss1]), s2v = moe_load_as<C, DT>(sn[t * g.ss0 + jb * g.ss1]);
-    C o1, o2;
-    if constexpr (std::is_same_v<C, double>) {
-      o1 = g.inverse ? __dadd_rn(__dmul_rn(a, c1v), __dmul_rn(b, s2v)) : __dsub_rn(__dmul_rn(a, c1v), __dmul_rn(b, s1v));
-      o2 = g.inverse ? __dsub_rn(__dmul_rn(b, c2v), __dmul_rn(a, s1v)) : __dadd_rn(__dmul_rn(b, c2v), __dmul_rn(a, s2v));
-    } else {
-      o1 = g.inverse ? __fadd_rn(__fmul_rn(a, c1v), __fmul_rn(b, s2v)) : __fsub_rn(__fmul_rn(a, c1v), __fmul_rn(b, s1v));
-      o2 = g.inverse ? __fsub_rn(__fmul_rn(b, c2v), __fmul_rn(a, s1v)) : __fadd_rn(__fmul_rn(b, c2v), __fmul_rn(a, s2v));
+  const I n1 = (I)g.shape[1], n2 = (I)g.shape[2], h = (I)g.h;
+  for (I r = (I)blockIdx.y * blockDim.y + threadIdx.y; r < rows; r += (I)gridDim.y * blockDim.y) {
+    I q = r / n2, c2 = r - q * n2;
+    I c0 = q / n1, c1 = q - c0 * n1;
+    I t = g.tdim == 1 ? c1 : c2;
+    const T *xr = x + ((int64_t)c0 * g.xs[0] + (int64_t)c1 * g.xs[1] + (int64_t)c2 * g.xs[2]);
+    T *orow = out + ((int64_t)c0 * g.os[0] + (int64_t)c1 * g.os[1] + (int64_t)c2 * g.os[2]);
+    const T *cr = cs + (int64_t)t * g.cs0, *sr = sn + (int64_t)t * g.ss0;
+    for (I k = (I)blockIdx.x * blockDim.x + threadIdx.x; k < groups;
+         k += (I)gridDim.x * blockDim.x) {
+      I j = k * V, jb = g.full ? j + h : j;
+      Vec va, vb, vc1, vc2, vs1, vs2, vo1, vo2;
+      if constexpr (V > 1) { /* dense last dims, aligned: one access each */
+        va = *(const Vec *)(xr + j);
+        vb = *(const Vec *)(xr + j + h);
+        vc1 = *(const Vec *)(cr + j);
+        vc2 = *(const Vec *)(cr + jb);
+        vs1 = *(const Vec *)(sr + j);
+        vs2 = *(const Vec *)(sr + jb);
+      } else {
+        va.v[0] = xr[(int64_t)j * g.xs[3]];
+        vb.v[0] = xr[(int64_t)(j + h) * g.xs[3]];
+        vc1.v[0] = cr[(int64_t)j * g.cs1];
+        vc2.v[0] = cr[(int64_t)jb * g.cs1];
+        vs1.v[0] = sr[(int64_t)j * g.ss1];
+        vs2.v[0] = sr[(int64_t)jb * g.ss1];
+      }
+#pragma unroll
+      for (int e = 0; e < V; e++) {
+        C a = moe_load_as<C, DT>(va.v[e]), b = moe_load_as<C, DT>(vb.v[e]);
+        C c1v = moe_load_as<C, DT>(vc1.v[e]), c2v = moe_load_as<C, DT>(vc2.v[e]);
+        C s1v = moe_load_as<C, DT>(vs1.v[e]), s2v = moe_load_as<C, DT>(vs2.v[e]);
+        C o1, o2;
+        if constexpr (std::is_same_v<C, double>) {
+          o1 = g.inverse ? __dadd_rn(__dmul_rn(a, c1v), __dmul_rn(b, s2v)) : __dsub_rn(__dmul_rn(a, c1v), __dmul_rn(b, s1v));
+          o2 = g.inverse ? __dsub_rn(__dmul_rn(b, c2v), __dmul_rn(a, s1v)) : __dadd_rn(__dmul_rn(b, c2v), __dmul_rn(a, s2v));
+        } else {
+          o1 = g.inverse ? __fadd_rn(__fmul_rn(a, c1v), __fmul_rn(b, s2v)) : __fsub_rn(__fmul_rn(a, c1v), __fmul_rn(b, s1v));
+          o2 = g.inverse ? __fsub_rn(__fmul_rn(b, c2v), __fmul_rn(a, s1v)) : __fadd_rn(__fmul_rn(b, c2v), __fmul_rn(a, s2v));
+        }
+        vo1.v[e] = moe_store_from<DT, C>(o1);
+        vo2.v[e] = moe_store_from<DT, C>(o2);
+      }
+      if constexpr (V > 1) {
+        *(Vec *)(orow + j) = vo1;
+        *(Vec *)(orow + j + h) = vo2;
+      } else {
+        orow[(int64_t)j * g.os[3]] = vo1.v[0];
+        orow[(int64_t)(j + h) * g.os[3]] = vo2.v[0];
+      }
     }
-    out[oo + j * g.os[3]] = moe_store_from<DT, C>(o1);
-    out[oo + (j + g.h) * g.os[3]] = moe_store_from<DT, C>(o2);
   }
+}
+
+/* Whether V-element accesses fit view v (rows given by its first nrow dims,
+ * then a last dim that must be dense): the pointer and the stride of every
+ * dim of more than one element are multiples of V elements. */
+static bool ix_rope_vec_view(const moe_kview *v, int nrow, int64_t V) {
+  size_t es = moe_dtype_size(v->dtype);
+  if (!moe_aligned(v->data, (size_t)V * es) || v->stride[nrow] != 1) return false;
+  for (int d = 0; d < nrow; d++)
+    if (v->shape[d] > 1 && v->stride[d] % V != 0) return false;
+  return true;
+}
+
+/* The widest V (pairs per thread) that h, the element size (16 bytes at most
+ * per access) and all four views allow. */
+static int ix_rope_vec(const moe_kview *out, const moe_kview *x, const moe_kview *cos,
+                       const moe_kview *sin, int64_t h) {
+  size_t es = moe_dtype_size(x->dtype);
+  for (int V = 8; V > 1; V /= 2)
+    if ((size_t)V * es <= 16 && h % V == 0 && ix_rope_vec_view(x, 3, V) &&
+        ix_rope_vec_view(out, 3, V) && ix_rope_vec_view(cos, 1, V) &&
+        ix_rope_vec_view(sin, 1, V))
+      return V;
+  return 1;
+}
+
+template <moe_dtype DT, int V, typename I>
+static void ix_rope_launch(int64_t rows, const moe_kview *out, const moe_kview *x,
+                           const moe_kview *cos, const moe_kview *sin, const IxRope &g,
+                           cudaStream_t s) {
+  int64_t groups = g.h / V;
+  int64_t tx = 1;
+  while (tx < groups && tx < MOE_THREADS) tx *= 2;
+  int64_t ty = MOE_THREADS / tx;
+  int64_t gx = (groups + tx - 1) / tx, gy = (rows + ty - 1) / ty;
+  if (gx > 65535) gx = 65535;
+  if (gy > 65535) gy = 65535;
+  dim3 grid((unsigned)gx, (unsigned)gy), block((unsigned)tx, (unsigned)ty);
+  ix_rope_kernel<DT, V, I><<<grid, block, 0, s>>>((I)rows, (I)groups, out->data, x->data,
+                                                  cos->data, sin->data, g);
+}
+
+/* 32-bit indices when every row and every j + h fit (then the steps of the
+ * grid-stride loops, below 2^24, cannot wrap either); the vector width
+ * from ix_rope_vec, instantiated only where V elements fit 16 bytes. */
+template <moe_dtype DT>
+static void ix_rope_dispatch(int64_t rows, const moe_kview *out, const moe_kview *x,
+                             const moe_kview *cos, const moe_kview *sin, const IxRope &g,
+                             cudaStream_t s) {
+  constexpr size_t es = sizeof(moe_st_t<DT>);
+  if (rows > INT32_MAX || g.h > INT32_MAX / 2) {
+    ix_rope_launch<DT, 1, int64_t>(rows, out, x, cos, sin, g, s);
+    return;
+  }
+  int V = ix_rope_vec(out, x, cos, sin, g.h);
+  if constexpr (8 * es <= 16)
+    if (V == 8) return ix_rope_launch<DT, 8, uint32_t>(rows, out, x, cos, sin, g, s);
+  if constexpr (4 * es <= 16)
+    if (V == 4) return ix_rope_launch<DT, 4, uint32_t>(rows, out, x, cos, sin, g, s);
+  if constexpr (2 * es <= 16)
+    if (V == 2) return ix_rope_launch<DT, 2, uint32_t>(rows, out, x, cos, sin, g, s);
+  ix_rope_launch<DT, 1, uint32_t>(rows, out, x, cos, sin, g, s);
 }
 
 extern "C" moe_status moe_cuda_rope(moe_ctx *ctx, int device, const moe_kview *out,
@@ -749,15 +853,15 @@ extern "C" moe_status moe_cuda_rope(moe_ctx *ctx, int device, const moe_kview *o
   g.tdim = tdim;
   g.full = cos->shape[1] == x->shape[3];
   g.inverse = inverse;
-  int64_t pairs = g.shape[0] * g.shape[1] * g.shape[2] * g.h;
-  if (pairs == 0) return MOE_OK;
+  int64_t rows = g.shape[0] * g.shape[1] * g.shape[2];
+  if (rows == 0 || g.h == 0) return MOE_OK;
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  cudaStream_t s = (cudaStream_t)stream;
   moe_status st = moe_dtype_dispatch(x->dtype, [&](auto tag) -> moe_status {
     constexpr moe_dtype DT = decltype(tag)::value;
     if constexpr (moe_is_float_v<DT>) {
-      ix_rope_kernel<DT><<<moe_blocks(pairs), MOE_THREADS, 0, (cudaStream_t)stream>>>(
-          pairs, out->data, x->data, cos->data, sin->data, g);
+      ix_rope_dispatch<DT>(rows, out, x, cos, sin, g, s);
       return MOE_OK;
     } else {
       return moe_error(ctx, MOE_ERR_DTYPE, "cuda rope: %s is not a float dtype", moe_dtype_name(DT));

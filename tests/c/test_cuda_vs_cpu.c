@@ -377,6 +377,209 @@ static void test_copy_strided(moe_ctx *ctx) {
   }
 }
 
+/* Row copies: same-dtype copies whose last (merged) dim is dense in both
+ * views take the row kernel, in 16-, 8-, 4-, 2- or 1-byte words as the row
+ * bytes, pointers and row strides allow; the rest the element kernel. The
+ * scenarios below take their row length from row_len. */
+static int64_t row_len = 64;
+
+/* Attention's (B, H, S, D) -> (B, S, H, D): contiguous() of a transpose. */
+static moe_status sc_rows_transpose(moe_ctx *ctx, moe_device d, moe_dtype dt, moe_dtype unused,
+                                    moe_tensor **out) {
+  moe_tensor *src = NULL, *srct = NULL;
+  moe_status st;
+  int64_t shape[4] = {2, 4, 33, row_len};
+  TRY(make_values(ctx, 4, shape, dt, d, 21, true, &src));
+  TRY(moe_transpose(ctx, src, 1, 2, &srct));
+  TRY(moe_contiguous(ctx, srct, out));
+done:
+  moe_tensor_release(src);
+  moe_tensor_release(srct);
+  return st;
+}
+
+/* Attention's backward: (B, S, H, D) gradients into slots 0 and 2 of a
+ * packed (B, S, 3, H, D) tensor; slot 1 keeps its fill. */
+static moe_status sc_rows_qkv_slots(moe_ctx *ctx, moe_device d, moe_dtype dt, moe_dtype unused,
+                                    moe_tensor **out) {
+  moe_tensor *qkv = NULL, *slot = NULL, *g = NULL;
+  moe_status st;
+  int64_t pshape[5] = {2, 33, 3, 4, row_len}, gshape[4] = {2, 33, 4, row_len};
+  TRY(moe_tensor_full(ctx, 5, pshape, 7, dt, d, &qkv));
+  for (int i = 0; i < 3; i += 2) {
+    TRY(make_values(ctx, 4, gshape, dt, d, 22 + (uint64_t)i, true, &g));
+    TRY(moe_select(ctx, qkv, 2, i, &slot));
+    TRY(moe_copy_(ctx, slot, g));
+    moe_tensor_release(slot);
+    moe_tensor_release(g);
+    slot = g = NULL;
+  }
+  *out = qkv;
+  qkv = NULL;
+done:
+  moe_tensor_release(qkv);
+  moe_tensor_release(slot);
+  moe_tensor_release(g);
+  return st;
+}
+
+/* Rows of row_len elements at element offsets (dst, src) inside rows of
+ * row_len + 8: with 2-byte elements and row_len 64, offsets 8, 4, 2 and 1
+ * leave 16-, 8-, 4- and 2-byte words. Result k of the stack holds the copy
+ * of pair k; everything around the rows keeps its fill. */
+static moe_status sc_rows_offsets(moe_ctx *ctx, moe_device d, moe_dtype dt, moe_dtype unused,
+                                  moe_tensor **out) {
+  static const int64_t offs[][2] = {{0, 0}, {1, 3}, {2, 2}, {4, 4}, {8, 8}, {8, 1}, {0, 4}, {8, 6}};
+  enum { NOFFS = sizeof(offs) / sizeof(offs[0]) };
+  moe_tensor *res = NULL, *src = NULL, *plane = NULL, *dv = NULL, *sv = NULL;
+  moe_status st;
+  int64_t w = row_len + 8, rshape[3] = {NOFFS, 5, w}, sshape[2] = {5, w};
+  TRY(moe_tensor_full(ctx, 3, rshape, 7, dt, d, &res));
+  TRY(make_values(ctx, 2, sshape, dt, d, 23, true, &src));
+  for (int k = 0; k < NOFFS; k++) {
+    TRY(moe_select(ctx, res, 0, k, &plane));
+    TRY(moe_narrow(ctx, plane, 1, offs[k][0], row_len, &dv));
+    TRY(moe_narrow(ctx, src, 1, offs[k][1], row_len, &sv));
+    TRY(moe_copy_(ctx, dv, sv));
+    moe_tensor_release(plane);
+    moe_tensor_release(dv);
+    moe_tensor_release(sv);
+    plane = dv = sv = NULL;
+  }
+  *out = res;
+  res = NULL;
+done:
+  moe_tensor_release(res);
+  moe_tensor_release(src);
+  moe_tensor_release(plane);
+  moe_tensor_release(dv);
+  moe_tensor_release(sv);
+  return st;
+}
+
+/* Broadcast sources (stride 0 in outer dims): a row [L] into [6, L]; a
+ * [3, 1, L] into the transposed view of a [4, 3, L] (two outer dims, one of
+ * stride 0 in the source); a [3, 1, L] source cut with size-1 dims of odd
+ * strides; then a column [6, 1] into [6, L] (stride 0 innermost: the element
+ * kernel). Each into its own 12 rows of one [48, L] result. */
+static moe_status sc_rows_broadcast(moe_ctx *ctx, moe_device d, moe_dtype dt, moe_dtype unused,
+                                    moe_tensor **out) {
+  moe_tensor *res = NULL, *plane = NULL, *v = NULL, *src = NULL, *big = NULL, *cut = NULL,
+             *cut2 = NULL;
+  moe_status st;
+  int64_t L = row_len, rshape[2] = {4 * 12, L}, r1[1] = {L}, p2[3] = {4, 3, L},
+          s2[3] = {3, 1, L}, b3[3] = {3, 5, L + 2}, c4[2] = {6, 1};
+  TRY(moe_tensor_full(ctx, 2, rshape, 7, dt, d, &res));
+  /* plane 0: rows 0..5 = a broadcast row */
+  TRY(moe_narrow(ctx, res, 0, 0, 6, &plane));
+  TRY(make_values(ctx, 1, r1, dt, d, 24, true, &src));
+  TRY(moe_copy_(ctx, plane, src));
+  moe_tensor_release(plane);
+  moe_tensor_release(src);
+  plane = src = NULL;
+  /* plane 1: rows 12..23 as [4, 3, L], written through its [3, 4, L] transpose */
+  TRY(moe_narrow(ctx, res, 0, 12, 12, &plane));
+  TRY(moe_view(ctx, plane, 3, p2, &v));
+  moe_tensor_release(plane);
+  plane = NULL;
+  TRY(moe_transpose(ctx, v, 0, 1, &plane));
+  TRY(make_values(ctx, 3, s2, dt, d, 25, true, &src));
+  TRY(moe_copy_(ctx, plane, src));
+  moe_tensor_release(plane);
+  moe_tensor_release(v);
+  moe_tensor_release(src);
+  plane = v = src = NULL;
+  /* plane 2: rows 24..26 = big[:, 2:3, 1:1+L] (size-1 middle dim) */
+  TRY(moe_narrow(ctx, res, 0, 24, 3, &plane));
+  TRY(moe_view(ctx, plane, 3, s2, &v));
+  TRY(make_values(ctx, 3, b3, dt, d, 26, true, &big));
+  TRY(moe_narrow(ctx, big, 1, 2, 1, &cut));
+  TRY(moe_narrow(ctx, cut, 2, 1, L, &cut2));
+  TRY(moe_copy_(ctx, v, cut2));
+  moe_tensor_release(plane);
+  moe_tensor_release(v);
+  plane = v = NULL;
+  /* plane 3: rows 36..41 = a broadcast column */
+  TRY(moe_narrow(ctx, res, 0, 36, 6, &plane));
+  TRY(make_values(ctx, 2, c4, dt, d, 27, true, &src));
+  TRY(moe_copy_(ctx, plane, src));
+  *out = res;
+  res = NULL;
+done:
+  moe_tensor_release(res);
+  moe_tensor_release(plane);
+  moe_tensor_release(v);
+  moe_tensor_release(src);
+  moe_tensor_release(big);
+  moe_tensor_release(cut);
+  moe_tensor_release(cut2);
+  return st;
+}
+
+static void test_copy_rows(moe_ctx *ctx) {
+  static const int64_t lens[] = {64, 7, 33, 2, 1, 130};
+  for (size_t l = 0; l < sizeof(lens) / sizeof(lens[0]); l++) {
+    row_len = lens[l];
+    for (int k = 0; k < NDT; k++) {
+      moe_dtype dt = all_dtypes[k];
+      char what[64];
+      snprintf(what, sizeof(what), "rows %lld transpose", (long long)row_len);
+      EXPECT(run_both(ctx, sc_rows_transpose, dt, dt, -1, 0, what));
+      snprintf(what, sizeof(what), "rows %lld qkv slots", (long long)row_len);
+      EXPECT(run_both(ctx, sc_rows_qkv_slots, dt, dt, -1, 0, what));
+      snprintf(what, sizeof(what), "rows %lld offsets", (long long)row_len);
+      EXPECT(run_both(ctx, sc_rows_offsets, dt, dt, -1, 0, what));
+      snprintf(what, sizeof(what), "rows %lld broadcast", (long long)row_len);
+      EXPECT(run_both(ctx, sc_rows_broadcast, dt, dt, -1, 0, what));
+    }
+  }
+  row_len = 64;
+}
+
+/* Row copies at sizes where the grid caps (65535 blocks in y, 65535 in x)
+ * leave the kernel's grid-stride loops more than one turn: 70000 rows of
+ * 257 bytes, then 2 rows of 2^24 + 999 bytes (1-byte words: the rows start
+ * at odd offsets). Compared byte for byte, the whole destination. */
+static void test_copy_rows_large(moe_ctx *ctx) {
+  static const int64_t sizes[][2] = {{70000, 257}, {2, (INT64_C(1) << 24) + 999}};
+  for (int k = 0; k < 2; k++) {
+    int64_t R = sizes[k][0], L = sizes[k][1];
+    int64_t bshape[2] = {R, L + 2}, dshape[2] = {R, L + 3};
+    moe_tensor *base = NULL, *baseg = NULL, *dst = NULL, *dstg = NULL, *sv = NULL, *svg = NULL,
+               *dv = NULL, *dvg = NULL, *back = NULL;
+    moe_rng_seed(ctx, 5 + (uint64_t)k);
+    EXPECT_OK(moe_tensor_empty(ctx, 2, bshape, MOE_U8, MOE_CPU, &base));
+    if (base) EXPECT_OK(moe_randint_(ctx, base, 0, 256));
+    EXPECT_OK(moe_to(ctx, base, MOE_U8, GPU, &baseg));
+    EXPECT_OK(moe_tensor_full(ctx, 2, dshape, 9, MOE_U8, MOE_CPU, &dst));
+    EXPECT_OK(moe_tensor_full(ctx, 2, dshape, 9, MOE_U8, GPU, &dstg));
+    if (base && baseg && dst && dstg) {
+      EXPECT_OK(moe_narrow(ctx, base, 1, 1, L, &sv));
+      EXPECT_OK(moe_narrow(ctx, baseg, 1, 1, L, &svg));
+      EXPECT_OK(moe_narrow(ctx, dst, 1, 2, L, &dv));
+      EXPECT_OK(moe_narrow(ctx, dstg, 1, 2, L, &dvg));
+    }
+    if (sv && svg && dv && dvg) {
+      EXPECT_OK(moe_copy_(ctx, dv, sv));
+      EXPECT_OK(moe_copy_(ctx, dvg, svg));
+      EXPECT_OK(moe_to(ctx, dstg, MOE_U8, MOE_CPU, &back));
+    }
+    if (back) {
+      const unsigned char *a = moe_tensor_data(back), *b = moe_tensor_data(dst);
+      int64_t n = R * (L + 3), bad = -1;
+      if (memcmp(a, b, (size_t)n) != 0)
+        for (int64_t i = 0; i < n && bad < 0; i++)
+          if (a[i] != b[i]) bad = i;
+      if (bad >= 0)
+        fprintf(stderr, "  rows %lld x %lld: byte %lld is %d on the GPU, %d on the CPU\n",
+                (long long)R, (long long)L, (long long)bad, a[bad], b[bad]);
+      EXPECT(bad < 0);
+    }
+    moe_tensor *ts[] = {base, baseg, dst, dstg, sv, svg, dv, dvg, back};
+    for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+  }
+}
+
 /* ----------------------------------------------------- fill, arange, linspace */
 
 static const double fill_values[] = {1.5, 0.0, -3.0, 300.0, 1e10, -0.0, NAN, 65519.0, -1.0};
@@ -697,6 +900,8 @@ int main(void) {
   RUN(test_device_facts);
   RUN(test_copy_dtype_pairs);
   RUN(test_copy_strided);
+  RUN(test_copy_rows);
+  RUN(test_copy_rows_large);
   RUN(test_fill_arange_linspace);
   RUN(test_random);
   RUN(test_binary);

@@ -333,6 +333,162 @@ static void test_rope_cuda(moe_ctx *ctx) {
   }
 }
 
+/* a (any device) and b (any device) hold the same bits: same dtype and
+ * shape, contiguous copies on the host compared with memcmp. */
+static int bits_same(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const char *what, int line) {
+  if (!a || !b || a->dtype != b->dtype || a->ndim != b->ndim) {
+    fprintf(stderr, "line %d %s: missing result or dtype/rank differ\n", line, what);
+    return 0;
+  }
+  for (int d = 0; d < a->ndim; d++)
+    if (a->shape[d] != b->shape[d]) {
+      fprintf(stderr, "line %d %s: shapes differ\n", line, what);
+      return 0;
+    }
+  moe_tensor *ah = NULL, *bh = NULL, *ac = NULL, *bc = NULL;
+  int ok = moe_to(ctx, a, a->dtype, MOE_CPU, &ah) == MOE_OK &&
+           moe_to(ctx, b, b->dtype, MOE_CPU, &bh) == MOE_OK &&
+           moe_contiguous(ctx, ah, &ac) == MOE_OK && moe_contiguous(ctx, bh, &bc) == MOE_OK;
+  if (!ok) fprintf(stderr, "line %d %s: reading back failed: %s\n", line, what, moe_ctx_error(ctx));
+  size_t es = moe_dtype_size(a->dtype);
+  int64_t n = moe_tensor_numel(a);
+  if (ok && n > 0 && memcmp(moe_tensor_data(ac), moe_tensor_data(bc), (size_t)n * es) != 0) {
+    const unsigned char *x = moe_tensor_data(ac), *y = moe_tensor_data(bc);
+    int64_t i = 0;
+    while (memcmp(x + i * es, y + i * es, es) == 0) i++;
+    uint64_t u = 0, v = 0;
+    memcpy(&u, x + i * es, es);
+    memcpy(&v, y + i * es, es);
+    fprintf(stderr, "line %d %s (%s): element %lld has bits %llx, the other %llx\n", line, what,
+            moe_dtype_name(a->dtype), (long long)i, (unsigned long long)u, (unsigned long long)v);
+    ok = 0;
+  }
+  rel3(ah, bh, NULL);
+  rel3(ac, bc, NULL);
+  return ok;
+}
+#define BITS_SAME(a, b, what) EXPECT(bits_same(ctx, (a), (b), (what), __LINE__))
+
+/* A view of a base tensor: 's' select(dim a, index b), 'n' narrow(dim a,
+ * start b, length c), 't' transpose(a, b). */
+typedef struct vop {
+  char op;
+  int64_t a, b, c;
+} vop;
+
+static moe_tensor *apply_views(moe_ctx *ctx, moe_tensor *t, int n, const vop *ops) {
+  moe_tensor *cur = t, *next = NULL;
+  moe_tensor_retain(cur);
+  for (int k = 0; k < n; k++) {
+    moe_status st = ops[k].op == 's'   ? moe_select(ctx, cur, ops[k].a, ops[k].b, &next)
+                    : ops[k].op == 'n' ? moe_narrow(ctx, cur, ops[k].a, ops[k].b, ops[k].c, &next)
+                                       : moe_transpose(ctx, cur, ops[k].a, ops[k].b, &next);
+    if (st != MOE_OK) {
+      fprintf(stderr, "apply_views: %s\n", moe_ctx_error(ctx));
+      exit(1);
+    }
+    moe_tensor_release(cur);
+    cur = next;
+  }
+  return cur;
+}
+
+/*
+ * Rope of views on both devices, forward and backward (the inverse
+ * rotation), bit for bit: x is a view (xo) of a random base; cos and sin
+ * come from rope_cache (cshape[0] == 0) or are random views (co) of
+ * cshape-shaped bases (a (T, D) width is the `full` layout). The cases reach
+ * every vector width of the kernel (16-, 8-, 4-, 2-byte and scalar accesses:
+ * packed q/k/v slots, D of 64, 12 and 6, offsets of 1, 2 and 4 elements)
+ * and its strided fallbacks (last dim of x strided, cos rows of odd stride,
+ * cos transposed).
+ */
+typedef struct rope_case {
+  const char *what;
+  int ndim;
+  int64_t shape[5];
+  int nx;
+  vop xo[3];
+  int64_t cshape[2];
+  int nc;
+  vop co[2];
+  moe_rope_layout lay;
+} rope_case;
+
+#define SEL(d, i) {'s', d, i, 0}
+#define NAR(d, start, len) {'n', d, start, len}
+#define TRN(d0, d1) {'t', d0, d1, 0}
+#define NOV {0, 0, 0, 0}
+static const rope_case rope_cases[] = {
+    {"q of packed qkv", 5, {2, 33, 3, 4, 64}, 1, {SEL(2, 0)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"k of packed qkv", 5, {2, 33, 3, 4, 64}, 1, {SEL(2, 1)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"v slot, full cos", 5, {2, 33, 3, 4, 64}, 1, {SEL(2, 2)}, {33, 64}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"k of packed qkv, D 12", 5, {2, 33, 3, 4, 12}, 1, {SEL(2, 1)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"q, D 12, full cos", 5, {2, 33, 3, 4, 12}, 1, {SEL(2, 0)}, {33, 12}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"v slot, D 6", 5, {2, 33, 3, 4, 6}, 1, {SEL(2, 2)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"offset 1", 4, {2, 33, 4, 65}, 1, {NAR(3, 1, 64)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"offset 2", 4, {2, 33, 4, 66}, 1, {NAR(3, 2, 64)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"offset 4", 4, {2, 33, 4, 68}, 1, {NAR(3, 4, 64)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"strided last dim", 4, {2, 33, 64, 4}, 1, {TRN(2, 3)}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"cos rows of odd stride", 4, {2, 33, 4, 64}, 0, {NOV}, {33, 33}, 1, {NAR(1, 0, 32)},
+     MOE_ROPE_BTHD},
+    {"cos transposed", 4, {2, 33, 4, 64}, 0, {NOV}, {32, 33}, 1, {TRN(0, 1)}, MOE_ROPE_BTHD},
+    {"bhtd", 4, {2, 4, 33, 64}, 0, {NOV}, {0}, 0, {NOV}, MOE_ROPE_BHTD},
+    {"bhtd view of packed qkv", 5, {2, 33, 3, 4, 64}, 2, {SEL(2, 1), TRN(1, 2)}, {0}, 0,
+     {NOV}, MOE_ROPE_BHTD},
+    {"one row", 4, {1, 1, 1, 64}, 0, {NOV}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+    {"odd sizes", 4, {3, 5, 7, 16}, 0, {NOV}, {0}, 0, {NOV}, MOE_ROPE_BTHD},
+};
+#undef SEL
+#undef NAR
+#undef TRN
+#undef NOV
+
+static void test_rope_views_cuda(moe_ctx *ctx) {
+  const moe_dtype dts[] = {MOE_F32, MOE_BF16, MOE_F16, MOE_F64};
+  for (size_t k = 0; k < sizeof dts / sizeof dts[0]; k++) {
+    for (size_t c = 0; c < sizeof rope_cases / sizeof rope_cases[0]; c++) {
+      const rope_case *rc = &rope_cases[c];
+      char what[96];
+      snprintf(what, sizeof what, "rope %s", rc->what);
+      moe_tensor *base = rnd(ctx, dts[k], MOE_CPU, rc->ndim, rc->shape), *baseg = gpu(ctx, base);
+      EXPECT_OK(moe_set_requires_grad(ctx, base, true));
+      EXPECT_OK(moe_set_requires_grad(ctx, baseg, true));
+      moe_tensor *x = apply_views(ctx, base, rc->nx, rc->xo),
+                 *xg = apply_views(ctx, baseg, rc->nx, rc->xo);
+      int64_t T = x->shape[rc->lay == MOE_ROPE_BTHD ? 1 : 2], D = x->shape[3];
+      moe_tensor *cb = NULL, *sb = NULL, *cbg = NULL, *sbg = NULL;
+      if (rc->cshape[0] == 0) {
+        EXPECT_OK(moe_rope_cache(ctx, T, D, 10000, dts[k], MOE_CPU, &cb, &sb));
+        EXPECT_OK(moe_rope_cache(ctx, T, D, 10000, dts[k], GPU, &cbg, &sbg));
+      } else {
+        cb = rnd(ctx, dts[k], MOE_CPU, 2, rc->cshape);
+        sb = rnd(ctx, dts[k], MOE_CPU, 2, rc->cshape);
+        cbg = gpu(ctx, cb);
+        sbg = gpu(ctx, sb);
+      }
+      moe_tensor *cs = apply_views(ctx, cb, rc->nc, rc->co), *sn = apply_views(ctx, sb, rc->nc, rc->co),
+                 *csg = apply_views(ctx, cbg, rc->nc, rc->co), *sng = apply_views(ctx, sbg, rc->nc, rc->co);
+      moe_tensor *a = NULL, *b = NULL;
+      EXPECT_OK(moe_rope(ctx, xg, csg, sng, rc->lay, &a));
+      EXPECT_OK(moe_rope(ctx, x, cs, sn, rc->lay, &b));
+      BITS_SAME(a, b, what); /* the same f32 (f64) operations, each rounded once */
+      if (a && b) {
+        moe_tensor *g = rnd(ctx, dts[k], MOE_CPU, 4, b->shape), *gg = gpu(ctx, g);
+        EXPECT_OK(moe_backward(ctx, a, gg, false));
+        EXPECT_OK(moe_backward(ctx, b, g, false));
+        snprintf(what, sizeof what, "rope %s backward", rc->what);
+        EXPECT(moe_tensor_grad(baseg) && moe_tensor_grad(base));
+        if (moe_tensor_grad(baseg) && moe_tensor_grad(base))
+          BITS_SAME(moe_tensor_grad(baseg), moe_tensor_grad(base), what);
+        rel3(g, gg, NULL);
+      }
+      moe_tensor *ts[] = {a, b, x, xg, cs, sn, csg, sng, cb, sb, cbg, sbg, base, baseg};
+      for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
+    }
+  }
+}
+
 /* ------------------------------------------------------- backward */
 
 /* grad of a leaf x (cpu and gpu copies) through f, with cotangent g. */
@@ -1080,6 +1236,15 @@ static void test_timings(moe_ctx *ctx) {
   EXPECT_OK(moe_rope_cache(ctx, 2048, 128, 10000, MOE_BF16, GPU, &c, &s));
   BENCH("rope (8, 2048, 16, 128) bf16", 8.0 * 2048 * 16 * 128 * 2 * 2,
         { moe_rope(ctx, q, c, s, MOE_ROPE_BTHD, &o); moe_tensor_release(o); });
+  /* rope of q, a strided view of the packed qkv of a small model's
+   * attention (B 16, T 1024, H 8, D 64), bf16 */
+  moe_tensor *qkv = NULL, *qv = NULL, *c2 = NULL, *s2 = NULL;
+  EXPECT_OK(moe_tensor_empty(ctx, 5, SH(16, 1024, 3, 8, 64), MOE_BF16, GPU, &qkv));
+  EXPECT_OK(moe_normal_(ctx, qkv, 0, 1));
+  EXPECT_OK(moe_select(ctx, qkv, 2, 0, &qv));
+  EXPECT_OK(moe_rope_cache(ctx, 1024, 64, 10000, MOE_BF16, GPU, &c2, &s2));
+  BENCH("rope q of packed qkv (16, 1024, 8, 64) bf16", 16.0 * 1024 * 8 * 64 * 2 * 2,
+        { moe_rope(ctx, qv, c2, s2, MOE_ROPE_BTHD, &o); moe_tensor_release(o); });
   /* multinomial: 64 rows of a 50257 vocabulary, one sample each */
   moe_tensor *pr = NULL;
   EXPECT_OK(moe_tensor_empty(ctx, 2, SH(64, 50257), MOE_F32, GPU, &pr));
@@ -1096,7 +1261,7 @@ static void test_timings(moe_ctx *ctx) {
         { moe_bincount(ctx, ridg, 64, &o); moe_tensor_release(o); });
   BENCH("scatter_add of ones, the same counts", 16384.0 * 16,
         { moe_scatter_add(ctx, zb, 0, ridg, one, &o); moe_tensor_release(o); });
-  moe_tensor *ts[] = {x, x2, ids, idsg, w, tok, tokg, g, z, q, c, s, pr, rid, ridg, one, zb};
+  moe_tensor *ts[] = {x, x2, ids, idsg, w, tok, tokg, g, z, q, c, s, qkv, qv, c2, s2, pr, rid, ridg, one, zb};
   for (size_t j = 0; j < sizeof ts / sizeof ts[0]; j++) moe_tensor_release(ts[j]);
 }
 
@@ -1108,6 +1273,7 @@ int main(void) {
   RUN(test_sort_cuda);
   RUN(test_join_cuda);
   RUN(test_rope_cuda);
+  RUN(test_rope_views_cuda);
   RUN(test_backward_cuda);
   RUN(test_backward_multi_cuda);
   RUN(test_index_add_windows_cuda);
