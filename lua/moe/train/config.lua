@@ -62,7 +62,7 @@ M.descriptions = {
   log_every = "log (console, metrics.jsonl, TensorBoard) every N steps",
   save_every = "save a checkpoint every N steps (0 = only at the end)",
   keep_last = "checkpoints kept in out_dir, the newest ones (0 = save none)",
-  save_async = "jobs of several ranks: write checkpoints on a background thread (the step waits for a host copy)",
+  save_async = "write checkpoints on a background thread (the step waits for a host copy; sharded format)",
   out_dir = "folder of the run: checkpoints, metrics.jsonl, tb/, config.json",
   resume = "continue a run: latest (the newest checkpoint in out_dir), a checkpoint folder, or empty",
   overwrite = "start afresh in an out_dir that holds an earlier run, deleting its checkpoints and logs",

@@ -379,7 +379,9 @@ function M.run(user_cfg, parts)
       end
       return
     end
-    if par.distributed then -- every rank writes its shards (moe/train/dcp.lua)
+    -- every rank writes its shards (moe/train/dcp.lua); one process too when its saves are
+    -- asynchronous and no save hook writes them
+    if par.distributed or (cfg.save_async and #hooks.save == 0) then
       local path = par:save_checkpoint(state.step, model, opt, rank_state, { consumed_tokens = state.consumed_tokens,
         skipped_steps = state.skipped_steps, tokenizer = tok_rec, files = tok_rec and tok_files or nil,
         config = tconfig.plain(cfg), optim_scalars = tconfig.plain(opt:state_scalars()) })

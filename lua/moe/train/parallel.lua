@@ -144,6 +144,9 @@ function M.setup(cfg)
           "ranks and leave parallel.dp=0)"):format(k, pc[k], pc[k]), 0)
       end
     end
+    -- one process: synchronous saves are single-file checkpoints (moe/checkpoint.lua);
+    -- save_async writes the sharded format with one shard (moe/train/dcp.lua)
+    par.ckpt_opts = { out_dir = cfg.out_dir, keep_last = cfg.keep_last, async = cfg.save_async }
     return par
   end
   if dp ~= world then
@@ -575,8 +578,9 @@ local function dcp() return require "moe.train.dcp" end
 function Par:save_checkpoint(step, model, opt, rank_state, state_tbl)
   if not self.saver then
     local o = self.ckpt_opts
-    self.saver = dcp().Saver { out_dir = o.out_dir, rank = self.rank, world = self.dist.world_size(),
-      barrier = function() self.dist.barrier() end, keep_last = o.keep_last, async = o.async }
+    local d = self.dist
+    self.saver = dcp().Saver { out_dir = o.out_dir, rank = self.rank, world = d and d.world_size() or 1,
+      barrier = function() if d then d.barrier() end end, keep_last = o.keep_last, async = o.async }
   end
   local before = self.saver.last
   local stall = self.saver:save(step, dcp().pieces(self, model, opt), rank_state, state_tbl)
