@@ -23,7 +23,10 @@
 #            shard_params (ZeRO-3): tokens/s per GPU, peak and model-state memory per GPU;
 #            then a 125M with more experts than one GPU holds (BIG_EXPERTS, default by the
 #            card's memory) on one GPU (expected to run out of memory), with ep = 2 and with
-#            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60)
+#            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60). The ep = 2 and ZeRO-3 runs time
+#            their collectives (comm_profile=true: all_to_all, all_gather, reduce_scatter ms per
+#            step on the communication stream); bench/layouts_report.py writes the table to
+#            $OUT/layouts_125m.md (copy it to bench/results/dist/)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -167,20 +170,24 @@ PY
         timeout 400 "$@" json="$out/s125_$name.json" out_dir=/tmp/s125_$name > "$out/s125_$name.log" 2>&1
         local rc=$?
         note "125M $name: rc=$rc $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step.*GiB' "$out/s125_$name.log" | tail -1) ($(($(date +%s) - t0)) s)"
+        local cl; cl=$(grep -o 'collectives per step.*' "$out/s125_$name.log" | tail -1)
+        [ -n "$cl" ] && note "  $name: $cl"
         [ $rc -eq 0 ] || tail -4 "$out/s125_$name.log"
       }
       run125 gpu1 $ml "${a125[@]}"
       run125 dp2 $ml launch -n 2 "${a125[@]}"
-      run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2
+      run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2 comm_profile=true
       run125 zero2 $ml launch -n 2 "${a125[@]}" dp_shard=2
-      run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true
+      run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true comm_profile=true
       mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       be=${BIG_EXPERTS:-$([ "$mem" -gt 100000 ] && echo 192 || echo 128)}
       b125=("${a125[@]}" experts=$be steps=$((st / 2)))
       run125 big_gpu1 $ml "${b125[@]}"
-      run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2
-      run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true
-      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log | head -2 ;;
+      run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2 comm_profile=true
+      run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true comm_profile=true
+      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log | head -2
+      python3 bench/layouts_report.py "$out" "$out/layouts_125m" > "$out/layouts_125m.log" 2>&1
+      note "layouts_report.py: rc=$? (\$OUT/layouts_125m.md)" ;;
     index)
       (cd build-gpu && ctest -R "index_cuda|routing_cuda|routers|grouped_cuda" --output-on-failure) \
         > "$out/index_tests.log" 2>&1
