@@ -4,7 +4,7 @@
 # each under `mpirun -n 2 --bind-to none`. Over a build made here and packed with
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
-#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [ckpt] [scale125]
+#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [layouts2] [ckpt] [scale125]
 #                                                           (tests bench by default)
 #
 #   dp       tests/dist/dp_equivalence.lua with device=cuda (dp = 2 against one process, NCCL)
@@ -15,6 +15,11 @@
 #   layouts  expert parallelism and expert-tensor sharding (tests/dist/ep_train.lua), sharded
 #            data parallelism (tests/dist/zero_equivalence.lua) and parameter sharding
 #            (tests/dist/zero3_equivalence.lua) with device=cuda on 2 GPUs (LAYOUT_STEPS=N: fewer steps)
+#   layouts2 the rest of the layout tests with device=cuda on 2 GPUs, their 2-rank cases (the
+#            4-rank ones, HSDP 2 x 2 among them, stay on the CPU): ZeRO-3 with ep and with etp
+#            (tests/dist/zero3_layouts.lua), layouts as Lua functions (tests/dist/layouts.lua),
+#            per-GPU model-state bytes under FSDP from the CUDA allocator (tests/dist/fsdp_memory.lua),
+#            and the collective timing with GPU tensors (tests/dist/comm_timing.lua, CUDA events)
 #   ckpt     sharded checkpoints on 2 GPUs: tests/dist/ckpt_resume.lua and ckpt_ep.lua (its 2-rank
 #            and one-process phases) with device=cuda, and tests/dist/ckpt_restart.lua: rank 1
 #            killed with SIGKILL mid-step under --max-restarts 2 against an uninterrupted run
@@ -131,6 +136,20 @@ EOF
       timeout 300 $ml launch -n 2 tests/dist/zero3_equivalence.lua device=cuda $ls > "$out/zero3_cuda.log" 2>&1
       note "zero3_equivalence (cuda, dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "max|bit|FAILED|ok$" "$out/zero3_cuda.log" | head -8 ;;
+    layouts2)
+      ls=${LAYOUT_STEPS:+steps=$LAYOUT_STEPS}
+      timeout 300 $ml launch -n 2 tests/dist/zero3_layouts.lua device=cuda $ls > "$out/zero3_layouts_cuda.log" 2>&1
+      note "zero3_layouts (cuda, 2-rank cases: ep = 2 x dp_shard = 2, etp = 2 x dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s); $(grep -o 'zero3_layouts: ok.*' "$out/zero3_layouts_cuda.log")"
+      grep -E "within|FAILED|error" "$out/zero3_layouts_cuda.log" | head -6
+      timeout 300 $ml launch -n 2 tests/dist/layouts.lua device=cuda $ls > "$out/layouts_cuda.log" 2>&1
+      note "layouts (cuda: custom_layout ep = 2 x dp_shard = 2 with sharded attention, and the errors): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "within|FAILED|error" "$out/layouts_cuda.log" | head -6
+      timeout 300 $ml launch -n 2 tests/dist/fsdp_memory.lua device=cuda verbose=true > "$out/fsdp_memory_cuda.log" 2>&1
+      note "fsdp_memory (cuda, CUDA allocator bytes): rc=$? ($(($(date +%s) - t0)) s); $(grep -o 'the largest ratio [0-9.]*' "$out/fsdp_memory_cuda.log")"
+      grep -E "^rank|FAILED|error" "$out/fsdp_memory_cuda.log" | head -6
+      MOE_DIST_DEVICE=cuda timeout 120 $ml launch -n 2 tests/dist/comm_timing.lua > "$out/comm_timing_cuda.log" 2>&1
+      note "comm_timing (GPU tensors, NCCL, CUDA events): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "calls|FAILED|error|ok" "$out/comm_timing_cuda.log" | head -9 ;;
     ckpt)
       timeout 300 $ml launch -n 2 tests/dist/ckpt_resume.lua device=cuda > "$out/ckpt_resume_cuda.log" 2>&1
       note "ckpt_resume (cuda, 2 GPUs): rc=$? ($(($(date +%s) - t0)) s)"
