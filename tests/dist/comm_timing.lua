@@ -18,7 +18,7 @@ alone, the reset, off dropping the totals, and an asynchronous collective
 issued before timing restarts not counted after it.
 ]]
 local T = dofile(arg[0]:match("^(.*/)") .. "common.lua")
-local dist, moe = T.dist, T.moe
+local dist = T.dist
 local rank, W = T.rank, T.size
 T.check(W >= 2, "run under moe-lua launch -n 2 or more (world size %d)", W)
 
