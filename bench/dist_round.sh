@@ -31,7 +31,8 @@
 #            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60). The ep = 2 and ZeRO-3 runs time
 #            their collectives (comm_profile=true: all_to_all, all_gather, reduce_scatter ms per
 #            step on the communication stream); bench/layouts_report.py writes the table to
-#            $OUT/layouts_125m.md (copy it to bench/results/dist/)
+#            $OUT/layouts_125m.md (copy it to bench/results/dist/). SCALE_RUNS="gpu1 ep2 zero3" runs
+#            only the named runs (of gpu1 dp2 ep2 zero2 zero3 big_gpu1 big_ep2 big_zero3)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -186,6 +187,7 @@ PY
       a125=(bench/train_125m.lua steps=$st log_every=10 data=data/bible_kjv)
       run125() { # name launcher-args... -- train args...
         local name=$1; shift
+        if [ -n "${SCALE_RUNS:-}" ] && [[ " $SCALE_RUNS " != *" $name "* ]]; then return; fi
         timeout 400 "$@" json="$out/s125_$name.json" out_dir=/tmp/s125_$name > "$out/s125_$name.log" 2>&1
         local rc=$?
         note "125M $name: rc=$rc $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step.*GiB' "$out/s125_$name.log" | tail -1) ($(($(date +%s) - t0)) s)"
