@@ -206,7 +206,7 @@ PY
       run125 big_gpu1 $ml "${b125[@]}"
       run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2 comm_profile=true
       run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true comm_profile=true
-      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log | head -2
+      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log 2>/dev/null | head -2
       python3 bench/layouts_report.py "$out" "$out/layouts_125m" > "$out/layouts_125m.log" 2>&1
       note "layouts_report.py: rc=$? (\$OUT/layouts_125m.md)" ;;
     index)
