@@ -4,7 +4,7 @@
 # each under `mpirun -n 2 --bind-to none`. Over a build made here and packed with
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
-#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [ckpt] [scale125]
+#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [layouts2] [ckpt] [scale125]
 #                                                           (tests bench by default)
 #
 #   dp       tests/dist/dp_equivalence.lua with device=cuda (dp = 2 against one process, NCCL)
@@ -15,6 +15,11 @@
 #   layouts  expert parallelism and expert-tensor sharding (tests/dist/ep_train.lua), sharded
 #            data parallelism (tests/dist/zero_equivalence.lua) and parameter sharding
 #            (tests/dist/zero3_equivalence.lua) with device=cuda on 2 GPUs (LAYOUT_STEPS=N: fewer steps)
+#   layouts2 the rest of the layout tests with device=cuda on 2 GPUs, their 2-rank cases (the
+#            4-rank ones, HSDP 2 x 2 among them, stay on the CPU): ZeRO-3 with ep and with etp
+#            (tests/dist/zero3_layouts.lua), layouts as Lua functions (tests/dist/layouts.lua),
+#            per-GPU model-state bytes under FSDP from the CUDA allocator (tests/dist/fsdp_memory.lua),
+#            and the collective timing with GPU tensors (tests/dist/comm_timing.lua, CUDA events)
 #   ckpt     sharded checkpoints on 2 GPUs: tests/dist/ckpt_resume.lua and ckpt_ep.lua (its 2-rank
 #            and one-process phases) with device=cuda, and tests/dist/ckpt_restart.lua: rank 1
 #            killed with SIGKILL mid-step under --max-restarts 2 against an uninterrupted run
@@ -23,7 +28,11 @@
 #            shard_params (ZeRO-3): tokens/s per GPU, peak and model-state memory per GPU;
 #            then a 125M with more experts than one GPU holds (BIG_EXPERTS, default by the
 #            card's memory) on one GPU (expected to run out of memory), with ep = 2 and with
-#            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60)
+#            ZeRO-3 (SCALE_STEPS=N: steps per run, default 60). The ep = 2 and ZeRO-3 runs time
+#            their collectives (comm_profile=true: all_to_all, all_gather, reduce_scatter ms per
+#            step on the communication stream); bench/layouts_report.py writes the table to
+#            $OUT/layouts_125m.md (copy it to bench/results/dist/). SCALE_RUNS="gpu1 ep2 zero3" runs
+#            only the named runs (of gpu1 dp2 ep2 zero2 zero3 big_gpu1 big_ep2 big_zero3)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -128,6 +137,20 @@ EOF
       timeout 300 $ml launch -n 2 tests/dist/zero3_equivalence.lua device=cuda $ls > "$out/zero3_cuda.log" 2>&1
       note "zero3_equivalence (cuda, dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "max|bit|FAILED|ok$" "$out/zero3_cuda.log" | head -8 ;;
+    layouts2)
+      ls=${LAYOUT_STEPS:+steps=$LAYOUT_STEPS}
+      timeout 300 $ml launch -n 2 tests/dist/zero3_layouts.lua device=cuda $ls > "$out/zero3_layouts_cuda.log" 2>&1
+      note "zero3_layouts (cuda, 2-rank cases: ep = 2 x dp_shard = 2, etp = 2 x dp_shard = 2, shard_params): rc=$? ($(($(date +%s) - t0)) s); $(grep -o 'zero3_layouts: ok.*' "$out/zero3_layouts_cuda.log")"
+      grep -E "within|FAILED|error" "$out/zero3_layouts_cuda.log" | head -6
+      timeout 300 $ml launch -n 2 tests/dist/layouts.lua device=cuda $ls > "$out/layouts_cuda.log" 2>&1
+      note "layouts (cuda: custom_layout ep = 2 x dp_shard = 2 with sharded attention, and the errors): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "within|FAILED|error" "$out/layouts_cuda.log" | head -6
+      timeout 300 $ml launch -n 2 tests/dist/fsdp_memory.lua device=cuda verbose=true > "$out/fsdp_memory_cuda.log" 2>&1
+      note "fsdp_memory (cuda, CUDA allocator bytes): rc=$? ($(($(date +%s) - t0)) s); $(grep -o 'the largest ratio [0-9.]*' "$out/fsdp_memory_cuda.log")"
+      grep -E "^rank|FAILED|error" "$out/fsdp_memory_cuda.log" | head -6
+      MOE_DIST_DEVICE=cuda timeout 120 $ml launch -n 2 tests/dist/comm_timing.lua > "$out/comm_timing_cuda.log" 2>&1
+      note "comm_timing (GPU tensors, NCCL, CUDA events): rc=$? ($(($(date +%s) - t0)) s)"
+      grep -E "calls|FAILED|error|ok" "$out/comm_timing_cuda.log" | head -9 ;;
     ckpt)
       timeout 300 $ml launch -n 2 tests/dist/ckpt_resume.lua device=cuda > "$out/ckpt_resume_cuda.log" 2>&1
       note "ckpt_resume (cuda, 2 GPUs): rc=$? ($(($(date +%s) - t0)) s)"
@@ -164,23 +187,28 @@ PY
       a125=(bench/train_125m.lua steps=$st log_every=10 data=data/bible_kjv)
       run125() { # name launcher-args... -- train args...
         local name=$1; shift
+        if [ -n "${SCALE_RUNS:-}" ] && [[ " $SCALE_RUNS " != *" $name "* ]]; then return; fi
         timeout 400 "$@" json="$out/s125_$name.json" out_dir=/tmp/s125_$name > "$out/s125_$name.log" 2>&1
         local rc=$?
         note "125M $name: rc=$rc $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step.*GiB' "$out/s125_$name.log" | tail -1) ($(($(date +%s) - t0)) s)"
+        local cl; cl=$(grep -o 'collectives per step.*' "$out/s125_$name.log" | tail -1)
+        [ -n "$cl" ] && note "  $name: $cl"
         [ $rc -eq 0 ] || tail -4 "$out/s125_$name.log"
       }
       run125 gpu1 $ml "${a125[@]}"
       run125 dp2 $ml launch -n 2 "${a125[@]}"
-      run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2
+      run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2 comm_profile=true
       run125 zero2 $ml launch -n 2 "${a125[@]}" dp_shard=2
-      run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true
+      run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true comm_profile=true
       mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       be=${BIG_EXPERTS:-$([ "$mem" -gt 100000 ] && echo 192 || echo 128)}
       b125=("${a125[@]}" experts=$be steps=$((st / 2)))
       run125 big_gpu1 $ml "${b125[@]}"
-      run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2
-      run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true
-      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log | head -2 ;;
+      run125 big_ep2 $ml launch -n 2 "${b125[@]}" ep=2 comm_profile=true
+      run125 big_zero3 $ml launch -n 2 "${b125[@]}" dp_shard=2 shard_params=true comm_profile=true
+      grep -hE "out of memory|OOM|cudaMalloc" "$out"/s125_big_gpu1.log 2>/dev/null | head -2
+      python3 bench/layouts_report.py "$out" "$out/layouts_125m" > "$out/layouts_125m.log" 2>&1
+      note "layouts_report.py: rc=$? (\$OUT/layouts_125m.md)" ;;
     index)
       (cd build-gpu && ctest -R "index_cuda|routing_cuda|routers|grouped_cuda" --output-on-failure) \
         > "$out/index_tests.log" 2>&1

@@ -43,6 +43,20 @@ gc_cycles (the bindings' backstop collections, moe.cuda.set_gc_step) and
 Lua heap growth. On the CPU both clocks are the host's, with no blocker.
 A profiled run's tokens/s includes the saturated steps: time throughput in
 a run without profile=true.
+
+comm_profile=true times the collectives of the timed steps (those after
+the first log interval, the ones tokens/s covers) with moe.dist's opt-in
+timing (dist.comm_timing, docs/DISTRIBUTED.md "Timing the collectives"):
+json= gets `comm`, per kind of collective (all_to_all, all_gather,
+reduce_scatter, all_reduce, ...) the calls, bytes and milliseconds per
+step and the share of the step's wall time (ms_per_step), rank 0's and the
+largest over the ranks. On a GPU a collective's time is its span on its
+communication stream (CUDA events; waiting for the other rank included):
+where the layout overlaps it with compute (the prefetched gathers of
+ZeRO-3, the reduce_scatter of a bucket while backward goes on) it is
+partly hidden, so the share is an upper bound on the step time lost to
+it. Timing costs two event records per collective and one wait at the
+end of the run.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -55,7 +69,7 @@ local o = moe.config {
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
   bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false,
-  profile = false, profile_steps = 20, saturate = true,
+  profile = false, profile_steps = 20, saturate = true, comm_profile = false,
 }
 
 -- ---------------------------------------------------------------- the profile
@@ -261,6 +275,22 @@ local state_bytes
 local function after_step(st)
   if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
 end
+-- comm_profile: the collectives of the timed steps (after the first log interval)
+local COMM_KINDS = { "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv" }
+local comm_raw -- {steps =, kinds = {name -> {ms, calls, bytes}}}
+local function on_log(st)
+  if not o.comm_profile then return end
+  if st.step == o.log_every then
+    dist.comm_timing(true)
+  elseif st.step == cfg.steps and dist.comm_timing() then
+    comm_raw = { steps = st.step - o.log_every, kinds = dist.comm_times() }
+    dist.comm_timing(false)
+  end
+end
+if o.comm_profile and cfg.steps < 2 * o.log_every then
+  error(("train_125m: comm_profile=true needs steps >= 2 * log_every (got steps=%d, log_every=%d)"):format(
+    cfg.steps, o.log_every), 0)
+end
 local profiler
 if o.profile then
   local p0 = o.log_every + 1
@@ -272,7 +302,16 @@ if o.profile then
   profiler = new_profiler(device, p0, p1, o.saturate)
 end
 local result = train.run(cfg, { model = model, train_data = train_data, tokenizer = tokenizer,
-  hooks = { after_step = after_step }, profile = profiler and profiler.mark })
+  hooks = { after_step = after_step, on_log = on_log }, profile = profiler and profiler.mark })
+-- every rank: the largest time per kind over the ranks (a CPU tensor: MPI)
+local comm_max
+if comm_raw and dp > 1 then
+  local v = {}
+  for i, k in ipairs(COMM_KINDS) do v[i] = comm_raw.kinds[k].ms end
+  local t = moe.tensor(v, { dtype = "f64" })
+  dist.all_reduce(t, "max")
+  comm_max = t:totable()
+end
 local profile = profiler and profiler.summary()
 model = model or result.model
 n_params = n_params or model:num_parameters() -- this rank's (its expert shards)
@@ -314,6 +353,29 @@ local out = {
 }
 for _, r in ipairs(recs) do out.losses[#out.losses + 1] = { r.step, r.loss } end
 out.profile = profile
+if comm_raw then
+  local n, wall = comm_raw.steps, out.ms_per_step
+  local c = { method = on_gpu and "CUDA events on the communication stream (time of the collective on its " ..
+    "stream: an upper bound on the exposed time where it overlaps compute)" or "host clock from the call to " ..
+    "the end of its wait", steps = n, wall_ms_per_step = wall, kinds = {} }
+  local parts = {}
+  for i, k in ipairs(COMM_KINDS) do
+    local r = comm_raw.kinds[k]
+    if r.calls > 0 then
+      local row = { kind = k, calls_per_step = r.calls / n, bytes_per_step = r.bytes / n, ms_per_step = r.ms / n,
+        max_ms_per_step = comm_max and comm_max[i] / n or r.ms / n }
+      row.share = wall and wall > 0 and row.ms_per_step / wall or nil
+      row.max_share = wall and wall > 0 and row.max_ms_per_step / wall or nil
+      c.kinds[#c.kinds + 1] = row
+      parts[#parts + 1] = ("%s %.2f ms (%.1f%%, %.0f calls, %.1f MiB)"):format(k, row.ms_per_step,
+        100 * (row.share or 0), row.calls_per_step, row.bytes_per_step / 2 ^ 20)
+    end
+  end
+  c.kinds = bench.list(c.kinds)
+  out.comm = c
+  print(("train_125m: collectives per step over %d steps (rank 0; %.1f ms/step): %s"):format(n, wall or 0,
+    #parts > 0 and table.concat(parts, ", ") or "none"))
+end
 if profile then
   print(("train_125m: profile (%s) of %d measured + %d saturated steps: wall %.2f ms/step, kernels %.2f ms, " ..
     "GPU idle %.2f ms, host reads %s, gc cycles %.2f per step"):format(profile.method, profile.steps_measured,

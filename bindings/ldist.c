@@ -13,6 +13,8 @@
  *   g:split(color [, key [, name]]), g:set_timeout(s), g:timeout(),
  *   g:set_debug(on), g:free()
  *   w:wait(), w:done(), w:free()
+ *   dist.comm_timing([on]) -> whether it was on; dist.comm_times([op]),
+ *   dist.comm_times_reset(): opt-in per-collective timing (moe_dist.h)
  *
  * The world starts on first use (dist.init is only needed for its options).
  *
@@ -592,6 +594,85 @@ static int lm_p2p(lua_State *L, bool is_send) {
 static int lm_send(lua_State *L) { return lm_p2p(L, true); }
 static int lm_recv(lua_State *L) { return lm_p2p(L, false); }
 
+/* ---------------------------------------------------------------- timing */
+
+/* dist.comm_timing([on]) -> whether timing was on. on true starts it from
+ * zero (when it was off), false stops it and drops the totals. */
+static int lm_comm_timing(lua_State *L) {
+  bool was = moe_comm_timing_enabled();
+  if (!lua_isnoneornil(L, 1)) {
+    if (lua_type(L, 1) != LUA_TBOOLEAN)
+      lm_argerror(L, 1, "comm_timing", "boolean expected (true: on, false: off), got %s",
+                  lm_typename(L, 1));
+    lm_checkend(L, 1, "comm_timing");
+    moe_comm_timing_set(lua_toboolean(L, 1) != 0);
+  }
+  lua_pushboolean(L, was);
+  return 1;
+}
+
+static void lm_push_comm_time(lua_State *L, const moe_comm_time *t) {
+  lua_createtable(L, 0, 3);
+  lua_pushnumber(L, (lua_Number)t->ms);
+  lua_setfield(L, -2, "ms");
+  lua_pushinteger(L, (lua_Integer)t->calls);
+  lua_setfield(L, -2, "calls");
+  lua_pushinteger(L, (lua_Integer)t->bytes);
+  lua_setfield(L, -2, "bytes");
+}
+
+/* Raises unless timing is on (fname: the Lua name). */
+static void lm_timing_on(lua_State *L, const char *fname) {
+  if (!moe_comm_timing_enabled())
+    luaL_error(L, "%s: collective timing is off (turn it on with dist.comm_timing(true))", fname);
+}
+
+/* dist.comm_times([op]) -> {all_reduce = {ms =, calls =, bytes =}, ...},
+ * or op's record alone. Waits for the GPU timing events still pending. */
+static int lm_comm_times(lua_State *L) {
+  const char *fn = "comm_times";
+  lm_state *S = lm_S(L);
+  int one = -1;
+  if (!lua_isnoneornil(L, 1)) {
+    if (lua_type(L, 1) != LUA_TSTRING)
+      lm_argerror(L, 1, fn, "collective name expected, got %s", lm_typename(L, 1));
+    moe_comm_op op;
+    if (!moe_comm_op_parse(lua_tostring(L, 1), &op)) {
+      char known[160] = "";
+      for (int i = 0; i < MOE_COMM_OP_COUNT; i++) {
+        strncat(known, i ? ", " : "", sizeof known - strlen(known) - 1);
+        strncat(known, moe_comm_op_name((moe_comm_op)i), sizeof known - strlen(known) - 1);
+      }
+      lm_argerror(L, 1, fn, "unknown collective '%s' (known: %s)", lua_tostring(L, 1), known);
+    }
+    one = (int)op;
+  }
+  lm_checkend(L, 1, fn);
+  lm_timing_on(L, "dist.comm_times");
+  moe_comm_time t[MOE_COMM_OP_COUNT];
+  if (moe_comm_timing_read(S->ctx, t, false) != MOE_OK) return lm_corefail(L, S, fn, 0);
+  if (one >= 0) {
+    lm_push_comm_time(L, &t[one]);
+    return 1;
+  }
+  lua_createtable(L, 0, MOE_COMM_OP_COUNT);
+  for (int i = 0; i < MOE_COMM_OP_COUNT; i++) {
+    lm_push_comm_time(L, &t[i]);
+    lua_setfield(L, -2, moe_comm_op_name((moe_comm_op)i));
+  }
+  return 1;
+}
+
+/* dist.comm_times_reset(): the totals back to zero (timing stays on). */
+static int lm_comm_times_reset(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_checkend(L, 0, "comm_times_reset");
+  lm_timing_on(L, "dist.comm_times_reset");
+  moe_comm_time t[MOE_COMM_OP_COUNT];
+  if (moe_comm_timing_read(S->ctx, t, true) != MOE_OK) return lm_corefail(L, S, "comm_times_reset", 0);
+  return 0;
+}
+
 /* ----------------------------------------------------------------- open */
 
 static const luaL_Reg lm_group_methods[] = {
@@ -629,6 +710,9 @@ static const luaL_Reg lm_dist_functions[] = {
     {"all_to_all", lm_all_to_all},
     {"send", lm_send},
     {"recv", lm_recv},
+    {"comm_timing", lm_comm_timing},
+    {"comm_times", lm_comm_times},
+    {"comm_times_reset", lm_comm_times_reset},
     {NULL, NULL}};
 
 /* A metatable with __gc, __close, __tostring and an __index of methods,

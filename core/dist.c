@@ -421,6 +421,7 @@ void moe_dist_finalize(void) {
   g_dist.cap_comms = 0;
   g_dist.world = NULL;
   moe_nccl_finalize();
+  moe_comm_timing_set(false);
   int inited = 0, fin = 0;
   MPI_Initialized(&inited);
   MPI_Finalized(&fin);
@@ -437,6 +438,82 @@ void moe_dist_abort(int code) {
   MPI_Initialized(&inited);
   MPI_Finalized(&fin);
   if (inited && !fin) MPI_Abort(MPI_COMM_WORLD, code);
+}
+
+/* ---------------------------------------------------- collective timing */
+
+static const char *const comm_op_names[] = {"all_reduce", "reduce_scatter", "all_gather",
+                                            "broadcast",  "all_to_all",     "send",
+                                            "recv"};
+_Static_assert(sizeof comm_op_names / sizeof comm_op_names[0] == MOE_COMM_OP_COUNT,
+               "comm_op_names must name every moe_comm_op");
+
+/* The totals of moe_comm_timing_read; gen changes each time timing starts,
+ * so a CPU work of an earlier period adds nothing. */
+static struct {
+  bool on;
+  unsigned gen;
+  moe_comm_time tot[MOE_COMM_OP_COUNT];
+} g_timing;
+
+const char *moe_comm_op_name(moe_comm_op op) {
+  return (unsigned)op < MOE_COMM_OP_COUNT ? comm_op_names[op] : "?";
+}
+
+bool moe_comm_op_parse(const char *name, moe_comm_op *out) {
+  for (int i = 0; name && i < MOE_COMM_OP_COUNT; i++)
+    if (strcmp(name, comm_op_names[i]) == 0) {
+      if (out) *out = (moe_comm_op)i;
+      return true;
+    }
+  return false;
+}
+
+void moe_comm_timing_set(bool on) {
+  if (on && g_timing.on) return;
+  moe_nccl_timing_clear();
+  memset(g_timing.tot, 0, sizeof g_timing.tot);
+  if (on) g_timing.gen++;
+  g_timing.on = on;
+}
+
+bool moe_comm_timing_enabled(void) { return g_timing.on; }
+
+moe_status moe_comm_timing_read(moe_ctx *ctx, moe_comm_time *out, bool reset) {
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "comm_timing_read: out is NULL");
+  if (!g_timing.on)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "comm_timing_read: collective timing is off (turn it on first)");
+  double ms[MOE_COMM_OP_COUNT] = {0};
+  moe_status st = moe_nccl_timing_collect(ctx, ms);
+  for (int i = 0; i < MOE_COMM_OP_COUNT; i++) g_timing.tot[i].ms += ms[i];
+  MOE_CHECK(st);
+  memcpy(out, g_timing.tot, sizeof g_timing.tot);
+  if (reset) memset(g_timing.tot, 0, sizeof g_timing.tot);
+  return MOE_OK;
+}
+
+/* Marks w as a timed collective of op moving bytes (timing on), just
+ * before it is launched. */
+static void timing_begin(moe_work *w, moe_comm_op op, int64_t bytes) {
+  if (!g_timing.on) return;
+  w->timed = (int)op;
+  w->timed_bytes = bytes;
+  w->timed_gen = g_timing.gen;
+  w->timed_t0 = moe_dist_now();
+}
+
+/* A timed collective was launched: one call and its bytes. */
+static void timing_count(const moe_work *w) {
+  if (w->timed < 0 || !g_timing.on || w->timed_gen != g_timing.gen) return;
+  g_timing.tot[w->timed].calls++;
+  g_timing.tot[w->timed].bytes += w->timed_bytes;
+}
+
+/* A timed CPU collective's wait ended: the host time since the call. */
+static void timing_cpu_done(const moe_work *w) {
+  if (w->timed < 0 || !g_timing.on || w->timed_gen != g_timing.gen) return;
+  g_timing.tot[w->timed].ms += 1e3 * (moe_dist_now() - w->timed_t0);
 }
 
 /* --------------------------------------------------------------- works */
@@ -457,6 +534,7 @@ static moe_status work_new(moe_ctx *ctx, moe_comm *c, moe_work_kind kind, int nr
   w->kind = kind;
   w->nreq = nreq;
   w->device = -1;
+  w->timed = -1;
   w->deadline = moe_dist_now() + c->timeout;
   snprintf(w->what, sizeof w->what, "%s", what);
   *out = w;
@@ -604,6 +682,7 @@ static moe_status cpu_wait(moe_ctx *ctx, moe_work *w) {
   p2p_scratch *s = p2p_of(w);
   MOE_CHECK(wait_reqs(ctx, w->comm, w->nreq, w->reqs, s ? &s->status : MPI_STATUSES_IGNORE, w->what,
                       s ? s->peer : -1));
+  timing_cpu_done(w);
   if (w->finish) {
     moe_status st = w->finish(ctx, w);
     w->finish = NULL;
@@ -646,6 +725,7 @@ void moe_work_free(moe_ctx *ctx, moe_work *w) {
 
 /* The end of every collective: hands the work out, or waits and frees it. */
 static moe_status work_end(moe_ctx *ctx, moe_work *w, moe_work **work) {
+  timing_count(w);
   if (work) {
     *work = w;
     return MOE_OK;
@@ -940,11 +1020,13 @@ moe_status moe_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_reduce_o
   moe_work *w = NULL;
   if (on_gpu(t)) {
     MOE_CHECK(gpu_work(ctx, c, what, t, NULL, &w));
+    timing_begin(w, MOE_COMM_ALL_REDUCE, n * (int64_t)moe_dtype_size(t->dtype));
     return gpu_end(ctx, moe_nccl_all_reduce(ctx, c, t, op, w), w, work);
   }
   MOE_CHECK(check_count(ctx, what, n));
   MOE_CHECK(work_new(ctx, c, MOE_WORK_CPU, 1, what, &w));
   work_hold(w, t);
+  timing_begin(w, MOE_COMM_ALL_REDUCE, n * (int64_t)moe_dtype_size(t->dtype));
   int rc = MPI_Iallreduce(MPI_IN_PLACE, moe_tensor_data(t), (int)n, mpi_type(t->dtype),
                           mpi_op(t->dtype, op), c->mpi, &w->reqs[0]);
   if (rc != MPI_SUCCESS) {
@@ -983,12 +1065,14 @@ moe_status moe_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_te
   moe_work *w = NULL;
   if (on_gpu(in)) {
     MOE_CHECK(gpu_work(ctx, c, what, out, in, &w));
+    timing_begin(w, MOE_COMM_REDUCE_SCATTER, moe_tensor_numel(in) * (int64_t)moe_dtype_size(in->dtype));
     return gpu_end(ctx, moe_nccl_reduce_scatter(ctx, c, out, in, op, w), w, work);
   }
   MOE_CHECK(check_count(ctx, what, n));
   MOE_CHECK(work_new(ctx, c, MOE_WORK_CPU, 1, what, &w));
   work_hold(w, out);
   work_hold(w, in);
+  timing_begin(w, MOE_COMM_REDUCE_SCATTER, moe_tensor_numel(in) * (int64_t)moe_dtype_size(in->dtype));
   int rc = MPI_Ireduce_scatter_block(moe_tensor_data(in), moe_tensor_data(out), (int)n,
                                      mpi_type(in->dtype), mpi_op(in->dtype, op), c->mpi,
                                      &w->reqs[0]);
@@ -1025,6 +1109,7 @@ moe_status moe_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor
   moe_work *w = NULL;
   if (on_gpu(in)) {
     MOE_CHECK(gpu_work(ctx, c, what, out, in, &w));
+    timing_begin(w, MOE_COMM_ALL_GATHER, moe_tensor_numel(out) * (int64_t)moe_dtype_size(in->dtype));
     return gpu_end(ctx, moe_nccl_all_gather(ctx, c, out, in, w), w, work);
   }
   MOE_CHECK(check_count(ctx, what, n));
@@ -1032,6 +1117,7 @@ moe_status moe_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor
   work_hold(w, out);
   work_hold(w, in);
   MPI_Datatype ty = mpi_type(in->dtype);
+  timing_begin(w, MOE_COMM_ALL_GATHER, moe_tensor_numel(out) * (int64_t)moe_dtype_size(in->dtype));
   int rc = MPI_Iallgather(moe_tensor_data(in), (int)n, ty, moe_tensor_data(out), (int)n, ty, c->mpi,
                           &w->reqs[0]);
   if (rc != MPI_SUCCESS) {
@@ -1059,11 +1145,13 @@ moe_status moe_broadcast(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int root, moe
   moe_work *w = NULL;
   if (on_gpu(t)) {
     MOE_CHECK(gpu_work(ctx, c, what, t, NULL, &w));
+    timing_begin(w, MOE_COMM_BROADCAST, n * (int64_t)moe_dtype_size(t->dtype));
     return gpu_end(ctx, moe_nccl_broadcast(ctx, c, t, root, w), w, work);
   }
   MOE_CHECK(check_count(ctx, what, n));
   MOE_CHECK(work_new(ctx, c, MOE_WORK_CPU, 1, what, &w));
   work_hold(w, t);
+  timing_begin(w, MOE_COMM_BROADCAST, n * (int64_t)moe_dtype_size(t->dtype));
   int rc = MPI_Ibcast(moe_tensor_data(t), (int)n, mpi_type(t->dtype), root, c->mpi, &w->reqs[0]);
   if (rc != MPI_SUCCESS) {
     work_destroy(w);
@@ -1125,6 +1213,7 @@ moe_status moe_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor
   moe_work *w = NULL;
   if (on_gpu(in)) {
     MOE_CHECK(gpu_work(ctx, c, what, out, in, &w));
+    timing_begin(w, MOE_COMM_ALL_TO_ALL, nsend * re * (int64_t)moe_dtype_size(in->dtype));
     return gpu_end(ctx, moe_nccl_all_to_all(ctx, c, out, in, send, recv, w), w, work);
   }
   MOE_CHECK(check_count(ctx, what, nsend * re));
@@ -1152,6 +1241,7 @@ moe_status moe_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_tensor
   work_hold(w, out);
   work_hold(w, in);
   MPI_Datatype ty = mpi_type(in->dtype);
+  timing_begin(w, MOE_COMM_ALL_TO_ALL, nsend * re * (int64_t)moe_dtype_size(in->dtype));
   int rc = MPI_Ialltoallv(moe_tensor_data(in), sc, sd, ty, moe_tensor_data(out), rcn, rd, ty, c->mpi,
                           &w->reqs[0]);
   if (rc != MPI_SUCCESS) {
@@ -1184,6 +1274,7 @@ static moe_status p2p(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, bool i
   moe_work *w = NULL;
   if (on_gpu(t)) {
     MOE_CHECK(gpu_work(ctx, c, what, t, NULL, &w));
+    timing_begin(w, is_send ? MOE_COMM_SEND : MOE_COMM_RECV, n * (int64_t)moe_dtype_size(t->dtype));
     moe_status st = is_send ? moe_nccl_send(ctx, c, t, peer, w) : moe_nccl_recv(ctx, c, t, peer, w);
     return gpu_end(ctx, st, w, work);
   }
@@ -1199,6 +1290,7 @@ static moe_status p2p(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, bool i
   w->scratch = s;
   w->scratch_free = p2p_scratch_free;
   int rc;
+  timing_begin(w, is_send ? MOE_COMM_SEND : MOE_COMM_RECV, n * (int64_t)moe_dtype_size(t->dtype));
   if (is_send) {
     rc = MPI_Isend(moe_tensor_data(t), (int)n, mpi_type(t->dtype), peer, DIST_TAG_DATA, c->mpi,
                    &w->reqs[0]);

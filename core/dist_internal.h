@@ -53,6 +53,13 @@ struct moe_work {
   /* tensors the collective reads or writes, held until waited for */
   moe_tensor *hold[MOE_WORK_HOLD];
   int nhold;
+  /* collective timing (moe_comm_timing_set): the op when timed, else -1;
+   * its bytes, the timing generation it belongs to, the host clock at the
+   * call (CPU) */
+  int timed;
+  int64_t timed_bytes;
+  unsigned timed_gen;
+  double timed_t0;
 };
 
 /* Monotonic clock in seconds. */
@@ -104,6 +111,14 @@ void moe_nccl_work_release(moe_work *w);
 moe_status moe_nccl_comm_split(moe_ctx *ctx, moe_comm *parent, moe_comm *child, int color,
                                int key);
 void moe_nccl_comm_free(moe_comm *c);
+/* Collective timing on GPUs. A collective whose w->timed >= 0 records a
+ * pair of timing events on the communication stream around its NCCL calls
+ * (a pair that cannot be made leaves the call untimed). collect waits for
+ * every pair pending, adds its span to ms[w->timed] (ms has
+ * MOE_COMM_OP_COUNT entries) and keeps the events for reuse; clear
+ * destroys every event, pending or kept (timing turned off, finalize). */
+moe_status moe_nccl_timing_collect(moe_ctx *ctx, double *ms);
+void moe_nccl_timing_clear(void);
 /* Stops the watchdog and destroys what is left (moe_dist_finalize, after
  * moe_nccl_comm_free of every communicator and before MPI_Finalize). */
 void moe_nccl_finalize(void);

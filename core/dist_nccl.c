@@ -63,6 +63,16 @@
  * deadline: the same poll runs on the calling thread), then detaches the
  * tracks that works still hold (their events are destroyed at release).
  *
+ * Timing (moe_comm_timing_set, dist.c). A collective that dist.c marks timed
+ * (w->timed >= 0) records a pair of timing events on the communication
+ * stream: `start` after the stream's wait for `ready`, `stop` after the NCCL
+ * calls. The pair joins g_tm.pending; nothing waits for it then. When 256
+ * pairs are pending, those complete (cudaEventQuery, oldest first) are
+ * folded into g_tm.ms and their events kept in g_tm.pool for reuse;
+ * moe_nccl_timing_collect synchronises on the rest. moe_nccl_timing_clear
+ * destroys every event, pending ones included (CUDA releases an event
+ * still queued once it completes).
+ *
  * Limits. The deadline covers the GPU side of each collective and the
  * bootstrap of a new NCCL communicator (MPI_Ibcast + MPI_Ibarrier polled
  * against the communicator's timeout); a rank that stops inside a blocking
@@ -125,6 +135,24 @@ static struct {
   moe_nccl_track *tracks;
   moe_nccl_state *states;
 } g_wd = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* A timed collective's events and its op (moe_comm_op). */
+typedef struct moe_nccl_tpair {
+  cudaEvent_t start, stop;
+  int device;
+  int op;
+} moe_nccl_tpair;
+
+#define MOE_NCCL_FOLD_AT 256 /* pending pairs that make an append fold the completed ones */
+
+static struct {
+  pthread_mutex_t mu;
+  moe_nccl_tpair *pending; /* (npending) recorded, in order, not yet added up */
+  int npending, cap_pending;
+  moe_nccl_tpair *pool;    /* (npool) made and free */
+  int npool, cap_pool;
+  double ms[MOE_COMM_OP_COUNT]; /* spans folded in, not yet collected */
+} g_tm = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static double moe_nccl_now(void) {
   struct timespec ts;
@@ -506,11 +534,159 @@ typedef struct moe_nccl_call {
   cudaEvent_t done;
   moe_nccl_track *track;
   int device;
+  bool timed;          /* tp's start is recorded */
+  moe_nccl_tpair tp;
   char what[MOE_NCCL_WHAT];
 } moe_nccl_call;
 
+/* ------------------------------------------------------------- timing */
+
+/* Back to the pool (destroyed when the pool cannot grow). g_tm.mu held. */
+static void moe_nccl_tpair_put_locked(moe_nccl_tpair p) {
+  if (g_tm.npool == g_tm.cap_pool) {
+    int cap = g_tm.cap_pool ? 2 * g_tm.cap_pool : 16;
+    moe_nccl_tpair *q = (moe_nccl_tpair *)realloc(g_tm.pool, (size_t)cap * sizeof(*q));
+    if (q) {
+      g_tm.pool = q;
+      g_tm.cap_pool = cap;
+    }
+  }
+  if (g_tm.npool < g_tm.cap_pool) {
+    g_tm.pool[g_tm.npool++] = p;
+    return;
+  }
+  (void)cudaEventDestroy(p.start);
+  (void)cudaEventDestroy(p.stop);
+  (void)cudaGetLastError();
+}
+
+/* The span of a completed pair into g_tm.ms. g_tm.mu held. */
+static void moe_nccl_tpair_add_locked(const moe_nccl_tpair *p) {
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, p->start, p->stop) == cudaSuccess && ms > 0)
+    g_tm.ms[p->op] += (double)ms;
+  (void)cudaGetLastError();
+}
+
+/* Folds the completed pairs at the head of the pending list, without
+ * waiting (wait false), or all of them, waiting for each (wait true: an
+ * error of the wait is returned after the rest are folded). g_tm.mu held;
+ * restores the current device. */
+static cudaError_t moe_nccl_tpair_fold_locked(bool wait) {
+  int prev = -1;
+  if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+  cudaError_t first = cudaSuccess;
+  int i = 0;
+  for (; i < g_tm.npending; i++) {
+    moe_nccl_tpair *p = &g_tm.pending[i];
+    cudaError_t e = cudaSetDevice(p->device);
+    if (e == cudaSuccess) e = wait ? cudaEventSynchronize(p->stop) : cudaEventQuery(p->stop);
+    if (e == cudaErrorNotReady && !wait) {
+      (void)cudaGetLastError();
+      break;
+    }
+    if (e == cudaSuccess) moe_nccl_tpair_add_locked(p);
+    else if (first == cudaSuccess) first = e;
+    (void)cudaGetLastError();
+    moe_nccl_tpair_put_locked(*p);
+  }
+  memmove(g_tm.pending, g_tm.pending + i, (size_t)(g_tm.npending - i) * sizeof(*g_tm.pending));
+  g_tm.npending -= i;
+  if (prev >= 0) (void)cudaSetDevice(prev);
+  (void)cudaGetLastError();
+  return first;
+}
+
+/* A pair for a timed collective on the current device: from the pool or
+ * new (timing events). False when none can be made (the call goes untimed). */
+static bool moe_nccl_tpair_get(int device, int op, moe_nccl_tpair *out) {
+  pthread_mutex_lock(&g_tm.mu);
+  bool got = false;
+  for (int i = g_tm.npool - 1; i >= 0 && !got; i--) {
+    if (g_tm.pool[i].device != device) continue;
+    *out = g_tm.pool[i];
+    g_tm.pool[i] = g_tm.pool[--g_tm.npool];
+    got = true;
+  }
+  pthread_mutex_unlock(&g_tm.mu);
+  if (!got) {
+    if (cudaEventCreate(&out->start) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    if (cudaEventCreate(&out->stop) != cudaSuccess) {
+      (void)cudaEventDestroy(out->start);
+      (void)cudaGetLastError();
+      return false;
+    }
+    out->device = device;
+  }
+  out->op = op;
+  return true;
+}
+
+/* Back to the pool unused (the collective did not go ahead). */
+static void moe_nccl_tpair_drop(moe_nccl_tpair p) {
+  pthread_mutex_lock(&g_tm.mu);
+  moe_nccl_tpair_put_locked(p);
+  pthread_mutex_unlock(&g_tm.mu);
+}
+
+/* A recorded pair joins the pending list (folding the completed ones
+ * first when many are pending); dropped when the list cannot grow. */
+static void moe_nccl_tpair_push(moe_nccl_tpair p) {
+  pthread_mutex_lock(&g_tm.mu);
+  if (g_tm.npending >= MOE_NCCL_FOLD_AT) (void)moe_nccl_tpair_fold_locked(false);
+  if (g_tm.npending == g_tm.cap_pending) {
+    int cap = g_tm.cap_pending ? 2 * g_tm.cap_pending : 64;
+    moe_nccl_tpair *q = (moe_nccl_tpair *)realloc(g_tm.pending, (size_t)cap * sizeof(*q));
+    if (q) {
+      g_tm.pending = q;
+      g_tm.cap_pending = cap;
+    }
+  }
+  if (g_tm.npending < g_tm.cap_pending) g_tm.pending[g_tm.npending++] = p;
+  else moe_nccl_tpair_put_locked(p);
+  pthread_mutex_unlock(&g_tm.mu);
+}
+
+moe_status moe_nccl_timing_collect(moe_ctx *ctx, double *ms) {
+  pthread_mutex_lock(&g_tm.mu);
+  cudaError_t e = moe_nccl_tpair_fold_locked(true);
+  for (int i = 0; i < MOE_COMM_OP_COUNT; i++) {
+    ms[i] += g_tm.ms[i];
+    g_tm.ms[i] = 0;
+  }
+  pthread_mutex_unlock(&g_tm.mu);
+  if (e != cudaSuccess)
+    return moe_error(ctx, MOE_ERR_CUDA, "comm_timing_read: waiting for a collective's timing "
+                     "event failed: %s (%s)", cudaGetErrorString(e), cudaGetErrorName(e));
+  return MOE_OK;
+}
+
+void moe_nccl_timing_clear(void) {
+  pthread_mutex_lock(&g_tm.mu);
+  for (int i = 0; i < g_tm.npending; i++) {
+    (void)cudaEventDestroy(g_tm.pending[i].start);
+    (void)cudaEventDestroy(g_tm.pending[i].stop);
+  }
+  for (int i = 0; i < g_tm.npool; i++) {
+    (void)cudaEventDestroy(g_tm.pool[i].start);
+    (void)cudaEventDestroy(g_tm.pool[i].stop);
+  }
+  (void)cudaGetLastError();
+  free(g_tm.pending);
+  free(g_tm.pool);
+  g_tm.pending = g_tm.pool = NULL;
+  g_tm.npending = g_tm.cap_pending = g_tm.npool = g_tm.cap_pool = 0;
+  memset(g_tm.ms, 0, sizeof g_tm.ms);
+  pthread_mutex_unlock(&g_tm.mu);
+}
+
 /* Gives back what begin took when the call does not go ahead. */
 static void moe_nccl_call_drop(moe_nccl_call *k) {
+  if (k->timed) moe_nccl_tpair_drop(k->tp);
+  k->timed = false;
   if (k->track) {
     pthread_mutex_lock(&g_wd.mu);
     k->track->nc = k->nc;
@@ -527,14 +703,14 @@ static void moe_nccl_call_drop(moe_nccl_call *k) {
  * track, the watchdog running, the communication stream ordered after the
  * compute stream; returns with nc->mu held. what is a printf format naming
  * the collective and its sizes (the group, rank and device are added). */
-static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, moe_nccl_call *k,
-                                 const char *fmt, ...)
+static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, const moe_work *w,
+                                 moe_nccl_call *k, const char *fmt, ...)
 #if defined(__GNUC__)
-    __attribute__((format(printf, 5, 6)))
+    __attribute__((format(printf, 6, 7)))
 #endif
     ;
-static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, moe_nccl_call *k,
-                                 const char *fmt, ...) {
+static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, const moe_work *w,
+                                 moe_nccl_call *k, const char *fmt, ...) {
   memset(k, 0, sizeof *k);
   k->device = device;
   va_list ap;
@@ -572,6 +748,15 @@ static moe_status moe_nccl_begin(moe_ctx *ctx, moe_comm *c, int device, moe_nccl
     return moe_error(ctx, MOE_ERR_CUDA, "%s: ordering the communication stream failed at "
                      "%s:%d: %s (%s)", k->what, moe_check_file(__FILE__), __LINE__,
                      cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+  /* timed: the span starts once the stream may run the collective */
+  if (w && w->timed >= 0 && moe_nccl_tpair_get(device, w->timed, &k->tp)) {
+    k->timed = true;
+    if (cudaEventRecord(k->tp.start, nc->stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      moe_nccl_tpair_drop(k->tp);
+      k->timed = false;
+    }
   }
   pthread_mutex_lock(&nc->mu);
   if (moe_nccl_aborted(nc)) {
@@ -616,6 +801,15 @@ static moe_status moe_nccl_end(moe_ctx *ctx, moe_comm *c, moe_nccl_call *k, nccl
                      k->what, moe_check_file(__FILE__), __LINE__, cudaGetErrorString(e),
                      cudaGetErrorName(e));
   }
+  if (k->timed) {
+    if (cudaEventRecord(k->tp.stop, nc->stream) == cudaSuccess) {
+      moe_nccl_tpair_push(k->tp);
+    } else {
+      (void)cudaGetLastError();
+      moe_nccl_tpair_drop(k->tp);
+    }
+    k->timed = false;
+  }
   moe_nccl_track *t = k->track;
   t->done = k->done;
   t->device = k->device;
@@ -652,7 +846,7 @@ moe_status moe_nccl_all_reduce(moe_ctx *ctx, moe_comm *c, moe_tensor *t, moe_red
   MOE_CHECK(moe_nccl_types(ctx, "all_reduce", t->dtype, (int)op, &dt, &nop));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), &k, "all_reduce(%s) of %zu %s",
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), w, &k, "all_reduce(%s) of %zu %s",
                            moe_reduce_op_name(op), n, moe_dtype_name(t->dtype)));
   void *p = moe_tensor_data(t);
   ncclResult_t r = n ? ncclAllReduce(p, p, n, dt, nop, k.nc->comm, k.nc->stream) : ncclSuccess;
@@ -666,7 +860,7 @@ moe_status moe_nccl_reduce_scatter(moe_ctx *ctx, moe_comm *c, moe_tensor *out, m
   MOE_CHECK(moe_nccl_types(ctx, "reduce_scatter", in->dtype, (int)op, &dt, &nop));
   size_t n = (size_t)moe_tensor_numel(out); /* per rank */
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), &k,
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), w, &k,
                            "reduce_scatter(%s) of %zu %s into %zu", moe_reduce_op_name(op),
                            (size_t)moe_tensor_numel(in), moe_dtype_name(in->dtype), n));
   ncclResult_t r = n ? ncclReduceScatter(moe_tensor_data(in), moe_tensor_data(out), n, dt, nop,
@@ -681,7 +875,7 @@ moe_status moe_nccl_all_gather(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_t
   MOE_CHECK(moe_nccl_types(ctx, "all_gather", in->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(in); /* per rank */
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), &k, "all_gather of %zu %s into %zu", n,
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), w, &k, "all_gather of %zu %s into %zu", n,
                            moe_dtype_name(in->dtype), (size_t)moe_tensor_numel(out)));
   ncclResult_t r = n ? ncclAllGather(moe_tensor_data(in), moe_tensor_data(out), n, dt,
                                      k.nc->comm, k.nc->stream)
@@ -694,7 +888,7 @@ moe_status moe_nccl_broadcast(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int root
   MOE_CHECK(moe_nccl_types(ctx, "broadcast", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), &k, "broadcast from rank %d of %zu %s",
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), w, &k, "broadcast from rank %d of %zu %s",
                            root, n, moe_dtype_name(t->dtype)));
   void *p = moe_tensor_data(t);
   ncclResult_t r =
@@ -721,7 +915,7 @@ moe_status moe_nccl_all_to_all(moe_ctx *ctx, moe_comm *c, moe_tensor *out, moe_t
     nr += recv[j];
   }
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), &k,
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(in), w, &k,
                            "all_to_all of %s %s (sending %lld rows, receiving %lld rows of %zu)",
                            MOE_SHAPE(in), moe_dtype_name(in->dtype), (long long)ns,
                            (long long)nr, rin));
@@ -759,7 +953,7 @@ moe_status moe_nccl_send(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe
   MOE_CHECK(moe_nccl_types(ctx, "send", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), &k, "send of %zu %s to rank %d", n,
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), w, &k, "send of %zu %s to rank %d", n,
                            moe_dtype_name(t->dtype), peer));
   ncclResult_t r =
       n ? ncclSend(moe_tensor_data(t), n, dt, peer, k.nc->comm, k.nc->stream) : ncclSuccess;
@@ -771,7 +965,7 @@ moe_status moe_nccl_recv(moe_ctx *ctx, moe_comm *c, moe_tensor *t, int peer, moe
   MOE_CHECK(moe_nccl_types(ctx, "recv", t->dtype, -1, &dt, NULL));
   size_t n = (size_t)moe_tensor_numel(t);
   moe_nccl_call k;
-  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), &k, "recv of %zu %s from rank %d", n,
+  MOE_CHECK(moe_nccl_begin(ctx, c, moe_nccl_device(t), w, &k, "recv of %zu %s from rank %d", n,
                            moe_dtype_name(t->dtype), peer));
   ncclResult_t r =
       n ? ncclRecv(moe_tensor_data(t), n, dt, peer, k.nc->comm, k.nc->stream) : ncclSuccess;

@@ -182,6 +182,61 @@ bool moe_work_done(moe_ctx *ctx, moe_work *w);
  * compute stream after it), so its tensors stay safe. free(NULL) is a no-op. */
 void moe_work_free(moe_ctx *ctx, moe_work *w);
 
+/* ------------------------------------------------ collective timing */
+/*
+ * Opt-in, per kind of collective and for the whole process: how many calls
+ * of more than one rank were issued since timing was turned on (or last
+ * reset), the bytes they moved (nccl-tests' "size": all_reduce, broadcast,
+ * send, recv the tensor; all_gather its output; reduce_scatter its input;
+ * all_to_all the rows this rank sends, its own included) and the time they
+ * took. A group of one rank (a local copy) is not counted; neither is a
+ * barrier.
+ *
+ * The time. On a GPU each collective records a pair of CUDA events on the
+ * communication stream it runs on: the first after the stream's wait for
+ * the compute stream, the second after the NCCL kernels. Nothing waits for
+ * them while collectives run (pairs that have completed are folded in now
+ * and then without blocking); moe_comm_timing_read waits for the pairs
+ * still pending and adds up their spans. So a GPU figure is the time of the
+ * collective on its stream, waiting for the slowest peer included: where a
+ * layout overlaps a collective with compute, that time is hidden in part,
+ * and the figure is an upper bound on the time the step lost to it. On the
+ * CPU (MPI) it is the host clock from the call to the end of its wait (a
+ * synchronous call: the call; an asynchronous one: until moe_work_wait
+ * returns, which includes what the host did in between).
+ *
+ * Off (the default) it costs one test of a flag per collective. Turning it
+ * off drops the totals and destroys the events; turning it on starts from
+ * zero. Calls from one thread, like the collectives.
+ */
+typedef enum moe_comm_op {
+  MOE_COMM_ALL_REDUCE = 0,
+  MOE_COMM_REDUCE_SCATTER,
+  MOE_COMM_ALL_GATHER,
+  MOE_COMM_BROADCAST,
+  MOE_COMM_ALL_TO_ALL,
+  MOE_COMM_SEND,
+  MOE_COMM_RECV,
+  MOE_COMM_OP_COUNT
+} moe_comm_op;
+
+const char *moe_comm_op_name(moe_comm_op op); /* "all_reduce", ..., "recv" */
+bool moe_comm_op_parse(const char *name, moe_comm_op *out);
+
+typedef struct moe_comm_time {
+  double ms;     /* milliseconds, summed over the calls (see above) */
+  int64_t calls; /* collectives issued */
+  int64_t bytes; /* their sizes, summed */
+} moe_comm_time;
+
+/* Turns timing on (from zero when it was off) or off (dropping everything). */
+void moe_comm_timing_set(bool on);
+bool moe_comm_timing_enabled(void);
+/* The totals per op (out[MOE_COMM_OP_COUNT], indexed by moe_comm_op), after
+ * waiting for the GPU event pairs still pending; reset: zero them after.
+ * MOE_ERR_INVALID_ARG when timing is off. */
+moe_status moe_comm_timing_read(moe_ctx *ctx, moe_comm_time *out, bool reset);
+
 /* ------------------------------------------------- gradient bucketing */
 /*
  * Data parallelism's gradient all-reduce while backward runs (PyTorch DDP's

@@ -236,6 +236,39 @@ static void test_env_knobs(moe_ctx *ctx) {
   moe_dist_abort(3);   /* returns without MPI */
 }
 
+/* Collective timing in a world of one: off by default, reading while off
+ * fails, a group of one is not counted, on/off/reset; op names. */
+static void test_comm_timing(moe_ctx *ctx) {
+  const char *names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                         "all_to_all", "send", "recv"};
+  for (int i = 0; i < MOE_COMM_OP_COUNT; i++) {
+    EXPECT_STR(moe_comm_op_name((moe_comm_op)i), names[i]);
+    moe_comm_op op = MOE_COMM_OP_COUNT;
+    EXPECT(moe_comm_op_parse(names[i], &op) && op == (moe_comm_op)i);
+  }
+  EXPECT(!moe_comm_op_parse("barrier", NULL) && !moe_comm_op_parse(NULL, NULL));
+  moe_comm_time t[MOE_COMM_OP_COUNT];
+  EXPECT(!moe_comm_timing_enabled());
+  EXPECT_ERR(moe_comm_timing_read(ctx, t, false), MOE_ERR_INVALID_ARG);
+  moe_comm_timing_set(true);
+  EXPECT(moe_comm_timing_enabled());
+  EXPECT_ERR(moe_comm_timing_read(ctx, NULL, false), MOE_ERR_INVALID_ARG);
+  moe_comm *w = NULL;
+  EXPECT_OK(moe_dist_init(ctx, &w));
+  moe_tensor *x = vec(ctx, MOE_F32, 4, 1), *out = vec(ctx, MOE_F32, 4, 0);
+  EXPECT_OK(moe_all_reduce(ctx, w, x, MOE_REDUCE_SUM, NULL));
+  EXPECT_OK(moe_all_gather(ctx, w, out, x, NULL));
+  EXPECT_OK(moe_comm_timing_read(ctx, t, true));
+  for (int i = 0; i < MOE_COMM_OP_COUNT; i++) /* local copies: not communication */
+    EXPECT(t[i].calls == 0 && t[i].bytes == 0 && t[i].ms == 0);
+  moe_comm_timing_set(true); /* already on: unchanged */
+  moe_comm_timing_set(false);
+  EXPECT(!moe_comm_timing_enabled());
+  EXPECT_ERR(moe_comm_timing_read(ctx, t, false), MOE_ERR_INVALID_ARG);
+  moe_tensor_release(x);
+  moe_tensor_release(out);
+}
+
 int main(void) {
   for (int i = 0; launcher_vars[i]; i++) unsetenv(launcher_vars[i]);
   harness_start();
@@ -246,5 +279,6 @@ int main(void) {
   RUN(test_argument_errors);
   RUN(test_split);
   RUN(test_env_knobs);
+  RUN(test_comm_timing);
   return harness_end();
 }

@@ -1,8 +1,14 @@
 --[[
 tests/dist/layouts.lua - layouts as Lua functions (train.run(cfg, {layout =
-fn}), moe/train/parallel.lua M.place) on 2 ranks, on the CPU:
+fn}), moe/train/parallel.lua M.place) on 2 ranks, on the CPU (in CI) or on
+two GPUs:
 
-  moe-lua launch -n 2 tests/dist/layouts.lua [steps=10] [verbose=true]
+  moe-lua launch -n 2 tests/dist/layouts.lua [steps=10] [verbose=true] [device=cpu|cuda]
+
+device=cuda: each rank on cuda:<local rank> (the example's run and the
+placement probe), collectives through NCCL; the one-process references
+train on cuda:0. Every part below runs on either device (all of it is
+2-rank).
 
 1. experiments/layouts/custom_layout.lua runs as a user runs it (its
    command-line overrides: this test's corpus, a smaller model and batch,
@@ -28,7 +34,7 @@ fn}), moe/train/parallel.lua M.place) on 2 ranks, on the CPU:
 local moe = require "moe"
 local train = require "moe.train"
 
-local opts = moe.config { steps = 10, verbose = false }
+local opts = moe.config { steps = 10, verbose = false, device = "cpu" }
 local dist = moe.dist
 dist.init { timeout = 300 }
 local rank, world = dist.rank(), dist.world_size()
@@ -37,6 +43,7 @@ local function say(...) if rank == 0 then print(string.format(...)) end end
 
 local here = arg[0]:match("^(.*/)")
 local K = dofile(here .. "trainkit.lua")
+K.check_device(opts.device, "layouts")
 local root, prefix = K.corpus(rank)
 local failures = 0
 local function expect(ok, msg)
@@ -52,7 +59,7 @@ local saved_arg = arg
 rawset(_G, "arg", { [0] = example, "data=" .. prefix, "seq_len=16", "batch_size=4", "model.d_model=32",
   "model.n_heads=2", "model.moe.ffn_hidden_size=32", "model.vocab_size=257", "steps=" .. opts.steps,
   "eval_every=100", "log_every=1", "quiet=" .. tostring(not opts.verbose), "deterministic=true",
-  "valid_fraction=0.1", "seed=7", "out_dir=" .. root .. "/example" }) -- the example reads arg
+  "valid_fraction=0.1", "seed=7", "out_dir=" .. root .. "/example", "device=" .. opts.device }) -- the example reads arg
 local result, cfg, layout = dofile(example)
 rawset(_G, "arg", saved_arg)
 local ref_cfg = train.config(cfg)
@@ -65,8 +72,9 @@ expect(rl <= 1e-5, ("custom_layout: losses differ from one process's by %.3g (re
 local sd, pworst = result.model:state_dict(), 0
 for _, np in ipairs(ref.model:named_parameters()) do
   local name, want = np[1], np[2]
+  want = want:cpu() -- on GPUs: the reference on cuda:0, this rank's on its own
   if name:match("%.experts%.w%d$") then want = want:narrow(0, rank * 2, 2) end
-  local got = sd[name]
+  local got = sd[name] and sd[name]:cpu()
   local d = got and (got - want):abs():max():item() / math.max(want:abs():max():item(), 1e-30) or math.huge
   pworst = math.max(pworst, d)
   expect(d <= 1e-4, ("custom_layout: parameter %s differs by %.3g of its largest value"):format(name, d))
@@ -125,4 +133,5 @@ os.execute("rm -rf '" .. root .. "'")
 local bad = moe.tensor({ failures }, { dtype = "f64" })
 dist.all_reduce(bad, "max")
 if bad:item() > 0 then error(("layouts: %d check(s) failed"):format(math.tointeger(bad:item())), 0) end
-say("layouts: ok")
+say("layouts: ok (%s, 2 ranks: custom_layout against one process, its placement, 6 layouts that fail)",
+  opts.device)

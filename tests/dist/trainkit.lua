@@ -12,7 +12,11 @@ tests/dist/trainkit.lua - what the training tests of tests/dist/ share:
       top 2) on that corpus, micro-batch 4, opts.steps steps on opts.device;
       `over` merged in (one level deep)
   K.max_rel(a, b, steps)  max over steps of |a - b| / |b|
+  K.check_device(device, name)
+      device=cuda (each rank on cuda:<local rank>, collectives through
+      NCCL) needs a GPU per rank of this node: a clear error otherwise
 ]]
+local moe = require "moe"
 local data = require "moe.data"
 
 local WORDS = { "the ", "king ", "and ", "of ", "his ", "house ", "said ", "unto ", "lord ", "land ",
@@ -60,6 +64,17 @@ function K.base_cfg(opts, root, prefix, name, ffn, over)
     end
   end
   return c
+end
+
+function K.check_device(device, name)
+  if device == "cpu" then return end
+  if device ~= "cuda" then error(("%s: device must be cpu or cuda, got %s"):format(name, tostring(device)), 0) end
+  local n = moe.cuda and moe.cuda.is_available() and moe.cuda.device_count() or 0
+  local need = moe.dist.local_world_size()
+  if n < need then
+    error(("%s: device=cuda puts each rank on its own GPU: %d ranks on this node, %d GPU(s) visible"):format(
+      name, need, n), 0)
+  end
 end
 
 function K.max_rel(a, b, steps)

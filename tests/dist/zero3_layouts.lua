@@ -1,10 +1,16 @@
 --[[
 tests/dist/zero3_layouts.lua - parameter sharding (parallel.shard_params,
-ZeRO-3) combined with the other dims, against single-process training on
-the CPU:
+ZeRO-3) combined with the other dims, against single-process training, on
+the CPU (in CI) or on GPUs:
 
-  moe-lua launch -n 2 tests/dist/zero3_layouts.lua [steps=10] [verbose=true]
+  moe-lua launch -n 2 tests/dist/zero3_layouts.lua [steps=10] [verbose=true] [device=cpu|cuda]
   moe-lua launch -n 4 tests/dist/zero3_layouts.lua
+
+device=cuda: each rank on cuda:<local rank>, collectives through NCCL (one
+GPU per rank; bench/dist_round.sh layouts2 runs it on two GPUs, so the
+2-rank cases; the 4-rank ones, HSDP 2 x 2 among them, run on the CPU, or
+on GPUs with -n 4 on a machine of four). The references train on cuda:0.
+The cases that ran are printed.
 
 Layouts (W ranks; the reference is every rank alone, parallel.dp = 1, with
 grad_accum = W micro-batches of the same size: the same global batch):
@@ -30,7 +36,7 @@ printed.
 local moe = require "moe"
 local train = require "moe.train"
 
-local opts = moe.config { steps = 10, verbose = false }
+local opts = moe.config { steps = 10, verbose = false, device = "cpu" }
 local dist = moe.dist
 dist.init { timeout = 300 }
 local rank, world = dist.rank(), dist.world_size()
@@ -38,6 +44,7 @@ assert(world == 2 or world == 4, ("run under moe-lua launch -n 2 or -n 4 (world 
 local function say(...) if rank == 0 then print(string.format(...)) end end
 
 local K = dofile(arg[0]:match("^(.*/)") .. "trainkit.lua")
+K.check_device(opts.device, "zero3_layouts")
 local root, prefix = K.corpus(rank)
 local E, F = 4, 32 -- trainkit's dMoE: 4 experts of 32 hidden units
 
@@ -49,14 +56,14 @@ local function expect(ok, msg)
   end
 end
 
-local refs = {}
+local refs, ran = {}, {}
 local function compare(ffn, layout)
   local parts = {}
   for _, k in ipairs({ "dp_replicate", "dp_shard", "ep", "etp" }) do
     if layout[k] then parts[#parts + 1] = ("%s=%d"):format(k, layout[k]) end
   end
   local lname = table.concat(parts, " x ")
-  local o = { steps = opts.steps, loss_weight = 0.01, device = "cpu", verbose = opts.verbose }
+  local o = { steps = opts.steps, loss_weight = 0.01, device = opts.device, verbose = opts.verbose }
   local model = { tie_embeddings = false }
   local key = ffn
   refs[key] = refs[key] or train.run(K.base_cfg(o, root, prefix, "ref-" .. key, ffn,
@@ -91,12 +98,14 @@ local function compare(ffn, layout)
   for _, np in ipairs(ref.model:named_parameters()) do
     local name, want = np[1], np[2]
     local got = sd[name]
+    want = want:cpu() -- on a GPU: the reference on cuda:0, this rank's on its own
     if got == nil then
       expect(false, ("%s: no parameter %s"):format(lname, name))
     else
       if name:match("%.experts%.w%d$") then
         want = want:narrow(0, q * El, El):narrow(name:match("w2$") and 1 or 2, w * Fl, Fl)
       end
+      got = got:cpu()
       local d = (got - want):abs():max():item() / math.max(want:abs():max():item(), 1e-30)
       pworst = math.max(pworst, d)
       n = n + 1
@@ -114,6 +123,7 @@ local function compare(ffn, layout)
     for s = 1, opts.steps do say("  step %2d  zero3 %.9f  ref %.9f", s, z.losses[s], ref.losses[s]) end
   end
   dist.barrier()
+  ran[#ran + 1] = lname
 end
 
 if world == 2 then
@@ -128,4 +138,4 @@ os.execute("rm -rf '" .. root .. "'")
 local bad = moe.tensor({ failures }, { dtype = "f64" })
 dist.all_reduce(bad, "max")
 if bad:item() > 0 then error(("zero3_layouts: %d check(s) failed"):format(math.tointeger(bad:item())), 0) end
-say("zero3_layouts: ok")
+say("zero3_layouts: ok (%s, %d ranks: %s)", opts.device, world, table.concat(ran, "; "))
