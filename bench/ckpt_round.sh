@@ -15,7 +15,8 @@
 #   gpu1     bench/ckpt_stall.lua layout=single in one process: model build, 2 warm-up steps, 3 timed
 #            steps, a synchronous save (checkpoint.save: write, fsync, digests.txt), the verification
 #            of every file (checkpoint.verify), the read of it into the same model and optimizer
-#            (par:load_checkpoint), removed, 1 more step -> $OUT/ckpt_gpu1.json + .md
+#            (par:load_checkpoint), removed, 1 more step, then an asynchronous save (save_async: the
+#            sharded format with one shard) as gpu2's -> $OUT/ckpt_gpu1.json + .md
 #   gpu2     moe-lua launch -n 2 bench/ckpt_stall.lua layout=zero_ep: the same, with the loop's sharded
 #            save, then an asynchronous save: its stall (the copy to host memory), 3 steps while it
 #            writes, its finish (the rest of the write, barrier, commit) -> $OUT/ckpt_gpu2.json + .md
@@ -113,8 +114,9 @@ for s in "${parts[@]}"; do
       disk_ok "$s" || continue
       data=$(dataset); rm -rf "$scratch"
       if [ "$s" = gpu1 ]; then
-        run=("$ml" bench/ckpt_stall.lua layout=single)
-        what="1 GPU, single-file checkpoints"
+        run=("$ml" bench/ckpt_stall.lua layout=single async_saves="${CKPT_ASYNC_SAVES:-1}"
+          sync="$([ "${CKPT_SYNC:-1}" = 0 ] && echo false || echo true)")
+        what="1 GPU, single-file checkpoints (asynchronous: one shard)"
       else
         run=("$ml" launch -n 2 bench/ckpt_stall.lua layout=zero_ep async_saves="${CKPT_ASYNC_SAVES:-1}"
           sync="$([ "${CKPT_SYNC:-1}" = 0 ] && echo false || echo true)")

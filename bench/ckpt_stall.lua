@@ -27,7 +27,7 @@ checkpoint work runs in its on_log hook, where the loop itself saves:
                          without a second copy on the device), the device
                          synchronised: seconds, bytes read per rank
   the checkpoint removed; `between` steps
-  async (several ranks)   saves with save_async: the stall (the step's wait:
+  async                  saves with save_async (one process: the sharded format, one shard): the stall (the step's wait:
                          the copy of the rank's shards to host memory), the
                          `during` steps while the write runs (their median),
                          then the finish (the rest of the write, fsync, shard
@@ -83,7 +83,7 @@ for _, k in ipairs({ "warm", "measure", "between", "during", "async_saves" }) do
 end
 if cfg.warm < 1 or cfg.measure < 1 then error("ckpt_stall: warm and measure must be >= 1", 0) end
 if cfg.init ~= "cpu" and cfg.init ~= "device" then error("ckpt_stall: init must be cpu or device", 0) end
-local async_saves = world > 1 and cfg.async_saves or 0 -- single-file checkpoints are written synchronously
+local async_saves = cfg.async_saves
 local on_gpu = cfg.device:match("^cuda") ~= nil
 
 local function du(path)
