@@ -10,6 +10,7 @@
 #   bash bench/ckpt_round.sh gpu1        one call: 1 GPU, single-file checkpoints
 #   bash bench/ckpt_round.sh gpu2        one call: 2 GPUs, sharded (dp 2, dp_shard 2, ep 2)
 #   bash bench/ckpt_round.sh restart     one call: 2 GPUs, kill -9 and --max-restarts 1
+#   bash bench/ckpt_round.sh signals     SIGTERM and SIGINT on one GPU, SIGTERM under launch -n 2
 #   CKPT_RESULTS=DIR bash bench/ckpt_round.sh report   (here, on the CPU: DIR holds the parts' files)
 #
 #   gpu1     bench/ckpt_stall.lua layout=single in one process: model build, 2 warm-up steps, 3 timed
@@ -170,7 +171,33 @@ for s in "${parts[@]}"; do
       if [ "${CKPT_CPU:-0}" != 1 ] && grep -q '"on_gpu": true' "$out/ckpt_125m.json" 2>/dev/null; then
         mkdir -p bench/results/dist && cp "$out/ckpt_125m.json" "$out/ckpt_125m.md" bench/results/dist/
       fi ;;
-    *) echo "unknown part $s (gpu1, gpu2, restart, report)"; exit 2 ;;
+    signals)
+      # SIGTERM and Ctrl-C (SIGINT) on one GPU, SIGTERM to `moe-lua launch -n 2`: each run
+      # (tests/dist/launch_stop_train.lua, a tiny dMoE) saves ckpt-<n> at the next step boundary
+      # and exits 143 / 130; the checkpoint must verify
+      data=$(dataset); d=$scratch/signals; rm -rf "$d"; mkdir -p "$d"
+      printf '%s\n' 'local ok, why = require("moe.checkpoint").verify(arg[1])' \
+        'print(ok and "verified" or tostring(why)); os.exit(ok and 0 or 1)' > "$d/verify.lua"
+      : > "$out/signals.txt"
+      for c in "1 TERM 143" "1 INT 130" "2 TERM 143"; do
+        read -r n sig want <<< "$c"; o=$d/run-$n-$sig; err=$o.err
+        if [ "$n" = 1 ]; then "$ml" tests/dist/launch_stop_train.lua "$data" "$o" $dev 2> "$err" &
+        else "$ml" launch -n 2 tests/dist/launch_stop_train.lua "$data" "$o" $dev 2> "$err" & fi
+        p=$!; i=0
+        until [ "$(grep -c '^ready ' "$err" 2>/dev/null)" -ge "$n" ]; do
+          i=$((i + 1)); { [ $i -gt 1200 ] || ! kill -0 $p 2>/dev/null; } && break; sleep 0.1
+        done
+        kill -"$sig" $p; wait $p; rc=$?
+        st=$(grep -oE 'stop seen by [^ ]+ at step [0-9]+' "$err" | head -1 | grep -oE '[0-9]+$')
+        v=$([ -n "$st" ] && "$ml" "$d/verify.lua" "$o/ckpt-$st" 2>&1 | tail -1 || echo "no stop seen")
+        ok=$([ $rc = "$want" ] && [ "$v" = verified ] && echo passed || echo FAILED)
+        [ $ok = passed ] || failed=1
+        line="$([ "$n" = 1 ] && echo "one process" || echo "moe-lua launch -n 2") on $dev, SIG$sig: rc=$rc (want $want), stopped at step ${st:-?}, ckpt-${st:-?}: $v: $ok"
+        echo "$line" >> "$out/signals.txt"; note "$line"
+        [ $ok = passed ] || tail -5 "$err"
+      done
+      rm -rf "$d" ;;
+    *) echo "unknown part $s (gpu1, gpu2, restart, signals, report)"; exit 2 ;;
   esac
 done
 echo "== summary =="
