@@ -29,6 +29,7 @@
 #include <time.h>
 
 #include "harness.h"
+#include "index_add_keys.h"
 
 #define GPU ((moe_device){MOE_DEVICE_CUDA, 0})
 #define SH(...) ((const int64_t[]){__VA_ARGS__})
@@ -760,39 +761,6 @@ static void test_device_mismatch_cuda(moe_ctx *ctx) {
 }
 
 /* ------------------------------------- index_add's windowed order (CUDA) */
-
-/* A fixed shuffle (an LCG) of key[0..n). */
-static void shuffle_keys(int64_t *key, int64_t n, uint64_t seed) {
-  for (int64_t i = n - 1; i > 0; i--) {
-    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    int64_t j = (int64_t)((seed >> 33) % (uint64_t)(i + 1)), t = key[i];
-    key[i] = key[j];
-    key[j] = t;
-  }
-}
-
-/* Keys as test_index.c's window tests make them. single (kind 0): key 2 m
- * times after `lead` entries of keys 0 and 1 and before 7 of key 3,
- * shuffled (X = 4). skewed (1): about half of the n keys are 32, the rest
- * uniform in [0, X). distinct (2): a permutation of [0, n). Returns n. */
-static int64_t window_keys(int64_t *key, int kind, int64_t m, int64_t lead, int64_t n, int64_t X,
-                           uint64_t seed) {
-  if (kind == 0) {
-    int64_t c = 0;
-    for (int64_t i = 0; i < lead; i++) key[c++] = i % 2;
-    for (int64_t i = 0; i < m; i++) key[c++] = 2;
-    for (int64_t i = 0; i < 7; i++) key[c++] = 3;
-    shuffle_keys(key, c, seed);
-    return c;
-  }
-  for (int64_t i = 0; i < n; i++) {
-    seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
-    uint64_t r = seed >> 33;
-    key[i] = kind == 2 ? i : (r & 1) ? 32 : (int64_t)((r >> 1) % (uint64_t)X);
-  }
-  if (kind == 2) shuffle_keys(key, n, seed);
-  return n;
-}
 
 static moe_tensor *keys_tensor(moe_ctx *ctx, const int64_t *key, int64_t n, moe_dtype it) {
   moe_tensor *t = NULL, *c = NULL;
