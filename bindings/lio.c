@@ -24,7 +24,7 @@
  * shape (and base) the box is in the elements [base, base + numel(shape)) of
  * the stored tensor seen as that shape (a flat range: shape = {n}).
  *
- * save_async copies the tensors' bytes (contiguous CPU tensors) into one
+ * save_async copies the tensors' bytes (contiguous CPU or GPU tensors) into one
  * buffer and writes it on a thread (core/moe_io.h): the tensors may change
  * once it returns.
  *
@@ -335,8 +335,9 @@ static int lm_writer_done(lua_State *L) {
 }
 
 /* moe.save_async(path, tensors [, metadata [, reuse]]) -> writer: moe.save
- * on a thread; tensors must be contiguous CPU tensors; reuse: an earlier
- * writer whose buffer the copy may take. */
+ * on a thread; tensors must be contiguous (CPU or GPU: copied into the
+ * writer's buffer before the call returns); reuse: an earlier writer whose
+ * buffer the copy may take. */
 static int lm_save_async(lua_State *L) {
   lm_state *S = lm_S(L);
   if (lua_type(L, 1) != LUA_TSTRING)

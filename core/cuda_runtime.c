@@ -44,6 +44,7 @@
 #include <nccl.h>
 
 #include "cuda_check.h"
+#include "host_pin.h"
 #include "internal.h"
 #include "kerr.h"
 
@@ -591,6 +592,16 @@ moe_status moe_cuda_empty_cache(moe_ctx *ctx, int device) {
 }
 
 /* ----------------------------------------------------------------- copies */
+
+moe_status moe_cuda_host_register(moe_ctx *ctx, void *p, size_t nbytes) {
+  if (nbytes == 0) return MOE_OK;
+  MOE_CUDA_CHECK(ctx, cudaHostRegister(p, nbytes, cudaHostRegisterDefault));
+  return MOE_OK;
+}
+
+void moe_cuda_host_unregister(void *p) {
+  if (p) (void)cudaHostUnregister(p);
+}
 
 moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *src,
                            moe_device sd, size_t nbytes) {

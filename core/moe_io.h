@@ -77,8 +77,10 @@ moe_status moe_safetensors_save(moe_ctx *ctx, const char *path, int64_t n,
  * header made, and every tensor's bytes copied into one host buffer here (the
  * caller may change or free the tensors afterwards); the thread opens
  * "<path>.tmp.<pid>.async", writes, fsyncs, renames and syncs the folder,
- * touching no moe_ctx. The tensors must be contiguous CPU tensors (copy
- * device tensors to the host first). reuse (NULL or an earlier writer):
+ * touching no moe_ctx. The tensors must be contiguous, on the CPU or a GPU
+ * (copied from the device straight into the buffer, which is then
+ * page-locked, and stays so when reused; pageable where locking fails).
+ * reuse (NULL or an earlier writer):
  * its buffer is taken when large enough (joined first if need be), so
  * repeated saves copy into memory that is already mapped. moe_safetensors_writer_wait joins the
  * thread and returns the write's status (its message in ctx); it may be

@@ -6,6 +6,7 @@
  * families' core/<family>_cuda.h), so dispatch code calls a launcher
  * without #ifdef and this file is the one place that says "no CUDA".
  */
+#include "host_pin.h"
 #include "internal.h"
 #include "dist_internal.h"
 #include "attention_cuda.h"
@@ -59,6 +60,8 @@ moe_status moe_cuda_memcpy(moe_ctx *ctx, void *dst, moe_device dd, const void *s
                            size_t nbytes) {
   return NO_CUDA(ctx);
 }
+moe_status moe_cuda_host_register(moe_ctx *ctx, void *p, size_t nbytes) { return NO_CUDA(ctx); }
+void moe_cuda_host_unregister(void *p) {}
 void moe_cuda_state_free(moe_ctx *ctx) {}
 moe_status moe_cuda_event_create(moe_ctx *ctx, int device, void **ev) { return NO_CUDA(ctx); }
 moe_status moe_cuda_event_record(moe_ctx *ctx, int device, void *ev) { return NO_CUDA(ctx); }

@@ -22,6 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "host_pin.h"
 #include "internal.h"
 #include "json.h"
 #include "moe_io.h"
@@ -447,6 +448,7 @@ struct moe_safetensors_writer {
   sbuf header;
   unsigned char *data;    /* the data buffer: every tensor's bytes, copied by the caller's thread */
   uint64_t nbytes, cap;   /* bytes used, bytes allocated */
+  bool pinned;            /* data page-locked (moe_cuda_host_register) for copies from a GPU */
 };
 
 static moe_status stw_fail(moe_safetensors_writer *w, moe_status st, const char *fmt, ...) {
@@ -503,6 +505,7 @@ static void *stw_main(void *arg) {
 void moe_safetensors_writer_free(moe_safetensors_writer *w) {
   if (!w) return;
   if (w->started && !w->joined) pthread_join(w->thread, NULL);
+  if (w->pinned) moe_cuda_host_unregister(w->data);
   free(w->data);
   free(w->header.p);
   free(w->path);
@@ -519,11 +522,14 @@ moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: out is NULL");
   *out = NULL;
   MOE_CHECK(st_check_save_args(ctx, path, n, names, tensors, n_meta, meta_keys, meta_values));
-  for (int64_t i = 0; i < n; i++)
-    if (tensors[i]->storage->device.type != MOE_DEVICE_CPU || !moe_tensor_is_contiguous(tensors[i]))
+  bool on_gpu = false;
+  for (int64_t i = 0; i < n; i++) {
+    if (!moe_tensor_is_contiguous(tensors[i]))
       return moe_error(ctx, MOE_ERR_INVALID_ARG,
-                       "save_async: tensor '%s' must be a contiguous CPU tensor (a host copy: the "
-                       "writer thread reads it while the caller goes on)", names[i]);
+                       "save_async: tensor '%s' must be contiguous (its bytes are copied as they lie)",
+                       names[i]);
+    if (tensors[i]->storage->device.type != MOE_DEVICE_CPU) on_gpu = true;
+  }
   const char *dup = NULL;
   MOE_CHECK(st_find_duplicate(ctx, n, names, &dup));
   if (dup) return moe_error(ctx, MOE_ERR_INVALID_ARG, "save_async: duplicate tensor name '%s'", dup);
@@ -566,10 +572,13 @@ moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
     }
     w->data = reuse->data;
     w->cap = reuse->cap;
+    w->pinned = reuse->pinned;
     reuse->data = NULL;
     reuse->cap = 0;
+    reuse->pinned = false;
   } else {
-    w->data = malloc(pos > 0 ? (size_t)pos : 1);
+    void *buf = NULL; /* page-aligned, as page-locking takes whole pages */
+    w->data = posix_memalign(&buf, 4096, pos > 0 ? (size_t)pos : 1) == 0 ? buf : NULL;
     w->cap = pos;
   }
   if (!w->data) {
@@ -577,8 +586,22 @@ moe_status moe_safetensors_save_async(moe_ctx *ctx, const char *path, int64_t n,
                    (unsigned long long)pos);
     goto fail;
   }
-  for (int64_t i = 0; i < n; i++)
-    if (es[i].end > es[i].begin) memcpy(w->data + es[i].begin, moe_tensor_data(es[i].t), (size_t)(es[i].end - es[i].begin));
+  /* GPU tensors are copied straight into the buffer, page-locked once (kept
+   * with the buffer when a later save reuses it): a pageable buffer takes the
+   * driver's staged copies; where locking fails (a host limit) it stays
+   * pageable */
+  if (on_gpu && !w->pinned && w->cap > 0) {
+    w->pinned = moe_cuda_host_register(ctx, w->data, (size_t)w->cap) == MOE_OK;
+    if (!w->pinned) moe_ctx_clear(ctx);
+  }
+  for (int64_t i = 0; i < n; i++) {
+    if (es[i].end <= es[i].begin) continue;
+    moe_device d = es[i].t->storage->device;
+    size_t nb = (size_t)(es[i].end - es[i].begin);
+    if (d.type == MOE_DEVICE_CPU) memcpy(w->data + es[i].begin, moe_tensor_data(es[i].t), nb);
+    else MOE_CHECK_GOTO(moe_cuda_memcpy(ctx, w->data + es[i].begin, MOE_CPU, moe_tensor_data(es[i].t), d, nb),
+                        st, fail);
+  }
   snprintf(w->tmp, tlen, "%s.tmp.%ld.async", path, (long)getpid());
   int rc = pthread_create(&w->thread, NULL, stw_main, w);
   if (rc != 0) {

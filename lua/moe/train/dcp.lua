@@ -44,8 +44,9 @@ rename makes appear with everything else: a crash at any moment leaves the
 previous checkpoints as they were (the .tmp folder is removed at the next start).
 
 Asynchronous saves (async = true): moe.save_async copies the pieces into one
-host buffer (a memcpy per CPU tensor; device tensors are copied to the host
-first) and writes it on a thread; the step goes on. The commit waits until the next save or finish.
+host buffer (a memcpy per CPU tensor; a GPU's straight from the device into the
+buffer, page-locked once and reused by the next save) and writes it on a
+thread; the step goes on. The commit waits until the next save or finish.
 ]]
 local moe = require "moe"
 local checkpoint = require "moe.checkpoint"
@@ -238,9 +239,9 @@ function Saver:save(step, pieces, rank_state, state)
     if p.write then
       local key = file_key(p)
       local t = p.tensor
-      if copy and (t.device ~= "cpu" or not t:is_contiguous()) then
-        -- moe.save_async copies contiguous host tensors itself (one memcpy each)
-        t = moe.no_grad(function() return t:cpu():contiguous() end)
+      if copy and not t:is_contiguous() then
+        -- moe.save_async copies contiguous tensors itself, from a GPU straight into its buffer
+        t = moe.no_grad(function() return t:contiguous() end)
         made[#made + 1] = t
       end
       tensors[key] = t
