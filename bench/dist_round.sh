@@ -188,6 +188,7 @@ PY
       run125() { # name launcher-args... -- train args...
         local name=$1; shift
         if [ -n "${SCALE_RUNS:-}" ] && [[ " $SCALE_RUNS " != *" $name "* ]]; then return; fi
+        rm -rf /tmp/s125_$name # a run of an earlier call on a machine kept warm
         timeout 400 "$@" json="$out/s125_$name.json" out_dir=/tmp/s125_$name > "$out/s125_$name.log" 2>&1
         local rc=$?
         note "125M $name: rc=$rc $(grep -o '[0-9]* tokens/s, [0-9.]* ms/step.*GiB' "$out/s125_$name.log" | tail -1) ($(($(date +%s) - t0)) s)"
