@@ -2,7 +2,8 @@
 moe/train/dcp.lua - distributed checkpoints: every rank writes the shards it
 owns (model and optimizer state) as safetensors, rank 0 writes one index that
 maps every tensor to its global shape, dtype and shards; a checkpoint written
-on one layout (DP, ZeRO-2/HSDP, EP, any number of ranks) loads onto any other.
+on one layout (DP, ZeRO-2/HSDP, ZeRO-3, EP, any number of ranks) loads onto any
+other.
 docs/DISTRIBUTED.md "Checkpoints".
 
   out_dir/ckpt-<step>/shard-<r>.safetensors   what rank r owns and is the first to hold
@@ -121,26 +122,47 @@ local function first_replica(par)
 end
 
 --- pieces(par, model, opt) -> the pieces this rank holds: the model's state
---- dict and the optimizer's state (optim.AdamW / SGD: whole per parameter or
---- its expert rows; optim.ShardedAdamW: opt:state_pieces(), flat ranges).
+--- dict (with parameter sharding, par.fsdp: each sharded parameter as flat
+--- ranges, moe/fsdp.lua's param_pieces) and the optimizer's state
+--- (optim.AdamW / SGD: whole per parameter or its expert rows;
+--- optim.ShardedAdamW: opt:state_pieces(), flat ranges).
 function M.pieces(par, model, opt)
   local out = {}
   local experts = par.expert_set or {}
   local rank0 = (par.rank or 0) == 0
   local names = {}
-  for name in pairs(model:state_dict()) do names[#names + 1] = name end
+  local sd, flat
+  if par.fsdp then
+    -- parameter sharding (ZeRO-3): no gather; each sharded parameter as this
+    -- rank's flat ranges of it, views of its unit's shard (the replicas of
+    -- HSDP hold the same: the first writes)
+    if par.expert_fsdp then
+      fail("checkpoints of expert shards sharded again over the data-parallel ranks (parallel.shard_params " ..
+        "with ep x etp = %d of %d ranks) are not supported", par.shards, par.world or 0)
+    end
+    sd, flat = par.fsdp:local_state_dict(), par.fsdp:param_pieces()
+  else
+    sd = model:state_dict()
+  end
+  for name in pairs(sd) do names[#names + 1] = name end
   table.sort(names)
-  local sd = model:state_dict()
+  local first_shard = par.replicate_group == nil or par.replicate_group:rank() == 0
   for _, name in ipairs(names) do
     local t = sd[name]
     local e = { name = "model." .. name, dtype = t.dtype, tensor = t }
-    if experts[t] then
+    if flat and flat[t] then
+      for _, p in ipairs(flat[t]) do
+        out[#out + 1] = { name = e.name, dtype = t.dtype, shape = t.shape, tensor = p.tensor, place = p.place,
+          write = first_shard }
+      end
+      e = nil
+    elseif experts[t] then
       e.shape, e.place = expert_place(par, t, name)
       e.write = first_replica(par)
     else
       e.shape, e.place, e.write = t.shape, { full = true }, rank0
     end
-    out[#out + 1] = e
+    if e then out[#out + 1] = e end
   end
   if opt == nil then return out end
   if opt.sharded and opt.experts then
