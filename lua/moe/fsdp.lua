@@ -241,10 +241,12 @@ end
 --- are not there between uses (read them through sh:param_pieces()).
 function Sharded:local_state_dict() return self.raw_state_dict() end
 
---- sh:param_pieces() -> {[parameter] = {{tensor =, place = {flat = {a, b}}}, ...}}:
---- this rank's part of each sharded parameter, as flat ranges of it (the
---- elements [a, b) of the flattened parameter) with views of the unit's
---- shard that hold them (moe/train/dcp.lua saves and fills them in place). A
+--- sh:param_pieces() -> {[parameter] = {{tensor =, place = {flat = {a, b}},
+--- shard_offset =, unit_bucket =}, ...}}: this rank's part of each sharded
+--- parameter, as flat ranges of it (the elements [a, b) of the flattened
+--- parameter) with views of the unit's shard that hold them (moe/train/dcp.lua
+--- saves and fills them in place): elements [shard_offset, shard_offset + b - a)
+--- of the shard of the layout's bucket unit_bucket. A
 --- parameter whose elements all sit on other ranks has an empty list.
 function Sharded:param_pieces()
   local out, shard_of = {}, {}
@@ -255,7 +257,8 @@ function Sharded:param_pieces()
       if s.numel > 0 then
         local list = out[self.named[s.param][2]]
         list[#list + 1] = { tensor = shard_of[k]:narrow(0, s.shard_offset, s.numel),
-          place = { flat = { s.param_offset, s.param_offset + s.numel } } }
+          place = { flat = { s.param_offset, s.param_offset + s.numel } }, shard_offset = s.shard_offset,
+          unit_bucket = k }
       end
     end
   end
