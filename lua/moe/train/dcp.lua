@@ -143,28 +143,26 @@ end
 -- expert_shards): each rank holds distinct elements of its expert shard (its
 -- part of the unit's flat buffer) and writes them, the parameter's
 -- ("model.<name>") and, given state keys, the AdamW state's alike.
-local function expert_unit_pieces(par, names, out, keys)
+local function expert_unit_pieces(par, out, keys)
   local ex = par.expert_fsdp
   local by_bucket = {}
   for _, e in ipairs(ex.units) do by_bucket[e.bucket] = e end
   local flat = ex.sh:param_pieces()
   for _, np in ipairs(ex.sh.named) do
     local name, t = np[1], np[2]
-    if names == nil or names[name] then
-      for _, p in ipairs(flat[t]) do
-        local a, b = p.place.flat[1], p.place.flat[2]
-        local e = by_bucket[p.unit_bucket]
-        for _, key in ipairs(keys or { false }) do
-          local src = key and e[key] and e[key]:narrow(0, p.shard_offset, b - a) or (not key and p.tensor)
-          if src then
-            local full = key and (name .. "." .. key) or name
-            local shape, places = expert_flat_places(par, t, full, a, b)
-            for _, q in ipairs(places) do
-              local v = src:narrow(0, q.start, q.n)
-              if q.sizes then v = v:view(#q.sizes > 0 and q.sizes or { 1 }) end
-              out[#out + 1] = { name = (key and "optim." or "model.") .. full, shape = shape, dtype = src.dtype,
-                tensor = v, place = q.place, write = true }
-            end
+    for _, p in ipairs(flat[t]) do
+      local a, b = p.place.flat[1], p.place.flat[2]
+      local e = by_bucket[p.unit_bucket]
+      for _, key in ipairs(keys or { false }) do
+        local src = key and e[key] and e[key]:narrow(0, p.shard_offset, b - a) or (not key and p.tensor)
+        if src then
+          local full = key and (name .. "." .. key) or name
+          local shape, places = expert_flat_places(par, t, full, a, b)
+          for _, q in ipairs(places) do
+            local v = src:narrow(0, q.start, q.n)
+            if q.sizes then v = v:view(#q.sizes > 0 and q.sizes or { 1 }) end
+            out[#out + 1] = { name = (key and "optim." or "model.") .. full, shape = shape, dtype = src.dtype,
+              tensor = v, place = q.place, write = true }
           end
         end
       end
@@ -195,7 +193,7 @@ function M.pieces(par, model, opt)
     sd, flat = par.fsdp:local_state_dict(), par.fsdp:param_pieces()
     if par.expert_fsdp then -- the expert shards, sharded again: below
       for _, np in ipairs(par.expert_fsdp.sh.named) do sd[np[1]] = nil end
-      expert_unit_pieces(par, nil, out)
+      expert_unit_pieces(par, out)
     end
   else
     sd = model:state_dict()
@@ -231,7 +229,7 @@ function M.pieces(par, model, opt)
     end
     opt = opt.experts
     if opt.sh then -- expert shards sharded again over the data-parallel ranks
-      expert_unit_pieces(par, nil, out, { "exp_avg", "exp_avg_sq", "master" })
+      expert_unit_pieces(par, out, { "exp_avg", "exp_avg_sq", "master" })
       return out
     end
   elseif opt.state_pieces then -- sharded optimizer: its flat ranges
