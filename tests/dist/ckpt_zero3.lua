@@ -14,7 +14,8 @@ under
   dp = 2          the same checkpoint resumed without shard_params
   one process     the same checkpoint resumed by each rank alone (dp = 1,
                   grad_accum = 2: the same global batch)
-  dp = 2 -> ZeRO-3  a dp = 2 checkpoint resumed with shard_params
+  dp = 2 -> ZeRO-3  a dp = 2 checkpoint resumed with shard_params; a ZeRO-2
+                  one and a single process's (the one-file format) likewise
   ep = 2 x dp_shard = 2 with shard_params, and a layout function (attention
                   in units, the rest replicated): resumed bit for bit
 4 ranks:
@@ -185,7 +186,22 @@ else
   worst = compare("dp=2 -> shard_params", dref.losses, z.losses, TOL)
   say("ok   ckpt_zero3: a dp=2 checkpoint resumed with shard_params: losses within %.2e", worst)
 
-  -- (d) with expert parallelism (the dense parameters in units, the expert shards placed by ep) and
+  -- (d) a ZeRO-2 checkpoint and a single process's (one-file format) resumed with shard_params
+  local z2 = { parallel = { dp_shard = 2, bucket_mb = 0.002 } }
+  train.run(cfg("z2", with(z2, { stop_at = STOP, save_every = STOP, keep_last = 2 })))
+  z = train.run(cfg("z2-z3", with(z3, { resume = shared .. "/z2/ckpt-" .. STOP }), root))
+  worst = compare("dp_shard=2 -> shard_params", ref.losses, z.losses, TOL)
+  say("ok   ckpt_zero3: a dp_shard=2 (ZeRO-2) checkpoint resumed with shard_params: losses within %.2e", worst)
+  -- each rank alone writes the same checkpoint in its own folder; each resumes from its own
+  train.run(cfg("one", { grad_accum = 2, parallel = { dp = 1 }, stop_at = STOP, save_every = STOP, keep_last = 2 },
+    root))
+  assert(not dcp.is_sharded(root .. "/one/ckpt-" .. STOP), "one process wrote a sharded checkpoint")
+  z = train.run(cfg("one-z3", with(z3, { resume = root .. "/one/ckpt-" .. STOP }), root))
+  worst = compare("one process -> shard_params", ref.losses, z.losses, TOL)
+  say("ok   ckpt_zero3: a single process's checkpoint (one file) resumed with shard_params: losses within %.2e",
+    worst)
+
+  -- (e) with expert parallelism (the dense parameters in units, the expert shards placed by ep) and
   -- with a layout function (attention in units, the rest replicated: ZeRO-2 buckets beside the units)
   local function layout(_, module)
     if module.__name == "CausalSelfAttention" then return "shard" end
