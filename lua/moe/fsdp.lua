@@ -13,6 +13,7 @@ state sharded the same way) nothing of the model is held whole between uses.
   sh:release_all()      -- after a backward whose reducer was not armed (gradient accumulation)
   sh:gather_all() / sh:state_dict()   -- every parameter whole (a copy for the state dict)
   sh.stats()            -- {units =, gathers =} for tests
+  sh:param_pieces()     -- this rank's flat ranges of each parameter (checkpoints)
 
 Units. One per transformer block (model.blocks, when the model has them)
 and the root: every parameter no block holds (embeddings, final norm, the
@@ -225,6 +226,7 @@ function Sharded:wrap()
     return table.unpack(out, 1, out.n)
   end)
   local sd = model.state_dict
+  self.raw_state_dict = function() return sd(model) end
   rawset(model, "state_dict", function(mod)
     self:gather_all()
     local out = {}
@@ -232,6 +234,35 @@ function Sharded:wrap()
     self:release_all()
     return out
   end)
+end
+
+--- sh:local_state_dict() -> name -> tensor, as the model's own state_dict
+--- (no gather): the sharded parameters are their unit's views, whose values
+--- are not there between uses (read them through sh:param_pieces()).
+function Sharded:local_state_dict() return self.raw_state_dict() end
+
+--- sh:param_pieces() -> {[parameter] = {{tensor =, place = {flat = {a, b}},
+--- shard_offset =, unit_bucket =}, ...}}: this rank's part of each sharded
+--- parameter, as flat ranges of it (the elements [a, b) of the flattened
+--- parameter) with views of the unit's shard that hold them (moe/train/dcp.lua
+--- saves and fills them in place): elements [shard_offset, shard_offset + b - a)
+--- of the shard of the layout's bucket unit_bucket. A
+--- parameter whose elements all sit on other ranks has an empty list.
+function Sharded:param_pieces()
+  local out, shard_of = {}, {}
+  for _, u in pairs(self.units) do shard_of[u.bucket] = u.shard end
+  for _, np in ipairs(self.named) do out[np[2]] = {} end
+  for k, b in ipairs(self.layout.buckets) do
+    for _, s in ipairs(b.segments) do
+      if s.numel > 0 then
+        local list = out[self.named[s.param][2]]
+        list[#list + 1] = { tensor = shard_of[k]:narrow(0, s.shard_offset, s.numel),
+          place = { flat = { s.param_offset, s.param_offset + s.numel } }, shard_offset = s.shard_offset,
+          unit_bucket = k }
+      end
+    end
+  end
+  return out
 end
 
 function Sharded:stats()

@@ -59,7 +59,8 @@ local saved_arg = arg
 rawset(_G, "arg", { [0] = example, "data=" .. prefix, "seq_len=16", "batch_size=4", "model.d_model=32",
   "model.n_heads=2", "model.moe.ffn_hidden_size=32", "model.vocab_size=257", "steps=" .. opts.steps,
   "eval_every=100", "log_every=1", "quiet=" .. tostring(not opts.verbose), "deterministic=true",
-  "valid_fraction=0.1", "seed=7", "out_dir=" .. root .. "/example", "device=" .. opts.device }) -- the example reads arg
+  "valid_fraction=0.1", "seed=7", "out_dir=" .. root .. "/example", "keep_last=0", -- out_dir is this rank's
+  "device=" .. opts.device }) -- the example reads arg
 local result, cfg, layout = dofile(example)
 rawset(_G, "arg", saved_arg)
 local ref_cfg = train.config(cfg)
@@ -86,7 +87,7 @@ end
 -- the placement, through the hooks of one more run
 local seen
 local probe = train.config(cfg)
-probe.steps, probe.warmup, probe.out_dir = 2, 1, root .. "/probe"
+probe.steps, probe.warmup, probe.out_dir, probe.keep_last = 2, 1, root .. "/probe", 0
 train.run(probe, { layout = layout, hooks = { after_step = function(state)
   local par = state.parallel
   local whole = 0

@@ -2,7 +2,8 @@
 moe/train/dcp.lua - distributed checkpoints: every rank writes the shards it
 owns (model and optimizer state) as safetensors, rank 0 writes one index that
 maps every tensor to its global shape, dtype and shards; a checkpoint written
-on one layout (DP, ZeRO-2/HSDP, EP, any number of ranks) loads onto any other.
+on one layout (DP, ZeRO-2/HSDP, ZeRO-3, EP, any number of ranks) loads onto any
+other.
 docs/DISTRIBUTED.md "Checkpoints".
 
   out_dir/ckpt-<step>/shard-<r>.safetensors   what rank r owns and is the first to hold
@@ -115,32 +116,107 @@ local function expert_place(par, t, name)
   return shape, { offsets = offsets, sizes = sizes }
 end
 
+-- The elements [a, b) of an expert shard t (this rank's local tensor, flattened)
+-- as places of the global tensor: its shape and a list of {place =, start =, n =,
+-- sizes =}: the elements [start, start + n) of the range at that place (a flat
+-- range of the global tensor with ep alone, sizes nil; with etp the boxes of
+-- the range, each contiguous in t, shaped sizes).
+local function expert_flat_places(par, t, name, a, b)
+  local shape, pl = expert_place(par, t, name)
+  if pl.rows then
+    local row = t.shape[1] > 0 and t:numel() // t.shape[1] or 0
+    local base = pl.rows[1] * row
+    return shape, { { place = { flat = { base + a, base + b } }, start = 0, n = b - a } }
+  end
+  local out = {}
+  for _, bx in ipairs(M.flat_boxes(a, b, t.shape)) do
+    local offs = {}
+    for d = 1, #bx.offsets do offs[d] = bx.offsets[d] + pl.offsets[d] end
+    out[#out + 1] = { place = { offsets = offs, sizes = bx.sizes }, start = bx.start, n = numel(bx.sizes),
+      sizes = bx.sizes }
+  end
+  return shape, out
+end
+
+-- The pieces of expert shards sharded again over the data-parallel ranks
+-- (parallel.shard_params with ep x etp < world; moe/train/parallel.lua's
+-- expert_shards): each rank holds distinct elements of its expert shard (its
+-- part of the unit's flat buffer) and writes them, the parameter's
+-- ("model.<name>") and, given state keys, the AdamW state's alike.
+local function expert_unit_pieces(par, out, keys)
+  local ex = par.expert_fsdp
+  local by_bucket = {}
+  for _, e in ipairs(ex.units) do by_bucket[e.bucket] = e end
+  local flat = ex.sh:param_pieces()
+  for _, np in ipairs(ex.sh.named) do
+    local name, t = np[1], np[2]
+    for _, p in ipairs(flat[t]) do
+      local a, b = p.place.flat[1], p.place.flat[2]
+      local e = by_bucket[p.unit_bucket]
+      for _, key in ipairs(keys or { false }) do
+        local src = key and e[key] and e[key]:narrow(0, p.shard_offset, b - a) or (not key and p.tensor)
+        if src then
+          local full = key and (name .. "." .. key) or name
+          local shape, places = expert_flat_places(par, t, full, a, b)
+          for _, q in ipairs(places) do
+            local v = src:narrow(0, q.start, q.n)
+            if q.sizes then v = v:view(#q.sizes > 0 and q.sizes or { 1 }) end
+            out[#out + 1] = { name = (key and "optim." or "model.") .. full, shape = shape, dtype = src.dtype,
+              tensor = v, place = q.place, write = true }
+          end
+        end
+      end
+    end
+  end
+end
+
 -- Is this rank the first of the ranks holding the same expert rows?
 local function first_replica(par)
   return par.replica_group == nil or par.replica_group:rank() == 0
 end
 
 --- pieces(par, model, opt) -> the pieces this rank holds: the model's state
---- dict and the optimizer's state (optim.AdamW / SGD: whole per parameter or
---- its expert rows; optim.ShardedAdamW: opt:state_pieces(), flat ranges).
+--- dict (with parameter sharding, par.fsdp: each sharded parameter as flat
+--- ranges, moe/fsdp.lua's param_pieces) and the optimizer's state
+--- (optim.AdamW / SGD: whole per parameter or its expert rows;
+--- optim.ShardedAdamW: opt:state_pieces(), flat ranges).
 function M.pieces(par, model, opt)
   local out = {}
   local experts = par.expert_set or {}
   local rank0 = (par.rank or 0) == 0
   local names = {}
-  for name in pairs(model:state_dict()) do names[#names + 1] = name end
+  local sd, flat
+  if par.fsdp then
+    -- parameter sharding (ZeRO-3): no gather; each sharded parameter as this
+    -- rank's flat ranges of it, views of its unit's shard (the replicas of
+    -- HSDP hold the same: the first writes)
+    sd, flat = par.fsdp:local_state_dict(), par.fsdp:param_pieces()
+    if par.expert_fsdp then -- the expert shards, sharded again: below
+      for _, np in ipairs(par.expert_fsdp.sh.named) do sd[np[1]] = nil end
+      expert_unit_pieces(par, out)
+    end
+  else
+    sd = model:state_dict()
+  end
+  for name in pairs(sd) do names[#names + 1] = name end
   table.sort(names)
-  local sd = model:state_dict()
+  local first_shard = par.replicate_group == nil or par.replicate_group:rank() == 0
   for _, name in ipairs(names) do
     local t = sd[name]
     local e = { name = "model." .. name, dtype = t.dtype, tensor = t }
-    if experts[t] then
+    if flat and flat[t] then
+      for _, p in ipairs(flat[t]) do
+        out[#out + 1] = { name = e.name, dtype = t.dtype, shape = t.shape, tensor = p.tensor, place = p.place,
+          write = first_shard }
+      end
+      e = nil
+    elseif experts[t] then
       e.shape, e.place = expert_place(par, t, name)
       e.write = first_replica(par)
     else
       e.shape, e.place, e.write = t.shape, { full = true }, rank0
     end
-    out[#out + 1] = e
+    if e then out[#out + 1] = e end
   end
   if opt == nil then return out end
   if opt.sharded and opt.experts then
@@ -152,6 +228,10 @@ function M.pieces(par, model, opt)
       out[#out + 1] = p
     end
     opt = opt.experts
+    if opt.sh then -- expert shards sharded again over the data-parallel ranks
+      expert_unit_pieces(par, out, { "exp_avg", "exp_avg_sq", "master" })
+      return out
+    end
   elseif opt.state_pieces then -- sharded optimizer: its flat ranges
     for _, p in ipairs(opt:state_pieces()) do
       p.name = "optim." .. p.name

@@ -286,10 +286,6 @@ function M.run(user_cfg, parts)
   -- resume
   -- resume=latest: the newest checkpoint that verifies (rank 0 warns about damaged ones)
   local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume, { quiet = not par.writer })
-  if resume_path and par.fsdp then
-    error(("train: resuming %s with parallel.shard_params: a model whose parameters are sharded cannot load a " ..
-      "checkpoint yet"):format(resume_path), 0)
-  end
   local pending_say
   if resume_path then
     local c
@@ -367,18 +363,9 @@ function M.run(user_cfg, parts)
     end)
   end
 
-  local warned_save = false
   local function save()
     local rank_state = { rng = moe.get_rng_state(), data = tconfig.plain(train_data:state()) }
     local tok_rec, tok_files = require("moe.data.tokenizer").record(tokenizer)
-    if par.fsdp then -- sharded parameters: not in sharded checkpoints yet
-      if not warned_save then
-        log:say("warning: checkpoints are skipped with parallel.shard_params (a model whose parameters are " ..
-          "sharded cannot be saved yet)")
-        warned_save = true
-      end
-      return
-    end
     -- every rank writes its shards (moe/train/dcp.lua); one process too when its saves are
     -- asynchronous and no save hook writes them
     if par.distributed or (cfg.save_async and #hooks.save == 0) then
@@ -628,9 +615,7 @@ function M.run(user_cfg, parts)
   if stop_sig then
     local name = stop_sig == 2 and "SIGINT" or stop_sig == 15 and "SIGTERM" or ("signal " .. stop_sig)
     local saved = "saved nothing (keep_last=0)"
-    if par.fsdp then
-      saved = "saved nothing (models with sharded parameters cannot be saved yet)"
-    elseif cfg.keep_last > 0 then
+    if cfg.keep_last > 0 then
       saved = ("saved %s (resume=latest continues)"):format(checkpoint.dir_name(cfg.out_dir, state.step):match("[^/]*$"))
     end
     proc.stopped(stop_sig)

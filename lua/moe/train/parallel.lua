@@ -304,7 +304,7 @@ function M.expert_shards(par, model, o)
     local b = sh.layout.buckets[u.bucket]
     local S = b.shard_numel
     local e = { unit = u.unit, shard = u.shard, padded = u.padded, S = S, dtype = b.dtype, device = b.device,
-      params = {}, segments = {} }
+      params = {}, segments = {}, bucket = u.bucket }
     moe.no_grad(function()
       local sd = b.dtype == "f64" and "f64" or "f32"
       e.exp_avg = moe.keep(moe.zeros({ S }, { dtype = sd, device = b.device }))
@@ -415,10 +415,11 @@ function ExpertShards:zero_grad()
 end
 
 function ExpertShards.state_dict()
-  error("train: the expert shards of parameter sharding cannot be saved yet", 2)
+  error("train: the expert shards of parameter sharding have no state dict (each rank holds a part of " ..
+    "each shard): moe/train/dcp.lua saves and loads them as pieces", 2)
 end
 
-function ExpertShards:load_state_dict(_, scalars)
+function ExpertShards:load_scalars(scalars)
   if type(scalars) ~= "table" then return end
   if scalars.step ~= nil then self.step_count = math.tointeger(scalars.step) or scalars.step end
   if scalars.lr ~= nil then self.lr = scalars.lr end
@@ -428,7 +429,7 @@ end
 -- shards, as one optimizer: lr set on both, step/zero_grad both; the gradient
 -- norm is the whole model's (the dense shards' squares summed over the shard
 -- group, the expert shards' over the {ep, etp} group), and both are scaled by
--- one coefficient. Checkpoints of it are not supported (as ShardedAdamW's).
+-- one coefficient. Checkpoints: moe/train/dcp.lua's pieces (state_dict raises).
 local WithExperts = {}
 WithExperts.__index = function(self, k)
   if k == "lr" then return rawget(self, "sharded").lr end
@@ -496,7 +497,11 @@ end
 function WithExperts:state_scalars() return self.sharded:state_scalars() end
 function WithExperts:load_scalars(scalars)
   self.sharded:load_scalars(scalars)
-  self.experts:load_state_dict(self.experts:state_dict(), scalars)
+  if self.experts.load_scalars then
+    self.experts:load_scalars(scalars)
+  else
+    self.experts:load_state_dict(self.experts:state_dict(), scalars)
+  end
 end
 function WithExperts:state_bytes() return self.sharded:state_bytes() end
 function WithExperts:state_dict() return self.sharded:state_dict() end
