@@ -48,23 +48,9 @@ local function cfg(name, over, dir)
   return c
 end
 
-local function with(t, extra)
-  local o = {}
-  for k, v in pairs(t) do o[k] = v end
-  for k, v in pairs(extra or {}) do o[k] = v end
-  return o
-end
+local with = K.with
 
-local function compare(what, ref, got, tol)
-  local worst = 0
-  for s = STOP + 1, N do
-    assert(got[s] ~= nil, ("[rank %d] %s: no loss at step %d"):format(rank, what, s))
-    local d = math.abs(got[s] - ref[s]) / math.abs(ref[s])
-    worst = math.max(worst, d)
-    assert(d <= tol, ("[rank %d] %s: step %d loss %.17g, uninterrupted %.17g"):format(rank, what, s, got[s], ref[s]))
-  end
-  return worst
-end
+local function compare(what, ref, got, tol) return K.compare(what, ref, got, tol, STOP + 1, N, rank) end
 
 local function read_ref()
   local ref = {}

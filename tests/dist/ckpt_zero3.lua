@@ -71,29 +71,10 @@ local function cfg(name, over, dir)
   return c
 end
 
-local function with(t, extra)
-  local o = {}
-  for k, v in pairs(t) do o[k] = v end
-  for k, v in pairs(extra or {}) do o[k] = v end
-  return o
-end
+local with = K.with
 
 -- the losses after STOP against the reference's: tol 0 is bit for bit
-local function compare(what, ref, got, tol)
-  local worst = 0
-  for s = STOP + 1, N do
-    assert(got[s] ~= nil, ("[rank %d] %s: no loss at step %d"):format(rank, what, s))
-    local d = math.abs(got[s] - ref[s]) / math.abs(ref[s])
-    if d > worst then worst = d end
-    if tol == 0 then
-      assert(got[s] == ref[s], ("[rank %d] %s: step %d loss %.17g, uninterrupted %.17g"):format(rank, what, s,
-        got[s], ref[s]))
-    else
-      assert(d <= tol, ("[rank %d] %s: step %d loss %.9g, uninterrupted %.9g"):format(rank, what, s, got[s], ref[s]))
-    end
-  end
-  return worst
-end
+local function compare(what, ref, got, tol) return K.compare(what, ref, got, tol, STOP + 1, N, rank) end
 
 local function stop_and_resume(name, over, parts)
   local r = train.run(cfg(name .. "-ref", over), parts)

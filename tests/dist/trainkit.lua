@@ -12,6 +12,11 @@ tests/dist/trainkit.lua - what the training tests of tests/dist/ share:
       top 2) on that corpus, micro-batch 4, opts.steps steps on opts.device;
       `over` merged in (one level deep)
   K.max_rel(a, b, steps)  max over steps of |a - b| / |b|
+  K.with(t, extra)        a copy of t with extra's keys set
+  K.compare(what, ref, got, tol, from, to, rank)
+      the losses got[from..to] against ref's: tol 0 bit for bit, else
+      relative |got - ref| / |ref| <= tol (an error naming the step);
+      returns the largest relative difference
   K.check_device(device, name)
       device=cuda (each rank on cuda:<local rank>, collectives through
       NCCL) needs a GPU per rank of this node: a clear error otherwise
@@ -84,6 +89,29 @@ function K.max_rel(a, b, steps)
     if d > m then m = d end
   end
   return m
+end
+
+function K.with(t, extra)
+  local o = {}
+  for k, v in pairs(t) do o[k] = v end
+  for k, v in pairs(extra or {}) do o[k] = v end
+  return o
+end
+
+function K.compare(what, ref, got, tol, from, to, rank)
+  local worst = 0
+  for s = from, to do
+    assert(got[s] ~= nil, ("[rank %d] %s: no loss at step %d"):format(rank, what, s))
+    local d = math.abs(got[s] - ref[s]) / math.abs(ref[s])
+    if d > worst then worst = d end
+    if tol == 0 then
+      assert(got[s] == ref[s], ("[rank %d] %s: step %d loss %.17g, uninterrupted %.17g"):format(rank, what, s,
+        got[s], ref[s]))
+    else
+      assert(d <= tol, ("[rank %d] %s: step %d loss %.9g, uninterrupted %.9g"):format(rank, what, s, got[s], ref[s]))
+    end
+  end
+  return worst
 end
 
 return K
