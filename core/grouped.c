@@ -298,8 +298,11 @@ static moe_status gg_wgrad_run(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_
   int64_t count = 0;
   for (int64_t g = 0; g < groups; g++) {
     int64_t m = offs[g + 1] - offs[g];
-    if (m == 0) {
-      MOE_CHECK_GOTO(gg_zero_rows(ctx, r, g, 1), st, done);
+    if (m == 0) { /* a run of empty groups: one fill */
+      int64_t e = g + 1;
+      while (e < groups && offs[e + 1] == offs[e]) e++;
+      MOE_CHECK_GOTO(gg_zero_rows(ctx, r, g, e - g), st, done);
+      g = e - 1;
       continue;
     }
     const char *pa = (const char *)moe_tensor_data(ac) + (size_t)(offs[g] * lda) * es;

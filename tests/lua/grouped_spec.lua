@@ -142,6 +142,19 @@ describe("grouped_mm_wgrad", function()
       for _, v in ipairs(flat(dw:select(0, 1))) do assert.are.equal(0, v) end
     end
   end)
+
+  it("zeroes runs of empty groups (first, middle and last) and nothing else", function()
+    local offs = { 0, 0, 0, 4, 4, 4, 9, 9, 9 } -- groups 1, 2, 4, 5, 7, 8 empty
+    local a = moe.randn({ 9, 3 }, { dtype = "f64" })
+    local b = moe.randn({ 9, 2 }, { dtype = "f64" })
+    local dw = moe.ops.grouped_mm_wgrad(a, b, offs)
+    assert.are.same({ 8, 3, 2 }, dw.shape)
+    assert.is_true(near(flat(dw), flat(loop_wgrad(a, b, offs, false)), 1e-12))
+    for _, g in ipairs({ 0, 1, 3, 4, 6, 7 }) do
+      for _, v in ipairs(flat(dw:select(0, g))) do assert.are.equal(0, v) end
+    end
+    for _, g in ipairs({ 2, 5 }) do assert.is_true(flat(dw:select(0, g))[1] ~= 0) end
+  end)
 end)
 
 describe("grouped backends", function()
