@@ -243,7 +243,13 @@ static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing
   MOE_CHECK_GOTO(bs_prepare(ctx, a, cdt, &pa), st, done);
   MOE_CHECK_GOTO(bs_prepare(ctx, c, cdt, &pc), st, done);
   MOE_CHECK_GOTO(moe_tensor_empty(ctx, ndim, shape, cdt, p->device, &r), st, done);
-  if (cuda) {
+  if (cuda && g->nnz == 0) {
+    /* No block (a rank whose experts received no rows under expert
+     * parallelism): the dense products are zeros, as on the CPU, and no
+     * kernel runs (a TMA descriptor cannot describe an empty operand). */
+    if (kind != BS_SDD && moe_tensor_numel(r) > 0) st = moe_fill_(ctx, r, 0);
+    if (st != MOE_OK) goto done;
+  } else if (cuda) {
     moe_bs_topo tp = bs_topo(p, g);
     int dev = p->device.index;
     const void *da = moe_tensor_data(pa), *dc = moe_tensor_data(pc);

@@ -651,7 +651,12 @@ moe_status bs_map(moe_ctx *ctx, CUtensorMap *m, const void *p, int rank, const i
                    es, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                    CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
-    return moe_error(ctx, MOE_ERR_CUDA, "bsmm: cuTensorMapEncodeTiled failed (%d)", (int)r);
+    return moe_error(ctx, MOE_ERR_CUDA,
+                     "bsmm: cuTensorMapEncodeTiled failed (%d) on a bf16 tensor of dims [%lld, %lld, %lld] "
+                     "(innermost first; rank %d) at address %p (%s 16-byte aligned)",
+                     (int)r, (long long)dims[0], rank > 1 ? (long long)dims[1] : 0LL,
+                     rank > 2 ? (long long)dims[2] : 0LL, rank, p,
+                     ((uintptr_t)p & 15) ? "not" : "");
   return MOE_OK;
 }
 

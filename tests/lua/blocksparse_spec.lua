@@ -117,6 +117,32 @@ describe("block-sparse products", function()
     end
   end)
 
+  it("over a plan with no rows give empty and zero results (CPU, and CUDA in bf16 when there)", function()
+    -- a rank whose local experts receive no rows under expert parallelism
+    local devs = { { "cpu", "f64" } }
+    if moe.cuda.is_available() then devs[2] = { "cuda", "bf16" } end
+    for _, d in ipairs(devs) do
+      local dev, dt = d[1], d[2]
+      local Bz, Kz, Fz = dev == "cuda" and 128 or 2, 128, 2
+      local Nz = Fz * Bz
+      local ids = moe.zeros({ 0, 1 }, { dtype = "i64", device = dev })
+      local pz = moe.ops.routing_plan(ids, 2, { block_size = Bz, ffn_hidden = Nz })
+      assert.are.equal(0, pz.rows)
+      assert.are.equal(0, pz.nnz)
+      local o = { dtype = dt, device = dev }
+      local x, w, wt = moe.randn({ 0, Kz }, o), moe.randn({ 2, Kz, Nz }, o), moe.randn({ 2, Nz, Kz }, o)
+      local s = moe.ops.bsmm_sdd(x, w, pz)
+      assert.are.same({ 0, Bz, Bz }, s:size())
+      assert.are.same({ 0, Kz }, moe.ops.bsmm_dsd(s, wt, pz):size())
+      local dt_ = moe.ops.bsmm_dsd_t(s, x, pz)
+      local dd = moe.ops.bsmm_dds(x, s, pz)
+      assert.are.same({ 2, Nz, Kz }, dt_:size())
+      assert.are.same({ 2, Kz, Nz }, dd:size())
+      assert.are.equal(0, dt_:float():abs():max():item())
+      assert.are.equal(0, dd:float():abs():max():item())
+    end
+  end)
+
   it("reject bad arguments", function()
     local x, w = moe.randn({ R, K }), moe.randn({ E, K, N })
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, "plan") end):find(

@@ -247,20 +247,13 @@ function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidde
 -- on mixtral's 8 large experts), the grouped path otherwise (on the CPU the
 -- grouped path was 1.3x faster at 32 experts, d 128, f 256). Sets the built-in
 -- experts' impl too; a user's experts module decides for itself.
--- With expert parallelism on CUDA the block-sparse path is not available yet
--- (its backward fails building a TMA descriptor on the exchanged rows): auto
--- takes the grouped path there, and an explicit "sparse" is an error.
+-- Under expert parallelism the count is of this rank's local experts.
 function dMoE:resolve_impl(device)
   local cuda = device:sub(1, 4) == "cuda"
-  if self.mlp_impl_option ~= "auto" then
-    if self.ep and cuda and self.mlp_impl == "sparse" then
-      error("dMoE: mlp_impl=\"sparse\" with expert parallelism is not supported on CUDA yet " ..
-        "(use mlp_impl=\"grouped\" or \"auto\")", 0)
-    end
-    return self.mlp_impl
-  end
+  if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
   local impl = "grouped"
-  if cuda and not self.ep and self.num_experts > 16 and self:ffn_local() % self.block_size == 0 then
+  local experts = self.ep and self.ep.local_experts or self.num_experts
+  if cuda and experts > 16 and self:ffn_local() % self.block_size == 0 then
     impl = "sparse"
   end
   self.mlp_impl = impl
