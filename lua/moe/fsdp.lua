@@ -26,7 +26,9 @@ Lifetime of a unit's full parameters, within a step:
   forward    a block's unit is gathered when the block's forward starts (the
              prefetch started by the previous block's forward, on the
              communication stream, is waited for) and the next block's gather
-             starts; released when its forward ends. The root is gathered at
+             starts; released when its forward ends, except the last block's
+             with grad mode on: backward needs it first, so it stays, and the
+             block before it starts gathering again. The root is gathered at
              the start of the model's forward and kept for backward (its
              output projection is the first thing backward needs).
   backward   a released unit is gathered by autograd itself when backward
@@ -135,6 +137,14 @@ function M.shard(model, opts)
       end
     end
   end
+  -- The root unit's parameters first: the reducer walks the parameters from the last and
+  -- launches its buckets in that order, so the blocks' buckets go from the last block while
+  -- backward runs, and the root's (the embedding among them: done only at the end of
+  -- backward) goes last instead of holding every other reduce_scatter back.
+  local ordered = {}
+  for _, np in ipairs(named) do if not unit_of[np[2]] then ordered[#ordered + 1] = np end end
+  for _, np in ipairs(named) do if unit_of[np[2]] then ordered[#ordered + 1] = np end end
+  named = ordered
   local list, groups = {}, {}
   for i, np in ipairs(named) do
     list[i] = np[2]
@@ -189,6 +199,16 @@ function M.shard(model, opts)
   return self
 end
 
+--- sh:first_units() -> the units the next forward gathers first, in order: the root's and
+--- the first block's (the sharded optimizer starts gathering them as soon as it has stepped
+--- them, while it steps the others).
+function Sharded:first_units()
+  local out = {}
+  if self.units[self.root] then out[#out + 1] = self.units[self.root].unit end
+  if self.root > 1 and self.units[1] then out[#out + 1] = self.units[1].unit end
+  return out
+end
+
 function Sharded:release_all()
   for _, u in pairs(self.units) do u.unit:release() end
 end
@@ -204,14 +224,22 @@ end
 -- the model's (kept for backward when grad mode is on).
 function Sharded:wrap()
   local units, root = self.units, self.root
+  local nb = #self.unit_mods
   for g, m in ipairs(self.unit_mods) do
     local orig = m.forward
     local u, nxt = units[g] and units[g].unit, units[g + 1] and g + 1 < root and units[g + 1].unit
+    local prev = g == nb and units[g - 1] and units[g - 1].unit
     rawset(m, "forward", function(mod, ...)
       if u then u:gather() end
       if nxt then nxt:gather { async = true } end -- the next block's, while this one computes
       local out = table.pack(orig(mod, ...))
-      if u then u:release() end -- backward gathers it again when it needs it
+      if u and g == nb and moe.is_grad_enabled() then
+        -- backward starts with the last block: it stays gathered (no gather again), and the
+        -- block before it, which backward reaches next, starts gathering now
+        if prev then prev:gather { async = true } end
+      elseif u then
+        u:release() -- backward gathers it again when it needs it
+      end
       return table.unpack(out, 1, out.n)
     end)
   end

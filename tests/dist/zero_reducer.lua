@@ -222,5 +222,49 @@ do
   zopt:free()
 end
 
+-- ShardedAdamW:grad_norm and step{grad_scale} against optim.grad_norm and AdamW's
+-- step{grad_scale} on the same averaged gradient (clipped: max_norm below the norm). The norm
+-- adds the same squares in another order (per rank, then over ranks): close, not bit for bit;
+-- with the reference's coefficient the step is the same element-wise update, bit for bit.
+do
+  local ps, ref = make_params(), make_params()
+  local named, rnamed = {}, {}
+  for i = 1, #ps do
+    named[i] = { "p" .. i, ps[i] }
+    rnamed[i] = { "p" .. i, ref[i] }
+  end
+  local hp = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 } }
+  local zopt = optim.ShardedAdamW(named, { lr = hp.lr, weight_decay = hp.weight_decay, betas = hp.betas,
+    bucket_mb = 200 / 2 ^ 20 })
+  local aopt = optim.AdamW(rnamed, hp)
+  zopt.reducer:arm()
+  backward(ps)
+  zopt.reducer:finish()
+  for i, p in ipairs(ref) do
+    if i ~= NOGRAD then p.grad = moe.tensor(expected_avg(i, p:numel(), W)):reshape(p.shape) end
+  end
+  local rn, rcoef = optim.grad_norm(ref, 0.5)
+  local zn, zcoef, zinf = zopt:grad_norm(0.5)
+  assert(zn.device == "cpu" and zn:numel() == 1 and zinf:item() == 0)
+  local a, b = zn:item(), rn:item()
+  assert(math.abs(a - b) <= 1e-6 * b, ("ShardedAdamW:grad_norm %.9g vs optim.grad_norm %.9g"):format(a, b))
+  assert(zcoef:item() < 1 and math.abs(zcoef:item() - rcoef:item()) <= 1e-6)
+  local ok, err = pcall(zopt.step, zopt, { grad_scale = 0.5 })
+  assert(not ok and err:find("grad_scale must be a tensor"), err)
+  ok, err = pcall(zopt.step, zopt, { scale = rcoef })
+  assert(not ok and err:find("unknown option 'scale'"), err)
+  zopt:step { grad_scale = rcoef }
+  aopt:step { grad_scale = rcoef }
+  for i = 1, #ps do
+    local x, y = ps[i]:reshape({ -1 }):totable(), ref[i]:reshape({ -1 }):totable()
+    for j = 1, #x do
+      assert(x[j] == y[j], ("ShardedAdamW step{grad_scale}: parameter %d element %d: %.9g vs %.9g"):format(
+        i, j, x[j], y[j]))
+    end
+  end
+  say("ShardedAdamW:grad_norm %.7g (optim.grad_norm %.7g); step{grad_scale} == AdamW's", a, b)
+  zopt:free()
+end
+
 dist.barrier()
 say("zero_reducer: ok")

@@ -15,6 +15,7 @@ moe/optim/init.lua - optimisers, learning-rate schedules and gradient clipping
       one host read; lazy: an f32 device tensor, no host read)
   optim.grad_norm(params[, max_norm]) -> norm, coef, found_inf (f32 device
       tensors, gradients untouched; for opt:step{grad_scale=coef, skip=found_inf})
+  optim.scale_(tensors, coef) -> every tensor times the number coef, in place
   optim.ShardedAdamW(named_params, {..., group =, replicate_group =, bucket_mb =})
       -> AdamW with state for this rank's shard only (moe/optim/zero.lua)
 
@@ -393,6 +394,28 @@ end
 
 local function scale_grads(grads, coef)
   for _, dev in ipairs(grads.devices) do moe.ops.scale_multi(grads[dev], on_device(coef, dev)) end
+end
+
+--- optim.scale_(tensors, coef): every tensor of the list (contiguous, floating) times the
+--- number coef in place: one moe.ops.scale_multi per device (f32 arithmetic, as the
+--- clip's own scaling), where t:copy_(t * coef) makes a temporary and a copy per tensor.
+function M.scale_(tensors, coef)
+  if type(coef) ~= "number" then fail("optim.scale_", "coef must be a number, got %s", type(coef)) end
+  local by, devs = {}, {}
+  for i, t in ipairs(tensors) do
+    if not moe.is_tensor(t) then fail("optim.scale_", "item %d is not a tensor", i) end
+    local dev = t.device
+    if not by[dev] then
+      by[dev] = {}
+      devs[#devs + 1] = dev
+    end
+    by[dev][#by[dev] + 1] = t
+  end
+  for _, dev in ipairs(devs) do
+    local c = moe.tensor({ coef }, { dtype = "f32", device = dev })
+    moe.ops.scale_multi(by[dev], c)
+    c:free()
+  end
 end
 
 local function clip(fn, params, max_norm, lazy)

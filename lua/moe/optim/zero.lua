@@ -8,7 +8,8 @@ half of FSDP) over moe.dist.reducer's reduce_scatter mode
       no_decay =, master_weights =, group = shard_group, replicate_group = nil, bucket_mb = 25})
   opt.reducer:arm(); loss:backward(); opt.reducer:finish()  -- gradient shards, .grad released
   opt:clip_grad_norm(max_norm) -> the global norm (one scalar all_reduce over group)
-  opt:step()                    -- AdamW on this rank's shards, then all_gather of the parameters
+  opt:grad_norm(max_norm) -> norm, coef, found_inf (device tensors, no host read)
+  opt:step([{grad_scale = coef}]) -- AdamW on this rank's shards, then all_gather of the parameters
   opt:zero_grad(), opt.lr, opt.step_count, opt:state_bytes(), opt:free()
 
 The optimizer makes the reducer (opt.reducer, mode "reduce_scatter") over the
@@ -155,6 +156,7 @@ function M.AdamW(named_params, opts)
             b.shard_numel)
         end
         bk.unit_shard = e and e.shard -- a group without a unit: parameters held whole (ZeRO-2)
+        bk.unit = e and e.unit
       end
       local want = opts.master_weights
       if want == nil then want = low_precision(b.dtype) end
@@ -222,8 +224,12 @@ local function step_bucket(self, k, bk, o)
   if grad == nil then return nil end
   local runs = runs_of(self, bk)
   if #runs == 0 then return nil end -- no parameter of the bucket had a gradient anywhere
-  local shard = moe.zeros({ bk.shard_numel }, { dtype = bk.dtype, device = bk.device })
-  if not bk.master and bk.unit_shard then
+  -- parameter sharding with master weights: the update is written into the unit's shard itself
+  -- (every element of it is rewritten below: stepped runs by AdamW, the rest from the master)
+  local in_place = bk.master and bk.unit_shard
+  local shard = in_place and bk.unit_shard or moe.zeros({ bk.shard_numel }, { dtype = bk.dtype, device = bk.device })
+  if in_place then -- nothing to copy in: AdamW reads the master, not the parameters
+  elseif not bk.master and bk.unit_shard then
     shard:copy_(bk.unit_shard)
   elseif not bk.master then
     -- the parameters' elements of this shard: what the update starts from
@@ -241,9 +247,10 @@ local function step_bucket(self, k, bk, o)
     ws[i], wds[i] = bk.master and bk.master:narrow(0, a, n) or false, run.wd
   end
   moe.ops.adamw_step_multi(ps, gs, ms, vs, ws, wds,
-    { lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps, step = o.step })
+    { lr = o.lr, beta1 = o.beta1, beta2 = o.beta2, eps = o.eps, step = o.step, grad_scale = o.grad_scale })
   if bk.master then
-    -- segments not stepped this round keep their values: the master's, rounded
+    -- segments not stepped this round keep their values: the master's, rounded (the
+    -- padding past the last segment stays as it is: zeros)
     for _, s in ipairs(bk.segments) do
       if not self.reducer:had_grad(s.param) then
         shard:narrow(0, s.shard_offset, s.numel):copy_(bk.master:narrow(0, s.shard_offset, s.numel))
@@ -251,7 +258,7 @@ local function step_bucket(self, k, bk, o)
     end
   end
   if bk.unit_shard then -- parameter sharding: the next forward gathers the unit
-    bk.unit_shard:copy_(shard)
+    if not in_place then bk.unit_shard:copy_(shard) end
     return nil
   end
   local full = moe.empty({ bk.padded }, { dtype = bk.dtype, device = bk.device })
@@ -259,13 +266,29 @@ local function step_bucket(self, k, bk, o)
   return { full = full, work = work }
 end
 
-local function step(self)
+local function step(self, grad_scale)
   self.step_count = self.step_count + 1
   local h = self.hyper
   local o = { lr = self.lr, beta1 = h.beta1, beta2 = h.beta2, eps = h.eps, weight_decay = 0,
-    step = self.step_count }
+    step = self.step_count, grad_scale = grad_scale }
+  -- the units the next forward needs first (opt.first_units: moe/fsdp.lua's first_units) are
+  -- stepped first, and each starts gathering at once, while the other buckets are stepped
+  local first, order = {}, {}
+  for i, u in ipairs(self.first_units or {}) do first[u] = i end
+  for k, bk in ipairs(self.buckets) do
+    if bk.unit and first[bk.unit] then order[#order + 1] = k end
+  end
+  table.sort(order, function(a, b) return first[self.buckets[a].unit] < first[self.buckets[b].unit] end)
+  local early = #order
+  for k, bk in ipairs(self.buckets) do
+    if not (bk.unit and first[bk.unit]) then order[#order + 1] = k end
+  end
   local gathers = {}
-  for k, bk in ipairs(self.buckets) do gathers[k] = step_bucket(self, k, bk, o) or false end
+  for i, k in ipairs(order) do
+    local bk = self.buckets[k]
+    gathers[k] = step_bucket(self, k, bk, o) or false
+    if i <= early then bk.unit:gather { async = true } end
+  end
   for k, bk in ipairs(self.buckets) do
     local g = gathers[k]
     if g then
@@ -279,12 +302,23 @@ local function step(self)
   end
 end
 
---- opt:step(): AdamW on this rank's shards, then every parameter all-gathered.
-function Sharded:step()
-  moe.no_grad(function() moe.scope(step, self) end)
+--- opt:step([{grad_scale = coef}]): AdamW on this rank's shards, then every parameter
+--- all-gathered. grad_scale: an f32 one-element tensor on the shards' device (the coefficient of
+--- opt:grad_norm), every gradient multiplied by it as the update reads it.
+function Sharded:step(opts)
+  local gs
+  if opts ~= nil then
+    if type(opts) ~= "table" then fail("ShardedAdamW:step", "options must be a table, got %s", type(opts)) end
+    for k in pairs(opts) do
+      if k ~= "grad_scale" then fail("ShardedAdamW:step", "unknown option '%s'", tostring(k)) end
+    end
+    gs = opts.grad_scale
+    if gs ~= nil and not moe.is_tensor(gs) then
+      fail("ShardedAdamW:step", "grad_scale must be a tensor (opt:grad_norm's coefficient), got %s", type(gs))
+    end
+  end
+  moe.no_grad(function() moe.scope(step, self, gs) end)
 end
-
-local function scale_(g, coef) g:copy_(g * coef) end
 
 local function clip(self, max_norm)
   local norms = {}
@@ -306,13 +340,37 @@ local function clip(self, max_norm)
   moe.dist.all_reduce(t, "sum", { group = self.group })
   local total = math.sqrt(t:item())
   if max_norm and total > max_norm then
-    local coef = max_norm / (total + 1e-6)
-    for k = 1, #self.buckets do
-      local g = self.reducer:shard(k)
-      if g then scale_(g, coef) end
-    end
+    local coef, list = max_norm / (total + 1e-6), {}
+    for k = 1, #self.buckets do list[#list + 1] = self.reducer:shard(k) end
+    require("moe.optim").scale_(list, coef)
   end
   return total
+end
+
+-- The global norm on the device: this rank's sum of squares over its shards (one
+-- grad_norm_multi), summed over the shard group by an all_reduce of a device scalar (no
+-- host read), then norm and coefficient as optim.grad_norm makes them.
+local function device_norm(self, max_norm)
+  local list = {}
+  for k = 1, #self.buckets do list[#list + 1] = self.reducer:shard(k) end
+  local dev = self.buckets[1] and self.buckets[1].device or "cpu"
+  local n = #list > 0 and moe.ops.grad_norm_multi(list, nil)
+    or moe.zeros({}, { dtype = "f32", device = dev })
+  local sq = (n * n):reshape({ 1 })
+  moe.dist.all_reduce(sq, "sum", { group = self.group })
+  return moe.ops.grad_norm_multi({ sq:sqrt() }, max_norm)
+end
+
+--- opt:grad_norm([max_norm]) -> norm, coef, found_inf: optim.grad_norm over the sharded
+--- gradient (f32 0-d tensors on the shards' device; no host read, gradients untouched): the
+--- global L2 norm, min(1, max_norm / (norm + 1e-6)) and whether the norm is not finite. For
+--- opt:step{grad_scale = coef}.
+function Sharded:grad_norm(max_norm)
+  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
+    error(("ShardedAdamW:grad_norm: max_norm must be a positive number, got %s"):format(
+      tostring(max_norm)), 2)
+  end
+  return moe.no_grad(function() return moe.scope(device_norm, self, max_norm) end)
 end
 
 --- opt:clip_grad_norm(max_norm) -> the global L2 norm of the gradient: each

@@ -267,6 +267,13 @@ function M.run(user_cfg, parts)
   -- and the step applies the coefficient as it reads each gradient (no pass of its own)
   local fused_clip = not sharded_clip and not parts.clip_grad_norm and par.shards == 1
     and getmetatable(opt) and getmetatable(opt).__index == optim.AdamWClass
+  -- the sharded AdamW likewise (its norm summed over the shard group on the device), when no
+  -- expert shards join the norm
+  local sharded_fused = sharded_clip and not parts.clip_grad_norm and par.shards == 1
+    and type(opt.grad_norm) == "function"
+  -- and with expert shards (no sharded optimizer): the norm over every rank's experts, on the device
+  local ep_fused = not sharded_clip and not parts.clip_grad_norm and par.shards > 1
+    and getmetatable(opt) and getmetatable(opt).__index == optim.AdamWClass
   clip_grad_norm = par:ep_clip(clip_grad_norm) -- expert shards: the norm over every rank's
 
   -- only rank 0 writes: out_dir, logs, metrics, TensorBoard, checkpoints, samples
@@ -473,6 +480,10 @@ function M.run(user_cfg, parts)
     local gn, coef
     if fused_clip then
       gn, coef = optim.grad_norm(params, max_norm)
+    elseif sharded_fused then
+      gn, coef = opt:grad_norm(max_norm)
+    elseif ep_fused then
+      gn, coef = par:ep_grad_norm(params, max_norm)
     else
       gn = clip_grad_norm(params, max_norm, CLIP_OPTS)
     end

@@ -203,6 +203,7 @@ function Par:sharded_optimizer(named, cfg, model)
     self.fsdp = sh
     o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
     local sharded = optim.ShardedAdamW(sh.named, o)
+    sharded.first_units = sh:first_units()
     if not self.expert_set then return sharded end
     return M.with_experts(sharded, self:expert_optimizer(model, sh.kept, o), self)
   end
@@ -246,8 +247,17 @@ function Par:placed_optimizer(model, o)
       experts[#experts + 1] = np
     end
   end
+  -- the root unit's parameters first, so that its bucket launches last (moe/fsdp.lua says why)
+  local root_group, rl, rg = #pl.units + 1, {}, {}
+  for pass = 1, 2 do
+    for i, np in ipairs(list) do
+      if (groups[i] == root_group) == (pass == 1) then rl[#rl + 1], rg[#rg + 1] = np, groups[i] end
+    end
+  end
+  list, groups = rl, rg
   o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, groups, sh.units
   local sharded = optim.ShardedAdamW(list, o)
+  sharded.first_units = sh:first_units()
   if #experts == 0 then return sharded end
   return M.with_experts(sharded, self:expert_optimizer(model, experts, o), self)
 end
@@ -379,11 +389,9 @@ function ExpertShards:sumsq()
 end
 
 function ExpertShards:scale(coef)
-  moe.no_grad(function()
-    for _, e in ipairs(self.units) do
-      if e.grad then e.grad:copy_(e.grad * coef) end
-    end
-  end)
+  local list = {}
+  for _, e in ipairs(self.units) do list[#list + 1] = e.grad end
+  moe.no_grad(function() require("moe.optim").scale_(list, coef) end)
 end
 
 function ExpertShards:step()
@@ -476,19 +484,10 @@ function WithExperts:clip_grad_norm(max_norm)
   end
   local total = math.sqrt(dense * dense + esq)
   if max_norm and total > max_norm then
-    local coef = max_norm / (total + 1e-6)
-    moe.no_grad(function()
-      moe.scope(function()
-        for k = 1, self.reducer:buckets() do
-          local g = self.reducer:shard(k)
-          if g then g:copy_(g * coef) end
-        end
-        for _, p in ipairs(list) do
-          local g = p.grad
-          if g then g:copy_(g * coef) end
-        end
-      end)
-    end)
+    local coef, grads = max_norm / (total + 1e-6), {}
+    for k = 1, self.reducer:buckets() do grads[#grads + 1] = self.reducer:shard(k) end
+    for _, p in ipairs(list) do grads[#grads + 1] = p.grad end
+    moe.no_grad(function() require("moe.optim").scale_(grads, coef) end)
     if self.experts.scale then self.experts:scale(coef) end
   end
   return total
@@ -857,16 +856,44 @@ end
 function Par:finish_experts()
   if self.shards == 1 then return end
   if self.expert_fsdp then return self.expert_fsdp:finish() end -- sharded over the replicas too
-  local dist, scale = self.dist, 1 / self.shards
+  local dist, list = self.dist, {}
   for _, p in ipairs(self.expert_params) do
     local g = p.grad
     if g == nil then
       p.grad = moe.zeros(p.shape, { dtype = p.dtype, device = p.device })
     else
       if self.replica_group then dist.all_reduce(g, "avg", { group = self.replica_group }) end
-      g:copy_(g * scale)
+      list[#list + 1] = g
     end
   end
+  moe.no_grad(function() require("moe.optim").scale_(list, 1 / self.shards) end)
+end
+
+--- par:ep_grad_norm(params, max_norm) -> norm, coef, found_inf: ep_clip's global norm
+--- computed on the device (f32 0-d tensors, no host read; the shards' squares summed over
+--- the ep etp ranks by an all_reduce of a device scalar), gradients untouched: for
+--- optim.AdamW's step{grad_scale = coef}, as optim.grad_norm is in one process.
+function Par:ep_grad_norm(params, max_norm)
+  local optim = require "moe.optim"
+  local dense, experts = {}, {}
+  for _, p in ipairs(params) do
+    if self.expert_set[p] then experts[#experts + 1] = p else dense[#dense + 1] = p end
+  end
+  local dev = params[1] and params[1].device or "cpu"
+  local function sq_of(list)
+    local has = false
+    for _, p in ipairs(list) do has = has or p.grad ~= nil end
+    if not has then return moe.zeros({ 1 }, { dtype = "f32", device = dev }) end
+    local n = optim.grad_norm(list)
+    return (n * n):reshape({ 1 })
+  end
+  return moe.no_grad(function()
+    return moe.scope(function()
+      local e = sq_of(experts)
+      self.dist.all_reduce(e, "sum", { group = self.expert_group })
+      return moe.ops.grad_norm_multi({ (sq_of(dense) + e):sqrt() }, max_norm)
+    end)
+  end)
 end
 
 --- par:ep_clip(clip_fn) -> clip(params, max_norm): clip_fn (optim.clip_grad_norm)
@@ -886,13 +913,9 @@ function Par:ep_clip(clip_fn)
     local total = math.sqrt(a * a + t:item())
     t:free()
     if max_norm and total > max_norm then
-      local coef = max_norm / (total + 1e-6)
-      moe.scope(function()
-        for _, p in ipairs(params) do
-          local g = p.grad
-          if g then g:copy_(g * coef) end
-        end
-      end)
+      local grads = {}
+      for _, p in ipairs(params) do grads[#grads + 1] = p.grad end
+      moe.no_grad(function() require("moe.optim").scale_(grads, max_norm / (total + 1e-6)) end)
     end
     return total
   end
