@@ -374,12 +374,13 @@ end
 --- sumsq() -> the sum over the world of the squares of every rank's
 --- gradient shards (each rank holds distinct elements of the experts).
 function ExpertShards:sumsq()
-  local sq = 0
-  for _, e in ipairs(self.units) do
-    if e.grad then
-      local n = e.grad:double():norm(2):item()
-      sq = sq + n * n
-    end
+  local sq, list = 0, {}
+  for _, e in ipairs(self.units) do list[#list + 1] = e.grad end
+  if #list > 0 then -- one norm over every shard (f32 sums, on the CPU and on CUDA), one read
+    local n = moe.no_grad(function()
+      return moe.scope(function() return moe.ops.grad_norm_multi(list, nil):item() end)
+    end)
+    sq = n * n
   end
   local t = moe.tensor({ sq }, { dtype = "f64" })
   self.par.dist.all_reduce(t, "sum")
