@@ -4,7 +4,7 @@
 # each under `mpirun -n 2 --bind-to none`. Over a build made here and packed with
 # `bash .ci/gpu --pack` (carry out/gpu-pack.tgz; there: tar xzf out/gpu-pack.tgz first).
 #
-#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [layouts2] [ckpt] [scale125]
+#   bash bench/dist_round.sh [tests] [bench] [dp] [train46] [index] [layouts] [layouts2] [ckpt] [ckpt3] [scale125]
 #                                                           (tests bench by default)
 #
 #   dp       tests/dist/dp_equivalence.lua with device=cuda (dp = 2 against one process, NCCL)
@@ -22,7 +22,10 @@
 #            and the collective timing with GPU tensors (tests/dist/comm_timing.lua, CUDA events)
 #   ckpt     sharded checkpoints on 2 GPUs: tests/dist/ckpt_resume.lua and ckpt_ep.lua (its 2-rank
 #            and one-process phases) with device=cuda, and tests/dist/ckpt_restart.lua: rank 1
-#            killed with SIGKILL mid-step under --max-restarts 2 against an uninterrupted run
+#            killed with SIGKILL mid-step under --max-restarts 2 against an uninterrupted run;
+#            then ckpt3
+#   ckpt3    checkpoints of parameter sharding (tests/dist/ckpt_zero3.lua, its 2-rank cases)
+#            with device=cuda on 2 GPUs
 #   scale125 the 125M dMoE (12 x 768, 64 experts top-1, micro-batch 8 per GPU) on one GPU, then
 #            on two with dp = 2, ep = 2, dp_shard = 2 (ZeRO-2) and dp_shard = 2 with
 #            shard_params (ZeRO-3): tokens/s per GPU, peak and model-state memory per GPU;
@@ -32,7 +35,8 @@
 #            their collectives (comm_profile=true: all_to_all, all_gather, reduce_scatter ms per
 #            step on the communication stream); bench/layouts_report.py writes the table to
 #            $OUT/layouts_125m.md (copy it to bench/results/dist/). SCALE_RUNS="gpu1 ep2 zero3" runs
-#            only the named runs (of gpu1 dp2 ep2 zero2 zero3 big_gpu1 big_ep2 big_zero3)
+#            only the named runs (of gpu1 dp2 ep2 zero2 zero3 big_gpu1 big_ep2 big_zero3);
+#            SCALE_ARGS adds key=value arguments to every run (e.g. batch_size=32)
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -181,10 +185,15 @@ PY
 )
       note "ckpt_restart (cuda, kill -9 of rank 1 at step 7, --max-restarts 2): rc=$rk in $((t2 - t1)) s; uninterrupted rc=$ru; $same"
       grep -E "restart|died|resum" "$out/ckpt_restart_cuda.log" | head -6
-      rm -rf $d ;;
+      rm -rf $d ;&
+    ckpt3)
+      t1=$(date +%s)
+      timeout 400 $ml launch -n 2 tests/dist/ckpt_zero3.lua device=cuda > "$out/ckpt_zero3_cuda.log" 2>&1
+      note "ckpt_zero3 (cuda, 2 GPUs: ZeRO-3 checkpoints resumed on the same and other layouts): rc=$? ($(($(date +%s) - t1)) s)"
+      grep -E "^ok|bit|close|FAILED|rel" "$out/ckpt_zero3_cuda.log" | head -12 ;;
     scale125)
       st=${SCALE_STEPS:-60}
-      a125=(bench/train_125m.lua steps=$st log_every=10 data=data/bible_kjv)
+      a125=(bench/train_125m.lua steps=$st log_every=10 data=data/bible_kjv ${SCALE_ARGS:-})
       run125() { # name launcher-args... -- train args...
         local name=$1; shift
         if [ -n "${SCALE_RUNS:-}" ] && [[ " $SCALE_RUNS " != *" $name "* ]]; then return; fi

@@ -6,7 +6,7 @@ bench/train_125m.lua wrote (json=), as JSON and markdown.
   python3 bench/layouts_report.py DIR OUT_PREFIX     (writes OUT_PREFIX.json and OUT_PREFIX.md)
 
 Per-GPU efficiency is a layout's tokens/s per GPU over the one-GPU run's (the same micro-batch of
-8 x 1024 tokens per GPU); model-state memory is what bench/train_125m.lua measured at the end of
+sequences per GPU, from the runs' config); model-state memory is what bench/train_125m.lua measured at the end of
 the third step (parameters, gradients, optimizer state), over the one-GPU run's.
 
 The collectives' columns come from runs with comm_profile=true (dist_round.sh passes it to the
@@ -41,7 +41,8 @@ for key, gpus, layout in names:
          "peak_allocated_gib": (d.get("peak_allocated_bytes") or 0) / 2**30,
          "model_state_gib": (d.get("state_allocated_bytes") or 0) / 2**30,
          "mlp_impl": d["mlp_impl"], "loss_first": d["first_train_loss"], "loss_last": d["last_loss"],
-         "steps": d["steps"], "version": d.get("version")}
+         "steps": d["steps"], "version": d.get("version"),
+         "micro_batch": d["config"].get("batch_size")}
     if d.get("comm"):
         r["comm"] = {k["kind"]: {"ms_per_step": k["ms_per_step"], "share": k.get("share"),
                                  "max_ms_per_step": k.get("max_ms_per_step"),
@@ -60,8 +61,9 @@ dev = next((r["device"] for r in rows if r.get("device")), "?")
 date = next((r["date"] for r in rows if r.get("date")), "?")
 with open(prefix + ".md", "w") as f:
     f.write(f"# The 125M dMoE by layout ({dev}, {date})\n\n")
+    mb = next((r["micro_batch"] for r in rows if r.get("micro_batch")), "?")
     f.write("MegaBlocks ladder 125M dMoE (12 x 768, 64 experts top-1, GELU experts 3072 wide, seq 1024, "
-            "byte vocabulary), bf16 compute with fp32 weights and AdamW, micro-batch 8 per GPU, "
+            f"byte vocabulary), bf16 compute with fp32 weights and AdamW, micro-batch {mb} per GPU, "
             "`bench/dist_round.sh scale125` (one call; the one-GPU run is the reference).\n\n")
     kinds = ["all_to_all", "all_gather", "reduce_scatter", "all_reduce"]
     def comm_cell(r, k):
