@@ -177,9 +177,9 @@ do
   r:free()
 end
 
--- ShardedAdamW against optim.AdamW on the same averaged gradient, 3 steps:
--- the same element-wise update, so the same bits
-do
+-- Two copies of the parameters: one under ShardedAdamW, one under optim.AdamW (the
+-- reference), with the same hyperparameters.
+local function two_optimizers()
   local ps, ref = make_params(), make_params()
   local named, rnamed = {}, {}
   for i = 1, #ps do
@@ -189,7 +189,13 @@ do
   local hp = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 } }
   local zopt = optim.ShardedAdamW(named, { lr = hp.lr, weight_decay = hp.weight_decay, betas = hp.betas,
     bucket_mb = 200 / 2 ^ 20 })
-  local aopt = optim.AdamW(rnamed, hp)
+  return ps, ref, zopt, optim.AdamW(rnamed, hp)
+end
+
+-- ShardedAdamW against optim.AdamW on the same averaged gradient, 3 steps:
+-- the same element-wise update, so the same bits
+do
+  local ps, ref, zopt, aopt = two_optimizers()
   for _ = 1, 3 do
     zopt.reducer:arm()
     backward(ps)
@@ -227,16 +233,7 @@ end
 -- adds the same squares in another order (per rank, then over ranks): close, not bit for bit;
 -- with the reference's coefficient the step is the same element-wise update, bit for bit.
 do
-  local ps, ref = make_params(), make_params()
-  local named, rnamed = {}, {}
-  for i = 1, #ps do
-    named[i] = { "p" .. i, ps[i] }
-    rnamed[i] = { "p" .. i, ref[i] }
-  end
-  local hp = { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 } }
-  local zopt = optim.ShardedAdamW(named, { lr = hp.lr, weight_decay = hp.weight_decay, betas = hp.betas,
-    bucket_mb = 200 / 2 ^ 20 })
-  local aopt = optim.AdamW(rnamed, hp)
+  local ps, ref, zopt, aopt = two_optimizers()
   zopt.reducer:arm()
   backward(ps)
   zopt.reducer:finish()

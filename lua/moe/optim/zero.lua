@@ -365,11 +365,14 @@ end
 --- gradient (f32 0-d tensors on the shards' device; no host read, gradients untouched): the
 --- global L2 norm, min(1, max_norm / (norm + 1e-6)) and whether the norm is not finite. For
 --- opt:step{grad_scale = coef}.
-function Sharded:grad_norm(max_norm)
+local function check_max_norm(fn, max_norm)
   if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
-    error(("ShardedAdamW:grad_norm: max_norm must be a positive number, got %s"):format(
-      tostring(max_norm)), 2)
+    error(("ShardedAdamW:%s: max_norm must be a positive number, got %s"):format(fn, tostring(max_norm)), 3)
   end
+end
+
+function Sharded:grad_norm(max_norm)
+  check_max_norm("grad_norm", max_norm)
   return moe.no_grad(function() return moe.scope(device_norm, self, max_norm) end)
 end
 
@@ -379,10 +382,7 @@ end
 --- equal shards, so the replicate group is not involved). Scales the shards
 --- by max_norm / (norm + 1e-6) when the norm exceeds max_norm.
 function Sharded:clip_grad_norm(max_norm)
-  if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
-    error(("ShardedAdamW:clip_grad_norm: max_norm must be a positive number, got %s"):format(
-      tostring(max_norm)), 2)
-  end
+  check_max_norm("clip_grad_norm", max_norm)
   return moe.no_grad(function() return moe.scope(clip, self, max_norm) end)
 end
 
