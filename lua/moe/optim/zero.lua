@@ -361,16 +361,16 @@ local function device_norm(self, max_norm)
   return moe.ops.grad_norm_multi({ sq:sqrt() }, max_norm)
 end
 
---- opt:grad_norm([max_norm]) -> norm, coef, found_inf: optim.grad_norm over the sharded
---- gradient (f32 0-d tensors on the shards' device; no host read, gradients untouched): the
---- global L2 norm, min(1, max_norm / (norm + 1e-6)) and whether the norm is not finite. For
---- opt:step{grad_scale = coef}.
 local function check_max_norm(fn, max_norm)
   if max_norm ~= nil and (type(max_norm) ~= "number" or max_norm <= 0) then
     error(("ShardedAdamW:%s: max_norm must be a positive number, got %s"):format(fn, tostring(max_norm)), 3)
   end
 end
 
+--- opt:grad_norm([max_norm]) -> norm, coef, found_inf: optim.grad_norm over the sharded
+--- gradient (f32 0-d tensors on the shards' device; no host read, gradients untouched): the
+--- global L2 norm, min(1, max_norm / (norm + 1e-6)) and whether the norm is not finite. For
+--- opt:step{grad_scale = coef}.
 function Sharded:grad_norm(max_norm)
   check_max_norm("grad_norm", max_norm)
   return moe.no_grad(function() return moe.scope(device_norm, self, max_norm) end)
