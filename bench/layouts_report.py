@@ -43,6 +43,8 @@ for key, gpus, layout in names:
          "mlp_impl": d["mlp_impl"], "loss_first": d["first_train_loss"], "loss_last": d["last_loss"],
          "steps": d["steps"], "version": d.get("version"),
          "micro_batch": d["config"].get("batch_size")}
+    if d.get("comm") and d["comm"].get("ep_balance"):
+        r["ep_balance"] = dict(d["comm"]["ep_balance"], steps=d["comm"]["steps"])
     if d.get("comm"):
         r["comm"] = {k["kind"]: {"ms_per_step": k["ms_per_step"], "share": k.get("share"),
                                  "max_ms_per_step": k.get("max_ms_per_step"),
@@ -94,6 +96,13 @@ with open(prefix + ".md", "w") as f:
                 "with compute (ZeRO-3's prefetched gathers, a bucket's reduce_scatter while backward goes "
                 "on) it is partly hidden: the share is an upper bound on the step time lost to it, not the "
                 "exposed time. \"-\": none of that kind in the step.\n")
+    for r in rows:
+        b = r.get("ep_balance")
+        if b:
+            per = " / ".join("%.0f" % (x / max(1, b["steps"])) for x in b["rows_per_rank"])
+            f.write(f"\n{r['layout']} ({r['name']}): the experts' rows per timed step by rank {per}; per layer "
+                    f"the busiest rank's rows over the mean {b['busiest_over_mean']:.3f} (averaged over the "
+                    f"{b['layers']} MoE layers; the exchange makes every rank wait for the busiest).\n")
     big = next((x for x in rows if x["name"] == "big_zero3" and x["status"] == "ran"), None)
     if big:
         f.write(f"\nThe model with {big['experts']} experts has {big['params_per_rank']:,} parameters: "

@@ -56,7 +56,9 @@ where the layout overlaps it with compute (the prefetched gathers of
 ZeRO-3, the reduce_scatter of a bucket while backward goes on) it is
 partly hidden, so the share is an upper bound on the step time lost to
 it. Timing costs two event records per collective and one wait at the
-end of the run.
+end of the run. With ep > 1 it also counts the rows each rank's experts
+took (comm.ep_balance: per rank, and per layer the busiest rank over the
+mean), from the exchange's counts on the host.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -272,8 +274,22 @@ if on_gpu then
   moe.reset_peak_memory_stats(device)
 end
 local state_bytes
+-- comm_profile with expert parallelism: the rows each MoE layer's experts on this rank took
+-- in the timed steps (the exchange's counts, on the host: no synchronisation), per layer
+local ep_layers, ep_rows
 local function after_step(st)
   if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
+  if o.comm_profile and o.ep > 1 and st.step > o.log_every then
+    if not ep_layers then
+      ep_layers, ep_rows = {}, {}
+      for _, m in ipairs((model or st.model):modules()) do
+        if rawget(m, "ep_last") then ep_layers[#ep_layers + 1] = m; ep_rows[#ep_layers] = 0 end
+      end
+    end
+    for i, m in ipairs(ep_layers) do
+      for _, n in ipairs(m.ep_last.recv) do ep_rows[i] = ep_rows[i] + n end
+    end
+  end
 end
 -- comm_profile: the collectives of the timed steps (after the first log interval)
 local COMM_KINDS = { "all_to_all", "all_gather", "reduce_scatter", "all_reduce", "broadcast", "send", "recv" }
@@ -311,6 +327,31 @@ if comm_raw and dp > 1 then
   local t = moe.tensor(v, { dtype = "f64" })
   dist.all_reduce(t, "max")
   comm_max = t:totable()
+end
+-- every rank's rows per layer (MPI on the host): how unevenly the router loaded the ranks
+local ep_balance
+if ep_rows and #ep_rows > 0 then
+  local W = dist.world_size()
+  local all = moe.empty({ W * #ep_rows }, { dtype = "f64" })
+  dist.all_gather(all, moe.tensor(ep_rows, { dtype = "f64" }))
+  local v, L = all:totable(), #ep_rows
+  local ratio, per_rank = 0, {}
+  for r = 1, W do
+    per_rank[r] = 0
+    for l = 1, L do per_rank[r] = per_rank[r] + v[(r - 1) * L + l] end
+  end
+  for l = 1, L do
+    local mx, sum = 0, 0
+    for r = 1, W do
+      local x = v[(r - 1) * L + l]
+      mx, sum = math.max(mx, x), sum + x
+    end
+    ratio = ratio + (sum > 0 and mx / (sum / W) or 1)
+  end
+  ep_balance = { rows_per_rank = per_rank, busiest_over_mean = ratio / L, layers = L,
+    what = "the rows each rank's experts took over the timed steps (summed over the MoE layers), and per " ..
+      "layer the busiest rank's rows over the mean, averaged over the layers (1: even; the exchange " ..
+      "makes every rank wait for the busiest)" }
 end
 local profile = profiler and profiler.summary()
 model = model or result.model
@@ -372,9 +413,16 @@ if comm_raw then
     end
   end
   c.kinds = bench.list(c.kinds)
+  c.ep_balance = ep_balance
   out.comm = c
   print(("train_125m: collectives per step over %d steps (rank 0; %.1f ms/step): %s"):format(n, wall or 0,
     #parts > 0 and table.concat(parts, ", ") or "none"))
+  if ep_balance then
+    local rr = {}
+    for r, x in ipairs(ep_balance.rows_per_rank) do rr[r] = ("%.0f"):format(x / n) end
+    print(("train_125m: expert rows per step by rank %s; per layer the busiest rank over the mean %.3f"):format(
+      table.concat(rr, " / "), ep_balance.busiest_over_mean))
+  end
 end
 if profile then
   print(("train_125m: profile (%s) of %d measured + %d saturated steps: wall %.2f ms/step, kernels %.2f ms, " ..
