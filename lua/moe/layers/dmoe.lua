@@ -252,8 +252,8 @@ function dMoE:resolve_impl(device)
   local cuda = device:sub(1, 4) == "cuda"
   if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
   local impl = "grouped"
-  local experts = self.ep and self.ep.local_experts or self.num_experts
-  if cuda and experts > 16 and self:ffn_local() % self.block_size == 0 then
+  local n_experts = self.ep and self.ep.local_experts or self.num_experts
+  if cuda and n_experts > 16 and self:ffn_local() % self.block_size == 0 then
     impl = "sparse"
   end
   self.mlp_impl = impl

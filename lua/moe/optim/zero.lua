@@ -225,11 +225,11 @@ local function step_bucket(self, k, bk, o)
   local runs = runs_of(self, bk)
   if #runs == 0 then return nil end -- no parameter of the bucket had a gradient anywhere
   -- parameter sharding with master weights: the update is written into the unit's shard itself
-  -- (every element of it is rewritten below: stepped runs by AdamW, the rest from the master)
+  -- (every element of it is rewritten below: stepped runs by AdamW, the rest from the master;
+  -- with a master nothing is copied in, AdamW reads the master)
   local in_place = bk.master and bk.unit_shard
   local shard = in_place and bk.unit_shard or moe.zeros({ bk.shard_numel }, { dtype = bk.dtype, device = bk.device })
-  if in_place then -- nothing to copy in: AdamW reads the master, not the parameters
-  elseif not bk.master and bk.unit_shard then
+  if not bk.master and bk.unit_shard then
     shard:copy_(bk.unit_shard)
   elseif not bk.master then
     -- the parameters' elements of this shard: what the update starts from
