@@ -32,7 +32,10 @@ load (and verify) re-hashes every file: a flipped bit, a truncated file or a
 changed header is an error naming the file. A checkpoint without
 digests.txt (written before version 2) loads with one warning.
 resolve(out_dir, "latest") takes the newest checkpoint that verifies,
-warning about each newer damaged one; an explicit path must verify.
+warning about each newer damaged one; an explicit path must verify. In a
+job of several ranks each rank hashes its share of the files and the ranks
+agree (train passes latest_good a collective), so no rank reads the whole
+checkpoint twice.
 ]]
 local moe = require "moe"
 local metrics = require "moe.metrics"
@@ -253,28 +256,41 @@ function M.check_file(dir, name, digests)
 end
 
 -- Checks the files of checkpoint dir against its digests.txt: true, or
--- nil and why (naming the file); "none" when there is no digests.txt.
-local function check_digests(dir)
+-- nil and why (naming the file); "none" when there is no digests.txt. With
+-- part and parts, only the files at positions part, part + parts, ... of
+-- digests.txt (1-based) are read and hashed.
+local function check_digests(dir, part, parts)
   local digests, why = M.read_digests(dir)
   if digests == "none" or not digests then return digests, why end
-  for _, name in ipairs(digests.order) do
-    local ok, err = M.check_file(dir, name, digests)
-    if not ok then return nil, err end
+  for i, name in ipairs(digests.order) do
+    if not parts or (i - 1) % parts == part - 1 then
+      local ok, err = M.check_file(dir, name, digests)
+      if not ok then return nil, err end
+    end
   end
   return true
 end
 
 local warned_undigested = {}
 
---- verify(path) -> true, or nil and a one-line reason naming the damaged
+--- verify(path [, {part =, parts =}]) -> true, or nil and a one-line reason naming the damaged
 --- file: state.json missing, empty or not a checkpoint state, digests.txt
 --- corrupt or missing (version >= 2), a file missing or not matching its digest.
-function M.verify(path)
+--- part/parts (1 <= part <= parts): hash only every parts-th file of digests.txt from the
+--- part-th (the ranks of a job share the work: latest_good's agree); state.json and
+--- digests.txt are checked whole either way.
+function M.verify(path, opts)
+  local part, parts = opts and opts.part, opts and opts.parts
+  if parts ~= nil and (math.type(parts) ~= "integer" or parts < 1 or math.type(part) ~= "integer"
+      or part < 1 or part > parts) then
+    error(("checkpoint.verify: part and parts must be integers with 1 <= part <= parts, got %s and %s"):format(
+      tostring(part), tostring(parts)), 2)
+  end
   local state_path = path .. "/state.json"
   local text, rerr = read_regular(state_path)
   if not text then return nil, rerr end
   if text == "" then return nil, ("'%s' is empty"):format(state_path) end
-  local dok, why = check_digests(path)
+  local dok, why = check_digests(path, part, parts)
   if not dok then return nil, why end
   local ok, state = pcall(metrics.json.decode, text)
   if not ok then return nil, ("'%s' is corrupt: %s"):format(state_path, tostring(state)) end
@@ -296,30 +312,47 @@ function M.verify(path)
   return true, nil, state
 end
 
---- latest_good(out_dir [, warn]) -> path of the newest checkpoint that verifies, or
---- nil. Each newer ckpt-<step> folder that does not is skipped with
---- warn("checkpoint: skipping damaged <path>: <why>") (default: a line on stderr).
-function M.latest_good(out_dir, warn)
+--- latest_good(out_dir [, warn [, {part =, parts =, agree =}]]) -> path of the newest
+--- checkpoint that verifies, or nil. Each newer ckpt-<step> folder that does not is skipped
+--- with warn("checkpoint: skipping damaged <path>: <why>") (default: a line on stderr).
+--- The ranks of a job share the hashing: each verifies its part of the files (verify's
+--- part/parts) and agree(ok) -> whether every rank's part verified (a collective: every rank
+--- calls it for the same folders in the same order). A rank that finds a damaged file says
+--- why on stderr, whatever warn is; the others warn that another rank found it.
+function M.latest_good(out_dir, warn, opts)
   warn = warn or function(msg) io.stderr:write(msg, "\n") end
+  local agree = opts and opts.agree
+  local vopts = agree and { part = opts.part, parts = opts.parts } or nil
   local folders = M.folders(out_dir)
   table.sort(folders, function(a, b) return tonumber(a:match("%d+$")) > tonumber(b:match("%d+$")) end)
   for _, name in ipairs(folders) do
     local path = out_dir .. "/" .. name
-    local ok, why = M.verify(path)
-    if ok then return path end
-    warn(("checkpoint: skipping damaged %s: %s"):format(path, why))
+    local ok, why = M.verify(path, vopts)
+    if agree then
+      local all = agree(ok == true)
+      if all then return path end
+      if ok then
+        warn(("checkpoint: skipping damaged %s: another rank found a damaged file"):format(path))
+      else
+        io.stderr:write(("checkpoint: skipping damaged %s: %s\n"):format(path, why))
+      end
+    else
+      if ok then return path end
+      warn(("checkpoint: skipping damaged %s: %s"):format(path, why))
+    end
   end
   return nil
 end
 
---- resolve(out_dir, resume [, {quiet=false}]) -> a checkpoint path or nil. resume:
---- nil/false/"" (nil), "latest" (the newest good one in out_dir, skipping damaged
---- ones with a warning unless quiet; nil if none), or a checkpoint folder (must exist;
---- load verifies it).
+--- resolve(out_dir, resume [, {quiet=false, part=, parts=, agree=}]) -> a checkpoint path or
+--- nil. resume: nil/false/"" (nil), "latest" (the newest good one in out_dir, skipping
+--- damaged ones with a warning unless quiet; nil if none; part, parts and agree: the
+--- ranks share the hashing, latest_good), or a checkpoint folder (must exist; load
+--- verifies it).
 function M.resolve(out_dir, resume, opts)
   if resume == nil or resume == false or resume == "" or resume == "none" then return nil end
   if resume == "latest" then
-    return M.latest_good(out_dir, opts and opts.quiet and function() end or nil)
+    return M.latest_good(out_dir, opts and opts.quiet and function() end or nil, opts)
   end
   if not exists(resume .. "/state.json") then
     error(("checkpoint: resume='%s' is not a checkpoint folder (no state.json in it)"):format(resume), 0)

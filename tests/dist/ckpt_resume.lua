@@ -17,6 +17,8 @@ the loss curve of an uninterrupted run, on the CPU, under
   failed save         a save that fails after the ranks wrote their shards and
                       before the commit leaves the previous checkpoint the
                       latest; resume=latest picks it and the curve is bit for bit
+  damaged newest      the ranks share resume=latest's hashing: a damaged file in
+                      either rank's part makes every rank skip that checkpoint
 4 ranks:
   dp_replicate = 2 x dp_shard = 2 (HSDP): bit for bit; dp = 4 resumes it: close
 The checkpoint folder is shared by the ranks (a folder named after MASTER_PORT,
@@ -118,6 +120,36 @@ if world == 2 then
   tmp = io.popen("ls -1A '" .. shared .. "/" .. name .. "'"):read("a")
   assert(not tmp:find(".tmp-ckpt-", 1, true), "the unfinished save was not removed: " .. tmp)
   say("ok   ckpt_resume: a save that failed before its commit: resume=latest took ckpt-%d, losses bit for bit", STOP)
+
+  -- (e) the ranks share resume=latest's hashing (each its part of digests.txt's files):
+  -- a damaged file of the newest checkpoint, in either rank's part, makes every rank
+  -- skip it and take the one before
+  local digests = nil
+  for part = 1, 2 do
+    name = "damaged-" .. part
+    train.run(cfg(name, { stop_at = STOP + 2, save_every = 2, keep_last = 3 }))
+    local newest = shared .. "/" .. name .. "/ckpt-" .. (STOP + 2)
+    digests = checkpoint.read_digests(newest)
+    dist.barrier()
+    if rank == 0 then
+      local file = newest .. "/" .. digests.order[part]
+      local f = assert(io.open(file, "r+b"))
+      local size = f:seek("end")
+      f:seek("set", size // 2)
+      local b = f:read(1)
+      f:seek("set", size // 2)
+      f:write(string.char(255 - b:byte()))
+      f:close()
+    end
+    dist.barrier()
+    res = train.run(cfg(name, { resume = "latest" }))
+    assert(res.checkpoint == shared .. "/" .. name .. "/ckpt-" .. STOP,
+      ("[rank %d] a damaged file in rank %d's part: resumed from %s, ckpt-%d expected"):format(rank, part - 1,
+        tostring(res.checkpoint), STOP))
+    assert(res.step == N)
+    say("ok   ckpt_resume: '%s' damaged in ckpt-%d (rank %d's part of the hashing): every rank resumed from ckpt-%d",
+      digests.order[part], STOP + 2, part - 1, STOP)
+  end
 else
   local over = { parallel = { dp_shard = 2, dp_replicate = 2, bucket_mb = 0.002 } }
   local ref, res = stop_and_resume("hsdp", over)

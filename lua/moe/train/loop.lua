@@ -291,8 +291,21 @@ function M.run(user_cfg, parts)
   local reducer = sharded_reducer or par:reducer(params, cfg.parallel.bucket_mb)
 
   -- resume
-  -- resume=latest: the newest checkpoint that verifies (rank 0 warns about damaged ones)
-  local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume, { quiet = not par.writer })
+  -- resume=latest: the newest checkpoint that verifies (rank 0 warns about damaged ones); the
+  -- ranks share the hashing: each verifies its part of the files, and they agree (MPI, host)
+  local ropts = { quiet = not par.writer }
+  local world = par.dist and par.dist.world_size() or 1
+  if world > 1 then
+    ropts.part, ropts.parts = par.dist.rank() + 1, world
+    ropts.agree = function(ok)
+      local t = moe.tensor({ ok and 1 or 0 }, { dtype = "f64" })
+      par.dist.all_reduce(t, "min")
+      local all = t:item() == 1
+      t:free()
+      return all
+    end
+  end
+  local resume_path = checkpoint.resolve(cfg.out_dir, cfg.resume, ropts)
   local pending_say
   if resume_path then
     local c
