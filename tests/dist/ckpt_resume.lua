@@ -124,7 +124,7 @@ if world == 2 then
   -- (e) the ranks share resume=latest's hashing (each its part of digests.txt's files):
   -- a damaged file of the newest checkpoint, in either rank's part, makes every rank
   -- skip it and take the one before
-  local digests = nil
+  local digests
   for part = 1, 2 do
     name = "damaged-" .. part
     train.run(cfg(name, { stop_at = STOP + 2, save_every = 2, keep_last = 3 }))
