@@ -243,6 +243,29 @@ describe("resume=latest", function()
     assert.is_nil(checkpoint.latest_good(fresh("empty")))
     assert.truthy(bad)
   end)
+
+  it("verify hashes only its part of the files when the ranks share the work", function()
+    local d, bad = damaged_run(damages["a digest mismatch"])
+    local order = checkpoint.read_digests(bad).order
+    local at -- model.safetensors' position in digests.txt
+    for i, name in ipairs(order) do if name == "model.safetensors" then at = i end end
+    local n = #order
+    local mine = (at - 1) % n + 1
+    local other = mine % n + 1
+    assert.is_nil(checkpoint.verify(bad, { part = mine, parts = n }))
+    assert.is_true(checkpoint.verify(bad, { part = other, parts = n })) -- not its file to hash
+    -- latest_good with an agree that sees only this part: the damage is in another rank's part
+    local said = {}
+    local got = checkpoint.latest_good(d, function(m) said[#said + 1] = m end,
+      { part = other, parts = n, agree = function(ok) return ok and false end })
+    assert.is_nil(got)
+    assert.truthy(said[1]:find("another rank found a damaged file", 1, true), said[1])
+    for _, o in ipairs({ { part = 0, parts = 2 }, { part = 3, parts = 2 }, { part = 1, parts = 1.5 } }) do
+      local ok, err = pcall(checkpoint.verify, bad, o)
+      assert.is_false(ok)
+      assert.truthy(tostring(err):find("part and parts must be integers with 1 <= part <= parts", 1, true), err)
+    end
+  end)
 end)
 
 describe("a process killed while it saves", function()
