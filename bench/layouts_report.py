@@ -102,7 +102,12 @@ with open(prefix + ".md", "w") as f:
             per = " / ".join("%.0f" % (x / max(1, b["steps"])) for x in b["rows_per_rank"])
             f.write(f"\n{r['layout']} ({r['name']}): the experts' rows per timed step by rank {per}; per layer "
                     f"the busiest rank's rows over the mean {b['busiest_over_mean']:.3f} (averaged over the "
-                    f"{b['layers']} MoE layers; the exchange makes every rank wait for the busiest).\n")
+                    f"{b['layers']} MoE layers; the exchange makes every rank wait for the busiest)")
+            if "step_busiest_over_mean" in b:
+                f.write(f"; per step and layer {b['step_busiest_over_mean']:.3f}, and the busiest rank's rows "
+                        f"summed over the steps and layers are {b['step_busiest_rows_over_mean']:.3f} of the "
+                        "mean's (the rows the exchange waits for)")
+            f.write(".\n")
     big = next((x for x in rows if x["name"] == "big_zero3" and x["status"] == "ran"), None)
     if big:
         f.write(f"\nThe model with {big['experts']} experts has {big['params_per_rank']:,} parameters: "

@@ -277,6 +277,7 @@ local state_bytes
 -- comm_profile with expert parallelism: the rows each MoE layer's experts on this rank took
 -- in the timed steps (the exchange's counts, on the host: no synchronisation), per layer
 local ep_layers, ep_rows
+local ep_step = { max = 0, mean = 0, ratio = 0, n = 0 } -- per (step, layer) sums
 local function after_step(st)
   if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
   if o.comm_profile and o.ep > 1 and st.step > o.log_every then
@@ -288,6 +289,20 @@ local function after_step(st)
     end
     for i, m in ipairs(ep_layers) do
       for _, n in ipairs(m.ep_last.recv) do ep_rows[i] = ep_rows[i] + n end
+      -- this step's rows per rank from every rank's segments (the same on every rank):
+      -- what the exchange waits for is this step's busiest rank, not the run's
+      local g, P, El = m.ep_last.segments, m.ep.size, m.ep.local_experts
+      local E = P * El
+      local mx, sum = 0, 0
+      for p = 0, P - 1 do
+        local n = 0
+        for s = 0, P - 1 do
+          for e = 1, El do n = n + g[s * E + p * El + e] end
+        end
+        mx, sum = math.max(mx, n), sum + n
+      end
+      ep_step.max, ep_step.mean = ep_step.max + mx, ep_step.mean + sum / P
+      ep_step.ratio, ep_step.n = ep_step.ratio + (sum > 0 and mx * P / sum or 1), ep_step.n + 1
     end
   end
 end
@@ -349,9 +364,13 @@ if ep_rows and #ep_rows > 0 then
     ratio = ratio + (sum > 0 and mx / (sum / W) or 1)
   end
   ep_balance = { rows_per_rank = per_rank, busiest_over_mean = ratio / L, layers = L,
+    step_busiest_over_mean = ep_step.n > 0 and ep_step.ratio / ep_step.n or 1,
+    step_busiest_rows_over_mean = ep_step.mean > 0 and ep_step.max / ep_step.mean or 1,
     what = "the rows each rank's experts took over the timed steps (summed over the MoE layers), and per " ..
       "layer the busiest rank's rows over the mean, averaged over the layers (1: even; the exchange " ..
-      "makes every rank wait for the busiest)" }
+      "makes every rank wait for the busiest); step_*: the same per step and layer, from every " ..
+      "rank's counts of that step (busiest over mean averaged, and the busiest rank's rows summed " ..
+      "over the mean's: the rows the exchange waits for)" }
 end
 local profile = profiler and profiler.summary()
 model = model or result.model
@@ -420,8 +439,10 @@ if comm_raw then
   if ep_balance then
     local rr = {}
     for r, x in ipairs(ep_balance.rows_per_rank) do rr[r] = ("%.0f"):format(x / n) end
-    print(("train_125m: expert rows per step by rank %s; per layer the busiest rank over the mean %.3f"):format(
-      table.concat(rr, " / "), ep_balance.busiest_over_mean))
+    print(("train_125m: expert rows per step by rank %s; per layer the busiest rank over the mean %.3f " ..
+      "over the run, %.3f per step (the busiest rank's rows summed over the steps and layers: %.3f of the mean's)"):format(
+      table.concat(rr, " / "), ep_balance.busiest_over_mean, ep_balance.step_busiest_over_mean,
+      ep_balance.step_busiest_rows_over_mean))
   end
 end
 if profile then
