@@ -103,6 +103,23 @@ static moe_status bs_check_dense(moe_ctx *ctx, const char *fn, const char *what,
   return MOE_OK;
 }
 
+/* A token-order (T, K) operand of a gather: checks rows, reads K (as above). */
+static moe_status bs_check_tokens(moe_ctx *ctx, const char *fn, const char *what,
+                                  const moe_tensor *t, const moe_routing_plan *p, int64_t *K) {
+  if (t->ndim != 2 || t->shape[0] != p->T)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (T, K) with the plan's T = %lld",
+                     fn, what, MOE_SHAPE(t), (long long)p->T);
+  *K = t->shape[1];
+  if (*K < 1)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, what,
+                     MOE_SHAPE(t));
+  if (bs_cuda(p) && t->dtype == MOE_BF16 && *K % 8 != 0)
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
+                     fn, (long long)*K);
+  return MOE_OK;
+}
+
 static moe_status bs_check_sparse(moe_ctx *ctx, const char *fn, const char *what,
                                   const moe_tensor *s, const bs_geom *g) {
   return bs_check_shape(ctx, fn, what, s, 3, (int64_t[]){g->nnz, g->b, g->b}, "(nnz, b, b)");
@@ -165,6 +182,8 @@ static moe_bs_topo bs_topo(const moe_routing_plan *p, const bs_geom *g) {
   tp.offsets_t = bs_idx(p->bs_offsets_t);
   tp.column_indices_t = bs_idx(p->bs_column_indices_t);
   tp.block_offsets_t = bs_idx(p->bs_block_offsets_t);
+  tp.gather_src = NULL;
+  tp.gather_k = p->k;
   return tp;
 }
 
@@ -230,10 +249,12 @@ static void bs_cpu(bs_kind kind, const moe_routing_plan *p, const bs_geom *g, in
 }
 
 /* Runs one product with grad mode off: out has shape (ndim, shape) and the
- * operands' dtype. */
-static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
-                         const bs_geom *g, int64_t K, bool trans_w, moe_tensor *a, moe_tensor *c,
-                         int ndim, const int64_t *shape, moe_tensor **out) {
+ * operands' dtype. gather (CUDA only, moe_cuda_bsmm_can_gather): the dense
+ * R-row operand is (T, K) and the kernel gathers its rows by the plan's src. */
+static moe_status bs_run_ex(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
+                            const bs_geom *g, int64_t K, bool trans_w, moe_tensor *a,
+                            moe_tensor *c, int ndim, const int64_t *shape, bool gather,
+                            moe_tensor **out) {
   moe_dtype dt = a->dtype;
   bool cuda = bs_cuda(p);
   moe_dtype cdt = cuda ? dt : bs_cdt(dt);
@@ -251,6 +272,7 @@ static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing
     if (st != MOE_OK) goto done;
   } else if (cuda) {
     moe_bs_topo tp = bs_topo(p, g);
+    if (gather) tp.gather_src = bs_idx(p->src);
     int dev = p->device.index;
     const void *da = moe_tensor_data(pa), *dc = moe_tensor_data(pc);
     void *dr = moe_tensor_data(r);
@@ -278,6 +300,12 @@ done:
   moe_tensor_release(pc);
   moe_tensor_release(r);
   return st;
+}
+
+static moe_status bs_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
+                         const bs_geom *g, int64_t K, bool trans_w, moe_tensor *a, moe_tensor *c,
+                         int ndim, const int64_t *shape, moe_tensor **out) {
+  return bs_run_ex(ctx, fn, kind, p, g, K, trans_w, a, c, ndim, shape, false, out);
 }
 
 /* ------------------------------------------------------- raw products */
@@ -357,6 +385,97 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_
 }
 
 /* ------------------------------------------------------------ autograd */
+
+/* --------------------------------------------- products with a gather */
+
+/* Whether a gather of t's rows runs inside the kernel (else the rows are
+ * permuted into a copy first): bf16 on CUDA with the wgmma kernel. */
+bool moe_bsmm_gathers(moe_ctx *ctx, const moe_routing_plan *p, moe_dtype dt) {
+  return ctx && p && bs_cuda(p) && p->src && p->N <= INT32_MAX &&
+         dt == MOE_BF16 &&
+         moe_cuda_bsmm_can_gather(ctx, p->device.index, dt);
+}
+static bool bs_gathers(moe_ctx *ctx, const moe_routing_plan *p, const moe_tensor *t) {
+  return moe_bsmm_gathers(ctx, p, t->dtype);
+}
+
+/* permute(t) by the plan with grad mode off (the fallback of a gather). */
+static moe_status bs_permuted(moe_ctx *ctx, moe_tensor *t, moe_routing_plan *p, moe_tensor **out) {
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = moe_routing_permute(ctx, t, p, out);
+  moe_grad_set(ctx, prev);
+  return st;
+}
+
+/* The common checks of a gather variant: the plan, both operands (same
+ * dtype), the token operand tok (T, K). */
+static moe_status bs_gather_check(moe_ctx *ctx, const char *fn, moe_routing_plan *p,
+                                  const char *tok_name, moe_tensor *tok, const char *other_name,
+                                  moe_tensor *other, moe_tensor **out, bs_geom *g, int64_t *K) {
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(bs_check_plan(ctx, fn, p, g));
+  MOE_CHECK(bs_check_operand(ctx, fn, tok_name, tok, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, other_name, other, p));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, tok_name, tok->dtype, other_name, other->dtype));
+  if (moe_grad_enabled(ctx) && (moe_requires_grad(tok) || moe_requires_grad(other)))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "%s: not differentiable, and %s requires grad: run it with grad mode off, or "
+                     "permute the rows and use the differentiable product", fn,
+                     moe_requires_grad(tok) ? tok_name : other_name);
+  return bs_check_tokens(ctx, fn, tok_name, tok, p, K);
+}
+
+moe_status moe_bsmm_sdd_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
+                               bool trans_w, moe_tensor **out) {
+  const char *fn = "bsmm_sdd_gather";
+  bs_geom g = {0};
+  int64_t K;
+  MOE_CHECK(bs_gather_check(ctx, fn, p, "x", x, "w", w, out, &g, &K));
+  MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, !trans_w));
+  if (bs_gathers(ctx, p, x))
+    return bs_run_ex(ctx, fn, BS_SDD, p, &g, K, trans_w, x, w, 3, (int64_t[]){g.nnz, g.b, g.b},
+                     true, out);
+  moe_tensor *xs = NULL;
+  MOE_CHECK(bs_permuted(ctx, x, p, &xs));
+  moe_status st = bs_run(ctx, fn, BS_SDD, p, &g, K, trans_w, xs, w, 3,
+                         (int64_t[]){g.nnz, g.b, g.b}, out);
+  moe_tensor_release(xs);
+  return st;
+}
+
+moe_status moe_bsmm_dds_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_plan *p,
+                               moe_tensor **out) {
+  const char *fn = "bsmm_dds_gather";
+  bs_geom g = {0};
+  int64_t K;
+  MOE_CHECK(bs_gather_check(ctx, fn, p, "x", x, "s", s, out, &g, &K));
+  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+  if (bs_gathers(ctx, p, x))
+    return bs_run_ex(ctx, fn, BS_DDS, p, &g, K, false, x, s, 3, (int64_t[]){g.EL, K, g.N}, true,
+                     out);
+  moe_tensor *xs = NULL;
+  MOE_CHECK(bs_permuted(ctx, x, p, &xs));
+  moe_status st = bs_run(ctx, fn, BS_DDS, p, &g, K, false, xs, s, 3, (int64_t[]){g.EL, K, g.N}, out);
+  moe_tensor_release(xs);
+  return st;
+}
+
+moe_status moe_bsmm_dsd_t_gather(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,
+                                 moe_tensor **out) {
+  const char *fn = "bsmm_dsd_t_gather";
+  bs_geom g = {0};
+  int64_t K;
+  MOE_CHECK(bs_gather_check(ctx, fn, p, "y", y, "s", s, out, &g, &K));
+  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+  if (bs_gathers(ctx, p, y))
+    return bs_run_ex(ctx, fn, BS_DSD_T, p, &g, K, false, s, y, 3, (int64_t[]){g.EL, g.N, K}, true,
+                     out);
+  moe_tensor *ys = NULL;
+  MOE_CHECK(bs_permuted(ctx, y, p, &ys));
+  moe_status st = bs_run(ctx, fn, BS_DSD_T, p, &g, K, false, s, ys, 3, (int64_t[]){g.EL, g.N, K}, out);
+  moe_tensor_release(ys);
+  return st;
+}
 
 static void bs_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
 

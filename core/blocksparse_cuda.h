@@ -34,6 +34,13 @@ typedef struct moe_bs_topo {
   const int64_t *offsets_t;        /* (EL * F + 1) */
   const int64_t *column_indices_t; /* (nnz) */
   const int64_t *block_offsets_t;  /* (nnz) */
+  /* The gather of the dense R-row operand (x of sdd and dds, y of dsd_t), or
+   * NULL: that operand is then (T, K) in token order, and row r of the
+   * product reads its row gather_src[r] / gather_k (the plan's src: the
+   * row's assignment t * k + j), zeros where gather_src[r] < 0 (padding).
+   * Only the sm_90a bf16 kernel gathers (moe_cuda_bsmm_can_gather). */
+  const int64_t *gather_src;       /* (R) or NULL */
+  int64_t gather_k;
 } moe_bs_topo;
 
 moe_status moe_cuda_bsmm_sdd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
@@ -44,6 +51,9 @@ moe_status moe_cuda_bsmm_dsd_t(moe_ctx *ctx, int device, moe_dtype dt, const moe
                                const void *s, const void *y, int64_t K, void *out);
 moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                              const void *x, const void *s, int64_t K, void *out);
+/* Whether the products can gather (topo.gather_src) on device for dtype dt:
+ * bf16 with the wgmma kernel (MOE_BSMM_TILE=wg) on compute capability 9.x. */
+bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt);
 /* dense (R, EL * N) <-> s (nnz, b, b); to_dense writes zeros outside blocks. */
 moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                                   const void *s, void *dense);

@@ -40,6 +40,10 @@ const moe_knob_def moe_knob_table[] = {
                 "stored from registers (direct); auto: smem except for dds"),
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
+    KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
+              "1: the block-sparse GLU experts gather the token rows inside the wgmma kernel "
+              "(cp.async) instead of reading a permuted copy (TMA); same bits, slower on an "
+              "H100 today"),
     KNOB_INT(bsmm_persist, "MOE_BSMM_PERSIST", 0, 0, 2147483647,
              "1: a persistent wgmma block-sparse grid of one CTA per SM; n >= 2: n CTAs; 0: "
              "one CTA per tile"),

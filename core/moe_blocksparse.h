@@ -78,6 +78,29 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s,
                         struct moe_routing_plan *plan, moe_tensor **out);
 
 /*
+ * SDD, DDS and DSD^T with the dense R-row operand gathered from tokens: x
+ * (or y) is (T, K) in token order, and row r of the product reads row
+ * src[r] / k of it (the plan's src; zeros for padding rows), as
+ * moe_routing_permute followed by the product above, without the permuted
+ * (R, K) copy. On CUDA the wgmma kernel gathers the rows itself (bf16 on
+ * compute capability 9.x: the producer warpgroup copies them with cp.async
+ * where a permuted operand comes by TMA); elsewhere the rows are permuted
+ * into a copy first. The same bits either way. Not differentiable
+ * (for fused callers: moe_glu_experts): with grad mode on, an operand that
+ * requires grad is an error.
+ */
+/* Whether the gather variants gather inside the kernel for operands of
+ * dtype dt on the plan's device (else they permute into a copy first).
+ * moe_glu_experts uses them when MOE_BSMM_GATHER=1 (the knob bsmm_gather). */
+bool moe_bsmm_gathers(moe_ctx *ctx, const struct moe_routing_plan *plan, moe_dtype dt);
+moe_status moe_bsmm_sdd_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
+                               struct moe_routing_plan *plan, bool trans_w, moe_tensor **out);
+moe_status moe_bsmm_dds_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *s,
+                               struct moe_routing_plan *plan, moe_tensor **out);
+moe_status moe_bsmm_dsd_t_gather(moe_ctx *ctx, moe_tensor *s, moe_tensor *y,
+                                 struct moe_routing_plan *plan, moe_tensor **out);
+
+/*
  * The dense (R, E_loc * N) matrix of s with zeros outside the blocks, and
  * back (values outside the topology ignored). For tests and debugging; both
  * devices; not differentiable.

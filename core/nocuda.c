@@ -134,6 +134,10 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
                              const void *x, const void *s, int64_t K, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_dds");
 }
+bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {
+  (void)ctx, (void)device, (void)dt;
+  return false;
+}
 moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                                   const void *s, void *dense) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_to_dense");

@@ -28,7 +28,10 @@
  * operands loaded by TMA boxes with the 128-byte swizzle into a 4-stage
  * mbarrier pipeline by a producer warpgroup, consumed by two warpgroups
  * with wgmma m64n256k16 (M/N-major operands through the transpose bits);
- * 2.1-2.3x the mma.sync kernels on an H100.
+ * 2.1-2.3x the mma.sync kernels on an H100. With a gather (topo.gather_src:
+ * SDD, DSD^T and DDS) the dense R-row operand is read in token order by the
+ * plan, its rows copied by the whole producer warpgroup with cp.async
+ * (bs_wg_gather_tile), so the permuted copy of the tokens is never made.
  *
  * Determinism: each output element is accumulated by one thread over the
  * chunks in the topology's order; no atomics. Sizes: K % 8 == 0 for bf16
@@ -433,10 +436,15 @@ constexpr int BS_WG_STAGE = BS_WG_A_BYTES + BS_WG_B_BYTES;
  * are free of bank conflicts. Separate from the stages, so a persistent CTA's
  * producer can fill them for the next tile meanwhile. */
 constexpr int BS_WG_EPI_BYTES = 2 * 64 * 128 * 2; /* 32 KB */
+/* The gathering producer's plan rows (bs_wg_gather_tile): BS_WG_RING slots of
+ * 64 i64 src entries of a DDS / DSD^T chunk, or the SDD tile's 128 tokens. */
+constexpr int BS_WG_RING = 3;
+constexpr int BS_WG_RING_BYTES = BS_WG_RING * 64 * 8; /* 1536 */
 /* stages + epilogue buffer + mbarriers + 1024 bytes for aligning the base
- * (SW128 atoms): 230464 bytes, within the H100's 232448 per block */
-constexpr size_t BS_WG_SMEM =
-    (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYTES + 1024 + 2 * BS_WG_STAGES * 8;
+ * (SW128 atoms) + the gather's ring: 232000 bytes, within the H100's 232448
+ * per block */
+constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYTES + 1024 +
+                              2 * BS_WG_STAGES * 8 + BS_WG_RING_BYTES;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BS_WG_DEVICE 1
@@ -484,6 +492,150 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
     }
   }
 }
+
+/* The gathered operand's part of chunk q (topo.gather_src set): the dense
+ * R-row operand is (T, K) in token order, and its rows are copied with
+ * cp.async by the producer warpgroup's 128 threads, each 128-byte row
+ * segment by 8 consecutive threads (16 bytes each: a warp reads 4 whole
+ * segments per instruction), placed by the 128-byte swizzle TMA would apply
+ * (piece p of row i of an atom at i * 128 + ((p ^ (i % 8)) * 16)). A padding
+ * row (gather_src < 0) and columns at or past K are zero-filled. Thread 0
+ * also loads the other operand by TMA (bs_wg_issue_other); each thread's
+ * copies then arrive on the stage's full barrier
+ * (cp.async.mbarrier.arrive.noinc: its init count has the 128).
+ * Thread t copies piece t % 8 of rows t / 8 + 16 u:
+ *   SDD: A (K-major, 128 rows x 64 k), rows u = 0..7 of the tile;
+ *   DDS: A = x^T (M-major boxes j = 0, 1 of 64 m x 64 k-rows): k-rows
+ *        u = 0..3 of both boxes;
+ *   DSD^T: B = y (N-major boxes j = 0..3): k-rows u = 0..3 of all four.
+ * The rows' tokens come from shared memory (bs_wg_gather_tile). */
+__device__ __forceinline__ int bs_tok(int64_t a, int k) { return a >= 0 ? (int)a / k : -1; }
+/* Piece p (16 bytes at k0 + 8 p) of token tok's row into row i of the atoms at dst. */
+__device__ __forceinline__ void bs_gather_piece(uint32_t dst, int i, int p, const uint16_t *d,
+                                                int tok, int64_t k0, int64_t K) {
+  int64_t k = k0 + p * 8;
+  bool v = tok >= 0 && k < K;
+  moe_cp16(dst + i * 128 + ((p ^ (i & 7)) << 4), v ? (const void *)(d + (int64_t)tok * K + k) : (const void *)d, v);
+}
+__device__ __forceinline__ void bs_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void bs_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/* The producer warpgroup's own barrier (named barrier 3; the consumers use 1
+ * and 2). */
+__device__ __forceinline__ void bs_producer_sync() { asm volatile("bar.sync 3, 128;\n" ::: "memory"); }
+
+/* With a gather: thread 0's TMA copies of the operand that is not gathered,
+ * and the bytes they bring. */
+template <int KIND, bool TRANS>
+__device__ __forceinline__ void bs_wg_issue_other(const BsArgs &g, const BsCta &c, int q,
+                                                  const CUtensorMap *ma, const CUtensorMap *mb,
+                                                  uint32_t sa, uint32_t sb, uint32_t bar) {
+  const moe_bs_topo &tp = g.tp;
+  if (KIND == BS_SDD) { /* B = w, as bs_wg_issue */
+    int64_t i = c.i0, cb = tp.column_indices[i], F = tp.F;
+    int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
+    moe_mbar_expect(bar, BS_WG_B_BYTES);
+    if (!TRANS)
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
+    else
+      moe_tma3(sb, mb, kk, n0, el, bar);
+  } else {
+    int64_t it = c.i0 + q / 2, i = tp.block_offsets_t[it];
+    int kk = (q % 2) * BS_WG_BK;
+    if (KIND == BS_DSD_T) { /* A = S_i^T */
+      moe_mbar_expect(bar, BS_WG_A_BYTES);
+      for (int j = 0; j < 2; j++) moe_tma2(sa + j * 8192, ma, j * 64, (int)(i * BS_B) + kk, bar);
+    } else { /* DDS: B = S_i | S_i+1 */
+      moe_mbar_expect(bar, BS_WG_B_BYTES);
+      for (int j = 0; j < 4; j++)
+        moe_tma2(sb + j * 8192, mb, (j & 1) * 64, (int)((i + (j >> 1)) * BS_B) + kk, bar);
+    }
+  }
+}
+/* One tile's walk of the gathering producer warpgroup. The rows' plan
+ * entries (gather_src) reach shared memory ahead of their copies, so that no
+ * global load of the producer waits in the walk:
+ *   SDD: the tile's 128 rows' tokens, once (a table in ring);
+ *   DDS / DSD^T: the k-rows of chunk q are the buffer rows r0 + 64 q + i
+ *   (i < 64; r0 the first row block of the column's blocks, which are the
+ *   row blocks of one expert's segment, consecutive: moe_routing.h). Their
+ *   gather_src entries are copied by cp.async BS_WG_RING - 1 chunks ahead
+ *   into ring slot q % BS_WG_RING (threads 0..31, 16 bytes each; per chunk
+ *   one cp.async group of entries and one of data copies), read back after
+ *   cp.async.wait_group and the producer barrier. A slot is refilled only
+ *   after every producer thread passed the barrier of the chunk after its
+ *   last read.
+ * This walk is correct and sanitizer-clean but slower than the TMA walk over
+ * a permuted copy on an H100 (bench/results/moe_gather.md): the rows come by
+ * 16-byte cp.async through L1 where TMA moves whole boxes. */
+template <int KIND, bool TRANS>
+__device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &c, int64_t &it,
+                                                  const CUtensorMap *ma, const CUtensorMap *mb,
+                                                  uint32_t base, uint32_t bars, uint32_t ring) {
+  const int t = threadIdx.x, p = t & 7, rs = t >> 3, k = (int)g.tp.gather_k;
+  const uint16_t *d = (const uint16_t *)(KIND == BS_DSD_T ? g.c : g.a);
+  const int64_t *src = g.tp.gather_src;
+  bs_producer_sync(); /* every thread is done with the ring of the last tile */
+  int64_t r0 = 0;
+  if (KIND == BS_SDD) {
+    int tok = bs_tok(src[g.tp.row_indices[c.i0] * BS_B + t], k);
+    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ring + t * 4), "r"(tok) : "memory");
+    bs_producer_sync();
+  } else if (c.nq > 0) {
+    r0 = g.tp.column_indices_t[c.i0] * BS_B;
+    for (int q = 0; q < BS_WG_RING - 1; q++) { /* the first chunks' entries */
+      if (q < c.nq && t < 32) moe_cp16(ring + q * 512 + t * 16, src + r0 + q * 64 + 2 * t, true);
+      bs_cp_commit();
+      bs_cp_commit(); /* (no data copies yet: the group pattern of the walk, below) */
+    }
+  }
+  for (int q = 0; q < c.nq; q++, it++) {
+    int tok[8];
+    if (KIND == BS_SDD) {
+#pragma unroll
+      for (int u = 0; u < 8; u++)
+        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(tok[u]) : "r"(ring + (rs + 16 * u) * 4) : "memory");
+    } else {
+      /* this thread's copies of chunk q's entries: per chunk one group of
+       * entries, then one of data copies; those of chunk q came
+       * 2 (BS_WG_RING - 1) - 1 groups ago */
+      bs_cp_wait<2 * (BS_WG_RING - 1) - 1>();
+      bs_producer_sync();           /* ... and every thread's */
+      const uint32_t slot = ring + (q % BS_WG_RING) * 512;
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+        int64_t a;
+        asm volatile("ld.shared.b64 %0, [%1];\n" : "=l"(a) : "r"(slot + (rs + 16 * u) * 8) : "memory");
+        tok[u] = bs_tok(a, k);
+      }
+      /* chunk q + RING - 1's entries into the slot read at chunk q - 1 */
+      const int qn = q + BS_WG_RING - 1;
+      if (qn < c.nq && t < 32)
+        moe_cp16(ring + (qn % BS_WG_RING) * 512 + t * 16, src + r0 + (int64_t)qn * 64 + 2 * t, true);
+      bs_cp_commit();
+    }
+    int s = (int)(it % BS_WG_STAGES);
+    if (it >= BS_WG_STAGES)
+      moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
+    uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE, sb = sa + BS_WG_A_BYTES;
+    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, q, ma, mb, sa, sb, full);
+    if (KIND == BS_SDD) {
+#pragma unroll
+      for (int u = 0; u < 8; u++) bs_gather_piece(sa, rs + 16 * u, p, d, tok[u], (int64_t)q * BS_WG_BK, g.K);
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; u++) {
+#pragma unroll
+        for (int j = 0; j < (KIND == BS_DDS ? 2 : 4); j++)
+          bs_gather_piece((KIND == BS_DDS ? sa : sb) + j * 8192, rs + 16 * u, p, d, tok[u], c.t0 + j * 64, g.K);
+      }
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+    if (KIND != BS_SDD) bs_cp_commit();
+  }
+}
+
 #endif /* BS_WG_DEVICE */
 
 /* mn_swap: 1 swaps the LBO / SBO fields of the M/N-major descriptors (a
@@ -493,7 +645,7 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
  * (MOE_BSMM_PERSIST; the producer then loads the next tile's first chunks
  * while the consumers store the previous one). Stage / phase counters run
  * on across tiles (it = the CTA's chunk count so far). */
-template <int KIND, bool TRANS>
+template <int KIND, bool TRANS, bool GATHER>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
                  BsArgs g, int64_t ntiles, int mn_swap, int epi) {
@@ -507,7 +659,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
     for (int s = 0; s < BS_WG_STAGES; s++) {
-      moe_mbar_init(bars + 8 * s, 1);
+      /* full: the TMA thread's arrival (+ the 128 gathering threads' copies) */
+      moe_mbar_init(bars + 8 * s, GATHER ? 1 + 128 : 1);
       moe_mbar_init(bars + 8 * (BS_WG_STAGES + s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -515,7 +668,14 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   __syncthreads();
   if (wg == 0) { /* producer */
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (threadIdx.x == 0) {
+    if (GATHER) { /* the whole warpgroup copies the gathered operand */
+      const uint32_t ring = bars + 2 * BS_WG_STAGES * 8;
+      int64_t it = 0;
+      for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
+        bs_wg_gather_tile<KIND, TRANS>(g, c, it, &ma, &mb, base, bars, ring);
+      }
+    } else if (threadIdx.x == 0) {
       int64_t it = 0;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
@@ -544,6 +704,9 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         int s = (int)(it % BS_WG_STAGES);
         moe_mbar_wait(bars + 8 * s, (uint32_t)((it / BS_WG_STAGES) & 1));
         uint32_t sa = base + s * BS_WG_STAGE + cw * 8192, sb = base + s * BS_WG_STAGE + BS_WG_A_BYTES;
+        /* the gathered rows came by cp.async (the generic proxy); wgmma reads
+         * through the async proxy */
+        if (GATHER) moe_fence_proxy();
         moe_wg_fence();
 #pragma unroll
         for (int ks = 0; ks < BS_WG_BK / 16; ks++) {
@@ -667,9 +830,13 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   int64_t K = g.K, N = tp.F * BS_B, R = tp.Rb * BS_B, S = tp.nnz * BS_B, EL = tp.EL;
   const uint32_t b64x128[2] = {64, 128}, b64x64[2] = {64, 64};
   const uint32_t b3_64[3] = {64, 64, 1}, b3_256[3] = {64, 256, 1};
+  /* a gathered operand has no map (the producer warpgroup copies its rows) */
+  const bool gather = tp.gather_src != nullptr;
+  memset(ma, 0, sizeof *ma);
+  memset(mb, 0, sizeof *mb);
   if (KIND == BS_SDD) {
     const int64_t dx[2] = {K, R}, dw[3] = {N, K, EL}, dwt[3] = {K, N, EL};
-    MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
+    if (!gather) MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
     return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
   }
   if (KIND == BS_DSD) {
@@ -679,7 +846,8 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   }
   const int64_t ds[2] = {BS_B, S}, dy[2] = {K, R};
   const bool dds = KIND == BS_DDS; /* DSD^T: a = s, c = y; DDS: a = x, c = s */
-  MOE_CHECK(bs_map(ctx, ma, g.a, 2, dds ? dy : ds, b64x64));
+  if (!(gather && dds)) MOE_CHECK(bs_map(ctx, ma, g.a, 2, dds ? dy : ds, b64x64));
+  if (gather && !dds) return MOE_OK;
   return bs_map(ctx, mb, g.c, 2, dds ? ds : dy, b64x64);
 }
 
@@ -688,7 +856,12 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   CUtensorMap ma, mb;
   MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb)));
   int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
-  auto kern = bs_wg_kernel<KIND, TRANS>;
+  constexpr bool CAN_GATHER = KIND != BS_DSD; /* DSD has no dense R-row operand */
+  if (g.tp.gather_src && !CAN_GATHER)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: dsd has no row operand to gather");
+  if (g.tp.gather_src && (g.tp.gather_k < 1 || g.tp.gather_k > INT32_MAX))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: gather k = %lld", (long long)g.tp.gather_k);
+  auto kern = g.tp.gather_src ? bs_wg_kernel<KIND, TRANS, CAN_GATHER> : bs_wg_kernel<KIND, TRANS, false>;
   MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)BS_WG_SMEM));
   /* the knob bsmm_persist, MOE_BSMM_PERSIST=1: a persistent grid of one CTA
@@ -762,6 +935,9 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
+  if (g.tp.gather_src && !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "bsmm: gathering rows needs bf16 and the wgmma kernel on compute capability 9.x");
   if (dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device))
     return bs_launch_wg<KIND, TRANS>(ctx, g, cs, ctas);
   if (dt == MOE_BF16 && (v == BS_V256K64 || v == BS_VWG)) return bs_launch_mma<KIND, TRANS, 256, 64, 3>(ctx, g, cs, ctas);
@@ -841,6 +1017,10 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
                              const void *x, const void *s, int64_t K, void *out) {
   BsArgs g = bs_args(ctx, tp, x, s, out, K);
   return bs_launch<BS_DDS, false>(ctx, device, dt, g);
+}
+
+bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {
+  return dt == MOE_BF16 && bs_variant(ctx) == BS_VWG && bs_wg_supported(device);
 }
 
 moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,

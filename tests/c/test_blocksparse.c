@@ -446,6 +446,64 @@ static void test_errors(moe_ctx *ctx) {
   moe_routing_plan_release(p);
 }
 
+/* The gather variants take x (T, K) in token order: row r of the product
+ * reads token src[r] / k (zeros for padding and other ranks' rows). Against
+ * the products on a permuted copy built here from the plan's src. */
+static void check_gather(moe_ctx *ctx, int64_t e0, int64_t e1) {
+  moe_routing_plan *p = mk_plan(ctx, IDS, 7, 2, 4, 4, 2, e0, e1);
+  if (!p) return;
+  geo g = mk_geo(ctx, p);
+  const int64_t K = 5, T = 7;
+  moe_tensor *x = mk_rand(ctx, 2, (int64_t[]){T, K}, MOE_F64, 21);
+  double *xv = vals(ctx, x), *src = vals(ctx, p->src);
+  double *pv = (double *)calloc((size_t)(g.R * K), sizeof(double));
+  for (int64_t r = 0; r < g.R; r++)
+    if (src[r] >= 0)
+      for (int64_t c = 0; c < K; c++) pv[r * K + c] = xv[(int64_t)src[r] / 2 * K + c];
+  moe_tensor *xs = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, pv, 2, (int64_t[]){g.R, K}, MOE_F64, MOE_CPU, &xs));
+  moe_tensor *s = mk_rand(ctx, 3, (int64_t[]){g.nnz, 4, 4}, MOE_F64, 22);
+  EXPECT(!moe_bsmm_gathers(ctx, p, MOE_BF16)); /* the CPU permutes */
+  for (int tw = 0; tw < 2; tw++) {
+    moe_tensor *w = mk_rand(ctx, 3, tw ? (int64_t[]){g.EL, g.N, K} : (int64_t[]){g.EL, K, g.N},
+                            MOE_F64, 23);
+    moe_tensor *a = NULL, *b = NULL;
+    EXPECT_OK(moe_bsmm_sdd_gather(ctx, x, w, p, tw == 1, &a));
+    EXPECT_OK(moe_bsmm_sdd(ctx, xs, w, p, tw == 1, &b));
+    EXPECT(a && b && same_tensor(ctx, a, b, 0));
+    moe_tensor_release(a), moe_tensor_release(b), moe_tensor_release(w);
+  }
+  moe_tensor *a = NULL, *b = NULL;
+  EXPECT_OK(moe_bsmm_dds_gather(ctx, x, s, p, &a));
+  EXPECT_OK(moe_bsmm_dds(ctx, xs, s, p, &b));
+  EXPECT(a && b && same_tensor(ctx, a, b, 0));
+  moe_tensor_release(a), moe_tensor_release(b), a = b = NULL;
+  EXPECT_OK(moe_bsmm_dsd_t_gather(ctx, s, x, p, &a));
+  EXPECT_OK(moe_bsmm_dsd_t(ctx, s, xs, p, &b));
+  EXPECT(a && b && same_tensor(ctx, a, b, 0));
+  moe_tensor_release(a), moe_tensor_release(b), a = NULL;
+  /* bad input: the permuted (R, K) shape, dtypes, NULLs */
+  moe_tensor *w = mk_rand(ctx, 3, (int64_t[]){g.EL, K, g.N}, MOE_F64, 23);
+  moe_tensor *x32 = mk_rand(ctx, 2, (int64_t[]){T, K}, MOE_F32, 21);
+  EXPECT_ERR_MSG(moe_bsmm_sdd_gather(ctx, xs, w, p, false, &a), MOE_ERR_SHAPE,
+                 "bsmm_sdd_gather: x has shape");
+  EXPECT_ERR_MSG(moe_bsmm_sdd_gather(ctx, x, w, p, true, &a), MOE_ERR_SHAPE, "(E_loc, N, K)");
+  EXPECT_ERR_MSG(moe_bsmm_dds_gather(ctx, x32, s, p, &a), MOE_ERR_DTYPE, "x is f32 but s is f64");
+  EXPECT_ERR_MSG(moe_bsmm_dsd_t_gather(ctx, s, xs, p, &a), MOE_ERR_SHAPE, "expected (T, K)");
+  EXPECT_ERR_MSG(moe_bsmm_dsd_t_gather(ctx, s, x, NULL, &a), MOE_ERR_INVALID_ARG, "plan is NULL");
+  EXPECT_ERR_MSG(moe_bsmm_dds_gather(ctx, x, s, p, NULL), MOE_ERR_INVALID_ARG, "out is NULL");
+  EXPECT(a == NULL);
+  moe_tensor *ts[] = {x, xs, s, w, x32};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+  free(xv), free(src), free(pv);
+  moe_routing_plan_release(p);
+}
+
+static void test_gather(moe_ctx *ctx) {
+  check_gather(ctx, 0, 0); /* all experts */
+  check_gather(ctx, 1, 3); /* local experts: other ranks' rows are not in the buffer */
+}
+
 int main(void) {
   RUN(test_values_f64);
   RUN(test_values_f32);
@@ -456,5 +514,6 @@ int main(void) {
   RUN(test_gradcheck);
   RUN(test_plan_retained);
   RUN(test_errors);
+  RUN(test_gather);
   return harness_end();
 }

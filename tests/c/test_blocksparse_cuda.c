@@ -6,7 +6,9 @@
  * for bf16, odd K for f32), to_dense / from_dense, run-to-run determinism,
  * a gradient through SDD + DSD, and the CUDA-only errors (b != 128, K % 8
  * for bf16, f64). The bf16 products run with both tile widths of
- * kernels/blocksparse.cu (MOE_BSMM_TILE = 128, 256, 256k64, wg).
+ * kernels/blocksparse.cu (MOE_BSMM_TILE = 128, 256, 256k64, wg). The
+ * gather variants (rows read from token order inside the wgmma kernel)
+ * against permute + the product, bit for bit.
  * Exits 77 without a GPU.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -190,6 +192,86 @@ static void test_bf16_variants(moe_ctx *ctx) {
   EXPECT_OK(moe_knobs_reload(ctx));
 }
 
+/* A plan of T tokens, top-k of E experts (ids spread with gaps, expert 1
+ * empty), b = 128, F column blocks. */
+static moe_routing_plan *mk_plan_k(moe_ctx *ctx, int64_t T, int64_t E, int64_t k, int64_t F) {
+  double *v = (double *)malloc(sizeof(double) * (size_t)(T * k));
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t j = 0; j < k; j++) {
+      int64_t e = (t * 7 + j * (E / k + 1) + (t * t) % 5) % E;
+      v[t * k + j] = (double)(e == 1 ? 0 : e);
+    }
+  moe_tensor *ids = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, v, 2, (int64_t[]){T, k}, MOE_I64, GPU, &ids));
+  free(v);
+  moe_routing_opts o = moe_routing_opts_default();
+  o.block_size = 128;
+  o.ffn_hidden = F * 128;
+  moe_routing_plan *p = NULL;
+  EXPECT_OK(moe_routing_plan_new(ctx, ids, E, &o, &p));
+  moe_tensor_release(ids);
+  return p;
+}
+
+/* The gather variants against permute + the product: the kernel reads the
+ * token rows in place (zeros for padding rows), so the bits must match. */
+static void check_gather(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
+  int64_t T = p->T, N = p->ffn_blocks * 128, EL = p->e1 - p->e0, nnz = p->nnz;
+  EXPECT(moe_bsmm_gathers(ctx, p, MOE_BF16));
+  EXPECT(!moe_bsmm_gathers(ctx, p, MOE_F32));
+  moe_tensor *x = mk_rand(ctx, 2, (int64_t[]){T, K}, MOE_BF16, 11);
+  moe_tensor *s = mk_rand(ctx, 3, (int64_t[]){nnz, 128, 128}, MOE_BF16, 12);
+  moe_tensor *gx = to_gpu(ctx, x), *gs = to_gpu(ctx, s), *xs = NULL;
+  EXPECT_OK(moe_routing_permute(ctx, gx, p, &xs));
+  for (int tw = 0; tw < 2; tw++) {
+    moe_tensor *w = mk_rand(ctx, 3, tw ? (int64_t[]){EL, N, K} : (int64_t[]){EL, K, N}, MOE_BF16, 13);
+    moe_tensor *gw = to_gpu(ctx, w), *a = NULL, *b = NULL;
+    EXPECT_OK(moe_bsmm_sdd_gather(ctx, gx, gw, p, tw == 1, &a));
+    EXPECT_OK(moe_bsmm_sdd(ctx, xs, gw, p, tw == 1, &b));
+    bool same = a && b && bit_equal(ctx, a, b);
+    if (!same) fprintf(stderr, "  sdd_gather trans_w=%d T=%lld k=%lld K=%lld\n", tw, (long long)T, (long long)p->k, (long long)K);
+    EXPECT(same);
+    moe_tensor_release(a), moe_tensor_release(b), moe_tensor_release(w), moe_tensor_release(gw);
+  }
+  moe_tensor *a = NULL, *b = NULL;
+  EXPECT_OK(moe_bsmm_dds_gather(ctx, gx, gs, p, &a));
+  EXPECT_OK(moe_bsmm_dds(ctx, xs, gs, p, &b));
+  bool same = a && b && bit_equal(ctx, a, b);
+  if (!same) fprintf(stderr, "  dds_gather T=%lld k=%lld K=%lld\n", (long long)T, (long long)p->k, (long long)K);
+  EXPECT(same);
+  moe_tensor_release(a), moe_tensor_release(b), a = b = NULL;
+  EXPECT_OK(moe_bsmm_dsd_t_gather(ctx, gs, gx, p, &a));
+  EXPECT_OK(moe_bsmm_dsd_t(ctx, gs, xs, p, &b));
+  same = a && b && bit_equal(ctx, a, b);
+  if (!same) fprintf(stderr, "  dsd_t_gather T=%lld k=%lld K=%lld\n", (long long)T, (long long)p->k, (long long)K);
+  EXPECT(same);
+  moe_tensor_release(a), moe_tensor_release(b);
+  moe_tensor *ts[] = {x, s, gx, gs, xs};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+}
+
+/* Rows gathered inside the wgmma kernel (bf16): k = 1, 2, 8, up to 256
+ * experts with empty ones, T not a multiple of 128, K with a partial 64-wide
+ * chunk and a partial 256-wide tile; one CTA per tile and a persistent grid
+ * of 3 CTAs (many tiles and stage phases per CTA). */
+static void test_gather(moe_ctx *ctx) {
+  const int64_t cfg[][5] = {/* T, E, k, F, K */
+                            {300, 4, 2, 3, 200},  {130, 8, 1, 2, 8},   {257, 16, 8, 1, 264},
+                            {700, 64, 8, 5, 584}, {1000, 256, 8, 2, 136}};
+  const char *persist[] = {"0", "3"};
+  for (int v = 0; v < 2; v++) {
+    setenv("MOE_BSMM_PERSIST", persist[v], 1);
+    EXPECT_OK(moe_knobs_reload(ctx));
+    for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
+      moe_routing_plan *p = mk_plan_k(ctx, cfg[i][0], cfg[i][1], cfg[i][2], cfg[i][3]);
+      if (p) check_gather(ctx, p, cfg[i][4]);
+      moe_routing_plan_release(p);
+    }
+  }
+  unsetenv("MOE_BSMM_PERSIST");
+  EXPECT_OK(moe_knobs_reload(ctx));
+}
+
 static void test_f32(moe_ctx *ctx) {
   /* f32 FMAs vs the CPU's cblas: sums of <= 384 products of values in
    * [-1, 1] agree to ~1e-6 relative; 1e-4 is generous yet catches any
@@ -260,6 +342,7 @@ int main(void) {
   SKIP_IF_NO_GPU(ctx);
   RUN(test_bf16);
   RUN(test_bf16_variants);
+  RUN(test_gather);
   RUN(test_f32);
   RUN(test_grad);
   RUN(test_errors);

@@ -3,7 +3,8 @@ tests/lua/blocksparse_spec.lua - the block-sparse family through moe.ops on
 the CPU: bsmm_sdd / bsmm_dsd / bsmm_dsd_t / bsmm_dds against dense
 moe.matmul on the masked dense matrix (bsmm_to_dense), bsmm_from_dense,
 gradients of sdd and dsd with moe.gradcheck (trans_w both ways, a strided
-input, an empty expert), and bad-argument errors.
+input, an empty expert), the gather option (token rows read by the plan)
+against the products on a permuted copy, and bad-argument errors.
 
 Run: moe-lua tests/lua/busted.lua tests/lua/blocksparse_spec.lua (ctest does).
 ]]
@@ -143,12 +144,35 @@ describe("block-sparse products", function()
     end
   end)
 
+  it("gather token rows by the plan (gather = true), as on a permuted copy", function()
+    local T = #IDS
+    local x, w, s = moe.randn({ T, K }), moe.randn({ E, K, N }), moe.randn({ nnz, B, B })
+    local xs = moe.ops.permute(x, p) -- (R, K), zeros in the padding rows
+    assert.are.equal(0, maxdiff(moe.ops.bsmm_sdd(x, w, p, { gather = true }), moe.ops.bsmm_sdd(xs, w, p)))
+    local wt = moe.randn({ E, N, K })
+    assert.are.equal(0, maxdiff(moe.ops.bsmm_sdd(x, wt, p, { gather = true, trans_w = true }),
+      moe.ops.bsmm_sdd(xs, wt, p, { trans_w = true })))
+    assert.are.equal(0, maxdiff(moe.ops.bsmm_dds(x, s, p, { gather = true }), moe.ops.bsmm_dds(xs, s, p)))
+    assert.are.equal(0, maxdiff(moe.ops.bsmm_dsd_t(s, x, p, { gather = true }), moe.ops.bsmm_dsd_t(s, xs, p)))
+    -- not differentiable: an input that requires grad is refused while grad mode is on
+    local xg = moe.randn({ T, K }):requires_grad_(true)
+    assert.truthy(err(function() moe.ops.bsmm_sdd(xg, w, p, { gather = true }) end):find(
+      "bsmm_sdd_gather: not differentiable, and x requires grad", 1, true))
+    moe.no_grad(function() moe.ops.bsmm_sdd(xg, w, p, { gather = true }):free() end)
+    assert.truthy(err(function() moe.ops.bsmm_dsd(s, moe.randn({ E, N, K }), p, { gather = true }) end):find(
+      "unknown option 'gather' (valid options: trans_w)", 1, true))
+    assert.truthy(err(function() moe.ops.bsmm_dds(xs, s, p, { gather = true }) end):find(
+      "bsmm_dds_gather: x has shape [10, 3], expected (T, K) with the plan's T = 4", 1, true))
+    assert.truthy(err(function() moe.ops.bsmm_dsd_t(s, x, p, { trans_w = true }) end):find(
+      "unknown option 'trans_w' (valid options: gather)", 1, true))
+  end)
+
   it("reject bad arguments", function()
     local x, w = moe.randn({ R, K }), moe.randn({ E, K, N })
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, "plan") end):find(
       "bad argument #3 to 'bsmm_sdd' (routing plan expected, got string)", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_sdd(x, w, p, { trans = true }) end):find(
-      "bad argument #4 to 'bsmm_sdd' (unknown option 'trans' (valid options: trans_w))", 1, true))
+      "bad argument #4 to 'bsmm_sdd' (unknown option 'trans' (valid options: trans_w, gather))", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_dsd(x, w, p, { trans_w = 1 }) end):find(
       "option trans_w must be a boolean", 1, true))
     assert.truthy(err(function() moe.ops.bsmm_dds(1, x, p) end):find(
