@@ -16,7 +16,10 @@
  * pre-activations h1 = xs W1 and h3 = xs W3, and a = act(h1) * h3 unless
  * memory_optimized (then a is recomputed in the backward's fused pass). The
  * permuted tokens xs = permute(x) (k times x) are not saved but gathered
- * again, and y = a W2 is never kept: the gate gradient is
+ * again; with MOE_BSMM_GATHER=1 the sparse path on sm_90a in bf16 never
+ * makes them at all: its wgmma kernels read the rows of x and dout in token
+ * order (moe_bsmm_*_gather; same bits, slower on an H100 today, so off by
+ * default). y = a W2 is never kept: the gate gradient is
  * dot(dout_t, y_r) = dot(dout_t W2^T, a_r), formed from the ungated
  * dA0 = dout_rows W2^T the backward needs anyway. Backward:
  *   dout_rows = permute(dout)              (R, d)
@@ -370,6 +373,13 @@ static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *
   return moe_grouped_mm_wgrad(ctx, h, dy, offs, G, false, out);
 }
 
+/* Whether the sparse products read the token rows in place (the kernel
+ * gathers them: moe_bsmm_gathers, with MOE_BSMM_GATHER=1) instead of a
+ * permuted copy. */
+static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt) {
+  return impl == MOE_EXPERTS_SPARSE && ctx->knobs.bsmm_gather && moe_bsmm_gathers(ctx, p, dt);
+}
+
 static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   moe_routing_plan *p = (moe_routing_plan *)n->user;
@@ -436,8 +446,15 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(moe_contiguous(ctx, gates, &gc), st, done);
     MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
   }
-  MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
-  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
+  /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows */
+  bool gath = ex_gather(ctx, impl, p, dt);
+  if (gath) {
+    MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout_rows), st, done);
+    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, dout_rows, w2, p, true, &dA0), st, done);
+  } else {
+    MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
+    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
+  }
   MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dh3), st, done);
   if (need_w2) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &ga), st, done);
   if (need_g) {
@@ -479,7 +496,8 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   /* dA0 now holds dh1. Buffers go back as soon as their last use is queued
    * (a lower peak: the hidden-sized ones are R x f each). */
 #define EX_DROP(t) (moe_tensor_release(t), (t) = NULL)
-  if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
+  if (need_w2 && gath) MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
+  else if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
   EX_DROP(ga);
   EX_DROP(dout_rows);
   EX_DROP(a);
@@ -494,14 +512,18 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[4], &dg), st, done);
     MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[4]), st, done);
   }
-  if (need_w1 || need_w3 || need_x) {
+  if (need_w1 || need_w3) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_X, &x), st, done);
-    MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
+    /* gath: xs is x itself, the kernels gather its rows */
+    if (gath) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
+    else MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
   }
-  if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
+  if (need_w1 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dA0, p, &gin[1]), st, done);
+  else if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
   if (need_x) MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
   EX_DROP(dA0);
-  if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
+  if (need_w3 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dh3, p, &gin[2]), st, done);
+  else if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
   EX_DROP(xs);
   if (need_x) {
     MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
@@ -693,11 +715,16 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w2, &w2c), st, fail);
-  MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, fail);
-  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
-  MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
-  moe_tensor_release(xs);
-  xs = NULL;
+  if (ex_gather(ctx, impl, plan, x->dtype)) { /* the kernel reads x's rows: no permuted copy */
+    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w1c, plan, false, &h1), st, fail);
+    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w3c, plan, false, &h3), st, fail);
+  } else {
+    MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, fail);
+    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
+    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
+    moe_tensor_release(xs);
+    xs = NULL;
+  }
   /* quantized only when backward will need them, and when large enough */
   bool quant = o.quant_bits != 0 && want && moe_tensor_numel(h1) >= o.quant_min_numel;
   if (quant) {

@@ -4,8 +4,9 @@
  * gates) in f32 and bf16, grouped and sparse, at awkward sizes (T not a
  * multiple of 128, an empty expert, k = 1, 2, 8, d not a multiple of 64, f
  * not a multiple of 8: the kernels' scalar path);
- * parallel_linear gather/scatter; bit-identical repeats (no atomics); one
- * host sync per plan. Exits 77 without a GPU.
+ * parallel_linear gather/scatter; bit-identical repeats (no atomics); the
+ * sparse bf16 path's rows gathered inside the kernel (MOE_BSMM_GATHER=1)
+ * against a permuted copy, bit for bit; one host sync per plan. Exits 77 without a GPU.
  */
 #include "half.h"
 #include "harness.h"
@@ -153,6 +154,21 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
         moe_tensor *got[6] = {0}, *again[6] = {0};
         EXPECT(run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, got) == 1);
         run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, again);
+        if (impl == MOE_EXPERTS_SPARSE && dt == MOE_BF16) {
+          /* rows gathered inside the kernel, or a permuted copy: the same bits */
+          moe_tensor *perm[6] = {0};
+          setenv("MOE_BSMM_GATHER", "1", 1);
+          EXPECT_OK(moe_knobs_reload(ctx));
+          run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, perm);
+          unsetenv("MOE_BSMM_GATHER");
+          EXPECT_OK(moe_knobs_reload(ctx));
+          for (int i = 0; i < 6; i++) {
+            bool same = perm[i] && got[i] && rel_err(ctx, perm[i], got[i]) == 0.0;
+            if (!same) fprintf(stderr, "case %d tensor %d: permuted and gathered differ\n", (int)ci, i);
+            EXPECT(same);
+            moe_tensor_release(perm[i]);
+          }
+        }
         /* f32: cuBLAS(Lt) f32 GEMMs (no TF32) of depth <= 256 and the f32
          * fused pass: 1e-4 of each tensor's largest magnitude. bf16: h1,
          * h3, a, y and every gradient stored with 8 mantissa bits
