@@ -11,6 +11,8 @@ moe.matmul (cuBLASLt) of the same FLOPs in the same run:
   dsd_t      dx = S @ W1^T (trans_w)      (nnz, 128, 128) x (E, d, f) -> (R, d)
   dsd_tr     dW2 = S^T @ dy               -> (E, f, d)
   dds        dW1 = x^T @ S                -> (E, d, f)
+  sdd_gather, dsd_tr_gather, dds_gather: sdd, dsd_tr and dds reading the
+             token rows (T, d) by the plan inside the kernel (gather = true)
 
 FLOPs of each: 2 R d f (R the padded rows). The dense reference is
 (R, d) @ (d, f) in bf16. bench/blocksparse_check.lua checks every product
@@ -90,6 +92,18 @@ bench_product("dsd_t", "s @ w1 (E, d, f)^T -> (R, d)", function()
 end)
 bench_product("dsd_tr", "s^T @ dy -> (E, f, d)", function() moe.ops.bsmm_dsd_t(s, dy, plan):free() end)
 bench_product("dds", "x^T @ s -> (E, d, f)", function() moe.ops.bsmm_dds(x, s, plan):free() end)
+-- the same products reading token rows (T, d) by the plan inside the kernel (gather = true)
+local xt, dyt = randn({ T, d }), randn({ T, d })
+bench_product("sdd_gather", "x (T, d) gathered @ w1 (E, d, f) blocks", function()
+  moe.ops.bsmm_sdd(xt, w1, plan, { gather = true }):free()
+end)
+bench_product("dsd_tr_gather", "s^T @ dy (T, d) gathered -> (E, f, d)", function()
+  moe.ops.bsmm_dsd_t(s, dyt, plan, { gather = true }):free()
+end)
+bench_product("dds_gather", "x (T, d) gathered ^T @ s -> (E, d, f)", function()
+  moe.ops.bsmm_dds(xt, s, plan, { gather = true }):free()
+end)
+xt:free(); dyt:free()
 for _, r in ipairs(results) do r.pct_dense = 100 * r.tflops / dense.tflops end
 
 local variants = { ["128"] = "128x128, BK 32", ["256"] = "128x256, BK 32", ["256k64"] = "128x256, BK 64",

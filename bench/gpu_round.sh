@@ -5,7 +5,7 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves] [attention] [sanitize] [ops] [checks]
+#                           [quantize] [curves] [attention] [sanitize] [ops] [checks] [gather]
 #
 # Scripts ending in _check.lua validate (no timing); the other bench/*.lua time,
 # through bench/lib.lua: key=value arguments (json=FILE, repeats=N, cooldown=S, ...).
@@ -100,6 +100,42 @@ for f in sys.argv[1:]:
         --command "bash bench/gpu_round.sh train125" > "$out/train_report.log" 2>&1
       note "train125: rc=$? ($(($(date +%s) - t0)) s)"
       grep -E "^\| (moe-lua|PyTorch)|First step" "$out/train_125m.md" ;;
+    gather)
+      # The fused gather of the block-sparse products (token rows read inside the wgmma kernel;
+      # the GLU experts use it with MOE_BSMM_GATHER=1) against the default permuted copy: the
+      # CUDA tests, compute-sanitizer over the tiny shapes of moe_mlp's smoke run with the gather
+      # on (persistent grid of 3 CTAs), the products alone at the mixtral shapes
+      # (bench/blocksparse.lua), then the MoE MLP benchmark (every implementation, the sparse one
+      # also with the gather) with the torch references in the same call (G_CONFIGS, default
+      # mixtral,olmoe,qwen3; also qwen3_t4k, qwen3_t64k, deepseek).
+      for env in "" "MOE_BSMM_PERSIST=1"; do
+        env $env build-gpu/tests/test_blocksparse_cuda > "$out/t_bs.log" 2>&1
+        note "test_blocksparse_cuda ${env:-default}: rc=$? $(tail -1 "$out/t_bs.log")"
+        grep -E "differ|gather|FAIL" "$out/t_bs.log" | head -5
+      done
+      build-gpu/tests/test_experts_cuda > "$out/t_ex.log" 2>&1
+      note "test_experts_cuda: rc=$? $(tail -1 "$out/t_ex.log")"
+      grep -E "differ|FAIL|error" "$out/t_ex.log" | head -5
+      for tool in ${G_SANITIZE-memcheck racecheck synccheck}; do
+        MOE_BSMM_GATHER=1 MOE_BSMM_PERSIST=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
+          $ml bench/moe_mlp.lua smoke=true impls=sparse json=/tmp/sanitize.json > "$out/sanitize_$tool.log" 2>&1
+        note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tail -1)"
+      done
+      $ml bench/blocksparse.lua json="$out/blocksparse_gather.json" > "$out/blocksparse_gather.log" 2>&1
+      note "blocksparse: rc=$?"; grep -E "^(dense|sdd|dsd|dds)" "$out/blocksparse_gather.log"
+      cf=${G_CONFIGS:-mixtral,olmoe,qwen3}
+      $ml bench/moe_mlp.lua configs=$cf budget=400 json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
+      note "moe_mlp: rc=$?"; grep -E "grouped|sparse" "$out/moe_mlp_moe.log"
+      MOE_BSMM_GATHER=1 $ml bench/moe_mlp.lua configs=$cf impls=sparse budget=300 \
+        json="$out/moe_mlp_gathered.json" > "$out/moe_mlp_gathered.log" 2>&1
+      note "moe_mlp (MOE_BSMM_GATHER=1): rc=$?"; grep -E "sparse" "$out/moe_mlp_gathered.log"
+      python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile --json "$out/moe_mlp_torch.json" \
+        > "$out/moe_mlp_torch.log" 2>&1
+      note "moe_mlp_torch: rc=$?"; grep -E "torch_grouped_mm|Error" "$out/moe_mlp_torch.log" | head -12
+      python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \
+        --gathered "$out/moe_mlp_gathered.json" --command "bash bench/gpu_round.sh gather" \
+        > "$out/moe_mlp_report.log" 2>&1
+      note "moe_mlp_report: rc=$? ($(($(date +%s) - t0)) s)" ;;
     blocksparse)
       # The block-sparse kernels with the staged epilogue (default) and the direct one
       # (MOE_BSMM_EPI=direct): tests of both, then each timed twice, alternating

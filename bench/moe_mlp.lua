@@ -16,6 +16,8 @@ bench/moe_mlp_report.py joins both.
 
   moe-lua bench/moe_mlp.lua [json=FILE] [repeats=10] [budget=SECONDS]
                             [configs=mixtral,olmoe,qwen3] [impls=grouped,sparse,lua_grouped]
+                            (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
+                            65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
                             [smoke=true]
 
 smoke=true runs the same code on tiny shapes (T = 128, d / f / E scaled
@@ -45,10 +47,14 @@ local CONFIGS = {
   { name = "mixtral", d = 4096, f = 14336, E = 8, k = 2 },
   { name = "olmoe", d = 2048, f = 1024, E = 64, k = 8 },
   { name = "qwen3", d = 2048, f = 768, E = 128, k = 8 },
+  -- on request (configs=): how qwen3 scales with tokens, and a DeepSeek-V3-like layer
+  { name = "qwen3_t4k", d = 2048, f = 768, E = 128, k = 8, T = 4096 },
+  { name = "qwen3_t64k", d = 2048, f = 768, E = 128, k = 8, T = 65536 },
+  { name = "deepseek", d = 7168, f = 2048, E = 256, k = 8, T = 8192 },
 }
 if smoke then
   for _, c in ipairs(CONFIGS) do
-    c.d, c.f, c.E = c.d // 64, 128, math.max(c.k, c.E // 8)
+    c.d, c.f, c.E, c.T = c.d // 64, 128, math.max(c.k, c.E // 8), nil
   end
 end
 
@@ -116,6 +122,7 @@ local results = {}
 local impl_order = { "grouped", "sparse", "lua_grouped" }
 for _, c in ipairs(CONFIGS) do
   if want_cfg[c.name] then
+    local T = c.T or T -- luacheck: ignore 421 (this config's tokens)
     moe.manual_seed(1234)
     local o = { dtype = "bf16", device = dev }
     local t = {}
@@ -191,6 +198,8 @@ bench.write(args, {
     .. "and the dense bf16 GEMM rate of this run",
   dtype = "bf16", T = T, smoke = smoke,
   grouped_backend = moe.ops.grouped_backend and moe.ops.grouped_backend() or "?",
+  -- MOE_BSMM_GATHER=1: the sparse path gathers token rows in the kernel instead of a permuted copy
+  bsmm_gather = os.getenv("MOE_BSMM_GATHER") == "1",
   dense = { name = ("moe.matmul bf16 %d^3"):format(dense.n), ms = dense.ms, tflops = dense.tflops },
   results = results,
   columns = { { "config", "config" }, { "impl", "impl" }, { "ms", "ms", "%.3f" }, { "TFLOP/s", "tflops", "%.1f" },

@@ -12,11 +12,17 @@ implementations, in the same run on the same GPU:
                      (as torchtitan does for _grouped_mm; no host sync), the
                      same gather, gate weighting and index_add.
 
+  torch_grouped_mm_compiled  (--compile) the same function through
+                     torch.compile (default mode), which fuses the gathers,
+                     activation and gate weighting around the GEMMs.
+
 plus the dense bf16 GEMM rate (torch.matmul 8192^3). Every step computes
 all weight gradients and the gradients of x and the gates.
 
   python3 bench/moe_mlp_torch.py [--json FILE] [--repeats N] [--budget S]
                                  [--configs mixtral,olmoe,qwen3]
+                                 (also qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
+                                 65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
 
 Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
 the median (as the Lua side). Peak extra memory:
@@ -32,11 +38,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-T = 16384
+T0 = 16384  # tokens, unless a config names its own
 CONFIGS = [
     {"name": "mixtral", "d": 4096, "f": 14336, "E": 8, "k": 2},
     {"name": "olmoe", "d": 2048, "f": 1024, "E": 64, "k": 8},
     {"name": "qwen3", "d": 2048, "f": 768, "E": 128, "k": 8},
+    # on request (--configs): how qwen3 scales with tokens, and a DeepSeek-V3-like layer
+    {"name": "qwen3_t4k", "d": 2048, "f": 768, "E": 128, "k": 8, "T": 4096},
+    {"name": "qwen3_t64k", "d": 2048, "f": 768, "E": 128, "k": 8, "T": 65536},
+    {"name": "deepseek", "d": 7168, "f": 2048, "E": 256, "k": 8, "T": 8192},
 ]
 ALIGN = 16
 
@@ -108,17 +118,21 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--budget", type=float, default=60)
     ap.add_argument("--configs", default="mixtral,olmoe,qwen3")
+    ap.add_argument("--compile", action="store_true",
+                    help="also torch.compile of the _grouped_mm step (torch_grouped_mm_compiled)")
     a = ap.parse_args()
     t0 = time.time()
     dense = dense_rate()
     print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
     results = []
     impls = [("torch_naive", naive), ("torch_grouped_mm", grouped)]
+    if a.compile:  # the warm-up step compiles (once per config: static shapes)
+        impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
             continue
         torch.manual_seed(1234)
-        d, f, E, k = c["d"], c["f"], c["E"], c["k"]
+        d, f, E, k, T = c["d"], c["f"], c["E"], c["k"], c.get("T", T0)
         o = {"device": "cuda", "dtype": torch.bfloat16}
         x = torch.randn(T, d, **o).requires_grad_()
         w1 = (torch.randn(E, d, f, **o) * 0.02).requires_grad_()
@@ -171,7 +185,7 @@ def main():
         out = {"tool": f"torch {torch.__version__}", "cuda": torch.version.cuda,
                "device": torch.cuda.get_device_name(0),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "dtype": "bf16", "T": T, "dense": dense, "results": results}
+               "dtype": "bf16", "T": T0, "dense": dense, "results": results}
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
 
