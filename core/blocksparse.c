@@ -330,28 +330,84 @@ static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_rou
   return bs_run(ctx, fn, BS_SDD, p, &g, K, trans_w, x, w, 3, (int64_t[]){g.nnz, g.b, g.b}, out);
 }
 
-static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_plan *p,
-                             bool trans_w, moe_tensor **out) {
-  const char *fn = "bsmm_dsd";
-  bs_geom g = {0};
-  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
-  MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
-  MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
-  MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "w", w->dtype));
-  MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
+/* The checks of a DSD pair (s, w); reads K. */
+static moe_status bs_dsd_check(moe_ctx *ctx, const char *fn, const char *sn, moe_tensor *s,
+                               const char *wn, moe_tensor *w, moe_routing_plan *p, bool trans_w,
+                               bs_geom *g, int64_t *Kout) {
+  MOE_CHECK(bs_check_plan(ctx, fn, p, g));
+  MOE_CHECK(bs_check_operand(ctx, fn, sn, s, p));
+  MOE_CHECK(bs_check_operand(ctx, fn, wn, w, p));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, sn, s->dtype, wn, w->dtype));
+  MOE_CHECK(bs_check_sparse(ctx, fn, sn, s, g));
   if (w->ndim != 3)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s, expected %s", fn, MOE_SHAPE(w),
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s", fn, wn, MOE_SHAPE(w),
                      trans_w ? "(E_loc, K, N)" : "(E_loc, N, K)");
   int64_t K = trans_w ? w->shape[1] : w->shape[2];
   if (K < 1)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w has shape %s: K = 0 is not supported", fn,
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, wn,
                      MOE_SHAPE(w));
-  MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, trans_w));
+  MOE_CHECK(bs_check_w(ctx, fn, w, g, K, trans_w));
   if (bs_cuda(p) && w->dtype == MOE_BF16 && K % 8 != 0)
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
                      fn, (long long)K);
+  *Kout = K;
+  return MOE_OK;
+}
+
+static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_routing_plan *p,
+                             bool trans_w, moe_tensor **out) {
+  const char *fn = "bsmm_dsd";
+  bs_geom g = {0};
+  int64_t K;
+  MOE_CHECK(bs_dsd_check(ctx, fn, "s", s, "w", w, p, trans_w, &g, &K));
   return bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, out);
+}
+
+moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
+                            moe_tensor *w2, moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  const char *fn = "bsmm_dsd_sum";
+  bs_geom g = {0};
+  int64_t K, K2;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(bs_dsd_check(ctx, fn, "s", s, "w", w, p, trans_w, &g, &K));
+  MOE_CHECK(bs_dsd_check(ctx, fn, "s2", s2, "w2", w2, p, trans_w, &g, &K2));
+  MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "s2", s2->dtype));
+  if (K2 != K)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s and w2 %s give different K (%lld, %lld)", fn,
+                     MOE_SHAPE(w), MOE_SHAPE(w2), (long long)K, (long long)K2);
+  moe_tensor *in[4] = {s, w, s2, w2};
+  for (int i = 0; i < 4; i++)
+    if (moe_grad_enabled(ctx) && moe_requires_grad(in[i]))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "%s: not differentiable, and %s requires grad: run it with grad mode off, "
+                       "or add two moe_bsmm_dsd", fn, (const char *[]){"s", "w", "s2", "w2"}[i]);
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = MOE_OK;
+  moe_tensor *c[4] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL;
+  if (bs_cuda(p) && g.nnz > 0 && moe_cuda_bsmm_can_gather(ctx, p->device.index, s->dtype)) {
+    /* one kernel walks both pairs into one f32 sum per element */
+    for (int i = 0; i < 4; i++) MOE_CHECK_GOTO(bs_prepare(ctx, in[i], s->dtype, &c[i]), st, done);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){g.R, K}, s->dtype, p->device, &r), st, done);
+    moe_bs_topo tp = bs_topo(p, &g);
+    MOE_CHECK_GOTO(moe_cuda_bsmm_dsd2(ctx, p->device.index, s->dtype, &tp, moe_tensor_data(c[0]),
+                                      moe_tensor_data(c[1]), moe_tensor_data(c[2]),
+                                      moe_tensor_data(c[3]), K, trans_w, moe_tensor_data(r)),
+                   st, done);
+  } else {
+    MOE_CHECK_GOTO(bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, &t1), st, done);
+    MOE_CHECK_GOTO(bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s2, w2, 2, (int64_t[]){g.R, K}, &t2), st, done);
+    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &r), st, done);
+  }
+  *out = r;
+  r = NULL;
+done:
+  moe_grad_set(ctx, prev);
+  for (int i = 0; i < 4; i++) moe_tensor_release(c[i]);
+  moe_tensor_release(r);
+  moe_tensor_release(t1);
+  moe_tensor_release(t2);
+  return st;
 }
 
 moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,

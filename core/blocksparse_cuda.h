@@ -51,8 +51,15 @@ moe_status moe_cuda_bsmm_dsd_t(moe_ctx *ctx, int device, moe_dtype dt, const moe
                                const void *s, const void *y, int64_t K, void *out);
 moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                              const void *x, const void *s, int64_t K, void *out);
-/* Whether the products can gather (topo.gather_src) on device for dtype dt:
- * bf16 with the wgmma kernel (MOE_BSMM_TILE=wg) on compute capability 9.x. */
+/* out = s @ w + s2 @ w2 (both DSD over tp, as moe_cuda_bsmm_dsd with the
+ * same trans_w), summed in f32 by one kernel and rounded once: the sm_90a
+ * kernel only (moe_cuda_bsmm_can_gather tells). */
+moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                              const void *s, const void *w, const void *s2, const void *w2,
+                              int64_t K, bool trans_w, void *out);
+/* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
+ * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather
+ * (topo.gather_src) and moe_cuda_bsmm_dsd2 runs. */
 bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt);
 /* dense (R, EL * N) <-> s (nnz, b, b); to_dense writes zeros outside blocks. */
 moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,

@@ -61,6 +61,18 @@ moe_status moe_bsmm_dsd(moe_ctx *ctx, moe_tensor *s, moe_tensor *w,
                         struct moe_routing_plan *plan, bool trans_w, moe_tensor **out);
 
 /*
+ * out = moe_bsmm_dsd(s, w) + moe_bsmm_dsd(s2, w2) over the same plan and
+ * trans_w (the input gradient of a GLU's two up-projections). On CUDA in
+ * bf16 with the sm_90a kernel one kernel walks both pairs into one f32 sum
+ * per element, rounded once (no second (R, K) product and no add pass);
+ * elsewhere two products and an add. Not differentiable: with grad mode on,
+ * an operand that requires grad is an error.
+ */
+moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
+                            moe_tensor *w2, struct moe_routing_plan *plan, bool trans_w,
+                            moe_tensor **out);
+
+/*
  * DSD with S transposed (a weight gradient; not differentiable):
  * s (nnz, b, b), y (R, K) -> out (E_loc, N, K), out[e][c block, :] = sum over
  * the blocks i of column block cb of S_i^T @ y[rb]; blocks of a column in the

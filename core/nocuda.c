@@ -134,6 +134,11 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
                              const void *x, const void *s, int64_t K, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_dds");
 }
+moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                              const void *s, const void *w, const void *s2, const void *w2,
+                              int64_t K, bool trans_w, void *out) {
+  return NO_CUDA_FN(ctx, "moe_cuda_bsmm_dsd2");
+}
 bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {
   (void)ctx, (void)device, (void)dt;
   return false;

@@ -73,6 +73,9 @@ struct BsArgs {
   moe_bs_topo tp;
   const void *a; /* first operand (x or s) */
   const void *c; /* second operand (w, y or s) */
+  /* DSD only, or NULL: a second pair summed into the same output (s2 @ w2
+   * after s @ w over the same topology; the sm_90a kernel) */
+  const void *a2, *c2;
   void *out;
   int64_t K;
   int group; /* tile rows per rasterisation group (bs_raster) */
@@ -135,7 +138,7 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     bs_raster(id, tp.Rb, (K + BN - 1) / BN, g.group, &mt, &nt);
     c.i0 = mt;
     c.t0 = nt * BN;
-    c.nq = (int)(F * (BS_B / BK));
+    c.nq = (int)(F * (BS_B / BK)) * (g.a2 ? 2 : 1); /* a second pair: its chunks follow */
     c.out_off = mt * BS_B * K + c.t0;
     c.ldo = K, c.cbs = BS_B;
     c.m_valid = BS_B, c.n_valid = bs_min(BN, K - c.t0);
@@ -457,9 +460,14 @@ constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYT
 template <int KIND, bool TRANS>
 __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int q,
                                             const CUtensorMap *ma, const CUtensorMap *mb,
+                                            const CUtensorMap *ma2, const CUtensorMap *mb2,
                                             uint32_t sa, uint32_t sb, uint32_t bar) {
   const moe_bs_topo &tp = g.tp;
   int64_t F = tp.F;
+  if (KIND == BS_DSD && q >= F * 2) { /* the second pair (g.a2): the same walk */
+    q -= (int)(F * 2);
+    ma = ma2, mb = mb2;
+  }
   if (KIND == BS_SDD) {
     int64_t i = c.i0, rb = tp.row_indices[i], cb = tp.column_indices[i];
     int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
@@ -648,6 +656,7 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
 template <int KIND, bool TRANS, bool GATHER>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
+                 const __grid_constant__ CUtensorMap ma2, const __grid_constant__ CUtensorMap mb2,
                  BsArgs g, int64_t ntiles, int mn_swap, int epi) {
 #ifdef BS_WG_DEVICE
   using L = BsLayout<KIND, TRANS>;
@@ -685,7 +694,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
             moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
           uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE;
           moe_mbar_expect(full, BS_WG_STAGE);
-          bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, sa, sa + BS_WG_A_BYTES, full);
+          bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, &ma2, &mb2, sa, sa + BS_WG_A_BYTES, full);
         }
       }
     }
@@ -790,7 +799,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     }
   }
 #else
-  (void)ma, (void)mb, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
+  (void)ma, (void)mb, (void)ma2, (void)mb2, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
 #endif
 }
 
@@ -825,7 +834,8 @@ moe_status bs_map(moe_ctx *ctx, CUtensorMap *m, const void *p, int rank, const i
 
 /* The two tensor maps of a product (see bs_wg_issue for the boxes). */
 template <int KIND, bool TRANS>
-moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMap *mb) {
+moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMap *mb,
+                      CUtensorMap *ma2, CUtensorMap *mb2) {
   const moe_bs_topo &tp = g.tp;
   int64_t K = g.K, N = tp.F * BS_B, R = tp.Rb * BS_B, S = tp.nnz * BS_B, EL = tp.EL;
   const uint32_t b64x128[2] = {64, 128}, b64x64[2] = {64, 64};
@@ -834,6 +844,8 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   const bool gather = tp.gather_src != nullptr;
   memset(ma, 0, sizeof *ma);
   memset(mb, 0, sizeof *mb);
+  memset(ma2, 0, sizeof *ma2);
+  memset(mb2, 0, sizeof *mb2);
   if (KIND == BS_SDD) {
     const int64_t dx[2] = {K, R}, dw[3] = {N, K, EL}, dwt[3] = {K, N, EL};
     if (!gather) MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
@@ -842,7 +854,10 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   if (KIND == BS_DSD) {
     const int64_t ds[2] = {BS_B, S}, dw[3] = {K, N, EL}, dwt[3] = {N, K, EL};
     MOE_CHECK(bs_map(ctx, ma, g.a, 2, ds, b64x128));
-    return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
+    MOE_CHECK(TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64));
+    if (!g.a2) return MOE_OK;
+    MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, ds, b64x128));
+    return TRANS ? bs_map(ctx, mb2, g.c2, 3, dwt, b3_256) : bs_map(ctx, mb2, g.c2, 3, dw, b3_64);
   }
   const int64_t ds[2] = {BS_B, S}, dy[2] = {K, R};
   const bool dds = KIND == BS_DDS; /* DSD^T: a = s, c = y; DDS: a = x, c = s */
@@ -853,8 +868,8 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
 
 template <int KIND, bool TRANS>
 moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
-  CUtensorMap ma, mb;
-  MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb)));
+  CUtensorMap ma, mb, ma2, mb2;
+  MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb, &ma2, &mb2)));
   int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
   constexpr bool CAN_GATHER = KIND != BS_DSD; /* DSD has no dense R-row operand */
   if (g.tp.gather_src && !CAN_GATHER)
@@ -884,7 +899,7 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   int epi = KIND != BS_DDS;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = 0;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = 1;
-  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, g, ctas, swap, epi);
+  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, ma2, mb2, g, ctas, swap, epi);
   MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
 }
@@ -935,9 +950,10 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
-  if (g.tp.gather_src && !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
+  if ((g.tp.gather_src || g.a2) && !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                     "bsmm: gathering rows needs bf16 and the wgmma kernel on compute capability 9.x");
+                     "bsmm: %s needs bf16 and the wgmma kernel on compute capability 9.x",
+                     g.a2 ? "a summed second pair" : "gathering rows");
   if (dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device))
     return bs_launch_wg<KIND, TRANS>(ctx, g, cs, ctas);
   if (dt == MOE_BF16 && (v == BS_V256K64 || v == BS_VWG)) return bs_launch_mma<KIND, TRANS, 256, 64, 3>(ctx, g, cs, ctas);
@@ -953,6 +969,7 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
   BsArgs g;
   g.tp = *tp;
   g.a = a, g.c = c, g.out = out, g.K = K;
+  g.a2 = g.c2 = nullptr;
   /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
    * rasterisation group, for tuning */
   const int v = ctx->knobs.bsmm_group;
@@ -1017,6 +1034,15 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
                              const void *x, const void *s, int64_t K, void *out) {
   BsArgs g = bs_args(ctx, tp, x, s, out, K);
   return bs_launch<BS_DDS, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                              const void *s, const void *w, const void *s2, const void *w2,
+                              int64_t K, bool trans_w, void *out) {
+  BsArgs g = bs_args(ctx, tp, s, w, out, K);
+  g.a2 = s2, g.c2 = w2;
+  if (trans_w) return bs_launch<BS_DSD, true>(ctx, device, dt, g);
+  return bs_launch<BS_DSD, false>(ctx, device, dt, g);
 }
 
 bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {

@@ -499,6 +499,45 @@ static void check_gather(moe_ctx *ctx, int64_t e0, int64_t e1) {
   moe_routing_plan_release(p);
 }
 
+/* dsd_sum on the CPU: the two products added (f64: exact), and its errors. */
+static void test_dsd_sum(moe_ctx *ctx) {
+  moe_routing_plan *p = mk_plan(ctx, IDS, 7, 2, 4, 4, 2, 0, 0);
+  if (!p) return;
+  geo g = mk_geo(ctx, p);
+  const int64_t K = 5;
+  moe_tensor *s1 = mk_rand(ctx, 3, (int64_t[]){g.nnz, 4, 4}, MOE_F64, 41);
+  moe_tensor *s2 = mk_rand(ctx, 3, (int64_t[]){g.nnz, 4, 4}, MOE_F64, 42);
+  for (int tw = 0; tw < 2; tw++) {
+    const int64_t *ws = tw ? (int64_t[]){g.EL, K, g.N} : (int64_t[]){g.EL, g.N, K};
+    moe_tensor *w1 = mk_rand(ctx, 3, ws, MOE_F64, 43), *w2 = mk_rand(ctx, 3, ws, MOE_F64, 44);
+    moe_tensor *got = NULL, *a = NULL, *b = NULL, *want = NULL;
+    EXPECT_OK(moe_bsmm_dsd_sum(ctx, s1, w1, s2, w2, p, tw == 1, &got));
+    EXPECT_OK(moe_bsmm_dsd(ctx, s1, w1, p, tw == 1, &a));
+    EXPECT_OK(moe_bsmm_dsd(ctx, s2, w2, p, tw == 1, &b));
+    EXPECT_OK(moe_binary(ctx, MOE_OP_ADD, a, b, &want));
+    EXPECT(got && same_tensor(ctx, got, want, 0));
+    moe_tensor *ts[] = {w1, w2, got, a, b, want};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+  }
+  moe_tensor *w = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K}, MOE_F64, 43);
+  moe_tensor *w6 = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K + 1}, MOE_F64, 43);
+  moe_tensor *w32 = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K}, MOE_F32, 43);
+  moe_tensor *wg = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K}, MOE_F64, 43), *o = NULL;
+  EXPECT_OK(moe_set_requires_grad(ctx, wg, true));
+  EXPECT_ERR_MSG(moe_bsmm_dsd_sum(ctx, s1, w, s2, w6, p, false, &o), MOE_ERR_SHAPE,
+                 "give different K (5, 6)");
+  EXPECT_ERR_MSG(moe_bsmm_dsd_sum(ctx, s1, w, s2, w32, p, false, &o), MOE_ERR_DTYPE,
+                 "bsmm_dsd_sum: s2 is f64 but w2 is f32");
+  EXPECT_ERR_MSG(moe_bsmm_dsd_sum(ctx, s1, w, s2, wg, p, false, &o), MOE_ERR_INVALID_ARG,
+                 "not differentiable, and w2 requires grad");
+  EXPECT_ERR_MSG(moe_bsmm_dsd_sum(ctx, s1, w, s2, w, p, false, NULL), MOE_ERR_INVALID_ARG,
+                 "out is NULL");
+  EXPECT(o == NULL);
+  moe_tensor *ts[] = {s1, s2, w, w6, w32, wg};
+  for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+  moe_routing_plan_release(p);
+}
+
 static void test_gather(moe_ctx *ctx) {
   check_gather(ctx, 0, 0); /* all experts */
   check_gather(ctx, 1, 3); /* local experts: other ranks' rows are not in the buffer */
@@ -515,5 +554,6 @@ int main(void) {
   RUN(test_plan_retained);
   RUN(test_errors);
   RUN(test_gather);
+  RUN(test_dsd_sum);
   return harness_end();
 }

@@ -8,7 +8,8 @@
  * for bf16, f64). The bf16 products run with both tile widths of
  * kernels/blocksparse.cu (MOE_BSMM_TILE = 128, 256, 256k64, wg). The
  * gather variants (rows read from token order inside the wgmma kernel)
- * against permute + the product, bit for bit.
+ * against permute + the product, bit for bit; dsd_sum (two DSD pairs in one
+ * kernel) against the two products added.
  * Exits 77 without a GPU.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -250,6 +251,45 @@ static void check_gather(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
   for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
 }
 
+/* dsd_sum (one kernel over two DSD pairs, one rounding) against the two
+ * products added in f32. Each product is rounded to bf16 (half an ulp:
+ * 2^-9 |a|) before that add, the fused sum only once, so where a and b
+ * cancel the two differ by up to 2^-8 (|a| + |b|): the tolerance is
+ * 1e-2 (1 + |a| + |b|) (as test_bf16's 1e-2 (1 + |v|) per product). */
+static void check_dsd_sum(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
+  int64_t N = p->ffn_blocks * 128, EL = p->e1 - p->e0, nnz = p->nnz;
+  for (int tw = 0; tw < 2; tw++) {
+    const int64_t *ws = tw ? (int64_t[]){EL, K, N} : (int64_t[]){EL, N, K};
+    moe_tensor *s1 = mk_rand(ctx, 3, (int64_t[]){nnz, 128, 128}, MOE_BF16, 31);
+    moe_tensor *s2 = mk_rand(ctx, 3, (int64_t[]){nnz, 128, 128}, MOE_BF16, 32);
+    moe_tensor *w1 = mk_rand(ctx, 3, ws, MOE_BF16, 33), *w2 = mk_rand(ctx, 3, ws, MOE_BF16, 34);
+    moe_tensor *g1 = to_gpu(ctx, s1), *g2 = to_gpu(ctx, s2), *h1 = to_gpu(ctx, w1), *h2 = to_gpu(ctx, w2);
+    moe_tensor *got = NULL, *a = NULL, *b = NULL;
+    EXPECT_OK(moe_bsmm_dsd_sum(ctx, g1, h1, g2, h2, p, tw == 1, &got));
+    EXPECT_OK(moe_bsmm_dsd(ctx, g1, h1, p, tw == 1, &a));
+    EXPECT_OK(moe_bsmm_dsd(ctx, g2, h2, p, tw == 1, &b));
+    int64_t n = a ? moe_tensor_numel(a) : 0, bad = 0;
+    double *x = malloc(sizeof(double) * (size_t)(n + 1)), *y = malloc(sizeof(double) * (size_t)(n + 1)),
+           *z = malloc(sizeof(double) * (size_t)(n + 1));
+    EXPECT(got && got->dtype == MOE_BF16 && b && moe_tensor_numel(got) == n && moe_tensor_numel(b) == n);
+    if (got && b && moe_tensor_numel(got) == n && moe_tensor_numel(b) == n) {
+      EXPECT_OK(moe_tensor_to_f64(ctx, got, x));
+      EXPECT_OK(moe_tensor_to_f64(ctx, a, y));
+      EXPECT_OK(moe_tensor_to_f64(ctx, b, z));
+      for (int64_t e = 0; e < n; e++)
+        if (!(fabs(x[e] - (y[e] + z[e])) <= 1e-2 * (1 + fabs(y[e]) + fabs(z[e])))) {
+          if (bad++ == 0)
+            fprintf(stderr, "  dsd_sum trans_w=%d T=%lld K=%lld: row %lld col %lld got %g, a %g + b %g\n", tw,
+                    (long long)p->T, (long long)K, (long long)(e / K), (long long)(e % K), x[e], y[e], z[e]);
+        }
+    }
+    EXPECT(bad == 0);
+    free(x), free(y), free(z);
+    moe_tensor *ts[] = {s1, s2, w1, w2, g1, g2, h1, h2, got, a, b};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+  }
+}
+
 /* Rows gathered inside the wgmma kernel (bf16): k = 1, 2, 8, up to 256
  * experts with empty ones, T not a multiple of 128, K with a partial 64-wide
  * chunk and a partial 256-wide tile; one CTA per tile and a persistent grid
@@ -265,6 +305,7 @@ static void test_gather(moe_ctx *ctx) {
     for (size_t i = 0; i < sizeof cfg / sizeof cfg[0]; i++) {
       moe_routing_plan *p = mk_plan_k(ctx, cfg[i][0], cfg[i][1], cfg[i][2], cfg[i][3]);
       if (p) check_gather(ctx, p, cfg[i][4]);
+      if (p) check_dsd_sum(ctx, p, cfg[i][4]);
       moe_routing_plan_release(p);
     }
   }
