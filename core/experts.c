@@ -26,7 +26,8 @@
  *   dA0 = dout_rows W2^T                   (R, f) or sparse (nnz, b, b)
  *   fused pass: dgate_r = <dA0_r, a_r>, da = g_r dA0, dh1 = da h3 act'(h1),
  *               dh3 = da act(h1), ga = g_r a
- *   dW2 = ga^T dout_rows, dxs = dh1 W1^T + dh3 W3^T, dx = combine(dxs),
+ *   dW2 = ga^T dout_rows, dxs = dh1 W1^T + dh3 W3^T (sparse: one kernel,
+ *   moe_bsmm_dsd_sum), dx = combine(dxs),
  *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
  */
 #include <math.h>
@@ -518,14 +519,22 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     if (gath) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
     else MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
   }
+  /* sparse: dxs = dh1 W1^T + dh3 W3^T in one kernel (moe_bsmm_dsd_sum),
+   * where the grouped path makes t1 (so dxs takes t1's place in memory);
+   * grouped: two products and an add */
+  bool sum2 = impl == MOE_EXPERTS_SPARSE;
   if (need_w1 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dA0, p, &gin[1]), st, done);
   else if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
-  if (need_x) MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
+  if (need_x && sum2) MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
+  else if (need_x) MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
   EX_DROP(dA0);
   if (need_w3 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dh3, p, &gin[2]), st, done);
   else if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
   EX_DROP(xs);
-  if (need_x) {
+  if (need_x && sum2) {
+    EX_DROP(dh3);
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
+  } else if (need_x) {
     MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
     EX_DROP(dh3);
     MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &dxs), st, done);
