@@ -85,39 +85,42 @@ static moe_status bs_check_shape(moe_ctx *ctx, const char *fn, const char *what,
                    MOE_SHAPE(t), want_str, MOE_SHAPE_OF(ndim, want));
 }
 
-/* A dense (R, K) operand: checks rows, reads K (>= 1; % 8 for bf16 on CUDA). */
-static moe_status bs_check_dense(moe_ctx *ctx, const char *fn, const char *what,
-                                 const moe_tensor *t, const moe_routing_plan *p,
-                                 const bs_geom *g, int64_t *K) {
-  if (t->ndim != 2 || t->shape[0] != g->R)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (R, K) with the plan's R = %lld",
-                     fn, what, MOE_SHAPE(t), (long long)g->R);
-  *K = t->shape[1];
-  if (*K < 1)
+/* K of an operand t (named what): >= 1, and % 8 for bf16 on CUDA. */
+static moe_status bs_check_k(moe_ctx *ctx, const char *fn, const char *what, const moe_tensor *t,
+                             const moe_routing_plan *p, int64_t K) {
+  if (K < 1)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, what,
                      MOE_SHAPE(t));
-  if (bs_cuda(p) && t->dtype == MOE_BF16 && *K % 8 != 0)
+  if (bs_cuda(p) && t->dtype == MOE_BF16 && K % 8 != 0)
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
-                     fn, (long long)*K);
+                     fn, (long long)K);
   return MOE_OK;
 }
 
-/* A token-order (T, K) operand of a gather: checks rows, reads K (as above). */
+/* A 2-D (rows, K) operand, rows the plan's R (name "R") or T ("T"): checks
+ * rows, reads K. */
+static moe_status bs_check_rows(moe_ctx *ctx, const char *fn, const char *what,
+                                const moe_tensor *t, const moe_routing_plan *p, int64_t rows,
+                                const char *name, int64_t *K) {
+  if (t->ndim != 2 || t->shape[0] != rows)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (%s, K) with the plan's %s = %lld",
+                     fn, what, MOE_SHAPE(t), name, name, (long long)rows);
+  *K = t->shape[1];
+  return bs_check_k(ctx, fn, what, t, p, *K);
+}
+
+/* A dense (R, K) operand. */
+static moe_status bs_check_dense(moe_ctx *ctx, const char *fn, const char *what,
+                                 const moe_tensor *t, const moe_routing_plan *p,
+                                 const bs_geom *g, int64_t *K) {
+  return bs_check_rows(ctx, fn, what, t, p, g->R, "R", K);
+}
+
+/* A token-order (T, K) operand of a gather. */
 static moe_status bs_check_tokens(moe_ctx *ctx, const char *fn, const char *what,
                                   const moe_tensor *t, const moe_routing_plan *p, int64_t *K) {
-  if (t->ndim != 2 || t->shape[0] != p->T)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (T, K) with the plan's T = %lld",
-                     fn, what, MOE_SHAPE(t), (long long)p->T);
-  *K = t->shape[1];
-  if (*K < 1)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, what,
-                     MOE_SHAPE(t));
-  if (bs_cuda(p) && t->dtype == MOE_BF16 && *K % 8 != 0)
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                     "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
-                     fn, (long long)*K);
-  return MOE_OK;
+  return bs_check_rows(ctx, fn, what, t, p, p->T, "T", K);
 }
 
 static moe_status bs_check_sparse(moe_ctx *ctx, const char *fn, const char *what,
@@ -343,14 +346,8 @@ static moe_status bs_dsd_check(moe_ctx *ctx, const char *fn, const char *sn, moe
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected %s", fn, wn, MOE_SHAPE(w),
                      trans_w ? "(E_loc, K, N)" : "(E_loc, N, K)");
   int64_t K = trans_w ? w->shape[1] : w->shape[2];
-  if (K < 1)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s: K = 0 is not supported", fn, wn,
-                     MOE_SHAPE(w));
+  MOE_CHECK(bs_check_k(ctx, fn, wn, w, p, K));
   MOE_CHECK(bs_check_w(ctx, fn, w, g, K, trans_w));
-  if (bs_cuda(p) && w->dtype == MOE_BF16 && K % 8 != 0)
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                     "%s: K = %lld is not supported for bf16 on CUDA (K must be a multiple of 8)",
-                     fn, (long long)K);
   *Kout = K;
   return MOE_OK;
 }
