@@ -103,6 +103,7 @@ static moe_status bs_check_k(moe_ctx *ctx, const char *fn, const char *what, con
 static moe_status bs_check_rows(moe_ctx *ctx, const char *fn, const char *what,
                                 const moe_tensor *t, const moe_routing_plan *p, int64_t rows,
                                 const char *name, int64_t *K) {
+  *K = 0;
   if (t->ndim != 2 || t->shape[0] != rows)
     return moe_error(ctx, MOE_ERR_SHAPE, "%s: %s has shape %s, expected (%s, K) with the plan's %s = %lld",
                      fn, what, MOE_SHAPE(t), name, name, (long long)rows);
@@ -323,7 +324,7 @@ static moe_status bs_sdd_raw(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_rou
                              bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_sdd";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
   MOE_CHECK(bs_check_operand(ctx, fn, "w", w, p));
@@ -356,7 +357,7 @@ static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_rou
                              bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_dsd";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   MOE_CHECK(bs_dsd_check(ctx, fn, "s", s, "w", w, p, trans_w, &g, &K));
   return bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, out);
 }
@@ -365,7 +366,7 @@ moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tens
                             moe_tensor *w2, moe_routing_plan *p, bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_dsd_sum";
   bs_geom g = {0};
-  int64_t K, K2;
+  int64_t K = 0, K2 = 0;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_dsd_check(ctx, fn, "s", s, "w", w, p, trans_w, &g, &K));
   MOE_CHECK(bs_dsd_check(ctx, fn, "s2", s2, "w2", w2, p, trans_w, &g, &K2));
@@ -411,7 +412,7 @@ moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routin
                           moe_tensor **out) {
   const char *fn = "bsmm_dsd_t";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "s", s, p));
@@ -426,7 +427,7 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_
                         moe_tensor **out) {
   const char *fn = "bsmm_dds";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
   MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
   MOE_CHECK(bs_check_operand(ctx, fn, "x", x, p));
@@ -478,56 +479,51 @@ static moe_status bs_gather_check(moe_ctx *ctx, const char *fn, moe_routing_plan
   return bs_check_tokens(ctx, fn, tok_name, tok, p, K);
 }
 
+/* Runs a checked product whose token operand tok is a (tok_first) or c:
+ * gathered inside the kernel, or permuted into a copy first. */
+static moe_status bs_gather_run(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
+                                const bs_geom *g, int64_t K, bool trans_w, bool tok_first,
+                                moe_tensor *tok, moe_tensor *other, const int64_t *shape,
+                                moe_tensor **out) {
+  moe_tensor *a = tok_first ? tok : other, *c = tok_first ? other : tok;
+  if (bs_gathers(ctx, p, tok)) return bs_run_ex(ctx, fn, kind, p, g, K, trans_w, a, c, 3, shape, true, out);
+  moe_tensor *rows = NULL;
+  MOE_CHECK(bs_permuted(ctx, tok, p, &rows));
+  moe_status st = bs_run(ctx, fn, kind, p, g, K, trans_w, tok_first ? rows : a, tok_first ? c : rows,
+                         3, shape, out);
+  moe_tensor_release(rows);
+  return st;
+}
+
 moe_status moe_bsmm_sdd_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
                                bool trans_w, moe_tensor **out) {
   const char *fn = "bsmm_sdd_gather";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   MOE_CHECK(bs_gather_check(ctx, fn, p, "x", x, "w", w, out, &g, &K));
   MOE_CHECK(bs_check_w(ctx, fn, w, &g, K, !trans_w));
-  if (bs_gathers(ctx, p, x))
-    return bs_run_ex(ctx, fn, BS_SDD, p, &g, K, trans_w, x, w, 3, (int64_t[]){g.nnz, g.b, g.b},
-                     true, out);
-  moe_tensor *xs = NULL;
-  MOE_CHECK(bs_permuted(ctx, x, p, &xs));
-  moe_status st = bs_run(ctx, fn, BS_SDD, p, &g, K, trans_w, xs, w, 3,
-                         (int64_t[]){g.nnz, g.b, g.b}, out);
-  moe_tensor_release(xs);
-  return st;
+  return bs_gather_run(ctx, fn, BS_SDD, p, &g, K, trans_w, true, x, w,
+                       (int64_t[]){g.nnz, g.b, g.b}, out);
 }
 
 moe_status moe_bsmm_dds_gather(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_plan *p,
                                moe_tensor **out) {
   const char *fn = "bsmm_dds_gather";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   MOE_CHECK(bs_gather_check(ctx, fn, p, "x", x, "s", s, out, &g, &K));
   MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
-  if (bs_gathers(ctx, p, x))
-    return bs_run_ex(ctx, fn, BS_DDS, p, &g, K, false, x, s, 3, (int64_t[]){g.EL, K, g.N}, true,
-                     out);
-  moe_tensor *xs = NULL;
-  MOE_CHECK(bs_permuted(ctx, x, p, &xs));
-  moe_status st = bs_run(ctx, fn, BS_DDS, p, &g, K, false, xs, s, 3, (int64_t[]){g.EL, K, g.N}, out);
-  moe_tensor_release(xs);
-  return st;
+  return bs_gather_run(ctx, fn, BS_DDS, p, &g, K, false, true, x, s, (int64_t[]){g.EL, K, g.N}, out);
 }
 
 moe_status moe_bsmm_dsd_t_gather(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,
                                  moe_tensor **out) {
   const char *fn = "bsmm_dsd_t_gather";
   bs_geom g = {0};
-  int64_t K;
+  int64_t K = 0;
   MOE_CHECK(bs_gather_check(ctx, fn, p, "y", y, "s", s, out, &g, &K));
   MOE_CHECK(bs_check_sparse(ctx, fn, "s", s, &g));
-  if (bs_gathers(ctx, p, y))
-    return bs_run_ex(ctx, fn, BS_DSD_T, p, &g, K, false, s, y, 3, (int64_t[]){g.EL, g.N, K}, true,
-                     out);
-  moe_tensor *ys = NULL;
-  MOE_CHECK(bs_permuted(ctx, y, p, &ys));
-  moe_status st = bs_run(ctx, fn, BS_DSD_T, p, &g, K, false, s, ys, 3, (int64_t[]){g.EL, g.N, K}, out);
-  moe_tensor_release(ys);
-  return st;
+  return bs_gather_run(ctx, fn, BS_DSD_T, p, &g, K, false, false, y, s, (int64_t[]){g.EL, g.N, K}, out);
 }
 
 static void bs_plan_release_void(void *p) { moe_routing_plan_release((moe_routing_plan *)p); }
