@@ -277,7 +277,7 @@ local state_bytes
 -- comm_profile with expert parallelism: the rows each MoE layer's experts on this rank took
 -- in the timed steps (the exchange's counts, on the host: no synchronisation), per layer
 local ep_layers, ep_rows
-local ep_step = { max = 0, mean = 0, ratio = 0, n = 0 } -- per (step, layer) sums
+local ep_step = { ratio = 0, n = 0 } -- per (step, layer) sums
 local function after_step(st)
   if on_gpu and st.step == 3 then state_bytes = moe.memory_stats(device).allocated end
   if o.comm_profile and o.ep > 1 and st.step > o.log_every then
@@ -301,7 +301,6 @@ local function after_step(st)
         end
         mx, sum = math.max(mx, n), sum + n
       end
-      ep_step.max, ep_step.mean = ep_step.max + mx, ep_step.mean + sum / P
       ep_step.ratio, ep_step.n = ep_step.ratio + (sum > 0 and mx * P / sum or 1), ep_step.n + 1
     end
   end
@@ -365,12 +364,10 @@ if ep_rows and #ep_rows > 0 then
   end
   ep_balance = { rows_per_rank = per_rank, busiest_over_mean = ratio / L, layers = L,
     step_busiest_over_mean = ep_step.n > 0 and ep_step.ratio / ep_step.n or 1,
-    step_busiest_rows_over_mean = ep_step.mean > 0 and ep_step.max / ep_step.mean or 1,
     what = "the rows each rank's experts took over the timed steps (summed over the MoE layers), and per " ..
       "layer the busiest rank's rows over the mean, averaged over the layers (1: even; the exchange " ..
-      "makes every rank wait for the busiest); step_*: the same per step and layer, from every " ..
-      "rank's counts of that step (busiest over mean averaged, and the busiest rank's rows summed " ..
-      "over the mean's: the rows the exchange waits for)" }
+      "makes every rank wait for the busiest); step_busiest_over_mean: the same per step and layer, " ..
+      "from every rank's counts of that step, averaged (what the exchange waits for)" }
 end
 local profile = profiler and profiler.summary()
 model = model or result.model
@@ -440,9 +437,8 @@ if comm_raw then
     local rr = {}
     for r, x in ipairs(ep_balance.rows_per_rank) do rr[r] = ("%.0f"):format(x / n) end
     print(("train_125m: expert rows per step by rank %s; per layer the busiest rank over the mean %.3f " ..
-      "over the run, %.3f per step (the busiest rank's rows summed over the steps and layers: %.3f of the mean's)"):format(
-      table.concat(rr, " / "), ep_balance.busiest_over_mean, ep_balance.step_busiest_over_mean,
-      ep_balance.step_busiest_rows_over_mean))
+      "over the run, %.3f per step and layer"):format(
+      table.concat(rr, " / "), ep_balance.busiest_over_mean, ep_balance.step_busiest_over_mean))
   end
 end
 if profile then

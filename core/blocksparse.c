@@ -253,7 +253,7 @@ static void bs_cpu(bs_kind kind, const moe_routing_plan *p, const bs_geom *g, in
 }
 
 /* Runs one product with grad mode off: out has shape (ndim, shape) and the
- * operands' dtype. gather (CUDA only, moe_cuda_bsmm_can_gather): the dense
+ * operands' dtype. gather (CUDA only, moe_cuda_bsmm_wgmma): the dense
  * R-row operand is (T, K) and the kernel gathers its rows by the plan's src. */
 static moe_status bs_run_ex(moe_ctx *ctx, const char *fn, bs_kind kind, moe_routing_plan *p,
                             const bs_geom *g, int64_t K, bool trans_w, moe_tensor *a,
@@ -383,7 +383,7 @@ moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tens
   bool prev = moe_grad_set(ctx, false);
   moe_status st = MOE_OK;
   moe_tensor *c[4] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL;
-  if (bs_cuda(p) && g.nnz > 0 && moe_cuda_bsmm_can_gather(ctx, p->device.index, s->dtype)) {
+  if (bs_cuda(p) && g.nnz > 0 && moe_cuda_bsmm_wgmma(ctx, p->device.index, s->dtype)) {
     /* one kernel walks both pairs into one f32 sum per element */
     for (int i = 0; i < 4; i++) MOE_CHECK_GOTO(bs_prepare(ctx, in[i], s->dtype, &c[i]), st, done);
     MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){g.R, K}, s->dtype, p->device, &r), st, done);
@@ -447,7 +447,7 @@ moe_status moe_bsmm_dds(moe_ctx *ctx, moe_tensor *x, moe_tensor *s, moe_routing_
 bool moe_bsmm_gathers(moe_ctx *ctx, const moe_routing_plan *p, moe_dtype dt) {
   return ctx && p && bs_cuda(p) && p->src && p->N <= INT32_MAX &&
          dt == MOE_BF16 &&
-         moe_cuda_bsmm_can_gather(ctx, p->device.index, dt);
+         moe_cuda_bsmm_wgmma(ctx, p->device.index, dt);
 }
 static bool bs_gathers(moe_ctx *ctx, const moe_routing_plan *p, const moe_tensor *t) {
   return moe_bsmm_gathers(ctx, p, t->dtype);

@@ -38,7 +38,7 @@ typedef struct moe_bs_topo {
    * NULL: that operand is then (T, K) in token order, and row r of the
    * product reads its row gather_src[r] / gather_k (the plan's src: the
    * row's assignment t * k + j), zeros where gather_src[r] < 0 (padding).
-   * Only the sm_90a bf16 kernel gathers (moe_cuda_bsmm_can_gather). */
+   * Only the sm_90a bf16 kernel gathers (moe_cuda_bsmm_wgmma). */
   const int64_t *gather_src;       /* (R) or NULL */
   int64_t gather_k;
 } moe_bs_topo;
@@ -53,14 +53,14 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
                              const void *x, const void *s, int64_t K, void *out);
 /* out = s @ w + s2 @ w2 (both DSD over tp, as moe_cuda_bsmm_dsd with the
  * same trans_w), summed in f32 by one kernel and rounded once: the sm_90a
- * kernel only (moe_cuda_bsmm_can_gather tells). */
+ * kernel only (moe_cuda_bsmm_wgmma tells). */
 moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                               const void *s, const void *w, const void *s2, const void *w2,
                               int64_t K, bool trans_w, void *out);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather
  * (topo.gather_src) and moe_cuda_bsmm_dsd2 runs. */
-bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt);
+bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt);
 /* dense (R, EL * N) <-> s (nnz, b, b); to_dense writes zeros outside blocks. */
 moe_status moe_cuda_bsmm_to_dense(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                                   const void *s, void *dense);

@@ -139,7 +139,7 @@ moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_
                               int64_t K, bool trans_w, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_dsd2");
 }
-bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {
+bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {
   (void)ctx, (void)device, (void)dt;
   return false;
 }

@@ -1045,7 +1045,7 @@ moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_
   return bs_launch<BS_DSD, false>(ctx, device, dt, g);
 }
 
-bool moe_cuda_bsmm_can_gather(moe_ctx *ctx, int device, moe_dtype dt) {
+bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {
   return dt == MOE_BF16 && bs_variant(ctx) == BS_VWG && bs_wg_supported(device);
 }
 
