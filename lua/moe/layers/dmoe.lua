@@ -36,6 +36,7 @@ local nn = require "moe.nn"
 local experts = require "moe.experts"
 local xmlp = require "moe.experts.mlp"
 local util = require "moe.experts.util"
+local autotune = require "moe.experts.autotune"
 
 local M = {}
 local NONE = util.NONE
@@ -55,7 +56,7 @@ local DEFAULTS = {
   moe_weight_parallelism = false, weight_parallel_group = NONE,
   pipeline_model_parallel_size = 1, num_layers_per_virtual_pipeline_stage = NONE,
   memory_optimized_mlp = false, mlp_type = "mlp",
-  mlp_impl = "auto",             -- MegaBlocks: "sparse"; auto: sparse on CUDA with > 16 experts, else grouped
+  mlp_impl = "auto",             -- MegaBlocks: "sparse"; auto: the faster measured on CUDA (autotune.lua), grouped on CPU
   quantize_inputs_num_bits = -1, quantize_rematerialize_num_bits = -1, quantize_scatter_num_bits = -1,
   fp16 = false,                  -- MegaBlocks: True (moe-lua: dtype f32 unless asked)
   bf16 = false, device = NONE, init_method = NONE, output_layer_init_method = NONE,
@@ -240,15 +241,17 @@ end
 -- The experts' hidden size on this rank (ffn_hidden_size / the weight-parallel size).
 function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidden_size end
 
--- mlp_impl "auto" picks the implementation on the device of the input: the
--- block-sparse path on CUDA for more than 16 experts (many small groups: on
--- an H100 it is 1.5x the grouped path on the qwen3 shape of bench/moe_mlp.lua
--- and on the 125M dMoE with 64 experts, while the grouped path is 1.09x faster
--- on mixtral's 8 large experts), the grouped path otherwise (on the CPU the
--- grouped path was 1.3x faster at 32 experts, d 128, f 256). Sets the built-in
--- experts' impl too; a user's experts module decides for itself.
--- Under expert parallelism the count is of this rank's local experts.
-function dMoE:resolve_impl(device)
+-- mlp_impl "auto": the rule picks the block-sparse path on CUDA for more
+-- than 16 experts (many small groups: on an H100 it is 1.5x the grouped path
+-- on the qwen3 shape of bench/moe_mlp.lua and on the 125M dMoE with 64
+-- experts, while the grouped path is 1.09x faster on mixtral's 8 large
+-- experts), the grouped path otherwise (on the CPU the grouped path was 1.3x
+-- faster at 32 experts, d 128, f 256). On CUDA the built-in experts are then
+-- timed with each path once per shape (moe/experts/autotune.lua) and the
+-- measurably faster one runs. Sets the built-in experts' impl too; a user's
+-- experts module decides for itself. Under expert parallelism the count is of
+-- this rank's local experts. T: the tokens of this call.
+function dMoE:resolve_impl(device, T)
   local cuda = device:sub(1, 4) == "cuda"
   if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
   local impl = "grouped"
@@ -256,9 +259,13 @@ function dMoE:resolve_impl(device)
   if cuda and n_experts > 16 and self:ffn_local() % self.block_size == 0 then
     impl = "sparse"
   end
-  self.mlp_impl = impl
   local ex = self.experts
-  if ex and ex.impl ~= nil and util.IMPLS[ex.impl] then ex.impl = impl end
+  local builtin = ex and ex.impl ~= nil and util.IMPLS[ex.impl] and ex.w1 ~= nil
+  if builtin and T and T > 0 then
+    impl = autotune.pick(ex, { T = T, k = self.top_k, block_size = self.block_size, rule = impl })
+  end
+  self.mlp_impl = impl
+  if builtin then ex.impl = impl end
   return impl
 end
 
@@ -364,7 +371,7 @@ function dMoE:forward(x)
       moe.is_tensor(x) and shape_str(x) or type(x)), 2)
   end
   local x2 = x:dim() == 2 and x or x:reshape({ -1, d })
-  self:resolve_impl(x2.device)
+  self:resolve_impl(x2.device, x2:size(0))
   local held <close> = self:offer_counts(self.router)
   local r = self.router(x2)
   if held then rawset(self.router, "counts_from", nil) end

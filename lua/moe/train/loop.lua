@@ -46,6 +46,7 @@ local build = require "moe.train.build"
 local thooks = require "moe.train.hooks"
 local tlog = require "moe.train.log"
 local parallel = require "moe.train.parallel"
+local autotune = require "moe.experts.autotune"
 
 local M = {}
 
@@ -233,6 +234,10 @@ function M.run(user_cfg, parts)
 
   local prev_tf32 -- restored at the end of the run
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
+  -- deterministic: mlp_impl "auto" keeps its rule (a measured pick could differ between runs)
+  local auto_mode <close> = setmetatable({ prev = autotune.mode }, -- luacheck: ignore 211
+    { __close = function(o) autotune.mode = o.prev end })
+  if cfg.deterministic then autotune.mode = "rule" end
   moe.manual_seed(cfg.seed)
 
   local model = parts.model or build.model(cfg, device, par.ep_group, par.etp_group)
@@ -569,6 +574,7 @@ function M.run(user_cfg, parts)
     opt.lr = lr
     state.lr = lr
     local gn = train_step()
+    for _, line in ipairs(autotune.take_new()) do log:say(line) end
     local step = state.step
     if step == first_step + 1 and par.writer and os.getenv("MOE_LAUNCH_TIMELINE") then -- launch's restart timeline
       require("moe.cli.launch").timeline_event("first_step", { step = step, resumed = resume_path })
