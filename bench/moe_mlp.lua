@@ -10,12 +10,16 @@ weight gradient and the gradients of x and the gates. Implementations:
   sparse       moe.ops.glu_experts, impl "sparse" (block-sparse, b = 128)
   lua_grouped  the GLU composed in Lua: parallel_linear x2, silu * mul,
                parallel_linear with scatter (grouped)
+  auto         what a dMoE layer's mlp_impl = "auto" runs: the autotuner
+               (moe/experts/autotune.lua) measures grouped and sparse on its
+               synthetic even routing, then the pick is timed here (the row
+               names it: "auto:sparse"; "pick_ms" holds the tuner's figures)
 plus the dense bf16 GEMM rate (moe.matmul 8192^3) in the same run.
 bench/moe_mlp_torch.py times PyTorch on the same configs and
 bench/moe_mlp_report.py joins both.
 
   moe-lua bench/moe_mlp.lua [json=FILE] [repeats=10] [budget=SECONDS]
-                            [configs=mixtral,olmoe,qwen3] [impls=grouped,sparse,lua_grouped]
+                            [configs=mixtral,olmoe,qwen3] [impls=grouped,sparse,lua_grouped,auto]
                             (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                             65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
                             [smoke=true]
@@ -36,7 +40,7 @@ local moe = require "moe"
 local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
 local args = bench.config { repeats = 10, warmup = 2, budget = 80.0, smoke = false,
-  configs = { "mixtral", "olmoe", "qwen3" }, impls = { "grouped", "sparse", "lua_grouped" } }
+  configs = { "mixtral", "olmoe", "qwen3" }, impls = { "grouped", "sparse", "lua_grouped", "auto" } }
 
 local smoke = args.smoke
 local dev = moe.cuda.is_available() and "cuda" or "cpu"
@@ -118,8 +122,23 @@ local function make_step(c, impl, t)
   end
 end
 
+-- The GLU experts as the autotuner sees a layer's experts.GLU, over the benchmark's
+-- weights (the tuner swaps in detached handles while it measures).
+local GLU_VIEW = { __call = function(self, x, plan, gates)
+  return moe.ops.glu_experts(x, rawget(self, "w1"), rawget(self, "w3"), rawget(self, "w2"), plan, gates,
+    { impl = self.impl })
+end }
+local function glu_view(c, t)
+  return setmetatable({ __name = "GLUExperts", act_name = "silu", num_experts = c.E, d_model = c.d, d_ff = c.f,
+    memory_optimized = false, impl = "grouped", w1 = t.w1, w3 = t.w3, w2 = t.w2,
+    named_parameters = function(self)
+      return { { "w1", rawget(self, "w1") }, { "w3", rawget(self, "w3") }, { "w2", rawget(self, "w2") } }
+    end }, GLU_VIEW)
+end
+local autotune = require "moe.experts.autotune"
+
 local results = {}
-local impl_order = { "grouped", "sparse", "lua_grouped" }
+local impl_order = { "grouped", "sparse", "lua_grouped", "auto" }
 for _, c in ipairs(CONFIGS) do
   if want_cfg[c.name] then
     local T = c.T or T -- luacheck: ignore 421 (this config's tokens)
@@ -146,8 +165,17 @@ for _, c in ipairs(CONFIGS) do
           r.skipped = true
           r.error = "time budget exhausted"
         else
-          local step = make_step(c, impl, t)
           local ok, err = pcall(function()
+            local run = impl
+            if impl == "auto" then
+              local mode = autotune.mode
+              autotune.mode = "measure"
+              local rule = c.E > 16 and "sparse" or "grouped"
+              local pick, m = autotune.pick(glu_view(c, t), { T = T, k = c.k, block_size = 128, rule = rule })
+              autotune.mode = mode
+              run, r.impl, r.pick_ms, r.pick_T = pick, "auto:" .. pick, m.ms, m.T
+            end
+            local step = make_step(c, run, t)
             collectgarbage()
             bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
             step() -- warm-up (cuBLAS heuristics, allocator growth)

@@ -73,7 +73,7 @@ def main():
     # mixtral and 60% on olmoe and qwen3 (goal 90 / 65); every moe-lua path faster than
     # the faster of torch._grouped_mm eager and compiled on every config.
     pct_target = {"mixtral": (88, 90), "olmoe": (60, 65), "qwen3": (60, 65)}
-    best_pct, faster = {}, {}
+    best_pct, faster, auto = {}, {}, {}
     for c in configs:
         b, t = best(c, moe_impls), best(c, torch_impls)
         if c in pct_target:
@@ -84,11 +84,20 @@ def main():
                            "goal_met": bool(b and b["pct_dense"] >= goal)}
         faster[c] = {i: bool(get(c, i) and t and get(c, i)["ms"] < t["ms"]) for i in moe_impls}
         faster[c]["torch_best"] = t and t["impl"]
+        a = next((r for r in rows if r["config"] == c and str(r["impl"]).startswith("auto:") and "ms" in r), None)
+        if a:
+            pick = a["impl"].split(":", 1)[1]
+            fastest = best(c, moe_impls)
+            auto[c] = {"pick": pick, "tuner_ms": a.get("pick_ms"), "tuner_T": a.get("pick_T"),
+                       "fastest_timed": fastest and fastest["impl"],
+                       "picked_fastest": bool(fastest and fastest["impl"] == pick),
+                       "faster_than_torch": bool(t and a["ms"] < t["ms"])}
     targets = {
         "best_pct_dense": best_pct,
         "faster_than_best_torch_grouped_mm": faster,
         "resolve_time_met": all(v["met"] for v in best_pct.values()) and len(best_pct) == 3
         and all(all(v[i] for i in moe_impls) for v in faster.values()),
+        "auto": auto,
         "memory": "ScatterMoE is not run here: its peak extra memory is not compared in this run",
     }
     out = {"device": moe["device"], "torch_device": th["device"], "date": moe["date"],
@@ -142,6 +151,12 @@ def main():
             lines.append(f"- {i} faster than {v['torch_best'] or 'torch._grouped_mm'} on {c}: "
                          f"{fmt(r and r['ms'], '.3f')} ms vs {fmt(t and t['ms'], '.3f')} ms: "
                          + ("met" if v[i] else "NOT met"))
+    for c, v in auto.items():
+        tuned = ", ".join(f"{k} {ms:.3f} ms" for k, ms in sorted((v["tuner_ms"] or {}).items()))
+        lines.append(f"- mlp_impl auto on {c}: picks {v['pick']} (its own measurement at T = {v['tuner_T']}: "
+                     f"{tuned}); the faster of the rows above: {v['fastest_timed']}: "
+                     + ("same" if v["picked_fastest"] else "DIFFERENT")
+                     + "; faster than torch: " + ("yes" if v["faster_than_torch"] else "NO"))
     lines.append(f"- memory: {targets['memory']}")
     lines.append(f"- time targets: {'met' if targets['resolve_time_met'] else 'NOT met'}")
     with open(os.path.join(outdir, "moe_mlp.md"), "w") as fh:
