@@ -10,6 +10,7 @@
  *   moe.cuda.is_available()        moe.cuda.device_count()
  *   moe.cuda.synchronize([dev])    moe.cuda.get_device_name([dev])
  *   moe.cuda.set_gc_step([MiB])
+ *   moe.knobs()                    moe.knob(name)    moe.set_knob(name, value)
  *
  * Owns the moe.cuda table and the setting of the collection step (gc_step
  * of lm_state): its default from MOE_GC_STEP_MB (lm_gc_step_default, read
@@ -23,6 +24,7 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "knobs.h"
 #include "lmoe_internal.h"
 
 #define MOE_GC_MIB ((int64_t)1 << 20)
@@ -296,6 +298,103 @@ static int lm_clock(lua_State *L) {
   return 1;
 }
 
+/* ------------------------------------------------------------------- knobs */
+
+/* The kernels' tuning knobs (core/knobs.c's table), by variable name (or
+ * field name for the ones without a variable), their values as strings:
+ * a choice's name, else the number ("0"/"1" for a bool). */
+
+static const moe_knob_def *lm_checkknob(lua_State *L, int arg, const char *fname) {
+  if (lua_type(L, arg) != LUA_TSTRING)
+    lm_argerror(L, arg, fname, "knob name (a string) expected, got %s", lm_typename(L, arg));
+  const char *name = lua_tostring(L, arg);
+  const moe_knob_def *d = moe_knob_find(name);
+  if (!d) {
+    luaL_Buffer b;
+    luaL_buffinit(L, &b);
+    for (int i = 0; i < moe_knob_count; i++) {
+      if (i) luaL_addstring(&b, ", ");
+      luaL_addstring(&b, moe_knob_table[i].env ? moe_knob_table[i].env : moe_knob_table[i].name);
+    }
+    luaL_pushresult(&b);
+    lm_argerror(L, arg, fname, "no knob named '%s' (knobs: %s)", name, lua_tostring(L, -1));
+  }
+  return d;
+}
+
+static void lm_pushknob(lua_State *L, const moe_knob_def *d, int value) {
+  char buf[64];
+  lua_pushstring(L, moe_knob_format(d, value, buf, sizeof buf));
+}
+
+/* moe.knobs() -> {{name =, field =, value =, default =, doc =}, ...} in the table's order. */
+static int lm_knobs(lua_State *L) {
+  lm_state *S = lm_S(L);
+  lm_checkend(L, 0, "knobs");
+  lua_createtable(L, moe_knob_count, 0);
+  for (int i = 0; i < moe_knob_count; i++) {
+    const moe_knob_def *d = &moe_knob_table[i];
+    lua_createtable(L, 0, 5);
+    lua_pushstring(L, d->env ? d->env : d->name);
+    lua_setfield(L, -2, "name");
+    lua_pushstring(L, d->name);
+    lua_setfield(L, -2, "field");
+    lm_pushknob(L, d, moe_knob_current(S->ctx, d));
+    lua_setfield(L, -2, "value");
+    lm_pushknob(L, d, d->def);
+    lua_setfield(L, -2, "default");
+    lua_pushstring(L, d->doc);
+    lua_setfield(L, -2, "doc");
+    lua_rawseti(L, -2, i + 1);
+  }
+  return 1;
+}
+
+/* moe.knob(name) -> the knob's value now. */
+static int lm_knob(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const moe_knob_def *d = lm_checkknob(L, 1, "knob");
+  lm_checkend(L, 1, "knob");
+  lm_pushknob(L, d, moe_knob_current(S->ctx, d));
+  return 1;
+}
+
+/* moe.set_knob(name, value) -> the previous value. value: a string, an
+ * integer or a boolean (1 / 0); nil sets the default. */
+static int lm_set_knob(lua_State *L) {
+  lm_state *S = lm_S(L);
+  const moe_knob_def *d = lm_checkknob(L, 1, "set_knob");
+  char buf[64];
+  const char *value = NULL;
+  switch (lua_type(L, 2)) {
+    case LUA_TNIL:
+    case LUA_TNONE:
+      break;
+    case LUA_TBOOLEAN:
+      value = lua_toboolean(L, 2) ? "1" : "0";
+      break;
+    case LUA_TSTRING:
+      value = lua_tostring(L, 2);
+      break;
+    case LUA_TNUMBER:
+      if (!lua_isinteger(L, 2))
+        return lm_argerror(L, 2, "set_knob", "value must be an integer, a string or a boolean, got %s",
+                           lm_describe(L, 2));
+      snprintf(buf, sizeof buf, "%lld", (long long)lua_tointeger(L, 2));
+      value = buf;
+      break;
+    default:
+      return lm_argerror(L, 2, "set_knob", "value must be a string, an integer or a boolean, got %s",
+                         lm_typename(L, 2));
+  }
+  lm_checkend(L, 2, "set_knob");
+  int prev = 0;
+  if (moe_knob_set(S->ctx, lua_tostring(L, 1), value, &prev) != MOE_OK)
+    return lm_corefail(L, S, "set_knob", 2);
+  lm_pushknob(L, d, prev);
+  return 1;
+}
+
 /* ----------------------------------------------------------------- opening */
 
 /* def_mb MiB unless the variable var says otherwise (0 turns it off; -1 for
@@ -324,6 +423,9 @@ static const luaL_Reg lm_device_functions[] = {
     {"build_info", lm_build_info},
     {"version_report", lm_version_report},
     {"clock", lm_clock},
+    {"knobs", lm_knobs},
+    {"knob", lm_knob},
+    {"set_knob", lm_set_knob},
     {NULL, NULL}};
 
 static const luaL_Reg lm_cuda_functions[] = {

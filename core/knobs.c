@@ -3,6 +3,7 @@
  * in knobs.h). The table is the one list of them: docs/DEVELOPING.md copies
  * its env, default and doc columns.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -148,3 +149,56 @@ moe_status moe_knobs_reload(moe_ctx *ctx) {
   knobs_read_env(&ctx->knobs);
   return MOE_OK;
 }
+
+const char *moe_knob_format(const moe_knob_def *d, int value, char *buf, size_t size) {
+  if (d->type == MOE_KNOB_CHOICE) {
+    int i = 0;
+    for (const char *c = d->choices; *c; i++) {
+      const char *e = strchr(c, ',');
+      size_t len = e ? (size_t)(e - c) : strlen(c);
+      if (i == value) {
+        snprintf(buf, size, "%.*s", (int)len, c);
+        return buf;
+      }
+      if (!e) break;
+      c = e + 1;
+    }
+  }
+  snprintf(buf, size, "%d", value);
+  return buf;
+}
+
+moe_status moe_knob_set(moe_ctx *ctx, const char *name, const char *value, int *previous) {
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  const moe_knob_def *d = moe_knob_find(name);
+  if (!d) return moe_error(ctx, MOE_ERR_INVALID_ARG, "knob: no knob named '%s'", name ? name : "(null)");
+  const char *label = d->env ? d->env : d->name;
+  moe_knobs k = ctx->knobs;
+  /* an int knob's default may lie outside its range (-1, 0: "the built-in"):
+   * it is taken back as written, so a previous value can always be restored */
+  bool is_default = false;
+  if (d->type == MOE_KNOB_INT && value && *value) {
+    char *end = NULL;
+    long long v = strtoll(value, &end, 10);
+    is_default = end != value && *end == 0 && v == d->def;
+  }
+  if (is_default) {
+    moe_knob_parse(&k, d, NULL);
+  } else if (!moe_knob_parse(&k, d, value)) {
+    switch (d->type) {
+      case MOE_KNOB_BOOL:
+        return moe_error(ctx, MOE_ERR_INVALID_ARG, "knob %s: value must be 0 or 1, got '%s'", label, value);
+      case MOE_KNOB_INT:
+        return moe_error(ctx, MOE_ERR_INVALID_ARG, "knob %s: value must be an integer in [%d, %d], got '%s'",
+                         label, d->lo, d->hi, value);
+      case MOE_KNOB_CHOICE:
+        return moe_error(ctx, MOE_ERR_INVALID_ARG, "knob %s: value must be one of %s, got '%s'", label,
+                         d->choices, value);
+    }
+  }
+  if (previous) *previous = moe_knob_get(&ctx->knobs, d);
+  ctx->knobs = k;
+  return MOE_OK;
+}
+
+int moe_knob_current(const moe_ctx *ctx, const moe_knob_def *d) { return moe_knob_get(&ctx->knobs, d); }

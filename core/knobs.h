@@ -99,6 +99,20 @@ int moe_knob_get(const moe_knobs *k, const moe_knob_def *d);
 /* Reads the environment again into ctx->knobs (after setenv/unsetenv);
  * knobs without a variable keep their values. */
 moe_status moe_knobs_reload(moe_ctx *ctx);
+/* Sets the knob named name (its variable or its field) in ctx->knobs from
+ * value, strictly: an unknown name or a value the knob does not take
+ * exactly (NULL, "" and an int knob's default as written are the default,
+ * so a previous value can always be set back) is MOE_ERR_INVALID_ARG with a message
+ * naming what it takes, and the knob is left as it was. *previous (if not
+ * NULL) gets the value it had (moe_knob_get). Kernels read the knobs at
+ * each launch; results that are cached per shape (the GEMM algorithm chosen
+ * under MOE_GEMM_TUNE) keep the setting they were made under. */
+moe_status moe_knob_set(moe_ctx *ctx, const char *name, const char *value, int *previous);
+/* The knob's value in ctx->knobs. */
+int moe_knob_current(const moe_ctx *ctx, const moe_knob_def *d);
+/* The name of value for d: a choice's name, else the number ("0"/"1" for a
+ * bool) written into buf (at least 24 bytes). */
+const char *moe_knob_format(const moe_knob_def *d, int value, char *buf, size_t size);
 
 #ifdef __cplusplus
 }

@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(MOE_THREADS)
  * bias at 16384 x 14336 x 4096 with the first choice, 2.68 ms tuned). Tuning
  * synchronizes the stream once per key; the environment variable
  * MOE_GEMM_TUNE=0 turns it off (the heuristic's first choice, deterministic
- * across processes), MOE_GEMM_TUNE=all extends it to large plain GEMMs.
+ * across processes), MOE_GEMM_TUNE=all extends it to large plain GEMMs;
+ * the setting is part of the key (moe_knob_set can change it mid-run).
  * The table is process-wide (host memory only) and, like the Lt handle,
  * meant for one host thread issuing GEMMs at a time. */
 #define MOE_GEMM_CACHE 128
@@ -109,7 +110,7 @@ __global__ void __launch_bounds__(MOE_THREADS)
 #define MOE_GEMM_TUNE_FLOPS 2e10
 
 struct MoeGemmKey {
-  int32_t device, dtype, compute, opa, opb, epilogue;
+  int32_t device, dtype, compute, opa, opb, epilogue, tune;
   int64_t m, n, k, lda, ldb, batch, a_bs, b_bs, c_bs;
   uint32_t al_a, al_b, al_c, al_bias;
 };
@@ -255,6 +256,7 @@ static moe_status moe_gemm_lt(moe_ctx *ctx, int device, cudaStream_t stream, con
   key.opa = (int32_t)opa;
   key.opb = (int32_t)opb;
   key.epilogue = (int32_t)epi;
+  key.tune = (int32_t)moe_gemm_tune_level(ctx); /* a pick made under another setting is not reused */
   key.m = g->m, key.n = g->n, key.k = g->k, key.lda = g->lda, key.ldb = g->ldb;
   key.batch = g->batch;
   if (g->batch > 1) key.a_bs = g->a_bs, key.b_bs = g->b_bs, key.c_bs = g->c_bs;

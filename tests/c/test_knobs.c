@@ -199,6 +199,58 @@ static void test_context(moe_ctx *ctx) {
   unset_all();
 }
 
+/* moe_knob_set: strict (a malformed value is an error naming what the knob
+ * takes, the knob unchanged), by variable or field name, the previous value
+ * back, every previous value (the out-of-range defaults too) can be set back,
+ * and moe_knob_format names choices. */
+static void test_set(moe_ctx *ctx) {
+  const moe_knob_def *tune = moe_knob_find("MOE_GEMM_TUNE");
+  int prev = -1;
+  EXPECT_OK(moe_knob_set(ctx, "MOE_GEMM_TUNE", "all", &prev));
+  EXPECT(prev == MOE_KNOB_GEMM_TUNE_BIAS);
+  EXPECT(ctx->knobs.gemm_tune == MOE_KNOB_GEMM_TUNE_ALL);
+  EXPECT(moe_knob_current(ctx, tune) == MOE_KNOB_GEMM_TUNE_ALL);
+  char buf[32];
+  EXPECT_STR(moe_knob_format(tune, moe_knob_current(ctx, tune), buf, sizeof buf), "all");
+  EXPECT_OK(moe_knob_set(ctx, "gemm_tune", NULL, &prev)); /* the field name; NULL: the default */
+  EXPECT(prev == MOE_KNOB_GEMM_TUNE_ALL && ctx->knobs.gemm_tune == MOE_KNOB_GEMM_TUNE_BIAS);
+  EXPECT_OK(moe_knob_set(ctx, "MOE_ATTN_DETERMINISTIC", "1", NULL));
+  EXPECT(ctx->knobs.attn_deterministic == true);
+  EXPECT_OK(moe_knob_set(ctx, "MOE_ATTN_DETERMINISTIC", "", &prev));
+  EXPECT(prev == 1 && ctx->knobs.attn_deterministic == false);
+  struct {
+    const char *name, *value, *says;
+  } bad[] = {
+      {"MOE_ATTN_WG", "yes", "value must be 0 or 1, got 'yes'"},
+      {"MOE_BSMM_GROUP", "65", "MOE_BSMM_GROUP: value must be an integer in [1, 64], got '65'"},
+      {"MOE_BSMM_GROUP", "12abc", "got '12abc'"},
+      {"MOE_BSMM_TILE", "huge", "value must be one of 128,256,256k64,wg, got 'huge'"},
+      {"MOE_NO_SUCH_KNOB", "1", "no knob named 'MOE_NO_SUCH_KNOB'"},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    moe_knobs before = ctx->knobs;
+    prev = -7;
+    EXPECT(moe_knob_set(ctx, bad[i].name, bad[i].value, &prev) == MOE_ERR_INVALID_ARG);
+    EXPECT(strstr(moe_ctx_error(ctx), bad[i].says) != NULL);
+    EXPECT(memcmp(&before, &ctx->knobs, sizeof before) == 0);
+    EXPECT(prev == -7);
+  }
+  /* every knob's every previous value goes back: set another value, restore */
+  for (int i = 0; i < moe_knob_count; i++) {
+    const moe_knob_def *d = &moe_knob_table[i];
+    int was = moe_knob_current(ctx, d);
+    const char *other = d->type == MOE_KNOB_BOOL ? (was ? "0" : "1") : d->type == MOE_KNOB_INT ? "2" : NULL;
+    char name[32];
+    if (d->type == MOE_KNOB_CHOICE) other = moe_knob_format(d, was == 0 ? 1 : 0, name, sizeof name);
+    EXPECT_OK(moe_knob_set(ctx, d->name, other, &prev));
+    EXPECT(prev == was);
+    EXPECT(moe_knob_current(ctx, d) != was);
+    EXPECT_OK(moe_knob_set(ctx, d->name, moe_knob_format(d, was, buf, sizeof buf), NULL));
+    EXPECT(moe_knob_current(ctx, d) == was);
+  }
+  EXPECT(moe_knob_set(NULL, "MOE_ATTN_WG", "1", NULL) == MOE_ERR_INVALID_ARG);
+}
+
 int main(void) {
   harness_start();
   RUN(test_defaults);
@@ -206,5 +258,6 @@ int main(void) {
   RUN(test_parse);
   RUN(test_malformed);
   RUN(test_context);
+  RUN(test_set);
   return harness_end();
 }

@@ -66,7 +66,7 @@ M.descriptions = {
   out_dir = "folder of the run: checkpoints, metrics.jsonl, tb/, config.json",
   resume = "continue a run: latest (the newest checkpoint in out_dir), a checkpoint folder, or empty",
   overwrite = "start afresh in an out_dir that holds an earlier run, deleting its checkpoints and logs",
-  deterministic = "bit-reproducible kernels (TF32 off on the GPU)",
+  deterministic = "bit-reproducible kernels (GPU: TF32 off, deterministic attention backward, no GEMM timing)",
   device = "auto (cuda when available), cpu or cuda",
   dtype = "parameter and compute dtype: f32 or bf16",
   stop_at = "stop after this step, as if the run were interrupted there (0 = run all steps)",

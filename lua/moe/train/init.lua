@@ -30,8 +30,10 @@ is an error listing the valid ones):
                   still spans `steps`, a checkpoint is written; resume=latest continues
   overwrite       a fresh run into an out_dir with ckpt-* folders is an error unless true;
                   then the old checkpoints, metrics.jsonl and tb/ event files are deleted
-  deterministic   TF32 off; with the same seed a run (and a stopped-and-resumed run) gives
-                  bit-identical losses on the same machine
+  deterministic   TF32 off, the attention backward without f32 atomics, cuBLASLt's first
+                  heuristic GEMM algorithms (no timing), mlp_impl "auto" by its rule (for the
+                  run; set back after); with the same seed a run (and a stopped-and-resumed
+                  run) gives bit-identical losses on the same machine
   device ("auto" | "cpu" | "cuda"), dtype ("f32" | "bf16"), seed
   tensorboard, sample_every (0: only at the end), sample_tokens, sample_prompt,
   sample_temperature, sample_top_k, quiet

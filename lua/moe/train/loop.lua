@@ -234,10 +234,18 @@ function M.run(user_cfg, parts)
 
   local prev_tf32 -- restored at the end of the run
   if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
-  -- deterministic: mlp_impl "auto" keeps its rule (a measured pick could differ between runs)
-  local auto_mode <close> = setmetatable({ prev = autotune.mode }, -- luacheck: ignore 211
-    { __close = function(o) autotune.mode = o.prev end })
-  if cfg.deterministic then autotune.mode = "rule" end
+  -- deterministic: the attention backward without f32 atomics, cuBLASLt's first heuristic
+  -- pick (no timing), and mlp_impl "auto" by its rule (timed picks could differ between
+  -- runs); all set back when the run ends, by an error too
+  local det <close> = setmetatable({ mode = autotune.mode, knobs = {} }, { __close = function(o)
+    autotune.mode = o.mode
+    for k, v in pairs(o.knobs) do moe.set_knob(k, v) end
+  end })
+  if cfg.deterministic then
+    autotune.mode = "rule"
+    det.knobs.MOE_ATTN_DETERMINISTIC = moe.set_knob("MOE_ATTN_DETERMINISTIC", 1)
+    det.knobs.MOE_GEMM_TUNE = moe.set_knob("MOE_GEMM_TUNE", 0)
+  end
   moe.manual_seed(cfg.seed)
 
   local model = parts.model or build.model(cfg, device, par.ep_group, par.etp_group)
