@@ -5,7 +5,8 @@
 # the output are a short summary.
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
-#                           [quantize] [curves] [attention] [sanitize] [ops] [checks] [gather]
+#                           [quantize] [curves] [attention] [sanitize] [ops] [checks] [gather] [auto]
+#                           [determinism]
 #
 # Scripts ending in _check.lua validate (no timing); the other bench/*.lua time,
 # through bench/lib.lua: key=value arguments (json=FILE, repeats=N, cooldown=S, ...).
@@ -136,6 +137,51 @@ for f in sys.argv[1:]:
         --gathered "$out/moe_mlp_gathered.json" --command "bash bench/gpu_round.sh gather" \
         > "$out/moe_mlp_report.log" 2>&1
       note "moe_mlp_report: rc=$? ($(($(date +%s) - t0)) s)" ;;
+    auto)
+      # mlp_impl auto: the MoE MLP benchmark with the auto row (the autotuner's pick, timed) beside
+      # the grouped and sparse rows, and the torch references in the same call: eager and compiled
+      # torch._grouped_mm, and ScatterMoE when a checkout of shawntan/scattermoe is carried at
+      # out/scattermoe (A_SCATTERMOE=DIR elsewhere); then the 125M dMoE trained a few steps with
+      # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3).
+      cf=${A_CONFIGS:-mixtral,olmoe,qwen3}
+      $ml bench/moe_mlp.lua configs=$cf impls=grouped,sparse,auto budget=400 \
+        json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
+      note "moe_mlp: rc=$?"; grep -E "grouped|sparse|auto" "$out/moe_mlp_moe.log" | grep -v "^|"
+      sm=${A_SCATTERMOE:-$root/out/scattermoe}; smarg=(); [ -d "$sm/scattermoe" ] && smarg=(--scattermoe "$sm")
+      python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile "${smarg[@]}" \
+        --json "$out/moe_mlp_torch.json" > "$out/moe_mlp_torch.log" 2>&1
+      note "moe_mlp_torch: rc=$? ${smarg[*]}"; grep -E "torch_grouped_mm|scattermoe|Error" "$out/moe_mlp_torch.log" | head -12
+      python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \
+        --command "bash bench/gpu_round.sh auto" > "$out/moe_mlp_report.log" 2>&1
+      note "moe_mlp_report: rc=$?"; grep -E "auto on|ScatterMoE|time targets" "$out/moe_mlp.md"
+      $ml train device=cuda dtype=bf16 steps=3 warmup=0 eval_every=0 sample_tokens=0 tensorboard=false \
+        out_dir=/tmp/auto125 overwrite=true model.d_model=768 model.n_layers=12 model.n_heads=12 \
+        model.moe.num_experts=64 model.moe.top_k=1 model.moe.ffn_hidden_size=3072 > "$out/auto_train.log" 2>&1
+      note "train (mlp_impl auto): rc=$? $(grep -E 'mlp_impl auto' "$out/auto_train.log" | tr '\n' ';')"
+      note "auto: $(($(date +%s) - t0)) s" ;;
+    determinism)
+      # deterministic = true on the GPU: the same short bf16 run twice, losses compared bit for
+      # bit (and twice without it, to show what it changes), then data + expert parallelism on
+      # two GPUs when there are two (EP=2, the same comparison).
+      run() { $ml train device=cuda dtype=bf16 steps=20 warmup=0 eval_every=0 sample_tokens=0 tensorboard=false \
+        log_every=1 overwrite=true model.d_model=256 model.n_layers=4 model.n_heads=4 model.moe.num_experts=16 \
+        model.moe.top_k=2 model.moe.ffn_hidden_size=512 "$@"; }
+      losses() { python3 -c 'import json,sys; print(" ".join(repr(json.loads(l)["loss"]) for l in open(sys.argv[1]) if "\"loss\"" in l))' "$1"; }
+      for det in true false; do
+        for n in 1 2; do run deterministic=$det out_dir=/tmp/det_${det}_$n > "$out/det_${det}_$n.log" 2>&1; done
+        a=$(losses /tmp/det_${det}_1/metrics.jsonl); b=$(losses /tmp/det_${det}_2/metrics.jsonl)
+        note "deterministic=$det, two runs: $([ -n "$a" ] && [ "$a" = "$b" ] && echo bit-identical || echo DIFFER) (last: ${a##* } / ${b##* })"
+      done
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        for n in 1 2; do
+          OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 $ml launch -n 2 train device=cuda dtype=bf16 \
+            steps=20 warmup=0 eval_every=0 sample_tokens=0 tensorboard=false log_every=1 overwrite=true \
+            deterministic=true parallel.ep=2 model.moe.num_experts=16 out_dir=/tmp/det_ep_$n > "$out/det_ep_$n.log" 2>&1
+        done
+        a=$(losses /tmp/det_ep_1/metrics.jsonl); b=$(losses /tmp/det_ep_2/metrics.jsonl)
+        note "deterministic=true ep=2, two runs: $([ -n "$a" ] && [ "$a" = "$b" ] && echo bit-identical || echo DIFFER)"
+      fi
+      note "determinism: $(($(date +%s) - t0)) s" ;;
     blocksparse)
       # The block-sparse kernels with the staged epilogue (default) and the direct one
       # (MOE_BSMM_EPI=direct): tests of both, then each timed twice, alternating

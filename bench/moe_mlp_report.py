@@ -92,18 +92,34 @@ def main():
                        "fastest_timed": fastest and fastest["impl"],
                        "picked_fastest": bool(fastest and fastest["impl"] == pick),
                        "faster_than_torch": bool(t and a["ms"] < t["ms"])}
+    # Memory: every moe-lua path's peak extra memory at most ScatterMoE's (goal: 0.8x), when
+    # ScatterMoE ran in the torch run (bench/moe_mlp_torch.py --scattermoe)
+    memory = {}
+    for c in configs:
+        sm = get(c, "scattermoe")
+        if not sm or "peak_extra_bytes" not in sm:
+            continue
+        v = {"scattermoe_gib": sm["peak_extra_bytes"] / 2**30, "scattermoe_ms": sm["ms"]}
+        for i in moe_impls:
+            r = get(c, i)
+            if r and "peak_extra_bytes" in r:
+                v[i] = {"gib": r["peak_extra_bytes"] / 2**30, "ms": r["ms"],
+                        "met": r["peak_extra_bytes"] <= sm["peak_extra_bytes"],
+                        "goal_met": r["peak_extra_bytes"] <= 0.8 * sm["peak_extra_bytes"]}
+        memory[c] = v
     targets = {
         "best_pct_dense": best_pct,
         "faster_than_best_torch_grouped_mm": faster,
         "resolve_time_met": all(v["met"] for v in best_pct.values()) and len(best_pct) == 3
         and all(all(v[i] for i in moe_impls) for v in faster.values()),
         "auto": auto,
-        "memory": "ScatterMoE is not run here: its peak extra memory is not compared in this run",
+        "memory": memory or "ScatterMoE did not run: its peak extra memory is not compared in this run",
     }
     out = {"device": moe["device"], "torch_device": th["device"], "date": moe["date"],
            "versions": {"moe": moe["tool"], "torch": th["tool"], "torch_cuda": th["cuda"],
                         "cuda_runtime": moe["cuda_runtime"], "cuda_driver": moe["cuda_driver"],
-                        "cublas": moe["cublas"], "grouped_backend": moe.get("grouped_backend")},
+                        "cublas": moe["cublas"], "grouped_backend": moe.get("grouped_backend"),
+                        "scattermoe": (th.get("scattermoe") or {}).get("commit")},
            "T": moe["T"], "dtype": "bf16", "bsmm_gather": moe.get("bsmm_gather"),
            "dense": {"moe": moe["dense"], "torch": th["dense"], "reference_tflops": dense},
            "method": "forward + backward of the SwiGLU expert MLP (routing plan / sort, permute, "
@@ -157,7 +173,16 @@ def main():
                      f"{tuned}); the faster of the rows above: {v['fastest_timed']}: "
                      + ("same" if v["picked_fastest"] else "DIFFERENT")
                      + "; faster than torch: " + ("yes" if v["faster_than_torch"] else "NO"))
-    lines.append(f"- memory: {targets['memory']}")
+    if memory:
+        for c, v in memory.items():
+            for i in moe_impls:
+                if i in v:
+                    lines.append(f"- {i} peak extra memory <= ScatterMoE's on {c}: {v[i]['gib']:.2f} vs "
+                                 f"{v['scattermoe_gib']:.2f} GiB: " + ("met" if v[i]["met"] else "NOT met")
+                                 + " (goal 0.8x: " + ("met" if v[i]["goal_met"] else "not met") + "); time "
+                                 f"{v[i]['ms']:.3f} vs {v['scattermoe_ms']:.3f} ms")
+    else:
+        lines.append(f"- memory: {targets['memory']}")
     lines.append(f"- time targets: {'met' if targets['resolve_time_met'] else 'NOT met'}")
     with open(os.path.join(outdir, "moe_mlp.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")

@@ -16,6 +16,14 @@ implementations, in the same run on the same GPU:
                      torch.compile (default mode), which fuses the gathers,
                      activation and gate weighting around the GEMMs.
 
+  scattermoe         (--scattermoe DIR: a checkout of github.com/shawntan/scattermoe,
+                     imported from there, nothing of it copied here) its
+                     parallel_linear as its GLUMLP uses it: one Triton
+                     scatter2scatter for x -> [h1 | h3] (W1 and W3 held as one
+                     (E, d, 2f) weight, as ScatterMoE stores them) with the
+                     gather fused, silu(h1) * h3, and one for the output with
+                     the gate weighting and scatter fused; its own sort/count.
+
 plus the dense bf16 GEMM rate (torch.matmul 8192^3). Every step computes
 all weight gradients and the gradients of x and the gates.
 
@@ -23,6 +31,7 @@ all weight gradients and the gradients of x and the gates.
                                  [--configs mixtral,olmoe,qwen3]
                                  (also qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                                  65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
+                                 [--compile] [--scattermoe DIR]
 
 Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
 the median (as the Lua side). Peak extra memory:
@@ -101,6 +110,17 @@ def grouped(x, w1, w3, w2, ids, gates, E):
     return torch.zeros_like(x).index_add(0, tok, ys)
 
 
+def scattermoe_step(smoe):
+    """ScatterMoE's GLU expert MLP over (x, W13 (E, d, 2f), W2 (E, f, d))."""
+    def glu(x, w13, w2, ids, gates, E):
+        k = ids.shape[1]
+        sei, ssi, offs = smoe.flatten_sort_count(ids, num_experts=E)
+        h = smoe.parallel_linear(x, w13, k, sei, ssi, offs, grouped_out=True)
+        h1, h3 = h.chunk(2, dim=-1)
+        return smoe.parallel_linear(F.silu(h1) * h3, w2, 1, sei, ssi, offs, gates=gates, grouped_in=True)
+    return glu
+
+
 def dense_rate():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -120,7 +140,23 @@ def main():
     ap.add_argument("--configs", default="mixtral,olmoe,qwen3")
     ap.add_argument("--compile", action="store_true",
                     help="also torch.compile of the _grouped_mm step (torch_grouped_mm_compiled)")
+    ap.add_argument("--scattermoe", metavar="DIR",
+                    help="also ScatterMoE, imported from this checkout of shawntan/scattermoe")
     a = ap.parse_args()
+    smoe_version = None
+    if a.scattermoe:  # its commit: a COMMIT file beside the package (an exported tree), else git
+        import importlib
+        import os
+        import subprocess
+        import sys
+        sys.path.insert(0, a.scattermoe)
+        smoe = importlib.import_module("scattermoe")
+        marker = os.path.join(a.scattermoe, "COMMIT")
+        if os.path.exists(marker):
+            smoe_version = open(marker).read().strip()
+        else:
+            git = subprocess.run(["git", "-C", a.scattermoe, "rev-parse", "HEAD"], capture_output=True, text=True)
+            smoe_version = git.stdout.strip() or "unknown"
     t0 = time.time()
     dense = dense_rate()
     print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
@@ -128,6 +164,8 @@ def main():
     impls = [("torch_naive", naive), ("torch_grouped_mm", grouped)]
     if a.compile:  # the warm-up step compiles (once per config: static shapes)
         impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
+    if a.scattermoe:
+        impls.append(("scattermoe", scattermoe_step(smoe)))
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
             continue
@@ -150,9 +188,16 @@ def main():
             if time.time() - t0 > a.budget:
                 r.update(skipped=True, error="time budget exhausted")
             else:
+                if name == "scattermoe":  # W1 and W3 as one weight, made once (not timed)
+                    w13 = torch.cat([w1, w3], 2).detach().requires_grad_()
+                    args, ps = (x, w13, w2, ids, gates, E), [x, w13, w2, gates]
+                else:
+                    w13 = None
+                    args, ps = (x, w1, w3, w2, ids, gates, E), params
+
                 def step():
-                    fn(x, w1, w3, w2, ids, gates, E).backward(dy)
-                    for p in params:
+                    fn(*args).backward(dy)
+                    for p in ps:
                         p.grad = None
                 try:
                     torch.cuda.synchronize()
@@ -173,6 +218,7 @@ def main():
                 except Exception as e:  # report, keep going
                     r.update(skipped=True, error=f"{type(e).__name__}: {e}"[:300])
                     torch.cuda.empty_cache()
+                del w13, args, ps
             results.append(r)
             if "ms" in r:
                 print(f"{c['name']:8s} {name:17s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
@@ -185,7 +231,8 @@ def main():
         out = {"tool": f"torch {torch.__version__}", "cuda": torch.version.cuda,
                "device": torch.cuda.get_device_name(0),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               "dtype": "bf16", "T": T0, "dense": dense, "results": results}
+               "dtype": "bf16", "T": T0, "dense": dense, "results": results,
+               "scattermoe": smoe_version and {"repo": "github.com/shawntan/scattermoe", "commit": smoe_version}}
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
 
