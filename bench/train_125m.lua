@@ -59,6 +59,10 @@ it. Timing costs two event records per collective and one wait at the
 end of the run. With ep > 1 it also counts the rows each rank's experts
 took (comm.ep_balance: per rank, and per layer the busiest rank over the
 mean), from the exchange's counts on the host.
+
+uniform=true routes tokens round-robin (model.moe.uniform_expert_assignment:
+every expert, and so every expert-parallel rank, takes the same rows; the
+router still runs): what a layout costs without the router's imbalance.
 ]]
 local moe = require "moe"
 local train = require "moe.train"
@@ -71,7 +75,7 @@ local o = moe.config {
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
   bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false,
-  profile = false, profile_steps = 20, saturate = true, comm_profile = false,
+  profile = false, profile_steps = 20, saturate = true, comm_profile = false, uniform = false,
 }
 
 -- ---------------------------------------------------------------- the profile
@@ -212,7 +216,8 @@ local cfg = train.config {
     ffn = o.kind == "dense" and "dense" or "moe", d_ff = o.ffn,
     moe = { kind = o.kind == "moe" and "moe" or "dmoe", num_experts = o.experts, top_k = o.top_k,
       ffn_hidden_size = o.ffn, mlp_type = "mlp", activation = o.activation, mlp_impl = o.mlp_impl,
-      loss_weight = o.loss_weight, zloss_weight = 0.0, jitter_eps = 0.0, capacity_factor = 1.0, every = 1 },
+      loss_weight = o.loss_weight, zloss_weight = 0.0, jitter_eps = 0.0, capacity_factor = 1.0, every = 1,
+      uniform_expert_assignment = o.uniform },
   },
   data = o.data, seq_len = o.seq_len, batch_size = o.batch_size, grad_accum = 1, steps = o.steps,
   lr = o.lr, min_lr = o.min_lr, warmup = math.min(o.warmup, o.steps), decay = "cosine", weight_decay = 0.1,

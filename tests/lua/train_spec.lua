@@ -398,6 +398,38 @@ describe("train.run", function()
     assert.are.equal(3 * 2 * 4 * 8, c.state.consumed_tokens)
   end)
 
+  it("model.moe.uniform_expert_assignment: every expert gets the same rows, the router gets gradients", function()
+    local dir = fresh_dir()
+    local p = parts()
+    p.model, p.optimizer, p.clip_grad_norm = nil, nil, nil
+    local c = cfg { out_dir = dir, steps = 2, log_every = 1, eval_every = 0, deterministic = false,
+      model = { vocab_size = V, d_model = 16, n_layers = 2, n_heads = 2, d_ff = 16,
+        moe = { num_experts = 8, top_k = 2, ffn_hidden_size = 16, uniform_expert_assignment = true } } }
+    local router_grads = {}
+    p.hooks = { after_backward = function(state)
+      for _, nt in ipairs(state.named_params) do
+        if nt[1]:find("router", 1, true) and nt[2].grad then
+          router_grads[#router_grads + 1] = moe.no_grad(function() return moe.abs(nt[2].grad):sum():item() end)
+        end
+      end
+    end }
+    train.run(c, p)
+    -- the router still gets gradients (its load-balancing loss), so it trains as without the option
+    assert.are.equal(4, #router_grads) -- 2 layers x 2 steps
+    for _, g in ipairs(router_grads) do assert.truthy(g > 0) end
+    local f = assert(io.open(dir .. "/metrics.jsonl"))
+    local n = 0
+    for line in f:lines() do
+      local rec = metrics.json.decode(line)
+      for layer, counts in pairs(rec.expert_counts) do
+        n = n + 1
+        assert.are.same({ 8, 8, 8, 8, 8, 8, 8, 8 }, counts, layer) -- 4 x 8 tokens x 2 slots over 8 experts
+      end
+    end
+    f:close()
+    assert.are.equal(4, n)
+  end)
+
   it("samples text at the end without changing the training RNG stream", function()
     local a = train.run(cfg { out_dir = fresh_dir(), steps = 4, sample_tokens = 5, sample_every = 2 }, parts())
     local b = train.run(cfg { out_dir = fresh_dir(), steps = 4 }, parts())

@@ -29,6 +29,7 @@ function M.model(cfg, device, ep_group, etp_group)
         mlp_impl = mo.mlp_impl, moe_loss_weight = mo.loss_weight, moe_zloss_weight = mo.zloss_weight,
         moe_jitter_eps = mo.jitter_eps,
         moe_normalize_expert_weights = mo.normalize_expert_weights > 0 and mo.normalize_expert_weights or nil,
+        uniform_expert_assignment = mo.uniform_expert_assignment,
       }
       if ep_group then
         opts.moe_expert_model_parallelism, opts.expert_parallel_group = true, ep_group

@@ -38,6 +38,8 @@ M.descriptions = {
   ["model.moe.zloss_weight"] = "weight of the router z-loss (>= 0)",
   ["model.moe.jitter_eps"] = "multiplicative jitter on the router input during training, in [0, 1); 0 = off",
   ["model.moe.capacity_factor"] = "model.moe.kind=moe: expert capacity as a multiple of the even share (> 0)",
+  ["model.moe.uniform_expert_assignment"] = "true: tokens go to the experts round-robin, an even load (benchmarks; " ..
+    "the router still runs and trains)",
   ["model.moe.every"] = "an MoE layer every N blocks (1 = every block; the others dense MLPs)",
   data = "dataset prefix (PREFIX.bin / PREFIX.idx from `moe-lua preprocess`), or bible",
   data_dir = "where data=bible is downloaded and preprocessed",
@@ -102,6 +104,7 @@ function M.defaults()
         kind = "dmoe", num_experts = 8, top_k = 2, ffn_hidden_size = 256, mlp_type = "mlp",
         activation = "gelu", mlp_impl = "auto", loss_weight = 0.01, zloss_weight = 0.0,
         jitter_eps = 0.0, capacity_factor = 1.0, every = 1, normalize_expert_weights = 0,
+        uniform_expert_assignment = false,
       },
     },
     data = "bible", data_dir = "data", valid_fraction = 0.05, data_seed = 1234,

@@ -18,7 +18,7 @@ is an error listing the valid ones):
                   model.d_ff (dense FFN width) and model.moe.* (kind = "dmoe" | "moe",
                   num_experts, top_k, ffn_hidden_size, mlp_type, activation, mlp_impl,
                   loss_weight, zloss_weight, jitter_eps, capacity_factor, every = a MoE
-                  FFN in every n-th layer, dense elsewhere)
+                  FFN in every n-th layer, dense elsewhere, uniform_expert_assignment)
   data            dataset prefix (prefix.bin/.idx, Megatron-LM format) or "bible"
                   (data.bible_corpus{dir = data_dir}); valid_fraction, data_seed
   seq_len, batch_size, grad_accum, steps    tokens per step = batch_size * grad_accum * seq_len
