@@ -255,8 +255,11 @@ describe("moe-lua train: SIGTERM and Ctrl-C save a checkpoint", function()
 
   it("a second signal while the loop does not run stops at once (today's behaviour)", function()
     -- outside train.run no soft stop is armed: SIGTERM raises at the next safe point
-    local out, rc = sh(("%s -e 'local t = os.time() + 20; while os.time() < t do end' & p=$!; sleep 0.3; " ..
-      "kill -TERM $p; wait $p"):format(q(exe)))
+    -- the signal once the script runs (a marker file), not while the host starts
+    local marker = fresh_dir() .. ".spin"
+    local out, rc = sh(("%s -e 'io.open(%q, \"w\"):close(); local t = os.time() + 20; while os.time() < t do end' " ..
+      "& p=$!; i=0; until [ -e %s ]; do i=$((i + 1)); [ $i -gt 600 ] && break; sleep 0.05; done; " ..
+      "kill -TERM $p; wait $p"):format(q(exe), marker, q(marker)))
     assert.are.equal(143, rc, out)
     assert.truthy(out:find("terminated", 1, true), out)
   end)
