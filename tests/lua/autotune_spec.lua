@@ -169,32 +169,25 @@ end)
 
 describe("train.run with mlp_impl = auto", function()
   local train = require "moe.train"
-  local data = require "moe.data"
+  local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+  local toy = dofile(spec_dir .. "/toy_data.lua")
   local root = moe.proc.mkdtemp("autotune")
-  local corpus = root .. "/words"
-  local b = data.IndexedDatasetBuilder(corpus, { dtype = "u16" })
-  for d = 1, 20 do
-    local ids = {}
-    for i = 1, 40 do ids[i] = 97 + (d * 5 + i * 3) % 26 end
-    ids[#ids + 1] = 256
-    b:add_document(ids)
-  end
-  b:finalize()
-  local function cfg(out_dir, over)
-    local c = { data = corpus, seq_len = 8, batch_size = 2, steps = 2, warmup = 0, eval_every = 0, eval_iters = 0,
+  local function run(out_dir, over)
+    local c = { seq_len = toy.S, batch_size = 2, steps = 2, warmup = 0, eval_every = 0, eval_iters = 0,
       sample_tokens = 0, tensorboard = false, quiet = true, device = "cpu", out_dir = out_dir, keep_last = 0,
-      model = { d_model = 16, n_layers = 2, n_heads = 2, d_ff = 16, moe = { num_experts = 4, ffn_hidden_size = 16 } } }
+      model = { vocab_size = toy.V, d_model = 16, n_layers = 2, n_heads = 2, d_ff = 16,
+        moe = { num_experts = 4, ffn_hidden_size = 16 } } }
     for k, v in pairs(over or {}) do c[k] = v end
-    return c
+    return train.run(c, { train_data = toy.data(1) })
   end
 
   it("measures once for layers of one shape, and not at all with deterministic = true", function()
     with_mode("measure", function()
-      train.run(cfg(root .. "/a"))
+      run(root .. "/a")
       assert.are.equal(1, #autotune.results())
       assert.are.equal("measure", autotune.mode)
       autotune.clear()
-      train.run(cfg(root .. "/b", { deterministic = true }))
+      run(root .. "/b", { deterministic = true })
       assert.are.equal(0, #autotune.results())
       assert.are.equal("measure", autotune.mode) -- the run's setting ends with it
     end)

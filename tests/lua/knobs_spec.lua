@@ -67,24 +67,17 @@ end)
 
 describe("train.run deterministic = true", function()
   local train = require "moe.train"
-  local data = require "moe.data"
   local autotune = require "moe.experts.autotune"
+  local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+  local toy = dofile(spec_dir .. "/toy_data.lua")
   local root = moe.proc.mkdtemp("knobs")
-  local corpus = root .. "/words"
-  local b = data.IndexedDatasetBuilder(corpus, { dtype = "u16" })
-  for d = 1, 20 do
-    local ids = {}
-    for i = 1, 40 do ids[i] = 97 + (d * 5 + i * 3) % 26 end
-    ids[#ids + 1] = 256
-    b:add_document(ids)
-  end
-  b:finalize()
   local n = 0
   local function cfg(over)
     n = n + 1
-    local c = { data = corpus, seq_len = 8, batch_size = 2, steps = 2, warmup = 0, eval_every = 0, eval_iters = 0,
+    local c = { seq_len = toy.S, batch_size = 2, steps = 2, warmup = 0, eval_every = 0, eval_iters = 0,
       sample_tokens = 0, tensorboard = false, quiet = true, device = "cpu", out_dir = root .. "/run" .. n,
-      keep_last = 0, model = { d_model = 16, n_layers = 1, n_heads = 2, d_ff = 16, moe = { num_experts = 4 } } }
+      keep_last = 0, model = { vocab_size = toy.V, d_model = 16, n_layers = 1, n_heads = 2, d_ff = 16,
+        moe = { num_experts = 4 } } }
     for k, v in pairs(over or {}) do c[k] = v end
     return c
   end
@@ -94,7 +87,7 @@ describe("train.run deterministic = true", function()
     hooks.before_step = function()
       got = { attn = moe.knob("MOE_ATTN_DETERMINISTIC"), tune = moe.knob("MOE_GEMM_TUNE"), auto = autotune.mode }
     end
-    train.run(cfg(over), { hooks = hooks })
+    train.run(cfg(over), { hooks = hooks, train_data = toy.data(1) })
     return got
   end
 

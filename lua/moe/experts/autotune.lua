@@ -34,6 +34,7 @@ With several ranks each measures for itself; ranks may pick differently
 Not part of the public API beyond M.mode, M.results and M.take_new.
 ]]
 local moe = require "moe"
+local util = require "moe.experts.util"
 
 local M = {}
 
@@ -90,17 +91,6 @@ function M.candidates(ex, bs)
   return c
 end
 
--- (T, k) i64 ids: token t's slot j on expert (t k + j) mod E (distinct for k <= E).
-local function even_ids(T, k, E, device)
-  local v = {}
-  for t = 0, T - 1 do
-    local row = {}
-    for j = 0, k - 1 do row[j + 1] = (t * k + j) % E end
-    v[t + 1] = row
-  end
-  return moe.tensor(v, { dtype = "i64", device = device })
-end
-
 local function wait(device)
   if device ~= "cpu" and moe.cuda then moe.cuda.synchronize() end
 end
@@ -115,7 +105,7 @@ local function measure(ex, impl, T, k, bs)
   return moe.scope(function()
     local x = moe.randn({ T, ex.d_model }, { dtype = dtype, device = device }):requires_grad_(true)
     local dy = moe.randn({ T, ex.d_model }, { dtype = dtype, device = device })
-    local ids = even_ids(T, k, E, device)
+    local ids = util.round_robin_ids(T, k, E, device)
     local gates = moe.full({ T, k }, 1 / k, { dtype = dtype, device = device }):requires_grad_(true)
     local popts = impl == "sparse" and { block_size = bs, ffn_hidden = ex.d_ff } or nil
     local function once()

@@ -69,6 +69,19 @@ function util.activation(name, what, level)
   return f
 end
 
+-- ids (T, k) i64 assigning the T k slots round-robin: token t's slot j on
+-- expert (t k + j) mod E, distinct for k <= E (MegaBlocks'
+-- uniform_expert_assignment; the autotuner's even load).
+function util.round_robin_ids(T, k, E, device)
+  local v = {}
+  for t = 0, T - 1 do
+    local row = {}
+    for j = 0, k - 1 do row[j + 1] = (t * k + j) % E end
+    v[t + 1] = row
+  end
+  return moe.tensor(v, { dtype = "i64", device = device })
+end
+
 util.IMPLS = { grouped = true, sparse = true, loop = true }
 
 function util.check_impl(impl, what, level)

@@ -277,18 +277,6 @@ function dMoE:plan_opts(_)
   return {}
 end
 
--- ids (T, k) i64 assigning the T k slots round-robin (MegaBlocks'
--- uniform_expert_assignment, for benchmarks).
-local function uniform_ids(T, k, E, device)
-  local v = {}
-  for t = 0, T - 1 do
-    local row = {}
-    for j = 0, k - 1 do row[j + 1] = (t * k + j) % E end
-    v[t + 1] = row
-  end
-  return moe.tensor(v, { dtype = "i64", device = device })
-end
-
 -- The router's counts and the layer's plan, one count: for the length of
 -- the router's forward the router may take its counts from the plan this
 -- layer will run (routers/base.lua Router:count), built there from the
@@ -316,7 +304,7 @@ function dMoE:route_tokens(x2, r, held)
   if held and held.plan and rawequal(held.ids, ids) and rawequal(held.gates, r.gates) then
     return self.experts(x2, held.plan, r.gates), held.plan
   end
-  if self.uniform_expert_assignment then ids = uniform_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
+  if self.uniform_expert_assignment then ids = util.round_robin_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
   if self.wp then return require("moe.layers.wp").route_tokens(self, x2, ids, r.gates, M.experts_of) end
   return M.experts_of(self, x2, ids, r.gates)
 end
