@@ -249,13 +249,24 @@ function M.device_name(device)
   return ok and name or "?"
 end
 
+--- bench.knobs() -> {variable = value} of the kernel knobs not at their
+-- default (moe.knobs(): set by MOE_* variables or moe.set_knob), {} if none.
+function M.knobs()
+  local out = {}
+  for _, k in ipairs(moe.knobs()) do
+    if k.value ~= k.default then out[k.name] = k.value end
+  end
+  return out
+end
+
 --- bench.environment(device [, argv]) -> the facts every result carries:
 -- tool, device, date (UTC), moe_lua, cuda_runtime / cuda_driver / cublas
 -- (integers as the runtime gives them), versions (strings as moe-lua
--- --version prints them), command.
+-- --version prints them), command, knobs (those not at their default).
 function M.environment(device, argv)
   local info = moe.build_info()
   return {
+    knobs = M.knobs(),
     tool = "moe-lua " .. info.version,
     moe_lua = info.version,
     device = M.device_name(device),
