@@ -123,17 +123,22 @@ describe("autotune.pick", function()
     end
   end)
 
-  it("a failing measurement leaves the experts whole and raises", function()
+  it("a path whose measurement fails is left out; when every one fails, the error is raised", function()
     with_mode("measure", function()
       local ex = glu()
       local w1 = ex.w1
-      local ok, err = pcall(autotune.pick, ex, { T = 64, k = 1, block_size = 16, rule = "grouped",
-        time = function(impl) if impl == "sparse" then error("out of memory") end return 1 end })
+      local impl, r = autotune.pick(ex, { T = 64, k = 1, block_size = 16, rule = "sparse",
+        time = function(i) if i == "sparse" then error("out of memory", 0) end return 1 end })
+      assert.are.equal("grouped", impl)
+      assert.truthy(r.errors.sparse:find("out of memory", 1, true))
+      assert.truthy(autotune.take_new()[1]:find("sparse failed: out of memory", 1, true))
+      local ok, err = pcall(autotune.pick, ex, { T = 4096, k = 1, block_size = 16, rule = "grouped",
+        time = function(i) error(i .. ": out of memory", 0) end })
       assert.is_false(ok)
-      assert.truthy(tostring(err):find("out of memory", 1, true))
+      assert.are.equal("grouped: out of memory", err)
       assert.is_true(rawequal(w1, ex.w1))
       assert.are.equal("grouped", ex.impl)
-      assert.are.same({}, autotune.results())
+      assert.are.equal(1, #autotune.results())
     end)
   end)
 end)

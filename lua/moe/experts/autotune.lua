@@ -4,7 +4,7 @@ built-in experts (experts.MLP, experts.GLU) timed once per shape with each
 implementation that can run them, the fastest kept.
 
   local autotune = require "moe.experts.autotune"
-  impl = autotune.pick(experts, {T =, k =, num_experts =, block_size =, rule =})
+  impl = autotune.pick(experts, {T =, k =, block_size =, rule =})
 
 pick times experts(x, plan, gates) forward and backward on T synthetic tokens
 (normal values; token t's k slots on experts (t k + j) mod E, an even load),
@@ -22,7 +22,9 @@ which vary by step, fall in a few buckets.
 The implementation `rule` names (the layer's fixed choice: sparse on CUDA
 with more than 16 experts, else grouped) is kept unless another is faster by
 more than `margin` (5%), so timing noise between two close paths does not
-flip the choice from run to run.
+flip the choice from run to run. A path whose measurement raises (out of
+memory at the rounded T, say) is left out and its error kept in the result
+(and in the logged line); when every path fails, pick raises the first error.
 
 M.mode decides where pick measures: "measure" (everywhere), "rule" (never:
 pick returns `rule`) or "gpu" (the default: measure on CUDA, the rule on the
@@ -172,23 +174,30 @@ function M.pick(ex, o)
   local r = cache[key]
   if r then return r.impl, r end
   local T = M.bucket(o.T)
-  local ms, best = {}, nil
+  local ms, errors, first_err, best = {}, {}, nil, nil
   isolated(ex, function()
     for _, impl in ipairs(M.candidates(ex, o.block_size)) do
       ex.impl = impl
-      ms[impl] = o.time and o.time(impl) or measure(ex, impl, T, o.k, o.block_size)
-      if best == nil or ms[impl] < ms[best] then best = impl end
+      local ok, v = pcall(function() return o.time and o.time(impl) or measure(ex, impl, T, o.k, o.block_size) end)
+      if ok then
+        ms[impl] = v
+        if best == nil or v < ms[best] then best = impl end
+      else
+        errors[impl] = tostring(v)
+        first_err = first_err or v
+      end
     end
   end)
+  if best == nil then error(first_err, 0) end
   -- the rule's choice stays unless another is clearly faster
   if ms[o.rule] and ms[best] >= ms[o.rule] * (1 - M.margin) then best = o.rule end
-  r = { impl = best, ms = ms, T = T, key = key, rule = o.rule }
+  r = { impl = best, ms = ms, errors = next(errors) and errors or nil, T = T, key = key, rule = o.rule }
   cache[key] = r
   fresh[#fresh + 1] = r
   return best, r
 end
 
---- results() -> a list of every measurement so far ({impl =, ms =, T =, key =, rule =}).
+--- results() -> a list of every measurement so far ({impl =, ms =, errors =, T =, key =, rule =}).
 function M.results()
   local out = {}
   for _, r in pairs(cache) do out[#out + 1] = r end
@@ -202,6 +211,7 @@ function M.take_new()
   for _, r in ipairs(fresh) do
     local parts = {}
     for impl, ms in pairs(r.ms) do parts[#parts + 1] = ("%s %.3f ms"):format(impl, ms) end
+    for impl, err in pairs(r.errors or {}) do parts[#parts + 1] = ("%s failed: %s"):format(impl, err) end
     table.sort(parts)
     local E, d, f, k = r.key:match("^[^|]*|[^|]*|[^|]*|[^|]*|(%d+)|(%d+)|(%d+)|(%d+)|")
     lines[#lines + 1] = ("mlp_impl auto: %s (%s; E=%s d=%s d_ff=%s k=%s T=%d)"):format(r.impl,
