@@ -98,6 +98,7 @@ local bad = {
   { "model.dropout=1.5", "model.dropout" }, { "model.pos=alibi", "model.pos" }, { "model.pos=ROPE", "model.pos" },
   { "model.pos=", "model.pos" }, { "model.norm=batchnorm", "model.norm" }, { "model.ffn=conv", "model.ffn" },
   { "model.tie_embeddings=yes", "model.tie_embeddings" },
+  { "model.moe.uniform_expert_assignment=yes", "model.moe.uniform_expert_assignment" },
   -- the MoE layers
   { "model.moe.every=0", "model.moe.every" }, { "model.moe.every=-1", "model.moe.every" },
   { "model.moe.every=2", "model.moe.every" }, { "model.moe.top_k=5", "model.moe.top_k" },
