@@ -136,6 +136,7 @@ local function glu_view(c, t)
     end }, GLU_VIEW)
 end
 local autotune = require "moe.experts.autotune"
+autotune.mode = "measure" -- the auto row measures on the CPU too (smoke runs)
 
 local results = {}
 local impl_order = { "grouped", "sparse", "lua_grouped", "auto" }
@@ -168,12 +169,9 @@ for _, c in ipairs(CONFIGS) do
           local ok, err = pcall(function()
             local run = impl
             if impl == "auto" then
-              local mode = autotune.mode
-              autotune.mode = "measure"
-              local rule = c.E > 16 and "sparse" or "grouped"
-              local pick, m = autotune.pick(glu_view(c, t), { T = T, k = c.k, block_size = 128, rule = rule })
-              autotune.mode = mode
-              run, r.impl, r.pick_ms, r.pick_T = pick, "auto:" .. pick, m.ms, m.T
+              local pick, m = autotune.pick(glu_view(c, t), { T = T, k = c.k, block_size = 128,
+                rule = autotune.rule(dev == "cuda", c.E, c.f, 128) })
+              run, r.impl, r.pick_ms, r.pick_T = pick, "auto:" .. pick, m and m.ms, m and m.T
             end
             local step = make_step(c, run, t)
             collectgarbage()

@@ -52,6 +52,13 @@ M.repeats = 3
 local cache = {}  -- key -> {impl =, ms = {impl -> ms}, T =, key =}
 local fresh = {}  -- results not yet taken by take_new, in the order measured
 
+--- rule(cuda, n_experts, d_ff, block_size) -> the choice without measuring: the
+--- block-sparse path on CUDA for more than 16 (local) experts when d_ff is a
+--- multiple of the block, the grouped path otherwise (moe/layers/dmoe.lua says why).
+function M.rule(cuda, n_experts, d_ff, block_size)
+  return (cuda and n_experts > 16 and d_ff % block_size == 0) and "sparse" or "grouped"
+end
+
 -- The rounded token count a measurement uses.
 function M.bucket(T)
   local b = 256

@@ -252,13 +252,9 @@ function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidde
 -- experts module decides for itself. Under expert parallelism the count is of
 -- this rank's local experts. T: the tokens of this call.
 function dMoE:resolve_impl(device, T)
-  local cuda = device:sub(1, 4) == "cuda"
   if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
-  local impl = "grouped"
   local n_experts = self.ep and self.ep.local_experts or self.num_experts
-  if cuda and n_experts > 16 and self:ffn_local() % self.block_size == 0 then
-    impl = "sparse"
-  end
+  local impl = autotune.rule(device:sub(1, 4) == "cuda", n_experts, self:ffn_local(), self.block_size)
   local ex = self.experts
   local builtin = ex and ex.impl ~= nil and util.IMPLS[ex.impl] and ex.w1 ~= nil
   if builtin and T and T > 0 then

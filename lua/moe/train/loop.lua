@@ -232,16 +232,16 @@ function M.run(user_cfg, parts)
   local device = par.device or tconfig.resolve_device(cfg.device)
   local notes = prepare_out_dir(cfg, par.writer)
 
-  local prev_tf32 -- restored at the end of the run
-  if cfg.deterministic and moe.set_matmul_tf32 then prev_tf32 = moe.set_matmul_tf32(false) end
-  -- deterministic: the attention backward without f32 atomics, cuBLASLt's first heuristic
-  -- pick (no timing), and mlp_impl "auto" by its rule (timed picks could differ between
-  -- runs); all set back when the run ends, by an error too
+  -- deterministic: TF32 off, the attention backward without f32 atomics, cuBLASLt's first
+  -- heuristic pick (no timing), and mlp_impl "auto" by its rule (timed picks could differ
+  -- between runs); all set back when the run ends, by an error too
   local det <close> = setmetatable({ mode = autotune.mode, knobs = {} }, { __close = function(o)
     autotune.mode = o.mode
     for k, v in pairs(o.knobs) do moe.set_knob(k, v) end
+    if o.tf32 ~= nil then moe.set_matmul_tf32(o.tf32) end
   end })
   if cfg.deterministic then
+    if moe.set_matmul_tf32 then det.tf32 = moe.set_matmul_tf32(false) end
     autotune.mode = "rule"
     det.knobs.MOE_ATTN_DETERMINISTIC = moe.set_knob("MOE_ATTN_DETERMINISTIC", 1)
     det.knobs.MOE_GEMM_TUNE = moe.set_knob("MOE_GEMM_TUNE", 0)
@@ -561,7 +561,7 @@ function M.run(user_cfg, parts)
   -- signals set a flag until the run returns or raises (then the previous mode is back)
   local _ <close> = setmetatable({ prev = proc.soft_stop(true) }, {
     __close = function(o) proc.soft_stop(o.prev) end })
-  local function finish(ending) -- what every end of the run does, on every rank
+  local function finish() -- what every end of the run does, on every rank
     local committed = par:finish_checkpoint() -- an asynchronous save's commit
     if committed then
       result.checkpoint, state.checkpoint = committed, committed
@@ -571,7 +571,6 @@ function M.run(user_cfg, parts)
     if reducer then reducer:free() end
     if par.sharded then opt:free() end
     par:barrier() -- no rank returns before rank 0 has written its last checkpoint
-    if ending and prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end
   end
   while state.step < last do
     -- the learning rate of the updates made so far (skipped steps do not advance it)
@@ -599,7 +598,7 @@ function M.run(user_cfg, parts)
       interval[#interval + 1] = { step, state.lm_loss, state.aux_loss }
     end
     if state.skipped_in_a_row >= cfg.max_skipped_in_a_row then
-      finish(true)
+      finish()
       local ckpt = result.checkpoint and (" (the last checkpoint, %s, is from before them)"):format(
         result.checkpoint) or ""
       error(("train: %d steps in a row had a non-finite loss or gradient norm (max_skipped_in_a_row=%d; " ..
@@ -649,7 +648,7 @@ function M.run(user_cfg, parts)
   if not stop_sig and par.dp == 1 then stop_sig = proc.stop_requested() end
 
   if state.step > 0 and last_saved ~= state.step and cfg.keep_last > 0 then save() end
-  finish(stop_sig ~= nil)
+  finish()
   if stop_sig then
     local name = stop_sig == 2 and "SIGINT" or stop_sig == 15 and "SIGTERM" or ("signal " .. stop_sig)
     local saved = "saved nothing (keep_last=0)"
@@ -665,7 +664,6 @@ function M.run(user_cfg, parts)
   end
   result.seconds = log:elapsed()
   result.skipped_steps = state.skipped_steps
-  if prev_tf32 ~= nil then moe.set_matmul_tf32(prev_tf32) end
   return result
 end
 
