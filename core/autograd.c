@@ -322,20 +322,23 @@ void moe_node_retain(moe_node *n) {
 }
 
 /* Releases the saved slots of n (through the hooks that packed them). */
+static void slot_free(moe_node *n, int i) {
+  moe_saved_hooks *h = (moe_saved_hooks *)n->saved_hooks;
+  void *p = n->saved[i];
+  n->saved[i] = NULL;
+  if (!p) return;
+  if (h) {
+    saved_packed *sp = (saved_packed *)p;
+    if (h->free_packed) h->free_packed(h->ud, sp->packed);
+    free(sp);
+  } else {
+    moe_tensor_release((moe_tensor *)p);
+  }
+}
+
 static void node_free_saved(moe_node *n) {
   moe_saved_hooks *h = (moe_saved_hooks *)n->saved_hooks;
-  for (int i = 0; i < n->n_saved; i++) {
-    void *p = n->saved[i];
-    n->saved[i] = NULL;
-    if (!p) continue;
-    if (h) {
-      saved_packed *sp = (saved_packed *)p;
-      if (h->free_packed) h->free_packed(h->ud, sp->packed);
-      free(sp);
-    } else {
-      moe_tensor_release((moe_tensor *)p);
-    }
-  }
+  for (int i = 0; i < n->n_saved; i++) slot_free(n, i);
   n->n_saved = 0;
   n->saved_hooks = NULL;
   hooks_release(h);
@@ -453,6 +456,23 @@ moe_status moe_node_save(moe_ctx *ctx, moe_node *n, moe_tensor *t) {
   }
   n->saved[n->n_saved++] = sp;
   return MOE_OK;
+}
+
+bool moe_node_saved_owned(moe_ctx *ctx, const moe_node *n, int i, const moe_tensor *t,
+                          int64_t held) {
+  if (!ctx || !n || !t || !ctx->backward_frees || n->released || n->saved_hooks) return false;
+  if (i < 0 || i >= n->n_saved || n->saved[i] != t) return false;
+  bool owned = t->refcount == 1 + held && t->storage && t->storage->refcount == 1 &&
+               !t->storage->data_freed && !t->storage->not_ready;
+  if (owned) ctx->backward_owned = true;
+  return owned;
+}
+
+void moe_node_saved_free(moe_ctx *ctx, moe_node *n, int i) {
+  if (!ctx || !n || !ctx->backward_frees || n->released || i < 0 || i >= n->n_saved) return;
+  if (!n->saved[i]) return;
+  slot_free(n, i);
+  ctx->backward_owned = true;
 }
 
 moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out) {
@@ -912,19 +932,24 @@ moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool r
   }
   int64_t top = 0;
   if (st == MOE_OK) ready[top++] = 0;
+  bool frees = ctx->backward_frees, owned = ctx->backward_owned; /* a backward inside a node's */
+  ctx->backward_frees = !retain_graph;
   while (st == MOE_OK && top > 0) {
     int64_t ei = ready[--top];
     moe_node *n = g.e[ei].node;
+    ctx->backward_owned = false;
     st = node_run(ctx, &g, ei);
     for (int k = 0; k < MOE_NODE_MAX_OUTPUTS; k++) {
       moe_tensor_release(g.e[ei].grad[k]);
       g.e[ei].grad[k] = NULL;
     }
-    if (st != MOE_OK) break;
-    if (!retain_graph) {
+    /* freed also when the node failed after writing into slots it owned
+     * (moe_node_saved_owned): they must not be read again */
+    if (!retain_graph && (st == MOE_OK || ctx->backward_owned)) {
       node_free_saved(n);
       n->released = true;
     }
+    if (st != MOE_OK) break;
     for (int i = 0; i < n->n_inputs; i++) {
       moe_node *p = n->next[i].node;
       if (!p) continue;
@@ -941,6 +966,8 @@ moe_status moe_backward(moe_ctx *ctx, moe_tensor *root, moe_tensor *grad, bool r
       if (--lt.count[h] == 0) st = ready_fn(ctx, leaf, ready_ud);
     }
   }
+  ctx->backward_frees = frees;
+  ctx->backward_owned = owned;
   moe_tensor_release(g0);
   free(ready);
   leaf_table_free(&lt);

@@ -29,6 +29,9 @@
  *   dW2 = ga^T dout_rows, dxs = dh1 W1^T + dh3 W3^T (sparse: one kernel,
  *   moe_bsmm_dsd_sum), dx = combine(dxs),
  *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
+ * In a backward that frees the graph (no retain_graph) the fused pass writes
+ * dh3 over h3 and ga over a (over h1 when a is not saved), and xs is made
+ * only after dxs was combined: the peak holds one (R, d) buffer, not two.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -381,6 +384,16 @@ static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, 
   return impl == MOE_EXPERTS_SPARSE && ctx->knobs.bsmm_gather && moe_bsmm_gathers(ctx, p, dt);
 }
 
+/* Whether the backward of n may write into t, which it got from saved slot
+ * `slot` (as saved, then through moe_contiguous or moe_dequantize): a fresh
+ * copy is its own; the saved tensor itself only when the node owns it
+ * (moe_node_saved_owned; the caller holds saved and t, the same tensor). */
+static bool ex_owned(moe_ctx *ctx, const moe_node *n, int slot, const moe_tensor *saved,
+                     const moe_tensor *t) {
+  if (t != saved) return t->refcount == 1 && t->storage->refcount == 1;
+  return moe_node_saved_owned(ctx, n, slot, saved, 2);
+}
+
 static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
                                   moe_tensor **gin) {
   moe_routing_plan *p = (moe_routing_plan *)n->user;
@@ -456,8 +469,14 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
     MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
   }
-  MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dh3), st, done);
-  if (need_w2) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &ga), st, done);
+  /* dh3 and ga take the places of h3 and a (or h1) where the node owns them:
+   * the fused pass reads each element before it writes it, so the backward's
+   * peak holds two hidden-sized buffers fewer */
+  if (h3 && ex_owned(ctx, n, EX_SAVED_H3, h3s, h3)) moe_tensor_retain(dh3 = h3);
+  else MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dh3), st, done);
+  if (need_w2 && a && ex_owned(ctx, n, aslot, as, a)) moe_tensor_retain(ga = a);
+  else if (need_w2 && !a && h1 && ex_owned(ctx, n, EX_SAVED_H1, h1s, h1)) moe_tensor_retain(ga = h1);
+  else if (need_w2) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &ga), st, done);
   if (need_g) {
     int64_t R = p->rows;
     MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &R, gdt, dev, &dgate_rows), st, done);
@@ -495,12 +514,9 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     }
   }
   /* dA0 now holds dh1. Buffers go back as soon as their last use is queued
-   * (a lower peak: the hidden-sized ones are R x f each). */
+   * (a lower peak: the hidden-sized ones are R x f each, the row-sized ones
+   * R x d). */
 #define EX_DROP(t) (moe_tensor_release(t), (t) = NULL)
-  if (need_w2 && gath) MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
-  else if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
-  EX_DROP(ga);
-  EX_DROP(dout_rows);
   EX_DROP(a);
   EX_DROP(as);
   EX_DROP(h1);
@@ -509,9 +525,36 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   EX_DROP(h3s);
   EX_DROP(s1);
   EX_DROP(s3);
+  /* the node's own references too (when the graph is freed after this
+   * backward): what dh3 and ga do not reuse goes back now */
+  moe_node_saved_free(ctx, n, EX_SAVED_H1);
+  moe_node_saved_free(ctx, n, EX_SAVED_H3);
+  if (qbits) moe_node_saved_free(ctx, n, EX_SAVED_S1), moe_node_saved_free(ctx, n, EX_SAVED_S3);
+  if (aslot >= 0) moe_node_saved_free(ctx, n, aslot);
+  if (need_w2 && gath) MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
+  else if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
+  EX_DROP(ga);
+  EX_DROP(dout_rows);
   if (need_g) {
     MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[4], &dg), st, done);
     MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[4]), st, done);
+  }
+  /* the input gradient first, so that its rows dxs (R, d) are combined into
+   * (T, d) before the permuted tokens xs (R, d) exist. Sparse: dxs = dh1
+   * W1^T + dh3 W3^T in one kernel (moe_bsmm_dsd_sum); grouped: two products
+   * and an add */
+  if (need_x && impl == MOE_EXPERTS_SPARSE) {
+    MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
+  } else if (need_x) {
+    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
+    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
+    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &dxs), st, done);
+    EX_DROP(t1);
+    EX_DROP(t2);
+  }
+  if (need_x) {
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
+    EX_DROP(dxs);
   }
   if (need_w1 || need_w3) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_X, &x), st, done);
@@ -519,29 +562,11 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     if (gath) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
     else MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
   }
-  /* sparse: dxs = dh1 W1^T + dh3 W3^T in one kernel (moe_bsmm_dsd_sum),
-   * where the grouped path makes t1 (so dxs takes t1's place in memory);
-   * grouped: two products and an add */
-  bool sum2 = impl == MOE_EXPERTS_SPARSE;
   if (need_w1 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dA0, p, &gin[1]), st, done);
   else if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
-  if (need_x && sum2) MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
-  else if (need_x) MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
   EX_DROP(dA0);
   if (need_w3 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dh3, p, &gin[2]), st, done);
   else if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
-  EX_DROP(xs);
-  if (need_x && sum2) {
-    EX_DROP(dh3);
-    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
-  } else if (need_x) {
-    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
-    EX_DROP(dh3);
-    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &dxs), st, done);
-    EX_DROP(t1);
-    EX_DROP(t2);
-    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
-  }
 #undef EX_DROP
 done:
   moe_tensor_release(x);

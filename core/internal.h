@@ -35,6 +35,9 @@ struct moe_ctx {
   struct moe_saved_hooks *hooks[16]; /* (n_hooks) each holds one reference */
   moe_grad_ready_fn grad_ready; /* leaf hook of moe_backward, or NULL */
   void *grad_ready_ud;          /* its argument */
+  bool backward_frees;          /* inside moe_backward without retain_graph: each node's
+                                 * saved tensors are freed once it ran (moe_node_saved_owned) */
+  bool backward_owned;          /* the running node was told it owns a saved slot */
   moe_knobs knobs;            /* kernel tuning knobs, read at creation (knobs.h) */
   int64_t host_copies;        /* reads of tensor values by the host (moe_host_reads) */
   int64_t host_syncs;         /* host waits for a device (moe_host_reads) */

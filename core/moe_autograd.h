@@ -142,6 +142,22 @@ moe_status moe_node_save(moe_ctx *ctx, moe_node *n, moe_tensor *t);
  * hooks that packed it); release it when done. Error after the graph was
  * released ("saved tensors were freed: call backward with retain_graph"). */
 moe_status moe_node_saved(moe_ctx *ctx, moe_node *n, int i, moe_tensor **out);
+/* Whether t, the tensor moe_node_saved gave for slot i, may be overwritten by
+ * n's backward (a buffer for its own gradients): true only while a backward
+ * without retain_graph runs n (so the slot is freed right after and never
+ * read again), when the slot was saved without hooks, and when nothing but
+ * the node and `held` handles of the caller (each the same tensor, t) refer
+ * to t or its storage. Whatever the backward wrote there is lost with the
+ * slot: when that backward fails after it was told so (or after it freed a
+ * slot), the graph is released (a second backward says its saved tensors
+ * were freed). */
+bool moe_node_saved_owned(moe_ctx *ctx, const moe_node *n, int i, const moe_tensor *t,
+                          int64_t held);
+/* Frees saved slot i of n from inside n's backward, when that backward frees
+ * the graph anyway (no retain_graph; otherwise a no-op): its memory returns
+ * as soon as the caller's own references to it go, not when the backward
+ * ends. The slot must not be asked for again (moe_node_saved gives NULL). */
+void moe_node_saved_free(moe_ctx *ctx, moe_node *n, int i);
 /* Makes out the k-th output of n: out becomes non-leaf, requires grad. */
 moe_status moe_node_set_output(moe_ctx *ctx, moe_node *n, int k, moe_tensor *out);
 bool moe_node_needs_grad(const moe_node *n, int i);

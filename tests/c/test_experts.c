@@ -458,6 +458,73 @@ static void test_saved_memory(moe_ctx *ctx) {
   moe_routing_plan_release(p);
 }
 
+/* A backward that frees the graph writes dh3 and ga over h1, h3 or a and
+ * frees the saved hidden tensors as it goes; one that retains the graph must
+ * leave them intact: retain, then free, gives the same gradients bit for bit
+ * (the second reads what the first left), a third backward is refused, and
+ * the freeing backward's peak is lower by at least the two hidden-sized
+ * buffers it did not allocate. */
+static void test_backward_frees(moe_ctx *ctx) {
+  int64_t T = 16, k = 2, E = 2, d = 2, f = 64, bs = 16;
+  int64_t ids[32];
+  rand_ids(ids, T, k, E);
+  for (int sparse = 0; sparse < 2; sparse++)
+    for (int memopt = 0; memopt < 2; memopt++) {
+      moe_experts_impl impl = sparse ? MOE_EXPERTS_SPARSE : MOE_EXPERTS_GROUPED;
+      moe_routing_plan *p = mk_plan(ctx, ids, T, k, E, sparse ? bs : 0, sparse ? f : 0, 0);
+      moe_tensor *x = leaf(ctx, 2, (int64_t[]){T, d}, 1.0);
+      moe_tensor *w1 = leaf(ctx, 3, (int64_t[]){E, d, f}, 1.0);
+      moe_tensor *w3 = leaf(ctx, 3, (int64_t[]){E, d, f}, 1.0);
+      moe_tensor *w2 = leaf(ctx, 3, (int64_t[]){E, f, d}, 1.0);
+      moe_tensor *g = leaf(ctx, 2, (int64_t[]){T, k}, 1.0);
+      moe_tensor *dy = rnd(ctx, 2, (int64_t[]){T, d}, MOE_F64, 1.0, NULL);
+      moe_tensor *params[5] = {x, w1, w3, w2, g};
+      int64_t peak[2] = {0, 0}, hidden = 0;
+      char what[96];
+      for (int retain = 1; retain >= 0; retain--) {
+        /* a fresh graph per mode, its peak measured from before its backward */
+        moe_memory_stats s0, s1;
+        EXPECT_OK(moe_memory_stats_get(ctx, MOE_CPU, &s0));
+        moe_tensor *out = NULL;
+        EXPECT_OK(moe_glu_experts(ctx, x, w1, w3, w2, p, g, impl, MOE_GLU_SILU, memopt, &out));
+        EXPECT_OK(moe_memory_stats_get(ctx, MOE_CPU, &s1));
+        hidden = (s1.allocated - s0.allocated - T * d * 8) / (memopt ? 2 : 3);
+        EXPECT_OK(moe_memory_reset_peak(ctx, MOE_CPU));
+        EXPECT_OK(moe_backward(ctx, out, dy, retain));
+        EXPECT_OK(moe_memory_stats_get(ctx, MOE_CPU, &s0));
+        peak[retain] = s0.peak_allocated - s1.allocated;
+        if (retain) { /* the same graph again, freeing it: the same gradients */
+          double *res[5];
+          for (int i = 0; i < 5; i++) {
+            res[i] = host(ctx, moe_tensor_grad(params[i]));
+            moe_tensor_set_grad(ctx, params[i], NULL);
+          }
+          EXPECT_OK(moe_backward(ctx, out, dy, false));
+          for (int i = 0; i < 5; i++) {
+            double *again = host(ctx, moe_tensor_grad(params[i]));
+            snprintf(what, sizeof what, "retained then freed: sparse %d memopt %d grad %d", sparse,
+                     memopt, i);
+            EXPECT(close_arrays(again, res[i], moe_tensor_numel(params[i]), 0, what));
+            free(again), free(res[i]);
+          }
+          EXPECT(moe_backward(ctx, out, dy, false) == MOE_ERR_INVALID_ARG);
+          EXPECT(strstr(moe_ctx_error(ctx), "already freed") != NULL);
+          moe_ctx_clear(ctx);
+        }
+        for (int i = 0; i < 5; i++) moe_tensor_set_grad(ctx, params[i], NULL);
+        moe_tensor_release(out);
+      }
+      snprintf(what, sizeof what, "sparse %d memopt %d", sparse, memopt);
+      if (!(peak[0] <= peak[1] - 2 * hidden))
+        fprintf(stderr, "%s: backward peak %lld freeing, %lld retaining, hidden %lld\n", what,
+                (long long)peak[0], (long long)peak[1], (long long)hidden);
+      EXPECT(hidden > 0 && peak[0] <= peak[1] - 2 * hidden);
+      for (int i = 0; i < 5; i++) moe_tensor_release(params[i]);
+      moe_tensor_release(dy);
+      moe_routing_plan_release(p);
+    }
+}
+
 /* ------------------------------------------------------ gradient checks */
 
 typedef struct gc_ud {
@@ -713,6 +780,7 @@ int main(void) {
   RUN(test_glu_bf16);
   RUN(test_glu_composed);
   RUN(test_saved_memory);
+  RUN(test_backward_frees);
   RUN(test_gradcheck);
   RUN(test_gradcheck_variants);
   RUN(test_errors);
