@@ -7,7 +7,11 @@ implementation that can run them, the fastest kept.
   impl = autotune.pick(experts, {T =, k =, block_size =, rule =})
 
 pick times experts(x, plan, gates) forward and backward on T synthetic tokens
-(normal values; token t's k slots on experts (t k + j) mod E, an even load),
+(normal values) routed as an untrained router routes them: the top k of
+random logits per token, so each expert's row count varies as it does in
+training, and the block-sparse path pays the padding of each expert's rows to
+the block that a perfectly even load (say 256 rows per expert with blocks of
+128) would hide,
 with "grouped" and, when d_ff is a multiple of block_size, "sparse": one
 untimed call each, then `repeats` (3) timed calls, the fastest counted. The
 layer's own weights are used through detached copies of their handles, so no
@@ -36,7 +40,6 @@ With several ranks each measures for itself; ranks may pick differently
 Not part of the public API beyond M.mode, M.results and M.take_new.
 ]]
 local moe = require "moe"
-local util = require "moe.experts.util"
 
 local M = {}
 
@@ -114,7 +117,7 @@ local function measure(ex, impl, T, k, bs)
   return moe.scope(function()
     local x = moe.randn({ T, ex.d_model }, { dtype = dtype, device = device }):requires_grad_(true)
     local dy = moe.randn({ T, ex.d_model }, { dtype = dtype, device = device })
-    local ids = util.round_robin_ids(T, k, E, device)
+    local _, ids = moe.topk(moe.randn({ T, E }, { device = device }), k, -1)
     local gates = moe.full({ T, k }, 1 / k, { dtype = dtype, device = device }):requires_grad_(true)
     local popts = impl == "sparse" and { block_size = bs, ffn_hidden = ex.d_ff } or nil
     local function once()

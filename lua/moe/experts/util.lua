@@ -71,7 +71,7 @@ end
 
 -- ids (T, k) i64 assigning the T k slots round-robin: token t's slot j on
 -- expert (t k + j) mod E, distinct for k <= E (MegaBlocks'
--- uniform_expert_assignment; the autotuner's even load).
+-- uniform_expert_assignment).
 function util.round_robin_ids(T, k, E, device)
   local v = {}
   for t = 0, T - 1 do
