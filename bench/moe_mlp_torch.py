@@ -166,8 +166,14 @@ def main():
         impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
     if a.scattermoe:
         impls.append(("scattermoe", scattermoe_step(smoe)))
+    lost = None  # an error that left the CUDA context unusable (e.g. an illegal address)
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
+            continue
+        if lost:  # nothing more can run in this process: say so for each row, keep the rest
+            for name, _ in impls:
+                results.append({"config": c["name"], "impl": name, "skipped": True, "error": lost})
+                print(f"{c['name']:8s} {name:17s} skipped: {lost}")
             continue
         torch.manual_seed(1234)
         d, f, E, k, T = c["d"], c["f"], c["E"], c["k"], c.get("T", T0)
@@ -185,7 +191,9 @@ def main():
         for name, fn in impls:
             r = {"config": c["name"], "impl": name, "T": T, "d": d, "f": f, "E": E, "k": k,
                  "flops": flops}
-            if time.time() - t0 > a.budget:
+            if lost:
+                r.update(skipped=True, error=lost)
+            elif time.time() - t0 > a.budget:
                 r.update(skipped=True, error="time budget exhausted")
             else:
                 if name == "scattermoe":  # W1 and W3 as one weight, made once (not timed)
@@ -217,7 +225,10 @@ def main():
                     r["pct_dense"] = 100 * r["tflops"] / dense["tflops"]
                 except Exception as e:  # report, keep going
                     r.update(skipped=True, error=f"{type(e).__name__}: {e}"[:300])
-                    torch.cuda.empty_cache()
+                    if "illegal memory access" in str(e) or "unspecified launch failure" in str(e):
+                        lost = f"not run: the CUDA context was lost to {name} on {c['name']}"
+                    else:
+                        torch.cuda.empty_cache()
                 del w13, args, ps
             results.append(r)
             if "ms" in r:
@@ -226,7 +237,8 @@ def main():
             else:
                 print(f"{c['name']:8s} {name:17s} skipped: {r['error']}")
         del x, w1, w3, w2, gates, dy, params
-        torch.cuda.empty_cache()
+        if not lost:
+            torch.cuda.empty_cache()
     if a.json:
         out = {"tool": f"torch {torch.__version__}", "cuda": torch.version.cuda,
                "device": torch.cuda.get_device_name(0),
