@@ -27,11 +27,13 @@
  *   fused pass: dgate_r = <dA0_r, a_r>, da = g_r dA0, dh1 = da h3 act'(h1),
  *               dh3 = da act(h1), ga = g_r a
  *   dW2 = ga^T dout_rows, dxs = dh1 W1^T + dh3 W3^T (sparse: one kernel,
- *   moe_bsmm_dsd_sum), dx = combine(dxs),
+ *   moe_bsmm_dsd_sum), dx = combine(dxs) (grouped: combine(dh1 W1^T) +
+ *   combine(dh3 W3^T)),
  *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
  * In a backward that frees the graph (no retain_graph) the fused pass writes
  * dh3 over h3 and ga over a (over h1 when a is not saved), and xs is made
- * only after dxs was combined: the peak holds one (R, d) buffer, not two.
+ * only after dxs was combined (grouped: each product combined on its own):
+ * the peak holds one (R, d) buffer, not two or three.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -539,22 +541,24 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[4], &dg), st, done);
     MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[4]), st, done);
   }
-  /* the input gradient first, so that its rows dxs (R, d) are combined into
-   * (T, d) before the permuted tokens xs (R, d) exist. Sparse: dxs = dh1
-   * W1^T + dh3 W3^T in one kernel (moe_bsmm_dsd_sum); grouped: two products
-   * and an add */
+  /* the input gradient first, so that its rows (R, d) are combined into
+   * (T, d) before the permuted tokens xs (R, d) exist, one (R, d) buffer at
+   * a time. Sparse: dxs = dh1 W1^T + dh3 W3^T in one kernel
+   * (moe_bsmm_dsd_sum); grouped: dx = combine(dh1 W1^T) + combine(dh3 W3^T) */
   if (need_x && impl == MOE_EXPERTS_SPARSE) {
     MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
-  } else if (need_x) {
-    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &t1), st, done);
-    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &t2), st, done);
-    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &dxs), st, done);
-    EX_DROP(t1);
-    EX_DROP(t2);
-  }
-  if (need_x) {
     MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
     EX_DROP(dxs);
+  } else if (need_x) {
+    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &dxs), st, done);
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &t1), st, done);
+    EX_DROP(dxs);
+    MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dh3, w3, p, true, &dxs), st, done);
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &t2), st, done);
+    EX_DROP(dxs);
+    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &gin[0]), st, done);
+    EX_DROP(t1);
+    EX_DROP(t2);
   }
   if (need_w1 || need_w3) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_X, &x), st, done);
