@@ -109,7 +109,7 @@ for f in sys.argv[1:]:
       # (bench/blocksparse.lua), then the MoE MLP benchmark (every implementation, the sparse one
       # also with the gather) with the torch references in the same call (G_CONFIGS, default
       # mixtral,olmoe,qwen3; also qwen3_t4k, qwen3_t64k, deepseek).
-      for env in "" "MOE_BSMM_PERSIST=1"; do
+      for env in "" "MOE_BSMM_PERSIST=0"; do
         env $env build-gpu/tests/test_blocksparse_cuda > "$out/t_bs.log" 2>&1
         note "test_blocksparse_cuda ${env:-default}: rc=$? $(tail -1 "$out/t_bs.log")"
         grep -E "differ|gather|FAIL" "$out/t_bs.log" | head -5
@@ -186,7 +186,7 @@ for f in sys.argv[1:]:
       # The block-sparse kernels with the staged epilogue (default) and the direct one
       # (MOE_BSMM_EPI=direct): tests of both, then each timed twice, alternating
       # (BS_EPIS="default smem direct", BS_ROUNDS="1 2" choose).
-      for env in "" "MOE_BSMM_EPI=direct" "MOE_BSMM_EPI=smem" "MOE_BSMM_PERSIST=3" "MOE_BSMM_PERSIST=1"; do
+      for env in "" "MOE_BSMM_EPI=direct" "MOE_BSMM_EPI=smem" "MOE_BSMM_PERSIST=3" "MOE_BSMM_PERSIST=0"; do
         env $env build-gpu/tests/test_blocksparse_cuda > "$out/t_bs.log" 2>&1
         note "test_blocksparse_cuda ${env:-default}: rc=$? $(tail -1 "$out/t_bs.log")"
       done

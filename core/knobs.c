@@ -38,16 +38,16 @@ const moe_knob_def moe_knob_table[] = {
                 "(128 x 256, BK 64)"),
     KNOB_CHOICE(bsmm_epi, "MOE_BSMM_EPI", MOE_KNOB_BSMM_EPI_AUTO, "auto,direct,smem",
                 "the wgmma block-sparse epilogue: staged through shared memory (smem) or "
-                "stored from registers (direct); auto: smem except for dds"),
+                "stored from registers (direct); auto: smem"),
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
     KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
               "1: the block-sparse GLU experts gather the token rows inside the wgmma kernel "
               "(cp.async) instead of reading a permuted copy (TMA); same bits, slower on an "
               "H100 today"),
-    KNOB_INT(bsmm_persist, "MOE_BSMM_PERSIST", 0, 0, 2147483647,
-             "1: a persistent wgmma block-sparse grid of one CTA per SM; n >= 2: n CTAs; 0: "
-             "one CTA per tile"),
+    KNOB_INT(bsmm_persist, "MOE_BSMM_PERSIST", 1, 0, 2147483647,
+             "1 (default): a persistent wgmma block-sparse grid of one CTA per SM; n >= 2: n "
+             "CTAs; 0: one CTA per tile"),
     KNOB_INT(bsmm_group, "MOE_BSMM_GROUP", 0, 1, 64,
              "tile rows per rasterisation group of the block-sparse kernels (0: the built-in 8)"),
     KNOB_INT(grouped_streams, "MOE_GROUPED_STREAMS", 4, 1, 8,

@@ -879,9 +879,11 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   auto kern = g.tp.gather_src ? bs_wg_kernel<KIND, TRANS, CAN_GATHER> : bs_wg_kernel<KIND, TRANS, false>;
   MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)BS_WG_SMEM));
-  /* the knob bsmm_persist, MOE_BSMM_PERSIST=1: a persistent grid of one CTA
-   * per multiprocessor; =n (n >= 2): n CTAs (tests use a few to walk many
-   * tiles per CTA) */
+  /* the knob bsmm_persist: 1 (the default), a persistent grid of one CTA per
+   * multiprocessor (the producer loads a CTA's next tile while its consumers
+   * store the last: the short tiles of fine-grained experts gain most); n >=
+   * 2: n CTAs (tests use a few to walk many tiles per CTA); 0: one CTA per
+   * tile */
   int64_t grid = ctas, want = ctx->knobs.bsmm_persist;
   if (want == 1) {
     int dev = 0, sms = 0;
@@ -891,12 +893,12 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   }
   if (want >= 1 && want < grid) grid = want;
   /* The epilogue: staged through shared memory, or stored from registers
-   * ("direct", the former default). On an H100 (bench/results/blocksparse.md,
-   * 2026-11-25) staging made sdd 9%, sdd_t 24%, dsd 5%, dsd_t 8% and dsd_tr
-   * 12% faster and dds 2% slower, so dds keeps the direct stores.
-   * MOE_BSMM_EPI=smem | direct (the knob bsmm_epi) overrides, for tests and
-   * tuning. */
-  int epi = KIND != BS_DDS;
+   * ("direct", the former default). On an H100 (bench/results/blocksparse.md)
+   * staging made every product but dds faster with one CTA per tile, and
+   * every product, dds by 15-45%, with the persistent grid (2026-11-26, the
+   * MoE MLP's kernels per kind). MOE_BSMM_EPI=smem | direct (the knob
+   * bsmm_epi) overrides, for tests and tuning. */
+  int epi = 1;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = 0;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = 1;
   kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, ma2, mb2, g, ctas, swap, epi);

@@ -41,7 +41,7 @@ static void test_defaults(moe_ctx *ctx) {
   EXPECT(k.bsmm_epi == MOE_KNOB_BSMM_EPI_AUTO);
   EXPECT(k.bsmm_wg_mnswap == false);
   EXPECT(k.bsmm_gather == false);
-  EXPECT(k.bsmm_persist == 0);
+  EXPECT(k.bsmm_persist == 1);
   EXPECT(k.bsmm_group == 0);
   EXPECT(k.grouped_streams == 4);
   EXPECT(k.grouped_backend == 0);
@@ -144,7 +144,7 @@ static void test_malformed(moe_ctx *ctx) {
       {"MOE_ATTN_ORDER", "Block", MOE_KNOB_ATTN_ORDER_HEAD},
       {"MOE_BSMM_TILE", "64", MOE_KNOB_BSMM_TILE_WG},
       {"MOE_BSMM_EPI", "regs", MOE_KNOB_BSMM_EPI_AUTO},
-      {"MOE_BSMM_PERSIST", "-4", 0},
+      {"MOE_BSMM_PERSIST", "-4", 1},
       {"MOE_BSMM_GROUP", "65", 0},
       {"MOE_BSMM_GROUP", "0", 0},
       {"MOE_GROUPED_STREAMS", "9", 4},
