@@ -260,6 +260,12 @@ describe("layers.dMoE", function()
       m(moe.randn({ T, D }, { dtype = "f64" }))
       assert.are.equal(1, calls)
       assert.are.same({ 4, 4, 3, 3 }, m.stats.expert_counts:totable()) -- T k = 14 round-robin
+      -- the ids are made once per token count, not every step
+      local first = m._rr_ids.ids
+      m(moe.randn({ T, D }, { dtype = "f64" }))
+      assert.are.equal(first, m._rr_ids.ids)
+      m(moe.randn({ T + 1, D }, { dtype = "f64" }))
+      assert.are.equal(T + 1, m._rr_ids.ids:size(0))
     end)
     moe.bincount = orig
     assert(ok, err)

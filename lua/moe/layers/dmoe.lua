@@ -300,7 +300,7 @@ function dMoE:route_tokens(x2, r, held)
   if held and held.plan and rawequal(held.ids, ids) and rawequal(held.gates, r.gates) then
     return self.experts(x2, held.plan, r.gates), held.plan
   end
-  if self.uniform_expert_assignment then ids = util.round_robin_ids(x2:size(0), self.top_k, self.num_experts, x2.device) end
+  if self.uniform_expert_assignment then ids = self:round_robin_ids(x2:size(0), x2.device) end
   if self.wp then return require("moe.layers.wp").route_tokens(self, x2, ids, r.gates, M.experts_of) end
   return M.experts_of(self, x2, ids, r.gates)
 end
@@ -311,6 +311,17 @@ function M.experts_of(layer, x2, ids, gates)
   if layer.ep then return require("moe.layers.ep").route_tokens(layer, x2, ids, gates) end
   local plan = moe.ops.routing_plan(ids, layer.num_experts, layer:plan_opts(gates))
   return layer.experts(x2, plan, gates), plan
+end
+
+-- (T, k) round-robin ids of uniform_expert_assignment, cached per T and device
+-- (built on the host: rebuilding them every step cost more than the step).
+function dMoE:round_robin_ids(T, device)
+  local c = self._rr_ids
+  if c and c.T == T and c.device == device then return c.ids end
+  local ids = moe.keep(util.round_robin_ids(T, self.top_k, self.num_experts, device))
+  if c then c.ids:free() end
+  self._rr_ids = { T = T, device = device, ids = ids }
+  return ids
 end
 
 -- (E C, 1) ids: row i belongs to expert i // C (cached per E, C, device).
