@@ -548,7 +548,8 @@ static moe_status rt_gather(moe_ctx *ctx, const moe_tensor *x, const moe_routing
   if (R * d > 0 && p->device.type == MOE_DEVICE_CUDA) {
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x), vg;
     if (gates) vg = moe_kview_of(gates);
-    st = moe_cuda_routing_gather(ctx, p->device.index, &vo, &vx, rt_p(p->src), gates ? &vg : NULL, k);
+    st = moe_cuda_routing_gather(ctx, p->device.index, &vo, &vx, rt_p(p->src), rt_p(p->dest),
+                                 gates ? &vg : NULL, k);
   } else if (R * d > 0) {
     const int64_t *src = rt_p(p->src);
     moe_dtype dt = x->dtype;

@@ -53,9 +53,13 @@ moe_status moe_cuda_routing_rank_counts(moe_ctx *ctx, int device, const int64_t 
 
 /* out (R, d) contiguous of x's dtype: out[r] = scale * x[src[r] / k], scale =
  * gates[src[r]] (gates a (T, k) view) or 1 without gates; zero when
- * src[r] < 0. x a (T, d) view. One block per row. Every float dtype. */
+ * src[r] < 0. x a (T, d) view. Every float dtype. One block per row; with
+ * dest (the inverse of src: dest[a] = r, or < 0 for a dropped slot), no
+ * gates, k > 1 and rows of whole 16-byte units, one block per token reads
+ * its row once and writes its k copies (k times less reading), and the
+ * padding rows are zeroed apart. */
 moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const moe_kview *out,
-                                   const moe_kview *x, const int64_t *src,
+                                   const moe_kview *x, const int64_t *src, const int64_t *dest,
                                    const moe_kview *gates, int64_t k);
 
 /* out (T, d) contiguous of y's dtype: out[t] = sum_j gates[t, j] *

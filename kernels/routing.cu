@@ -376,6 +376,37 @@ rt_gather_vec_kernel(uint4 *out, const uint4 *x, int64_t xs0_units, const int64_
   }
 }
 
+/* The ungated gather as a scatter: one block per token t reads its row once
+ * (16-byte units) and writes it to rows dest[t k + j] >= 0, so x is read
+ * once rather than k times; rows that no slot fills (src < 0, the padding)
+ * are zeroed by rt_zero_unsourced_kernel. */
+__global__ void __launch_bounds__(RT_THREADS)
+rt_scatter_rows_vec_kernel(uint4 *out, const uint4 *x, int64_t xs0_units, const int64_t *dest,
+                           int64_t k, int64_t T, int64_t units) {
+  for (int64_t t = blockIdx.x; t < T; t += gridDim.x) {
+    const uint4 *xr = x + t * xs0_units;
+    for (int64_t c = threadIdx.x; c < units; c += blockDim.x) {
+      uint4 v = xr[c];
+      for (int64_t j = 0; j < k; j++) {
+        int64_t r = dest[t * k + j];
+        if (r >= 0) out[r * units + c] = v;
+      }
+    }
+  }
+}
+
+/* A warp per row: rows whose src < 0 become zeros. */
+__global__ void __launch_bounds__(RT_THREADS)
+rt_zero_unsourced_kernel(uint4 *out, const int64_t *src, int64_t R, int64_t units) {
+  const int64_t warps = (int64_t)gridDim.x * (RT_THREADS / 32);
+  const int lane = threadIdx.x & 31;
+  for (int64_t r = (int64_t)blockIdx.x * (RT_THREADS / 32) + threadIdx.x / 32; r < R; r += warps) {
+    if (src[r] >= 0) continue;
+    uint4 *o = out + r * units;
+    for (int64_t c = lane; c < units; c += 32) o[c] = make_uint4(0, 0, 0, 0);
+  }
+}
+
 /* One block per token, threads over columns, slots summed in order. */
 template <moe_dtype DT>
 __global__ void __launch_bounds__(RT_THREADS)
@@ -464,7 +495,8 @@ template <typename F> static moe_status rt_float_dispatch(moe_ctx *ctx, const ch
 
 extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const moe_kview *out,
                                               const moe_kview *x, const int64_t *src,
-                                              const moe_kview *gates, int64_t k) {
+                                              const int64_t *dest, const moe_kview *gates,
+                                              int64_t k) {
   cudaStream_t s;
   MOE_CHECK(rt_stream(ctx, device, &s));
   int64_t R = out->shape[0], d = out->shape[1];
@@ -473,6 +505,18 @@ extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const mo
   size_t es = moe_dtype_size(x->dtype);
   if (!gates && x->stride[1] == 1 && ((size_t)d * es) % 16 == 0 && ((size_t)x->stride[0] * es) % 16 == 0 &&
       (uintptr_t)x->data % 16 == 0 && (uintptr_t)out->data % 16 == 0) {
+    int64_t T = x->shape[0], units = (int64_t)((size_t)d * es / 16),
+            xs0 = (int64_t)((size_t)x->stride[0] * es / 16);
+    if (dest && k > 1 && T > 0) {
+      unsigned zg = rt_grid(R, RT_THREADS / 32);
+      rt_zero_unsourced_kernel<<<zg, RT_THREADS, 0, s>>>((uint4 *)out->data, src, R, units);
+      MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel (padding)");
+      unsigned tg = (unsigned)(T < (1 << 30) ? T : (1 << 30));
+      rt_scatter_rows_vec_kernel<<<tg, RT_THREADS, 0, s>>>((uint4 *)out->data, (const uint4 *)x->data,
+                                                           xs0, dest, k, T, units);
+      MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel (scatter)");
+      return MOE_OK;
+    }
     rt_gather_vec_kernel<<<grid, RT_THREADS, 0, s>>>((uint4 *)out->data, (const uint4 *)x->data,
                                                      (int64_t)((size_t)x->stride[0] * es / 16), src,
                                                      k, R, (int64_t)((size_t)d * es / 16));

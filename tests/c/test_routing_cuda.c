@@ -206,10 +206,13 @@ static void check_case(moe_ctx *ctx, int64_t T, int64_t k, int64_t E, int64_t d,
   free(iv);
 }
 
+/* The last two cases take the scatter form of the ungated permute (k > 1,
+ * contiguous rows of 16-byte units: f32 and bf16) with padding, capacity
+ * drops and expert ranges. */
 static void test_cuda_vs_cpu(moe_ctx *ctx) {
   int64_t cases[][4] = {/* T, k, E, d */ {1, 1, 1, 1},     {0, 2, 4, 3},      {7, 2, 8, 33},
                         {129, 8, 256, 5}, {1000, 2, 8, 200}, {4099, 8, 64, 17}, {3000, 1, 3, 64},
-                        {513, 4, 16, 129}};
+                        {513, 4, 16, 129}, {2051, 8, 64, 40}, {700, 4, 16, 64}};
   moe_dtype dts[] = {MOE_F32, MOE_BF16, MOE_F64, MOE_F16};
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
     for (int s = 0; s < 2; s++)
