@@ -298,6 +298,13 @@ static moe_status ex_take(moe_ctx *ctx, moe_tensor *in, moe_tensor *idx, moe_dty
 
 /* The fused backward pass of experts_cuda.h on the CPU (any float dtype;
  * g_rows and dgate_rows of dtype gdt). */
+/* v rounded to dt (what ex_st stores, read back). */
+static inline double ex_rnd(moe_dtype dt, double v) {
+  double buf;
+  ex_st(&buf, dt, 0, v);
+  return ex_ld(&buf, dt, 0);
+}
+
 static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int64_t f, int64_t bs,
                            void *dA0, const void *h1, const void *h3, const void *a,
                            const void *g_rows, void *dh3, void *ga, void *dgate_rows) {
@@ -308,7 +315,7 @@ static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int6
       double v1 = ex_ld(h1, dt, i), v3 = ex_ld(h3, dt, i), d0 = ex_ld(dA0, dt, i);
       double fa, dfa;
       ex_act(act, v1, &fa, &dfa);
-      double av = a ? ex_ld(a, dt, i) : fa * v3;
+      double av = a ? ex_ld(a, dt, i) : ex_rnd(dt, fa * v3);
       dot += d0 * av;
       double da = g * d0;
       ex_st(dA0, dt, i, da * v3 * dfa);

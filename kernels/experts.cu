@@ -153,7 +153,8 @@ __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *
         float x1 = f1[j], x3 = f3[j], dd = ex_load(d0.v, j);
         float fa, dfa;
         ex_act(act, x1, &fa, &dfa);
-        float av = a ? ex_load(va.v, j) : fa * x3;
+        /* recomputed: rounded as the forward stored it, so the same bits */
+        float av = a ? ex_load(va.v, j) : ex_round<T>(fa * x3);
         dot += dd * av;
         float da = g * dd;
         ex_store(o1.v, j, da * x3 * dfa);

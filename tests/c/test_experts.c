@@ -315,6 +315,54 @@ static void test_glu_bf16(moe_ctx *ctx) {
   moe_routing_plan_release(p);
 }
 
+/* memory_optimized recomputes a = act(h1) * h3 in the backward rounded as
+ * the forward stored it: every gradient has the same bits as with a saved
+ * (f32 and bf16, grouped and sparse, each activation). */
+static void test_memopt_bits(moe_ctx *ctx) {
+  int64_t T = 13, k = 2, E = 4, d = 8, f = 16;
+  int64_t ids[26];
+  rand_ids(ids, T, k, E);
+  const moe_glu_activation acts[] = {MOE_GLU_SILU, MOE_GLU_GELU, MOE_GLU_GELU_TANH};
+  for (int dtc = 0; dtc < 2; dtc++)
+    for (int impl = 0; impl < 2; impl++)
+      for (int ai = 0; ai < 3; ai++) {
+        moe_dtype dt = dtc ? MOE_BF16 : MOE_F32;
+        moe_routing_plan *p = mk_plan(ctx, ids, T, k, E, impl ? 4 : 0, impl ? f : 0, 0);
+        moe_tensor *in[5] = {rnd(ctx, 2, (int64_t[]){T, d}, dt, 1.0, NULL),
+                             rnd(ctx, 3, (int64_t[]){E, d, f}, dt, 0.5, NULL),
+                             rnd(ctx, 3, (int64_t[]){E, d, f}, dt, 0.5, NULL),
+                             rnd(ctx, 3, (int64_t[]){E, f, d}, dt, 0.5, NULL),
+                             rnd(ctx, 2, (int64_t[]){T, k}, dt, 1.0, NULL)};
+        moe_tensor *dy = rnd(ctx, 2, (int64_t[]){T, d}, dt, 1.0, NULL);
+        for (int i = 0; i < 5; i++) moe_set_requires_grad(ctx, in[i], true);
+        double *res[2][5] = {{0}};
+        for (int memopt = 0; memopt < 2; memopt++) {
+          moe_tensor *out = NULL;
+          EXPECT_OK(moe_glu_experts(ctx, in[0], in[1], in[2], in[3], p, in[4],
+                                    (moe_experts_impl)impl, acts[ai], memopt, &out));
+          if (out) EXPECT_OK(moe_backward(ctx, out, dy, false));
+          for (int i = 0; i < 5; i++) {
+            moe_tensor *g = moe_tensor_grad(in[i]);
+            EXPECT(g != NULL);
+            if (g) res[memopt][i] = host(ctx, g);
+            moe_tensor_set_grad(ctx, in[i], NULL);
+          }
+          moe_tensor_release(out);
+        }
+        for (int i = 0; i < 5; i++) {
+          char what[80];
+          snprintf(what, sizeof what, "memopt bits: %s impl %d act %d grad %d", moe_dtype_name(dt),
+                   impl, ai, i);
+          if (res[0][i] && res[1][i])
+            EXPECT(close_arrays(res[1][i], res[0][i], moe_tensor_numel(in[i]), 0, what));
+          free(res[0][i]), free(res[1][i]);
+          moe_tensor_release(in[i]);
+        }
+        moe_tensor_release(dy);
+        moe_routing_plan_release(p);
+      }
+}
+
 /* ----------------------------- composed GLU == fused GLU (with a router) */
 
 typedef struct glu_case {
@@ -778,6 +826,7 @@ int main(void) {
   RUN(test_grouped_eq_sparse);
   RUN(test_glu_naive);
   RUN(test_glu_bf16);
+  RUN(test_memopt_bits);
   RUN(test_glu_composed);
   RUN(test_saved_memory);
   RUN(test_backward_frees);

@@ -169,6 +169,18 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
             moe_tensor_release(perm[i]);
           }
         }
+        { /* memory_optimized (a recomputed in the backward): the same bits */
+          moe_glu_experts_opts mo = moe_glu_experts_opts_default();
+          mo.memory_optimized = true;
+          moe_tensor *rec[6] = {0};
+          run_opts(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, &mo, rec);
+          for (int i = 0; i < 6; i++) {
+            bool same = rec[i] && got[i] && rel_err(ctx, rec[i], got[i]) == 0.0;
+            if (!same) fprintf(stderr, "case %d tensor %d: memory_optimized differs\n", (int)ci, i);
+            EXPECT(same);
+            moe_tensor_release(rec[i]);
+          }
+        }
         /* f32: cuBLAS(Lt) f32 GEMMs (no TF32) of depth <= 256 and the f32
          * fused pass: 1e-4 of each tensor's largest magnitude. bf16: h1,
          * h3, a, y and every gradient stored with 8 mantissa bits
