@@ -13,8 +13,10 @@
  *
  * glu_experts records ONE node (MOE_OP_GLU_EXPERTS) with its own backward:
  * it saves x, the weights and gates (the caller holds those anyway), the
- * pre-activations h1 = xs W1 and h3 = xs W3, and a = act(h1) * h3 unless
- * memory_optimized (then a is recomputed in the backward's fused pass). The
+ * pre-activations h1 = xs W1 and h3 = xs W3; a = act(h1) * h3 is recomputed
+ * in the backward's fused pass (rounded as the forward stored it: the same
+ * bits as saving it, for one hidden-sized tensor less; memory_optimized,
+ * which once chose this, changes nothing). The
  * permuted tokens xs = permute(x) (k times x) are not saved but gathered
  * again; with MOE_BSMM_GATHER=1 the sparse path on sm_90a in bf16 never
  * makes them at all: its wgmma kernels read the rows of x and dout in token
@@ -798,10 +800,9 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
       spec.iargs[2] = spec.n_save;
       spec.save[spec.n_save++] = gates;
     }
-    if (!quant && !o.memory_optimized) {
-      spec.iargs[3] = spec.n_save;
-      spec.save[spec.n_save++] = a;
-    }
+    /* a is not saved: the backward's fused pass reads h1 and h3 anyway and
+     * recomputes it with the forward's rounding (the same bits), so keeping
+     * it would cost a hidden-sized tensor per layer and its read */
     /* the op's own quantization applies to its saved tensors: the caller's
      * hooks are set aside while they are saved */
     int n_hooks = ctx->n_hooks;

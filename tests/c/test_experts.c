@@ -315,9 +315,9 @@ static void test_glu_bf16(moe_ctx *ctx) {
   moe_routing_plan_release(p);
 }
 
-/* memory_optimized recomputes a = act(h1) * h3 in the backward rounded as
- * the forward stored it: every gradient has the same bits as with a saved
- * (f32 and bf16, grouped and sparse, each activation). */
+/* memory_optimized changes no bit: a = act(h1) * h3 is recomputed in the
+ * backward, rounded as the forward stored it, in either mode (f32 and
+ * bf16, grouped and sparse, each activation). */
 static void test_memopt_bits(moe_ctx *ctx) {
   int64_t T = 13, k = 2, E = 4, d = 8, f = 16;
   int64_t ids[26];
@@ -475,8 +475,8 @@ static void test_glu_composed(moe_ctx *ctx) {
   }
 }
 
-/* What the node keeps: memory_optimized holds one (R, f) tensor less (a),
- * and neither mode keeps the permuted tokens or y. */
+/* What the node keeps: h1 and h3 in either mode (a is recomputed), never
+ * the permuted tokens or y. */
 static void test_saved_memory(moe_ctx *ctx) {
   int64_t T = 12, k = 2, E = 3, d = 4, f = 6;
   int64_t ids[24];
@@ -499,7 +499,7 @@ static void test_saved_memory(moe_ctx *ctx) {
     moe_tensor_release(out);
   }
   int64_t R = p->rows, hidden = R * f * 8, outb = T * d * 8;
-  EXPECT(held[0] == outb + 3 * hidden); /* out, h1, h3, a */
+  EXPECT(held[0] == outb + 2 * hidden); /* out, h1, h3 */
   EXPECT(held[1] == outb + 2 * hidden); /* out, h1, h3 */
   moe_tensor_release(x), moe_tensor_release(w1), moe_tensor_release(w3);
   moe_tensor_release(w2), moe_tensor_release(g);
@@ -536,7 +536,7 @@ static void test_backward_frees(moe_ctx *ctx) {
         moe_tensor *out = NULL;
         EXPECT_OK(moe_glu_experts(ctx, x, w1, w3, w2, p, g, impl, MOE_GLU_SILU, memopt, &out));
         EXPECT_OK(moe_memory_stats_get(ctx, MOE_CPU, &s1));
-        hidden = (s1.allocated - s0.allocated - T * d * 8) / (memopt ? 2 : 3);
+        hidden = (s1.allocated - s0.allocated - T * d * 8) / 2; /* h1, h3 */
         EXPECT_OK(moe_memory_reset_peak(ctx, MOE_CPU));
         EXPECT_OK(moe_backward(ctx, out, dy, retain));
         EXPECT_OK(moe_memory_stats_get(ctx, MOE_CPU, &s0));
