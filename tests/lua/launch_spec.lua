@@ -363,8 +363,11 @@ describe("moe-lua launch", function()
     local dir = mkdtemp()
     local errf = dir .. "/stderr"
     local t0 = os.time()
+    -- mpirun's SIGKILL follows its SIGTERM after odls_base_sigkill_timeout
+    -- (1 s by default): on a loaded machine both ranks could be killed before
+    -- either writes its record, so the test gives them 3 s
     local _, err, rc = sh(([[
-      %s %s launch -n 2 --record-dir %s %s/launch_spin.lua 2>%s & p=$!
+      OMPI_MCA_odls_base_sigkill_timeout=3 %s %s launch -n 2 --record-dir %s %s/launch_spin.lua 2>%s & p=$!
       i=0
       until grep -q 'ready 0' %s && grep -q 'ready 1' %s; do
         i=$((i + 1)); [ $i -gt 300 ] && break; sleep 0.1
