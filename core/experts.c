@@ -15,8 +15,8 @@
  * it saves x, the weights and gates (the caller holds those anyway), the
  * pre-activations h1 = xs W1 and h3 = xs W3; a = act(h1) * h3 is recomputed
  * in the backward's fused pass (rounded as the forward stored it: the same
- * bits as saving it, for one hidden-sized tensor less; memory_optimized,
- * which once chose this, changes nothing). The
+ * bits as saving it, for one hidden-sized tensor less; memory_optimized
+ * changes nothing for this op). The
  * permuted tokens xs = permute(x) (k times x) are not saved but gathered
  * again; with MOE_BSMM_GATHER=1 the sparse path on sm_90a in bf16 never
  * makes them at all: its wgmma kernels read the rows of x and dout in token
@@ -33,7 +33,7 @@
  *   combine(dh3 W3^T)),
  *   dW1 = xs^T dh1, dW3 = xs^T dh3, dgates[a] = dgate_rows[dest[a]].
  * In a backward that frees the graph (no retain_graph) the fused pass writes
- * dh3 over h3 and ga over a (over h1 when a is not saved), and xs is made
+ * dh3 over h3 and ga over h1, and xs is made
  * only after dxs was combined (grouped: each product combined on its own):
  * the peak holds one (R, d) buffer, not two or three.
  */
@@ -298,14 +298,16 @@ static moe_status ex_take(moe_ctx *ctx, moe_tensor *in, moe_tensor *idx, moe_dty
   return MOE_OK;
 }
 
-/* The fused backward pass of experts_cuda.h on the CPU (any float dtype;
- * g_rows and dgate_rows of dtype gdt). */
 /* v rounded to dt (what ex_st stores, read back). */
 static inline double ex_rnd(moe_dtype dt, double v) {
   double buf;
   ex_st(&buf, dt, 0, v);
   return ex_ld(&buf, dt, 0);
 }
+
+/* The fused backward pass of experts_cuda.h on the CPU (any float dtype;
+ * g_rows and dgate_rows of dtype gdt); a NULL: recomputed as the forward
+ * stored it. */
 
 static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int64_t f, int64_t bs,
                            void *dA0, const void *h1, const void *h3, const void *a,
@@ -334,7 +336,7 @@ static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int6
  * of h1 and h3 and their scales follow (EX_SAVED_S1, EX_SAVED_S3). */
 enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SAVED_H3,
        EX_SAVED_S1, EX_SAVED_S3 };
-/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 slot of a (-1),
+/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 unused (-1),
  * 4 quantization bits (0: h1 and h3 saved as they are), 5 group size */
 
 /* Whether the CUDA passes that quantize in the activation and read the codes
@@ -410,7 +412,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   moe_routing_plan *p = (moe_routing_plan *)n->user;
   moe_experts_impl impl = (moe_experts_impl)n->iargs[0];
   int act = (int)n->iargs[1];
-  int gslot = (int)n->iargs[2], aslot = (int)n->iargs[3];
+  int gslot = (int)n->iargs[2];
   int64_t qbits = n->iargs[4];
   bool has_gates = gslot >= 0;
   if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
@@ -419,7 +421,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
        need_g = has_gates && moe_node_needs_grad(n, 4);
   moe_status st = MOE_OK;
   moe_tensor *x = NULL, *w1 = NULL, *w3 = NULL, *w2 = NULL, *h1s = NULL, *h3s = NULL, *h1 = NULL,
-             *h3 = NULL, *a = NULL, *as = NULL, *gates = NULL, *gc = NULL,
+             *h3 = NULL, *gates = NULL, *gc = NULL,
              *g_rows = NULL, *dout_rows = NULL, *dA0 = NULL, *dh3 = NULL, *ga = NULL,
              *dgate_rows = NULL, *xs = NULL, *t1 = NULL, *t2 = NULL, *dxs = NULL, *dg = NULL,
              *s1 = NULL, *s3 = NULL;
@@ -461,10 +463,6 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     hnd = h1->ndim;
     memcpy(hshape, h1->shape, sizeof(int64_t) * (size_t)hnd);
   }
-  if (aslot >= 0) {
-    MOE_CHECK_GOTO(moe_node_saved(ctx, n, aslot, &as), st, done);
-    MOE_CHECK_GOTO(moe_contiguous(ctx, as, &a), st, done);
-  }
   /* per-row gates g_rows[r] = gates[src[r]] (0 for padding) */
   if (has_gates) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, gslot, &gates), st, done);
@@ -480,13 +478,12 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
     MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
   }
-  /* dh3 and ga take the places of h3 and a (or h1) where the node owns them:
+  /* dh3 and ga take the places of h3 and h1 where the node owns them:
    * the fused pass reads each element before it writes it, so the backward's
    * peak holds two hidden-sized buffers fewer */
   if (h3 && ex_owned(ctx, n, EX_SAVED_H3, h3s, h3)) moe_tensor_retain(dh3 = h3);
   else MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dh3), st, done);
-  if (need_w2 && a && ex_owned(ctx, n, aslot, as, a)) moe_tensor_retain(ga = a);
-  else if (need_w2 && !a && h1 && ex_owned(ctx, n, EX_SAVED_H1, h1s, h1)) moe_tensor_retain(ga = h1);
+  if (need_w2 && h1 && ex_owned(ctx, n, EX_SAVED_H1, h1s, h1)) moe_tensor_retain(ga = h1);
   else if (need_w2) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &ga), st, done);
   if (need_g) {
     int64_t R = p->rows;
@@ -511,14 +508,14 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
       if (R > 0 && f > 0)
         MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
                            ctx, h1->storage->device.index, dt, act, R, f, bs, moe_tensor_data(dA0),
-                           moe_tensor_data(h1), moe_tensor_data(h3), a ? moe_tensor_data(a) : NULL,
+                           moe_tensor_data(h1), moe_tensor_data(h3), NULL,
                            g_rows ? (const float *)moe_tensor_data(g_rows) : NULL,
                            moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                            dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
                        st, done);
     } else {
       ex_glu_bwd_cpu(dt, gdt, act, R, f, bs, moe_tensor_data(dA0), moe_tensor_data(h1),
-                     moe_tensor_data(h3), a ? moe_tensor_data(a) : NULL,
+                     moe_tensor_data(h3), NULL,
                      g_rows ? moe_tensor_data(g_rows) : NULL, moe_tensor_data(dh3),
                      ga ? moe_tensor_data(ga) : NULL,
                      dgate_rows ? moe_tensor_data(dgate_rows) : NULL);
@@ -528,8 +525,6 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
    * (a lower peak: the hidden-sized ones are R x f each, the row-sized ones
    * R x d). */
 #define EX_DROP(t) (moe_tensor_release(t), (t) = NULL)
-  EX_DROP(a);
-  EX_DROP(as);
   EX_DROP(h1);
   EX_DROP(h1s);
   EX_DROP(h3);
@@ -541,7 +536,6 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   moe_node_saved_free(ctx, n, EX_SAVED_H1);
   moe_node_saved_free(ctx, n, EX_SAVED_H3);
   if (qbits) moe_node_saved_free(ctx, n, EX_SAVED_S1), moe_node_saved_free(ctx, n, EX_SAVED_S3);
-  if (aslot >= 0) moe_node_saved_free(ctx, n, aslot);
   if (need_w2 && gath) MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
   else if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
   EX_DROP(ga);
@@ -590,8 +584,6 @@ done:
   moe_tensor_release(h3s);
   moe_tensor_release(h1);
   moe_tensor_release(h3);
-  moe_tensor_release(as);
-  moe_tensor_release(a);
   moe_tensor_release(gates);
   moe_tensor_release(gc);
   moe_tensor_release(g_rows);
