@@ -6,7 +6,7 @@
 #
 #   bash bench/gpu_round.sh [tests] [quickstart] [glu_check] [moe_mlp] [matmul] [train125] [blocksparse]
 #                           [quantize] [curves] [attention] [sanitize] [ops] [checks] [gather] [auto]
-#                           [determinism]
+#                           [determinism] [kinds]
 #
 # Scripts ending in _check.lua validate (no timing); the other bench/*.lua time,
 # through bench/lib.lua: key=value arguments (json=FILE, repeats=N, cooldown=S, ...).
@@ -60,6 +60,27 @@ for f in sys.argv[1:]:
         --moe-alt "$out/attention_moe_mma.json" --out "$out" > "$out/attention_torch.log" 2>&1
       note "attention: rc=$? ($(($(date +%s) - t0)) s)"; rm -rf "$out/attn_dump"
       grep -E "^\| [0-9]|validation" "$out/attention.md" ;;
+    kinds)
+      # Each block-sparse product's kernel time inside the MoE MLP (sparse path), per step, under
+      # Nsight Systems, for the grid and epilogue settings in K_ENVS (default: one CTA per tile
+      # staged, the same with direct stores, the persistent default); K_CONFIGS picks the
+      # configs. Needs the importer's libraries carried at out/dw (../shared/GPU.md).
+      ns=/opt/nvidia/nsight-compute/2025.3.1/host/target-linux-x64/nsys
+      imp=/opt/nvidia/nsight-compute/2025.3.1/host/linux-desktop-glibc_2_11_3-x64/QdstrmImporter
+      for c in ${K_CONFIGS:-mixtral olmoe qwen3 qwen3_t4k qwen3_t64k}; do
+        while IFS= read -r env; do
+          p=/tmp/kinds_${c}_$(echo "$env" | tr -c 'A-Za-z0-9' _)
+          env $env $ns profile -o $p -t cuda --sample=none --cpuctxsw=none -f true \
+            $ml bench/moe_mlp.lua configs=$c impls=sparse json=/tmp/kinds.json > /tmp/kinds.log 2>&1
+          LD_LIBRARY_PATH=$root/out/dw/usr/lib/x86_64-linux-gnu $imp -i $p.qdstrm > /dev/null 2>&1
+          $ns stats -r cuda_gpu_kern_sum -f csv -o $p $p.nsys-rep > /dev/null 2>&1
+          python3 bench/bsmm_kinds.py ${p}_cuda_gpu_kern_sum.csv $c "$env" \
+            "$(grep -E "^$c " /tmp/kinds.log | awk '{print $3}')" >> "$out/bsmm_kinds.jsonl"
+        done <<< "${K_ENVS:-MOE_BSMM_PERSIST=0
+MOE_BSMM_PERSIST=0 MOE_BSMM_EPI=direct
+MOE_BSMM_PERSIST=1}"
+      done
+      note "kinds: $(wc -l < "$out/bsmm_kinds.jsonl") rows in \$OUT/bsmm_kinds.jsonl ($(($(date +%s) - t0)) s)" ;;
     sanitize)
       # compute-sanitizer over the attention kernels on odd shapes, the persistent grid cut
       # to 3 blocks so that each block runs many tiles
