@@ -29,7 +29,8 @@
  *     interpreter when there is no script).
  *   - Ctrl-C while Lua runs sets a hook that raises "interrupted!" at the next
  *     Lua instruction, call or return: a safe point, never inside C code (a
- *     second Ctrl-C before that kills the process, as in lua.c). Added:
+ *     second Ctrl-C before that kills the process, as in lua.c), positioned
+ *     at the innermost line running and with a traceback. Added:
  *     SIGTERM does the same with "terminated", and when such an error ends
  *     the run the exit status is 128 + the signal (130, 143), as a shell
  *     reports a process the signal killed. SIGTERMs after the first are
@@ -324,11 +325,25 @@ static void set_signal(int sig, void (*handler)(int)) {
   sigaction(sig, &sa, NULL);
 }
 
-/* The hook: runs at the next safe point of the interpreter. */
+/* The hook: runs at the next safe point of the interpreter. The message is
+ * positioned at the innermost function that has a line: the hook can fire
+ * on entering a C function called from C (a tensor metamethod's own calls),
+ * where luaL_error's level 1 has none, and the message handler would then
+ * drop the traceback. */
 static void lstop(lua_State *L, lua_Debug *ar) {
   (void)ar;
   lua_sethook(L, NULL, 0, 0);
-  luaL_error(L, got_signal == SIGTERM ? "terminated" : "interrupted!");
+  const char *what = got_signal == SIGTERM ? "terminated" : "interrupted!";
+  lua_Debug d;
+  for (int level = 0; lua_getstack(L, level, &d); level++) {
+    if (lua_getinfo(L, "l", &d) && d.currentline > 0) {
+      luaL_where(L, level);
+      lua_pushstring(L, what);
+      lua_concat(L, 2);
+      lua_error(L);
+    }
+  }
+  luaL_error(L, "%s", what);
 }
 
 /* The signal handler only notes the signal and sets the hook (lua_sethook
