@@ -518,8 +518,7 @@ extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const mo
       return MOE_OK;
     }
     rt_gather_vec_kernel<<<grid, RT_THREADS, 0, s>>>((uint4 *)out->data, (const uint4 *)x->data,
-                                                     (int64_t)((size_t)x->stride[0] * es / 16), src,
-                                                     k, R, (int64_t)((size_t)d * es / 16));
+                                                     xs0, src, k, R, units);
     MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel");
     return MOE_OK;
   }
