@@ -313,29 +313,34 @@ function M.experts_of(layer, x2, ids, gates)
   return layer.experts(x2, plan, gates), plan
 end
 
--- (T, k) round-robin ids of uniform_expert_assignment, cached per T and device
--- (built on the host: rebuilding them every step cost more than the step).
-function dMoE:round_robin_ids(T, device)
-  local c = self._rr_ids
-  if c and c.T == T and c.device == device then return c.ids end
-  local ids = moe.keep(util.round_robin_ids(T, self.top_k, self.num_experts, device))
+-- An ids tensor the layer keeps in self[field] while key stays the same
+-- (built on the host: rebuilding it every step would cost more than the
+-- step); build() makes it, the one it replaces is freed.
+local function cached_ids(self, field, key, build)
+  local c = self[field]
+  if c and c.key == key then return c.ids end
+  local ids = moe.keep(build())
   if c then c.ids:free() end
-  self._rr_ids = { T = T, device = device, ids = ids }
+  self[field] = { key = key, ids = ids }
   return ids
+end
+
+-- (T, k) round-robin ids of uniform_expert_assignment, cached per T and device.
+function dMoE:round_robin_ids(T, device)
+  return cached_ids(self, "_rr_ids", T .. "|" .. device, function()
+    return util.round_robin_ids(T, self.top_k, self.num_experts, device)
+  end)
 end
 
 -- (E C, 1) ids: row i belongs to expert i // C (cached per E, C, device).
 function dMoE:group_ids(E, C, device)
-  local c = self._group_ids
-  if c and c.E == E and c.C == C and c.device == device then return c.ids end
-  local v = {}
-  for e = 0, E - 1 do
-    for _ = 1, C do v[#v + 1] = { e } end
-  end
-  local ids = moe.keep(moe.tensor(v, { dtype = "i64", device = device }))
-  if c then c.ids:free() end
-  self._group_ids = { E = E, C = C, device = device, ids = ids }
-  return ids
+  return cached_ids(self, "_group_ids", E .. "|" .. C .. "|" .. device, function()
+    local v = {}
+    for e = 0, E - 1 do
+      for _ = 1, C do v[#v + 1] = { e } end
+    end
+    return moe.tensor(v, { dtype = "i64", device = device })
+  end)
 end
 
 -- Expert choice: tokens (E, C) gathered per expert, E equal groups through
