@@ -36,7 +36,9 @@
 #            step on the communication stream); bench/layouts_report.py writes the table to
 #            $OUT/layouts_125m.md (copy it to bench/results/dist/). SCALE_RUNS="gpu1 ep2 zero3" runs
 #            only the named runs (of gpu1 dp2 ep2 zero2 zero3 big_gpu1 big_ep2 big_zero3);
-#            SCALE_ARGS adds key=value arguments to every run (e.g. batch_size=32)
+#            SCALE_ARGS adds key=value arguments to every run (e.g. batch_size=32);
+#            ZERO3_PREFETCH="2 4" adds ZeRO-3 runs gathering that many blocks ahead
+#            (parallel.prefetch; the zero3 run keeps the default), named zero3_p<N>
 #
 # Logs and JSON go to $OUT (default out/), packed into one archive at the end; the last lines
 # are a short summary and the moe / torch comparison table. DIST_ROUNDS=N times each side N
@@ -210,6 +212,9 @@ PY
       run125 ep2 $ml launch -n 2 "${a125[@]}" ep=2 comm_profile=true
       run125 zero2 $ml launch -n 2 "${a125[@]}" dp_shard=2
       run125 zero3 $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true comm_profile=true
+      for pf in ${ZERO3_PREFETCH:-}; do
+        run125 zero3_p$pf $ml launch -n 2 "${a125[@]}" dp_shard=2 shard_params=true comm_profile=true prefetch=$pf
+      done
       mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
       be=${BIG_EXPERTS:-$([ "$mem" -gt 100000 ] && echo 192 || echo 128)}
       b125=("${a125[@]}" experts=$be steps=$((st / 2)))

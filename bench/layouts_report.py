@@ -23,6 +23,12 @@ names = [("gpu1", "1 GPU", "-"), ("dp2", "2 GPUs", "dp = 2"), ("ep2", "2 GPUs", 
          ("zero3", "2 GPUs", "dp_shard = 2, shard_params (ZeRO-3 / FSDP)"),
          ("big_gpu1", "1 GPU", "-"), ("big_ep2", "2 GPUs", "ep = 2"),
          ("big_zero3", "2 GPUs", "dp_shard = 2, shard_params (ZeRO-3 / FSDP)")]
+# ZeRO-3 runs with a deeper prefetch (dist_round.sh's ZERO3_PREFETCH), after the default one
+extra = sorted(int(f[len("s125_zero3_p"):-len(".json")]) for f in os.listdir(src)
+               if f.startswith("s125_zero3_p") and f.endswith(".json"))
+at = [n[0] for n in names].index("zero3") + 1
+names[at:at] = [(f"zero3_p{n}", "2 GPUs", f"dp_shard = 2, shard_params (ZeRO-3 / FSDP), prefetch {n}")
+                for n in extra]
 rows, base = [], {}
 for key, gpus, layout in names:
     p = os.path.join(src, f"s125_{key}.json")

@@ -19,7 +19,8 @@ batch_size per rank, each rank on cuda:<local rank>); tokens/s is then per
 GPU, and rank 0 alone reports (its metrics are the job's); bucket_mb= sets the
 gradient buckets (parallel.bucket_mb), ep= expert parallelism (parallel.ep), etp=
 expert-tensor sharding (parallel.etp), dp_shard= sharded data parallelism
-(parallel.dp_shard; with shard_params=true the parameters too, ZeRO-3) and
+(parallel.dp_shard; with shard_params=true the parameters too, ZeRO-3, gathered
+prefetch= blocks ahead: parallel.prefetch, 0 its default) and
 dp_replicate= its replicas (HSDP). json= also gets state_allocated_bytes: the
 device memory allocated at the end of the third step, before the gradients
 are zeroed (parameters, gradients, master weights and optimizer state: the
@@ -74,7 +75,7 @@ local o = moe.config {
   seq_len = 1024, batch_size = 8, steps = 200, log_every = 10, lr = 6e-4, min_lr = 6e-5, warmup = 20,
   loss_weight = 0.1, activation = "gelu", mlp_impl = "auto", dtype = "bf16", device = "cuda",
   data = "data/bible_kjv", export = "", out_dir = "out/train_125m", json = "", seed = 1234,
-  bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false,
+  bucket_mb = 25, ep = 1, etp = 1, dp_shard = 0, dp_replicate = 0, shard_params = false, prefetch = 0,
   profile = false, profile_steps = 20, saturate = true, comm_profile = false, uniform = false,
 }
 
@@ -224,7 +225,7 @@ local cfg = train.config {
   clip = 1.0, eval_every = 0, eval_iters = 0, log_every = o.log_every, save_every = 0, keep_last = 0,
   out_dir = o.out_dir, device = o.device, dtype = o.dtype, seed = o.seed, tensorboard = true,
   sample_tokens = 0, parallel = { bucket_mb = o.bucket_mb, ep = o.ep, etp = o.etp,
-    dp_shard = o.dp_shard, dp_replicate = o.dp_replicate, shard_params = o.shard_params },
+    dp_shard = o.dp_shard, dp_replicate = o.dp_replicate, shard_params = o.shard_params, prefetch = o.prefetch },
 }
 
 local dist = moe.dist

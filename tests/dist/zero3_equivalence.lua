@@ -61,26 +61,37 @@ local function compare_sd(a, b)
   return same, n, maxd
 end
 
-for ci, ffn in ipairs({ "moe", "dense" }) do
-  local label = ffn == "moe" and "dMoE" or "dense GPT"
-  for _, clip in ipairs({ 0, 1.0 }) do
+-- ffn, clip, parallel.prefetch (nil: the default, 2) and the blocks (nil: 2)
+local cases = { { "moe", 0, prefetch = 1 }, { "moe", 1.0 }, { "dense", 0 }, { "dense", 1.0, prefetch = 1 },
+  { "moe", 0, layers = 4, prefetch = 3 } }
+for ci, case in ipairs(cases) do
+  local ffn, clip, prefetch = case[1], case[2], case.prefetch or 2
+  local first_blocks = math.min(prefetch, case.layers or 2)
+  local label = (ffn == "moe" and "dMoE" or "dense GPT") .. (case.layers and (" of %d blocks"):format(case.layers) or "")
+  do
     local function cfg_of(name, over)
       over = over or {}
-      over.model = { tie_embeddings = opts.tie_embeddings }
+      over.model = { tie_embeddings = opts.tie_embeddings, n_layers = case.layers }
       over.clip = clip
       return K.base_cfg(opts, root, prefix, ("%s-%d-%g"):format(name, ci, clip), ffn, over)
     end
     local ddp = train.run(cfg_of("ddp"))
-    local what = ("%s clip=%g shard_params over %d ranks vs dp=%d"):format(label, clip, world, world)
+    local what = ("%s clip=%g shard_params (prefetch %d) over %d ranks vs dp=%d"):format(label, clip, prefetch,
+      world, world)
     local checked, last_gathers, per_step = 0, nil, math.huge
     local sh
-    local z = train.run(cfg_of("zero3", { parallel = { dp_shard = world, shard_params = true } }), {
+    local z = train.run(cfg_of("zero3", { parallel = { dp_shard = world, shard_params = true,
+      prefetch = case.prefetch } }), {
       hooks = { after_step = function(state)
         sh = state.parallel.fsdp
-        -- after the step every unit is released, but the first two the next forward needs
-        -- (the root's and the first block's), which the optimizer started gathering
+        -- after the step every unit is released, but those the next forward needs first (the
+        -- root's and the first `prefetch` blocks'), which the optimizer started gathering
         local first = {}
-        for _, u in ipairs(sh:first_units()) do first[u] = true end
+        local fu = sh:first_units()
+        expect(#fu == 1 + first_blocks and fu[1] == sh.units[sh.root].unit,
+          ("%s: step %d: %d first units, the root's and %d blocks' expected"):format(what, state.step, #fu,
+            first_blocks))
+        for _, u in ipairs(fu) do first[u] = true end
         for g, u in pairs(sh.units) do
           expect(first[u.unit] or not u.unit:ready(), ("%s: step %d: unit %d still gathered after the step"):format(
             what, state.step, g))
@@ -135,6 +146,14 @@ do
   local ok, err = pcall(train.run, K.base_cfg(opts, root, prefix, "bad1", "dense",
     { parallel = { shard_params = true } }))
   expect(not ok and tostring(err):find("needs parallel.dp_shard", 1, true), "no dp_shard: " .. tostring(err))
+  ok, err = pcall(train.run, K.base_cfg(opts, root, prefix, "bad2", "dense",
+    { parallel = { dp_shard = world, prefetch = 2 } }))
+  expect(not ok and tostring(err):find("parallel.prefetch=2 needs parallel.shard_params=true or a layout", 1, true),
+    "prefetch without shard_params: " .. tostring(err))
+  ok, err = pcall(train.run, K.base_cfg(opts, root, prefix, "bad3", "dense",
+    { parallel = { dp_shard = world, shard_params = true, prefetch = -1 } }))
+  expect(not ok and tostring(err):find("parallel.prefetch must be an integer >= 0, got -1", 1, true),
+    "prefetch=-1: " .. tostring(err))
 end
 
 os.execute("rm -rf '" .. root .. "'")

@@ -87,6 +87,8 @@ M.descriptions = {
   ["parallel.etp"] = "expert-tensor group size: every expert's hidden units are split over groups of N ranks",
   ["parallel.ep_chunks"] = "with ep: the experts' all_to_alls in this many chunks, pipelined with their GEMMs (1 = none)",
   ["parallel.shard_params"] = "with dp_shard: shard the parameters too (ZeRO-3), gathered per block for use",
+  ["parallel.prefetch"] = "with shard_params: blocks whose parameters are gathered ahead of their forward " ..
+    "(the optimizer step starts the first ones; more hides more gathers and holds more memory; 0 = 2)",
   ["parallel.bucket_mb"] = "size of the gradient all-reduce buckets in MiB (0 = one per parameter)",
   ["parallel.dp_shard"] = "ranks the optimizer state and gradients are sharded over (ZeRO-2; 0 = off)",
   ["parallel.dp_replicate"] = "replicas of the sharded group (HSDP; 0 = 1)",
@@ -117,7 +119,7 @@ function M.defaults()
     sample_prompt = "", sample_temperature = 0.8, sample_top_k = 40, quiet = false,
     max_skipped_in_a_row = 10,
     parallel = { dp = 0, ep = 1, etp = 1, bucket_mb = 25.0, dp_shard = 0, dp_replicate = 0,
-      shard_params = false, ep_chunks = 1 },
+      shard_params = false, prefetch = 0, ep_chunks = 1 },
   }, { help = M.descriptions })
 end
 
@@ -204,7 +206,8 @@ function M.check(cfg)
     int(k, 1)
   end
   for _, k in ipairs({ "steps", "eval_every", "eval_iters", "save_every", "keep_last", "stop_at", "warmup",
-    "sample_every", "sample_tokens", "sample_top_k", "parallel.dp", "parallel.dp_shard", "parallel.dp_replicate" }) do
+    "sample_every", "sample_tokens", "sample_top_k", "parallel.dp", "parallel.dp_shard", "parallel.dp_replicate",
+    "parallel.prefetch" }) do
     int(k, 0)
   end
   num("lr", 0); num("min_lr", 0); num("weight_decay", 0); num("clip", 0)

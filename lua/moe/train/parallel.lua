@@ -135,6 +135,10 @@ function M.setup(cfg)
     error("train: parallel.shard_params=true needs parallel.dp_shard (the ranks the parameters are sharded " ..
       "over)", 0)
   end
+  if pc.prefetch ~= 0 and not pc.shard_params and not shard then
+    error(("train: parallel.prefetch=%d needs parallel.shard_params=true (it is how far ahead the sharded " ..
+      "parameters are gathered)"):format(pc.prefetch), 0)
+  end
   local dp = (pc.dp == 0 or shard) and world or pc.dp
   local par = setmetatable({ dp = dp, ep = 1, etp = 1, shards = 1, rank = 0, writer = true, world = world }, Par)
   if dp == 1 and not shard then
@@ -176,6 +180,7 @@ function M.setup(cfg)
   end
   if shard then setup_sharding(par, shard, rep) end
   par.shard_params = pc.shard_params
+  par.prefetch = pc.prefetch > 0 and pc.prefetch or nil -- nil: moe.fsdp's default
   par.distributed = true
   par.ckpt_opts = { out_dir = cfg.out_dir, keep_last = cfg.keep_last, async = cfg.save_async }
   return par
@@ -199,7 +204,8 @@ function Par:sharded_optimizer(named, cfg, model)
     -- ZeRO-3: the units over the shard group (HSDP: replicas hold equal shards and
     -- all-reduce their gradient shards over the replicate group); expert shards stay
     -- out of the units, placed by ep / etp, stepped by AdamW as with ZeRO-2
-    local sh = require("moe.fsdp").shard(model, { group = self.shard_group, exclude = self.expert_set })
+    local sh = require("moe.fsdp").shard(model, { group = self.shard_group, exclude = self.expert_set,
+      prefetch = self.prefetch })
     self.fsdp = sh
     o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
     local sharded = optim.ShardedAdamW(sh.named, o)
@@ -228,7 +234,7 @@ function Par:placed_optimizer(model, o)
   local optim = require "moe.optim"
   local pl = self.placement
   local sh = require("moe.fsdp").shard(model, { group = self.shard_group, modules = pl.units,
-    assign = pl.assign, exclude = pl.whole })
+    assign = pl.assign, exclude = pl.whole, prefetch = self.prefetch })
   self.fsdp = sh
   local group_of, used = {}, {}
   for i, np in ipairs(sh.named) do
@@ -816,6 +822,10 @@ end
 function Par:attach(model, layout)
   self:find_experts(model)
   if layout ~= nil then self.placement = M.place(model, layout, self) end
+  if self.prefetch and not self.shard_params and not (self.placement and #self.placement.units > 0) then
+    error(("train: parallel.prefetch=%d needs parallel.shard_params=true or a layout that shards modules (it " ..
+      "is how far ahead the sharded parameters are gathered)"):format(self.prefetch), 0)
+  end
 end
 
 function Par:find_experts(model)
