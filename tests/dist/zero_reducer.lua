@@ -159,6 +159,10 @@ if world == 2 then
   -- and the reverse: shards over the world, replicas alone
   check_round("hsdp 2x1", { mode = "reduce_scatter", group = dist.world, replicate_group = alone,
     bucket_mb = 200 / 2 ^ 20 }, W)
+  -- a reduce_group that is not the group's ranks is refused before anything is built
+  local ok, err = pcall(optim.ShardedAdamW, { { "p", make_params()[1] } }, { group = dist.world,
+    reduce_group = alone })
+  assert(not ok and err:find("option reduce_group must hold the ranks of group in its order", 1, true), err)
   alone:free()
   say("HSDP (1 x 2 and 2 x 1): ok")
 end

@@ -5,7 +5,9 @@ half of FSDP) over moe.dist.reducer's reduce_scatter mode
 
   local zero = require "moe.optim.zero"    -- also optim.ShardedAdamW
   local opt = zero.AdamW(model:named_parameters(), {lr =, betas =, eps =, weight_decay =,
-      no_decay =, master_weights =, group = shard_group, replicate_group = nil, bucket_mb = 25})
+      no_decay =, master_weights =, group = shard_group, replicate_group = nil, bucket_mb = 25,
+      reduce_group = nil})  -- the reducer's communicator: group, or a split of it holding the same
+                            -- ranks (its collectives then run beside group's, on a stream of their own)
   opt.reducer:arm(); loss:backward(); opt.reducer:finish()  -- gradient shards, .grad released
   opt:clip_grad_norm(max_norm) -> the global norm (one scalar all_reduce over group)
   opt:grad_norm(max_norm) -> norm, coef, found_inf (device tensors, no host read)
@@ -56,7 +58,8 @@ local function fail(fn, msg, ...)
 end
 
 local known = { lr = true, betas = true, eps = true, weight_decay = true, no_decay = true,
-  master_weights = true, group = true, replicate_group = true, bucket_mb = true, groups = true, units = true }
+  master_weights = true, group = true, replicate_group = true, bucket_mb = true, groups = true, units = true,
+  reduce_group = true }
 
 local function number_opt(fn, opts, key, default)
   local v = opts[key]
@@ -90,6 +93,12 @@ function M.AdamW(named_params, opts)
   if type(no_decay) ~= "function" then fail(fn, "option no_decay must be a function") end
   if type(named_params) ~= "table" then fail(fn, "named parameters expected, got %s", type(named_params)) end
   local group = opts.group or dist.world
+  local reduce_group = opts.reduce_group or group
+  if reduce_group ~= group and (reduce_group:size() ~= group:size() or reduce_group:rank() ~= group:rank()) then
+    fail(fn, "option reduce_group must hold the ranks of group in its order (a split of it), but it has %d " ..
+      "ranks and this one is %d there (group: %d ranks, rank %d)", reduce_group:size(), reduce_group:rank(),
+      group:size(), group:rank())
+  end
   local self = setmetatable({
     kind = "ShardedAdamW", lr = number_opt(fn, opts, "lr", 1e-3), step_count = 0,
     group = group, replicate_group = opts.replicate_group,
@@ -130,7 +139,7 @@ function M.AdamW(named_params, opts)
     units = {}
     for g, e in pairs(opts.units) do units[g] = e.unit end
   end
-  self.reducer = dist.reducer(list, { mode = "reduce_scatter", group = group,
+  self.reducer = dist.reducer(list, { mode = "reduce_scatter", group = reduce_group,
     replicate_group = opts.replicate_group, bucket_mb = opts.bucket_mb, groups = opts.groups, units = units })
   local layout = self.reducer:layout()
   self.layout = layout

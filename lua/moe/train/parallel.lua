@@ -126,6 +126,19 @@ local function setup_sharding(par, shard, rep)
   if rep > 1 then par.replicate_group = mesh:group("dp_replicate") end
 end
 
+-- With parameter sharding the gradients' reduce_scatters get a communicator
+-- of their own over the shard group's ranks (on a GPU its own stream too): in
+-- backward they then run beside the parameter gathers of the blocks ahead
+-- instead of queueing with them on the shard group's one stream. Split once
+-- per shard group, the first time (a collective over it).
+local reduce_groups = setmetatable({}, { __mode = "k" })
+
+function Par:reduce_group()
+  local g = self.shard_group
+  reduce_groups[g] = reduce_groups[g] or g:split(0, g:rank(), g:name() .. ".reduce")
+  return reduce_groups[g]
+end
+
 --- setup(cfg) -> par. Initialises moe.dist when dp > 1 or sharding is on.
 function M.setup(cfg)
   local pc = cfg.parallel
@@ -208,6 +221,7 @@ function Par:sharded_optimizer(named, cfg, model)
       prefetch = self.prefetch })
     self.fsdp = sh
     o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, sh.groups, sh.units
+    o.reduce_group = self:reduce_group()
     local sharded = optim.ShardedAdamW(sh.named, o)
     sharded.first_units = sh:first_units()
     if not self.expert_set then return sharded end
@@ -262,6 +276,7 @@ function Par:placed_optimizer(model, o)
   end
   list, groups = rl, rg
   o.group, o.replicate_group, o.groups, o.units = self.shard_group, self.replicate_group, groups, sh.units
+  o.reduce_group = self:reduce_group()
   local sharded = optim.ShardedAdamW(list, o)
   sharded.first_units = sh:first_units()
   if #experts == 0 then return sharded end
