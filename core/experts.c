@@ -306,12 +306,11 @@ static inline double ex_rnd(moe_dtype dt, double v) {
 }
 
 /* The fused backward pass of experts_cuda.h on the CPU (any float dtype;
- * g_rows and dgate_rows of dtype gdt); a NULL: recomputed as the forward
- * stored it. */
-
+ * g_rows and dgate_rows of dtype gdt); a = act(h1) * h3 recomputed and
+ * rounded as the forward stored it. */
 static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int64_t f, int64_t bs,
-                           void *dA0, const void *h1, const void *h3, const void *a,
-                           const void *g_rows, void *dh3, void *ga, void *dgate_rows) {
+                           void *dA0, const void *h1, const void *h3, const void *g_rows,
+                           void *dh3, void *ga, void *dgate_rows) {
   for (int64_t r = 0; r < R; r++) {
     double g = g_rows ? ex_ld(g_rows, gdt, r) : 1.0, dot = 0.0;
     for (int64_t c = 0; c < f; c++) {
@@ -319,7 +318,7 @@ static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int6
       double v1 = ex_ld(h1, dt, i), v3 = ex_ld(h3, dt, i), d0 = ex_ld(dA0, dt, i);
       double fa, dfa;
       ex_act(act, v1, &fa, &dfa);
-      double av = a ? ex_ld(a, dt, i) : ex_rnd(dt, fa * v3);
+      double av = ex_rnd(dt, fa * v3);
       dot += d0 * av;
       double da = g * d0;
       ex_st(dA0, dt, i, da * v3 * dfa);
@@ -508,16 +507,15 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
       if (R > 0 && f > 0)
         MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
                            ctx, h1->storage->device.index, dt, act, R, f, bs, moe_tensor_data(dA0),
-                           moe_tensor_data(h1), moe_tensor_data(h3), NULL,
+                           moe_tensor_data(h1), moe_tensor_data(h3),
                            g_rows ? (const float *)moe_tensor_data(g_rows) : NULL,
                            moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                            dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
                        st, done);
     } else {
       ex_glu_bwd_cpu(dt, gdt, act, R, f, bs, moe_tensor_data(dA0), moe_tensor_data(h1),
-                     moe_tensor_data(h3), NULL,
-                     g_rows ? moe_tensor_data(g_rows) : NULL, moe_tensor_data(dh3),
-                     ga ? moe_tensor_data(ga) : NULL,
+                     moe_tensor_data(h3), g_rows ? moe_tensor_data(g_rows) : NULL,
+                     moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                      dgate_rows ? moe_tensor_data(dgate_rows) : NULL);
     }
   }

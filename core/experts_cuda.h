@@ -33,8 +33,8 @@ moe_status moe_cuda_experts_glu_fwd(moe_ctx *ctx, int device, moe_dtype dt, int 
  * Backward of out_rows = g_rows * ((act(h1) * h3) W2), given
  * dA0 = dout_rows W2^T (ungated), per row r of the hidden (R rows, f cols,
  * layout bs):
- *   dgate_rows[r] = sum_c dA0 * a            (a = act(h1) * h3; the saved a
- *                                             when a != NULL)
+ *   dgate_rows[r] = sum_c dA0 * a            (a = act(h1) * h3, recomputed and
+ *                                             rounded to dt as the forward stored it)
  *   da = g * dA0 (g = g_rows[r], 1 when g_rows is NULL)
  *   dh1 = da * h3 * act'(h1), written over dA0
  *   dh3 = da * act(h1)
@@ -43,8 +43,8 @@ moe_status moe_cuda_experts_glu_fwd(moe_ctx *ctx, int device, moe_dtype dt, int 
  */
 moe_status moe_cuda_experts_glu_bwd(moe_ctx *ctx, int device, moe_dtype dt, int act, int64_t R,
                                     int64_t f, int64_t bs, void *dA0, const void *h1,
-                                    const void *h3, const void *a, const float *g_rows, void *dh3,
-                                    void *ga, float *dgate_rows);
+                                    const void *h3, const float *g_rows, void *dh3, void *ga,
+                                    float *dgate_rows);
 
 /* The GLU's pre-activations h1 and h3 kept quantized for backward
  * (core/moe_quantize.h's format): the hidden's elements in memory order

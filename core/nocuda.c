@@ -159,8 +159,8 @@ moe_status moe_cuda_experts_glu_fwd(moe_ctx *ctx, int device, moe_dtype dt, int 
 }
 moe_status moe_cuda_experts_glu_bwd(moe_ctx *ctx, int device, moe_dtype dt, int act, int64_t R,
                                     int64_t f, int64_t bs, void *dA0, const void *h1,
-                                    const void *h3, const void *a, const float *g_rows, void *dh3,
-                                    void *ga, float *dgate_rows) {
+                                    const void *h3, const float *g_rows, void *dh3, void *ga,
+                                    float *dgate_rows) {
   return NO_CUDA_FN(ctx, "moe_cuda_experts_glu_bwd");
 }
 moe_status moe_cuda_experts_glu_fwd_quant(moe_ctx *ctx, int device, moe_dtype dt, int act,

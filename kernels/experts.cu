@@ -124,7 +124,7 @@ __device__ __forceinline__ void ex_qload(const void *vals, const float *sc, cons
 /* BITS 0: h1 and h3 are T tensors; 8 or 4: they are read from q. */
 template <typename T, int V, int BITS>
 __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *dA0, const T *h1,
-                                  const T *h3, ExQ q, const T *a, const float *g_rows, T *dh3, T *ga,
+                                  const T *h3, ExQ q, const float *g_rows, T *dh3, T *ga,
                                   float *dgate_rows) {
   __shared__ float warp_sums[EX_THREADS / 32];
   for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
@@ -146,15 +146,14 @@ __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *
         ex_qload<T, V, BITS>(q.v1, q.s1, q, i, f1);
         ex_qload<T, V, BITS>(q.v3, q.s3, q, i, f3);
       }
-      ExVec<T, V> d0 = *(const ExVec<T, V> *)(dA0 + i), va, o1, o3, og;
-      if (a) va = *(const ExVec<T, V> *)(a + i);
+      ExVec<T, V> d0 = *(const ExVec<T, V> *)(dA0 + i), o1, o3, og;
 #pragma unroll
       for (int j = 0; j < V; j++) {
         float x1 = f1[j], x3 = f3[j], dd = ex_load(d0.v, j);
         float fa, dfa;
         ex_act(act, x1, &fa, &dfa);
         /* recomputed: rounded as the forward stored it, so the same bits */
-        float av = a ? ex_load(va.v, j) : ex_round<T>(fa * x3);
+        float av = ex_round<T>(fa * x3);
         dot += dd * av;
         float da = g * dd;
         ex_store(o1.v, j, da * x3 * dfa);
@@ -247,11 +246,11 @@ extern "C" moe_status moe_cuda_experts_glu_fwd(moe_ctx *ctx, int device, moe_dty
 
 template <typename T, int BITS>
 static void ex_bwd_launch(cudaStream_t s, int act, int64_t R, int64_t f, int64_t bs, void *dA0,
-                          const void *h1, const void *h3, const ExQ &q, const void *a,
-                          const float *g_rows, void *dh3, void *ga, float *dgate_rows) {
+                          const void *h1, const void *h3, const ExQ &q, const float *g_rows,
+                          void *dh3, void *ga, float *dgate_rows) {
   constexpr int V = 16 / sizeof(T);
   bool vec = f % V == 0 && (bs == 0 || bs % V == 0) && moe_aligned(dA0, 16) &&
-             moe_aligned(dh3, 16) && (!a || moe_aligned(a, 16)) && (!ga || moe_aligned(ga, 16));
+             moe_aligned(dh3, 16) && (!ga || moe_aligned(ga, 16));
   if (BITS == 0) vec = vec && moe_aligned(h1, 16) && moe_aligned(h3, 16);
   else /* a chunk within one row and one group; its codes aligned */
     vec = vec && q.cols % V == 0 && q.G % V == 0 && moe_aligned(q.v1, 8) && moe_aligned(q.v3, 8) &&
@@ -262,33 +261,33 @@ static void ex_bwd_launch(cudaStream_t s, int act, int64_t R, int64_t f, int64_t
   unsigned grid = (unsigned)(R < (1 << 30) ? R : (1 << 30));
   if (vec)
     ex_glu_bwd_kernel<T, V, BITS><<<grid, threads, 0, s>>>(act, R, f, bs, (T *)dA0, (const T *)h1,
-                                                           (const T *)h3, q, (const T *)a, g_rows,
-                                                           (T *)dh3, (T *)ga, dgate_rows);
+                                                           (const T *)h3, q, g_rows, (T *)dh3,
+                                                           (T *)ga, dgate_rows);
   else
     ex_glu_bwd_kernel<T, 1, BITS><<<grid, threads, 0, s>>>(act, R, f, bs, (T *)dA0, (const T *)h1,
-                                                           (const T *)h3, q, (const T *)a, g_rows,
-                                                           (T *)dh3, (T *)ga, dgate_rows);
+                                                           (const T *)h3, q, g_rows, (T *)dh3,
+                                                           (T *)ga, dgate_rows);
 }
 
 template <typename T>
 static void ex_bwd_bits(cudaStream_t s, int bits, int act, int64_t R, int64_t f, int64_t bs,
-                        void *dA0, const void *h1, const void *h3, const ExQ &q, const void *a,
+                        void *dA0, const void *h1, const void *h3, const ExQ &q,
                         const float *g_rows, void *dh3, void *ga, float *dgate_rows) {
-  if (bits == 8) ex_bwd_launch<T, 8>(s, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
-  else if (bits == 4) ex_bwd_launch<T, 4>(s, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
-  else ex_bwd_launch<T, 0>(s, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
+  if (bits == 8) ex_bwd_launch<T, 8>(s, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
+  else if (bits == 4) ex_bwd_launch<T, 4>(s, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
+  else ex_bwd_launch<T, 0>(s, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
 }
 
 static moe_status ex_bwd_any(moe_ctx *ctx, int device, moe_dtype dt, int bits, int act, int64_t R,
                              int64_t f, int64_t bs, void *dA0, const void *h1, const void *h3,
-                             const ExQ &q, const void *a, const float *g_rows, void *dh3, void *ga,
+                             const ExQ &q, const float *g_rows, void *dh3, void *ga,
                              float *dgate_rows) {
   cudaStream_t s;
   MOE_CHECK(ex_stream(ctx, device, &s));
   if (R <= 0 || f <= 0) return MOE_OK;
-  if (dt == MOE_F32) ex_bwd_bits<float>(s, bits, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
+  if (dt == MOE_F32) ex_bwd_bits<float>(s, bits, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
   else if (dt == MOE_BF16)
-    ex_bwd_bits<__nv_bfloat16>(s, bits, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
+    ex_bwd_bits<__nv_bfloat16>(s, bits, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
   else
     return moe_error(ctx, MOE_ERR_DTYPE, "glu_experts: CUDA takes f32 or bf16, got %s",
                      moe_dtype_name(dt));
@@ -298,11 +297,11 @@ static moe_status ex_bwd_any(moe_ctx *ctx, int device, moe_dtype dt, int bits, i
 
 extern "C" moe_status moe_cuda_experts_glu_bwd(moe_ctx *ctx, int device, moe_dtype dt, int act,
                                                int64_t R, int64_t f, int64_t bs, void *dA0,
-                                               const void *h1, const void *h3, const void *a,
+                                               const void *h1, const void *h3,
                                                const float *g_rows, void *dh3, void *ga,
                                                float *dgate_rows) {
   ExQ q = {};
-  return ex_bwd_any(ctx, device, dt, 0, act, R, f, bs, dA0, h1, h3, q, a, g_rows, dh3, ga, dgate_rows);
+  return ex_bwd_any(ctx, device, dt, 0, act, R, f, bs, dA0, h1, h3, q, g_rows, dh3, ga, dgate_rows);
 }
 
 extern "C" moe_status moe_cuda_experts_glu_bwd_quant(moe_ctx *ctx, int device, moe_dtype dt, int act,
@@ -313,8 +312,8 @@ extern "C" moe_status moe_cuda_experts_glu_bwd_quant(moe_ctx *ctx, int device, m
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "glu_experts: quantized hidden of %d bits", qh->bits);
   ExQ q = {qh->v1, qh->v3, qh->s1, qh->s3, qh->cols, qh->G, (qh->cols + qh->G - 1) / qh->G,
            qh->bits == 8 ? qh->cols : (qh->cols + 1) / 2};
-  return ex_bwd_any(ctx, device, dt, qh->bits, act, R, f, bs, dA0, nullptr, nullptr, q, nullptr,
-                    g_rows, dh3, ga, dgate_rows);
+  return ex_bwd_any(ctx, device, dt, qh->bits, act, R, f, bs, dA0, nullptr, nullptr, q, g_rows,
+                    dh3, ga, dgate_rows);
 }
 
 /* ------------------------------------------- forward with quantization */
