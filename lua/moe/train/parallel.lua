@@ -325,7 +325,9 @@ function M.expert_shards(par, model, o)
     if not assign[np[2]] then exclude[np[2]] = true end
   end
   local group = par.replica_group
-  local sh = require("moe.fsdp").shard(model, { group = group, modules = mods, assign = assign, exclude = exclude })
+  -- one layer's experts gathered ahead (parallel.prefetch counts blocks of the dense units)
+  local sh = require("moe.fsdp").shard(model, { group = group, modules = mods, assign = assign, exclude = exclude,
+    prefetch = 1 })
   local R, r = group:size(), group:rank()
   local self = setmetatable({ par = par, sh = sh, lr = o.lr, step_count = 0, group = group, units = {},
     hyper = { beta1 = o.betas[1], beta2 = o.betas[2], eps = o.eps, weight_decay = o.weight_decay } }, ExpertShards)
