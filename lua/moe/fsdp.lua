@@ -222,11 +222,8 @@ end
 --- the first `prefetch` blocks' (the sharded optimizer starts gathering them as soon as it
 --- has stepped them, while it steps the others).
 function Sharded:first_units()
-  local out = {}
-  if self.units[self.root] then out[#out + 1] = self.units[self.root].unit end
-  for g = 1, math.min(self.prefetch, self.root - 1) do
-    if self.units[g] then out[#out + 1] = self.units[g].unit end
-  end
+  local out = self:ahead(0)
+  if self.units[self.root] then table.insert(out, 1, self.units[self.root].unit) end
   return out
 end
 
