@@ -573,6 +573,62 @@ static moe_status bs_node(moe_ctx *ctx, bool dsd, moe_tensor *a, moe_tensor *w,
       .user = p, .user_free = bs_plan_release_void}, 1, out);
 }
 
+bool moe_bsmm_glu_fuses(moe_ctx *ctx, const moe_routing_plan *p, moe_dtype dt) {
+  return ctx && p && bs_cuda(p) && dt == MOE_BF16 && moe_cuda_bsmm_wgmma(ctx, p->device.index, dt) &&
+         ctx->knobs.bsmm_glu;
+}
+
+moe_status moe_bsmm_sdd_glu(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                            moe_routing_plan *p, int act, moe_tensor **h1, moe_tensor **h3,
+                            moe_tensor **a) {
+  const char *fn = "bsmm_sdd_glu";
+  bs_geom g = {0};
+  int64_t K = 0;
+  if (!h1 || !h3 || !a) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: h1, h3 or a is NULL", fn);
+  MOE_CHECK(bs_check_plan(ctx, fn, p, &g));
+  moe_tensor *in[3] = {x, w1, w3};
+  const char *names[3] = {"x", "w1", "w3"};
+  for (int i = 0; i < 3; i++) {
+    MOE_CHECK(bs_check_operand(ctx, fn, names[i], in[i], p));
+    MOE_CHECK(moe_check_same_dtype(ctx, fn, "x", x->dtype, names[i], in[i]->dtype));
+    if (moe_grad_enabled(ctx) && moe_requires_grad(in[i]))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "%s: not differentiable, and %s requires grad: run it with grad mode off, or "
+                       "use two moe_bsmm_sdd and the activation", fn, names[i]);
+  }
+  if (act < 0 || act > 2)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: activation must be 0 (silu), 1 (gelu) or 2 (gelu_tanh), got %d",
+                     fn, act);
+  if (!moe_bsmm_glu_fuses(ctx, p, x->dtype))
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s: runs on the sm_90a wgmma kernel only (bf16 on compute capability 9.x, "
+                     "MOE_BSMM_GLU=1); got %s on %s", fn, moe_dtype_name(x->dtype),
+                     bs_cuda(p) ? "this CUDA device" : "the CPU");
+  MOE_CHECK(bs_check_dense(ctx, fn, "x", x, p, &g, &K));
+  MOE_CHECK(bs_check_w(ctx, fn, w1, &g, K, true));
+  MOE_CHECK(bs_check_w(ctx, fn, w3, &g, K, true));
+  moe_status st = MOE_OK;
+  moe_tensor *c[3] = {0}, *r[3] = {0};
+  const int64_t shape[3] = {g.nnz, g.b, g.b};
+  for (int i = 0; i < 3; i++) {
+    MOE_CHECK_GOTO(bs_prepare(ctx, in[i], x->dtype, &c[i]), st, done);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 3, shape, x->dtype, p->device, &r[i]), st, done);
+  }
+  if (g.nnz > 0) {
+    moe_bs_topo tp = bs_topo(p, &g);
+    MOE_CHECK_GOTO(moe_cuda_bsmm_sdd_glu(ctx, p->device.index, x->dtype, &tp, moe_tensor_data(c[0]),
+                                         moe_tensor_data(c[1]), moe_tensor_data(c[2]), K, act,
+                                         moe_tensor_data(r[0]), moe_tensor_data(r[1]),
+                                         moe_tensor_data(r[2])),
+                   st, done);
+  }
+  *h1 = r[0], *h3 = r[1], *a = r[2];
+  r[0] = r[1] = r[2] = NULL;
+done:
+  for (int i = 0; i < 3; i++) moe_tensor_release(c[i]), moe_tensor_release(r[i]);
+  return st;
+}
+
 moe_status moe_bsmm_sdd(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
                         bool trans_w, moe_tensor **out) {
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_sdd: out is NULL");

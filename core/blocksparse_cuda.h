@@ -57,6 +57,11 @@ moe_status moe_cuda_bsmm_dds(moe_ctx *ctx, int device, moe_dtype dt, const moe_b
 moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                               const void *s, const void *w, const void *s2, const void *w2,
                               int64_t K, bool trans_w, void *out);
+/* h1 = x @ w1, h3 = x @ w3 (SDD, w untransposed) and a = act(h1) * h3 from
+ * their bf16 values, in one launch of the sm_90a kernel (bf16 only). */
+moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                                 const void *x, const void *w1, const void *w3, int64_t K, int act,
+                                 void *h1, void *h3, void *a);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather
  * (topo.gather_src) and moe_cuda_bsmm_dsd2 runs. */

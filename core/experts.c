@@ -21,7 +21,11 @@
  * again; with MOE_BSMM_GATHER=1 the sparse path on sm_90a in bf16 never
  * makes them at all: its wgmma kernels read the rows of x and dout in token
  * order (moe_bsmm_*_gather; same bits, slower on an H100 today, so off by
- * default). y = a W2 is never kept: the gate gradient is
+ * default). With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
+ * forward makes h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue
+ * computes a from the rounded h1 and h3; same bits, slower on an H100
+ * today, so off by default).
+ * y = a W2 is never kept: the gate gradient is
  * dot(dout_t, y_r) = dot(dout_t W2^T, a_r), formed from the ungated
  * dA0 = dout_rows W2^T the backward needs anyway. Backward:
  *   dout_rows = permute(dout)              (R, d)
@@ -757,8 +761,13 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
     MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w3c, plan, false, &h3), st, fail);
   } else {
     MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, fail);
-    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
-    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
+    if (impl == MOE_EXPERTS_SPARSE && o.quant_bits == 0 && moe_bsmm_glu_fuses(ctx, plan, x->dtype)) {
+      /* one kernel: h1, h3 and a (the same bits as the passes below) */
+      MOE_CHECK_GOTO(moe_bsmm_sdd_glu(ctx, xs, w1c, w3c, plan, (int)act, &h1, &h3, &a), st, fail);
+    } else {
+      MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
+      MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
+    }
     moe_tensor_release(xs);
     xs = NULL;
   }
@@ -770,7 +779,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
     moe_tensor_release(h1);
     moe_tensor_release(h3);
     h1 = h3 = NULL;
-  } else {
+  } else if (!a) {
     MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
   }
   MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, a, w2c, plan, false, &y), st, fail);

@@ -36,15 +36,20 @@ const moe_knob_def moe_knob_table[] = {
                 "the bf16 block-sparse kernel: wg (TMA + wgmma, 128 x 256, BK 64; 256k64 off "
                 "9.x), or mma.sync 128 (128 x 128, BK 32), 256 (128 x 256, BK 32), 256k64 "
                 "(128 x 256, BK 64)"),
-    KNOB_CHOICE(bsmm_epi, "MOE_BSMM_EPI", MOE_KNOB_BSMM_EPI_AUTO, "auto,direct,smem",
-                "the wgmma block-sparse epilogue: staged through shared memory (smem) or "
-                "stored from registers (direct); auto: smem"),
+    KNOB_CHOICE(bsmm_epi, "MOE_BSMM_EPI", MOE_KNOB_BSMM_EPI_AUTO, "auto,direct,smem,tma",
+                "the wgmma block-sparse epilogue: staged through shared memory and stored by "
+                "TMA (tma) or by the threads (smem), or stored from registers (direct); auto: "
+                "tma"),
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
     KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
               "1: the block-sparse GLU experts gather the token rows inside the wgmma kernel "
               "(cp.async) instead of reading a permuted copy (TMA); same bits, slower on an "
               "H100 today"),
+    KNOB_BOOL(bsmm_glu, "MOE_BSMM_GLU", 0,
+              "1: the block-sparse GLU experts make h1, h3 and a = act(h1) * h3 in one wgmma "
+              "kernel (sm_90a, bf16) instead of two products and the activation pass; same bits, "
+              "slower on an H100 today"),
     KNOB_INT(bsmm_persist, "MOE_BSMM_PERSIST", 1, 0, 2147483647,
              "1 (default): a persistent wgmma block-sparse grid of one CTA per SM; n >= 2: n "
              "CTAs; 0: one CTA per tile"),

@@ -40,7 +40,12 @@ enum {
   MOE_KNOB_BSMM_TILE_256K64 = 2,
   MOE_KNOB_BSMM_TILE_WG = 3
 };
-enum { MOE_KNOB_BSMM_EPI_AUTO = 0, MOE_KNOB_BSMM_EPI_DIRECT = 1, MOE_KNOB_BSMM_EPI_SMEM = 2 };
+enum {
+  MOE_KNOB_BSMM_EPI_AUTO = 0,
+  MOE_KNOB_BSMM_EPI_DIRECT = 1,
+  MOE_KNOB_BSMM_EPI_SMEM = 2,
+  MOE_KNOB_BSMM_EPI_TMA = 3
+};
 enum { MOE_KNOB_GEMM_TUNE_NONE = 0, MOE_KNOB_GEMM_TUNE_BIAS = 1, MOE_KNOB_GEMM_TUNE_ALL = 2 };
 
 /* The knobs' values (what each does: moe_knob_table in core/knobs.c). */
@@ -51,6 +56,7 @@ typedef struct moe_knobs {
   int attn_persistent;     /* MOE_ATTN_PERSISTENT: -1 one block per SM, 0 one per tile, n at most n */
   int attn_order;          /* MOE_ATTN_ORDER: MOE_KNOB_ATTN_ORDER_* */
   int bsmm_tile;           /* MOE_BSMM_TILE: MOE_KNOB_BSMM_TILE_* */
+  int bsmm_glu;            /* MOE_BSMM_GLU: the fused GLU SDD (moe_bsmm_sdd_glu) */
   int bsmm_epi;            /* MOE_BSMM_EPI: MOE_KNOB_BSMM_EPI_* */
   bool bsmm_wg_mnswap;     /* MOE_BSMM_WG_MNSWAP */
   bool bsmm_gather;        /* MOE_BSMM_GATHER */

@@ -113,6 +113,26 @@ moe_status moe_bsmm_dsd_t_gather(moe_ctx *ctx, moe_tensor *s, moe_tensor *y,
                                  struct moe_routing_plan *plan, moe_tensor **out);
 
 /*
+ * The GLU experts' first products in one kernel: h1 = x W1 and h3 = x W3
+ * (two SDDs over the plan, x (R, K), w1 and w3 (E_loc, K, N), untransposed)
+ * and a = act(h1) * h3 (act: 0 silu, 1 gelu, 2 gelu_tanh, as
+ * moe_glu_activation), each (nnz, b, b). One tile of the sm_90a kernel
+ * computes a block of h1 beside the same block of h3, and its epilogue
+ * stores both and a, made from their bf16 values: the bits of two
+ * moe_bsmm_sdd and the separate activation pass, without that pass's reads.
+ * Only where moe_bsmm_glu_fuses (bf16 on compute capability 9.x with the
+ * wgmma kernel, and the knob MOE_BSMM_GLU=1: off by default, slower on an
+ * H100 today, docs/EXPERTS.md); elsewhere an
+ * error: callers compose the three. Not differentiable (for
+ * moe_glu_experts): an operand that requires grad under grad mode is an
+ * error.
+ */
+bool moe_bsmm_glu_fuses(moe_ctx *ctx, const struct moe_routing_plan *plan, moe_dtype dt);
+moe_status moe_bsmm_sdd_glu(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,
+                            struct moe_routing_plan *plan, int act, moe_tensor **h1,
+                            moe_tensor **h3, moe_tensor **a);
+
+/*
  * The dense (R, E_loc * N) matrix of s with zeros outside the blocks, and
  * back (values outside the topology ignored). For tests and debugging; both
  * devices; not differentiable.

@@ -139,6 +139,11 @@ moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_
                               int64_t K, bool trans_w, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_dsd2");
 }
+moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                                 const void *x, const void *w1, const void *w3, int64_t K, int act,
+                                 void *h1, void *h3, void *a) {
+  return NO_CUDA_FN(ctx, "moe_cuda_bsmm_sdd_glu");
+}
 bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {
   (void)ctx, (void)device, (void)dt;
   return false;

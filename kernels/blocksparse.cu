@@ -49,6 +49,7 @@
 #include "tma.cuh"
 #include "wgmma.cuh"
 #include "common.cuh"
+#include "glu_act.cuh"
 
 namespace {
 
@@ -79,6 +80,12 @@ struct BsArgs {
   void *out;
   int64_t K;
   int group; /* tile rows per rasterisation group (bs_raster) */
+  /* SDD on the sm_90a kernel only: the GLU pair (moe_cuda_bsmm_sdd_glu).
+   * act >= 0 (a moe_glu_activation): c2 is w3, and each tile is one block
+   * of h1 = x w (out) and of h3 = x w3 (out2), with a = act(h1) * h3 (out3)
+   * made in the epilogue from the rounded h1 and h3; -1: a plain product. */
+  int act;
+  void *out2, *out3;
 };
 
 /* The output tile (BS_B x BN) and chunk walk of a CTA. Output element
@@ -124,16 +131,17 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
   BsCta c;
   int64_t mt, nt;
   c.col = 0;
-  if (KIND == BS_SDD) { /* tile = blocks (rb, c0 .. c0 + CPT - 1) */
-    int64_t Fp = (F + CPT - 1) / CPT;
+  if (KIND == BS_SDD) { /* tile = blocks (rb, c0 .. c0 + CPT - 1); GLU: block (rb, c0) of h1 | h3 */
+    const int64_t cpt = g.act >= 0 ? 1 : CPT;
+    int64_t Fp = (F + cpt - 1) / cpt;
     bs_raster(id, tp.Rb, Fp, g.group, &mt, &nt);
-    int64_t c0 = nt * CPT;
+    int64_t c0 = nt * cpt;
     c.i0 = mt * F + c0;
     c.t0 = 0;
     c.nq = (int)((K + BK - 1) / BK);
     c.out_off = c.i0 * BS_B * BS_B;
     c.ldo = BS_B, c.cbs = BS_B * BS_B;
-    c.m_valid = BS_B, c.n_valid = bs_min(BN, (F - c0) * BS_B);
+    c.m_valid = BS_B, c.n_valid = g.act >= 0 ? BN : bs_min(BN, (F - c0) * BS_B);
   } else if (KIND == BS_DSD) {
     bs_raster(id, tp.Rb, (K + BN - 1) / BN, g.group, &mt, &nt);
     c.i0 = mt;
@@ -439,6 +447,9 @@ constexpr int BS_WG_STAGE = BS_WG_A_BYTES + BS_WG_B_BYTES;
  * are free of bank conflicts. Separate from the stages, so a persistent CTA's
  * producer can fill them for the next tile meanwhile. */
 constexpr int BS_WG_EPI_BYTES = 2 * 64 * 128 * 2; /* 32 KB */
+/* The epilogues (the kernel's epi): from registers, staged through shared
+ * memory and stored by the warpgroup, or staged and stored by TMA. */
+enum { BS_EPI_DIRECT = 0, BS_EPI_STAGED = 1, BS_EPI_TMA = 2 };
 /* The gathering producer's plan rows (bs_wg_gather_tile): BS_WG_RING slots of
  * 64 i64 src entries of a DDS / DSD^T chunk, or the SDD tile's 128 tokens. */
 constexpr int BS_WG_RING = 3;
@@ -472,7 +483,9 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
     int64_t i = c.i0, rb = tp.row_indices[i], cb = tp.column_indices[i];
     int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
     moe_tma2(sa, ma, kk, (int)(rb * BS_B), bar); /* x (K | R): 64 x 128 */
-    if (!TRANS)                                 /* w (N | K | EL): 4 x (64 x 64 x 1) */
+    if (!TRANS && g.act >= 0)                   /* GLU: w1 and w3 (N | K | EL): 2 x 2 x (64 x 64 x 1) */
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, j < 2 ? mb : mb2, n0 + (j & 1) * 64, kk, el, bar);
+    else if (!TRANS)                            /* w (N | K | EL): 4 x (64 x 64 x 1) */
       for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
     else /* w (K | N | EL): 64 x 256 x 1 */
       moe_tma3(sb, mb, kk, n0, el, bar);
@@ -646,6 +659,116 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
 
 #endif /* BS_WG_DEVICE */
 
+#ifdef BS_WG_DEVICE
+/* The TMA epilogue: each half (128 columns) of the consumer warpgroup's
+ * 64 x 256 goes to its 16 KB buffer buf as bf16, two 64 x 64 boxes in the
+ * 128-byte swizzle (row r at r * 128, 16-byte piece p at (p ^ r % 8) * 16;
+ * the fragment writes are free of bank conflicts), and one thread stores
+ * the boxes with TMA (map mo, made by bs_wg_out_map). The warpgroup goes on
+ * to its next tile while the stores run; the buffer is written again once
+ * they have read it. The tensor's bounds clip the tile's invalid rows and
+ * columns, except SDD's second block past the row's last, which is skipped. */
+template <int KIND>
+__device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c, const CUtensorMap *mo,
+                                                const float (&acc)[128], uint32_t buf, int cw) {
+  const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    if (half * 128 >= c.n_valid) break; /* uniform over the warpgroup */
+    if (tid == 0) moe_bulk_wait_read<0>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+    for (int jj = 0; jj < 16; jj++) {
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int j = half * 16 + jj, r = wq * 16 + (lane >> 2) + h * 8;
+        __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + (jj >> 3) * 8192 + r * 128 +
+                                                        (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4),
+                     "r"(bits)
+                     : "memory");
+      }
+    }
+    moe_fence_proxy();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    if (tid == 0) {
+      const int64_t F = g.tp.F;
+#pragma unroll
+      for (int b = 0; b < 2; b++) {
+        const int col = half * 128 + b * 64;
+        if (col >= c.n_valid) break;
+        const uint32_t src = buf + b * 8192;
+        if (KIND == BS_SDD) /* blocks (nnz * 128 rows of 128): block i0 + half */
+          moe_tma_store2(mo, src, b * 64, (int)((c.i0 + half) * BS_B) + cw * 64);
+        else if (KIND == BS_DSD) /* (R rows of K): row block i0 */
+          moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.i0 * BS_B) + cw * 64);
+        else if (KIND == BS_DSD_T) /* (EL * N rows of K): rows col * 128.. */
+          moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.col * BS_B) + cw * 64);
+        else /* DDS: (EL, K, N): expert col / F, rows t0.., columns (col % F) * 128 + .. */
+          moe_tma_store3(mo, src, (int)((c.col % F) * BS_B) + col, (int)c.t0 + cw * 64,
+                         (int)(c.col / F));
+      }
+      moe_bulk_commit();
+    }
+  }
+}
+#endif /* BS_WG_DEVICE */
+
+#ifdef BS_WG_DEVICE
+/* The GLU pair's epilogue (BsArgs::act): the warpgroup's 64 x 256 is h1's
+ * block (columns 0..127) beside h3's (128..255), so a thread holds h1 and h3
+ * of the same elements: h1, h3 and a = act(h1) * h3 (computed from the
+ * bf16-rounded h1 and h3, as the separate activation pass does) go out in
+ * turn through buf, each as two 64 x 64 boxes by TMA (maps mo, mo2, mo3 over
+ * the three (nnz * 128, 128) block tensors). */
+__device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c, const CUtensorMap *mo,
+                                                const CUtensorMap *mo2, const CUtensorMap *mo3,
+                                                const float (&acc)[128], uint32_t buf, int cw) {
+  const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+#pragma unroll 1
+  for (int part = 0; part < 3; part++) {
+    if (tid == 0) moe_bulk_wait_read<0>();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+#pragma unroll
+    for (int jj = 0; jj < 16; jj++) {
+#pragma unroll
+      for (int h = 0; h < 2; h++) {
+        const int r = wq * 16 + (lane >> 2) + h * 8, e1 = 4 * jj + 2 * h, e3 = e1 + 64;
+        __nv_bfloat162 v1 = __floats2bfloat162_rn(acc[e1], acc[e1 + 1]), v;
+        if (part == 0) {
+          v = v1;
+        } else {
+          __nv_bfloat162 v3 = __floats2bfloat162_rn(acc[e3], acc[e3 + 1]);
+          if (part == 1) {
+            v = v3;
+          } else {
+            float f0, f1, d;
+            ex_act(g.act, __low2float(v1), &f0, &d);
+            ex_act(g.act, __high2float(v1), &f1, &d);
+            v = __floats2bfloat162_rn(f0 * __low2float(v3), f1 * __high2float(v3));
+          }
+        }
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + (jj >> 3) * 8192 + r * 128 +
+                                                        (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4),
+                     "r"(bits)
+                     : "memory");
+      }
+    }
+    moe_fence_proxy();
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    if (tid == 0) {
+      const CUtensorMap *m = part == 0 ? mo : part == 1 ? mo2 : mo3;
+      for (int b = 0; b < 2; b++) moe_tma_store2(m, buf + b * 8192, b * 64, (int)(c.i0 * BS_B) + cw * 64);
+      moe_bulk_commit();
+    }
+  }
+}
+#endif /* BS_WG_DEVICE */
+
 /* mn_swap: 1 swaps the LBO / SBO fields of the M/N-major descriptors (a
  * diagnostic, MOE_BSMM_WG_MNSWAP=1; 0 is the PTX ISA's canonical form).
  * The CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... < ntiles: one
@@ -657,7 +780,9 @@ template <int KIND, bool TRANS, bool GATHER>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
                  const __grid_constant__ CUtensorMap ma2, const __grid_constant__ CUtensorMap mb2,
-                 BsArgs g, int64_t ntiles, int mn_swap, int epi) {
+                 const __grid_constant__ CUtensorMap mo, const __grid_constant__ CUtensorMap mo2,
+                 const __grid_constant__ CUtensorMap mo3, BsArgs g, int64_t ntiles, int mn_swap,
+                 int epi) {
 #ifdef BS_WG_DEVICE
   using L = BsLayout<KIND, TRANS>;
   extern __shared__ __align__(16) uint8_t bs_wsmem[];
@@ -734,6 +859,14 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       if (c.nq > 0) moe_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
+      if (KIND == BS_SDD && g.act >= 0) {
+        bs_wg_store_glu(g, c, &mo, &mo2, &mo3, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
+        continue;
+      }
+      if (epi == BS_EPI_TMA) {
+        bs_wg_store_tma<KIND>(g, c, &mo, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
+        continue;
+      }
       __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
       if (epi && c.ldo % 8 == 0 && c.cbs % 8 == 0 && ((uintptr_t)out & 15) == 0) {
         /* Staged: each half (128 columns) of the warpgroup's 64 x 256 goes to
@@ -797,9 +930,11 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         }
       }
     }
+    /* the shared memory stays until the last stores have read it */
+    if ((epi == BS_EPI_TMA || g.act >= 0) && (threadIdx.x & 127) == 0) moe_bulk_wait<0>();
   }
 #else
-  (void)ma, (void)mb, (void)ma2, (void)mb2, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
+  (void)ma, (void)mb, (void)ma2, (void)mb2, (void)mo, (void)mo2, (void)mo3, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
 #endif
 }
 
@@ -849,6 +984,7 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   if (KIND == BS_SDD) {
     const int64_t dx[2] = {K, R}, dw[3] = {N, K, EL}, dwt[3] = {K, N, EL};
     if (!gather) MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
+    if (g.act >= 0) MOE_CHECK(bs_map(ctx, mb2, g.c2, 3, dw, b3_64)); /* w3 of the GLU pair */
     return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
   }
   if (KIND == BS_DSD) {
@@ -866,9 +1002,32 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   return bs_map(ctx, mb, g.c, 2, dds ? ds : dy, b64x64);
 }
 
+/* The output's tensor map of the TMA epilogue (bs_wg_store_tma): 64 x 64
+ * boxes of SDD's blocks (nnz * 128 rows of 128), DSD's (R, K), DSD^T's
+ * (EL * N, K) or DDS's (EL, K, N). */
+template <int KIND> moe_status bs_wg_out_map(moe_ctx *ctx, const BsArgs &g, CUtensorMap *mo) {
+  const moe_bs_topo &tp = g.tp;
+  int64_t K = g.K, N = tp.F * BS_B;
+  const uint32_t b2[2] = {64, 64}, b3[3] = {64, 64, 1};
+  if (KIND == BS_SDD) {
+    const int64_t d[2] = {BS_B, tp.nnz * BS_B};
+    return bs_map(ctx, mo, g.out, 2, d, b2);
+  }
+  if (KIND == BS_DSD) {
+    const int64_t d[2] = {K, tp.Rb * BS_B};
+    return bs_map(ctx, mo, g.out, 2, d, b2);
+  }
+  if (KIND == BS_DSD_T) {
+    const int64_t d[2] = {K, tp.EL * N};
+    return bs_map(ctx, mo, g.out, 2, d, b2);
+  }
+  const int64_t d[3] = {N, K, tp.EL};
+  return bs_map(ctx, mo, g.out, 3, d, b3);
+}
+
 template <int KIND, bool TRANS>
 moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int64_t ctas) {
-  CUtensorMap ma, mb, ma2, mb2;
+  CUtensorMap ma, mb, ma2, mb2, mo, mo2, mo3;
   MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb, &ma2, &mb2)));
   int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
   constexpr bool CAN_GATHER = KIND != BS_DSD; /* DSD has no dense R-row operand */
@@ -892,16 +1051,35 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
     want = sms;
   }
   if (want >= 1 && want < grid) grid = want;
-  /* The epilogue: staged through shared memory, or stored from registers
-   * ("direct", the former default). On an H100 (bench/results/blocksparse.md)
-   * staging made every product but dds faster with one CTA per tile, and
-   * every product, dds by 15-45%, with the persistent grid (2026-11-26, the
-   * MoE MLP's kernels per kind). MOE_BSMM_EPI=smem | direct (the knob
-   * bsmm_epi) overrides, for tests and tuning. */
-  int epi = 1;
-  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = 0;
-  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = 1;
-  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, ma2, mb2, g, ctas, swap, epi);
+  /* The epilogue: staged through shared memory and stored by TMA (the
+   * default), staged and stored by the warpgroup ("smem"), or stored from
+   * registers ("direct"). On an H100 (bench/results/blocksparse.md) the
+   * staged stores beat the direct ones on every product with the persistent
+   * grid, and TMA's beat both: the warpgroup's own global stores held it for
+   * most of the epilogue. MOE_BSMM_EPI (the knob bsmm_epi) overrides, for
+   * tests and tuning. TMA needs a 16-byte aligned output (K % 8 == 0 holds
+   * already: the operands' maps need it). */
+  int epi = BS_EPI_TMA;
+  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = BS_EPI_DIRECT;
+  if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
+  if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
+  memset(&mo, 0, sizeof mo);
+  memset(&mo2, 0, sizeof mo2);
+  memset(&mo3, 0, sizeof mo3);
+  if (KIND == BS_SDD && g.act >= 0) { /* the GLU pair's three block tensors (TMA only) */
+    if (TRANS || g.tp.gather_src || ((uintptr_t)g.out | (uintptr_t)g.out2 | (uintptr_t)g.out3) & 15)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "bsmm sdd_glu: needs untransposed weights, no gather and 16-byte aligned outputs");
+    BsArgs g2 = g, g3 = g;
+    g2.out = g.out2, g3.out = g.out3;
+    MOE_CHECK(bs_wg_out_map<KIND>(ctx, g, &mo));
+    MOE_CHECK(bs_wg_out_map<KIND>(ctx, g2, &mo2));
+    MOE_CHECK(bs_wg_out_map<KIND>(ctx, g3, &mo3));
+  } else if (epi == BS_EPI_TMA) {
+    MOE_CHECK(bs_wg_out_map<KIND>(ctx, g, &mo));
+  }
+  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, ma2, mb2, mo, mo2, mo3, g, ctas,
+                                                              swap, epi);
   MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
 }
@@ -944,6 +1122,7 @@ template <int KIND, bool TRANS>
 moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   BsVariant v = bs_variant(ctx);
   int BN = dt == MOE_BF16 && v != BS_V128 ? 256 : BS_B;
+  if (g.act >= 0) BN = BS_B; /* the GLU pair: a tile per block */
   int64_t ctas = bs_tiles(KIND, g.tp, g.K, BN);
   if (ctas == 0) return MOE_OK;
   if (ctas > INT32_MAX)
@@ -952,10 +1131,11 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
-  if ((g.tp.gather_src || g.a2) && !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
+  if ((g.tp.gather_src || g.a2 || g.act >= 0) &&
+      !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "bsmm: %s needs bf16 and the wgmma kernel on compute capability 9.x",
-                     g.a2 ? "a summed second pair" : "gathering rows");
+                     g.a2 ? "a summed second pair" : g.act >= 0 ? "the GLU pair" : "gathering rows");
   if (dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device))
     return bs_launch_wg<KIND, TRANS>(ctx, g, cs, ctas);
   if (dt == MOE_BF16 && (v == BS_V256K64 || v == BS_VWG)) return bs_launch_mma<KIND, TRANS, 256, 64, 3>(ctx, g, cs, ctas);
@@ -972,6 +1152,8 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
   g.tp = *tp;
   g.a = a, g.c = c, g.out = out, g.K = K;
   g.a2 = g.c2 = nullptr;
+  g.act = -1;
+  g.out2 = g.out3 = nullptr;
   /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
    * rasterisation group, for tuning */
   const int v = ctx->knobs.bsmm_group;
@@ -1045,6 +1227,15 @@ moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_
   g.a2 = s2, g.c2 = w2;
   if (trans_w) return bs_launch<BS_DSD, true>(ctx, device, dt, g);
   return bs_launch<BS_DSD, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
+                                 const void *x, const void *w1, const void *w3, int64_t K, int act,
+                                 void *h1, void *h3, void *a) {
+  if (act < 0 || act > 2) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm sdd_glu: activation %d", act);
+  BsArgs g = bs_args(ctx, tp, x, w1, h1, K);
+  g.c2 = w3, g.act = act, g.out2 = h3, g.out3 = a;
+  return bs_launch<BS_SDD, false>(ctx, device, dt, g);
 }
 
 bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {

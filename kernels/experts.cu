@@ -18,6 +18,7 @@
 
 #include "common.cuh"
 #include "experts_cuda.h"
+#include "glu_act.cuh"
 #include "quantize.cuh"
 
 #define EX_THREADS 256 /* a multiple of 32 */
@@ -38,24 +39,6 @@ template <typename T> __device__ __forceinline__ void ex_store(T *p, int64_t i, 
 template <> __device__ __forceinline__ void ex_store<float>(float *p, int64_t i, float v) { p[i] = v; }
 template <> __device__ __forceinline__ void ex_store<__nv_bfloat16>(__nv_bfloat16 *p, int64_t i, float v) {
   p[i] = __float2bfloat16_rn(v);
-}
-
-/* act(v) and act'(v); act as moe_glu_activation (0 silu, 1 gelu, 2 gelu_tanh). */
-__device__ __forceinline__ void ex_act(int act, float v, float *f, float *df) {
-  if (act == 0) {
-    float s = 1.0f / (1.0f + expf(-v));
-    *f = v * s;
-    *df = s * (1.0f + v * (1.0f - s));
-  } else if (act == 1) {
-    float c = 0.5f * (1.0f + erff(v * 0.70710678118654752440f));
-    *f = v * c;
-    *df = c + v * expf(-0.5f * v * v) * 0.39894228040143267794f;
-  } else {
-    const float k0 = 0.79788456080286535588f, k1 = 0.044715f;
-    float t = tanhf(k0 * (v + k1 * v * v * v));
-    *f = 0.5f * v * (1.0f + t);
-    *df = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * k0 * (1.0f + 3.0f * k1 * v * v);
-  }
 }
 
 /* V consecutive elements moved as one aligned access (V = 1: scalar). */

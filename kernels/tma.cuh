@@ -81,6 +81,35 @@ __device__ __forceinline__ void moe_tma4(uint32_t dst, const CUtensorMap *map, i
                "l"((uint64_t)map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
                : "memory");
 }
+/* TMA stores of a 2- or 3-D box from shared memory at src (the 128-byte
+ * swizzle of the map) to coordinates (c0 innermost ..), in the calling
+ * thread's bulk async-group; out-of-bounds elements are not written. The
+ * writers of src make their stores visible to the async proxy first
+ * (moe_fence_proxy) and a barrier orders them before the issuing thread. */
+__device__ __forceinline__ void moe_tma_store2(const CUtensorMap *map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   (uint64_t)map),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void moe_tma_store3(const CUtensorMap *map, uint32_t src, int c0, int c1,
+                                               int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   (uint64_t)map),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+/* Closes the thread's bulk async-group; waits until at most N of its groups
+ * are still reading shared memory (_read) or still in flight at all. */
+__device__ __forceinline__ void moe_bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void moe_bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void moe_bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #endif
 
 #endif /* MOE_KERNELS_TMA_CUH */

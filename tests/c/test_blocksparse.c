@@ -428,6 +428,17 @@ static void test_errors(moe_ctx *ctx) {
   EXPECT_ERR_MSG(moe_bsmm_to_dense(ctx, x, p, &o), MOE_ERR_SHAPE, "bsmm_to_dense: s has shape");
   EXPECT_ERR_MSG(moe_bsmm_from_dense(ctx, x, p, &o), MOE_ERR_SHAPE, "(R, E_loc * N)");
   EXPECT(o == NULL);
+  /* the fused GLU SDD: the sm_90a kernel only, so the CPU names what it needs */
+  moe_tensor *h1 = NULL, *h3 = NULL, *a = NULL;
+  EXPECT(!moe_bsmm_glu_fuses(ctx, p, MOE_F32));
+  EXPECT_ERR_MSG(moe_bsmm_sdd_glu(ctx, x, w, w, p, 0, &h1, &h3, &a), MOE_ERR_NOT_SUPPORTED,
+                 "bsmm_sdd_glu: runs on the sm_90a wgmma kernel only (bf16 on compute capability 9.x");
+  EXPECT_ERR_MSG(moe_bsmm_sdd_glu(ctx, x, w, w, p, 3, &h1, &h3, &a), MOE_ERR_INVALID_ARG,
+                 "activation must be 0 (silu), 1 (gelu) or 2 (gelu_tanh), got 3");
+  EXPECT_ERR_MSG(moe_bsmm_sdd_glu(ctx, x, w, x64, p, 0, &h1, &h3, &a), MOE_ERR_DTYPE,
+                 "bsmm_sdd_glu: x is f32 but w3 is f64");
+  EXPECT_ERR_MSG(moe_bsmm_sdd_glu(ctx, x, w, w, p, 0, &h1, NULL, &a), MOE_ERR_INVALID_ARG, "h1, h3 or a is NULL");
+  EXPECT(h1 == NULL && h3 == NULL && a == NULL);
   /* plans without a topology */
   moe_tensor *ids = NULL;
   double v[14];

@@ -378,11 +378,73 @@ static void test_errors(moe_ctx *ctx) {
   moe_routing_plan_release(p64), moe_routing_plan_release(pg);
 }
 
+/* The wgmma kernel's epilogues (MOE_BSMM_EPI = tma, the default; smem;
+ * direct), with one CTA per tile and with 3 CTAs walking many tiles: each
+ * matches the CPU as in test_bf16 and all give the same bits (the same
+ * accumulators rounded once). Odd F leaves SDD's last tile one block wide;
+ * K = 200 and 584 clip the dense outputs' last columns (DSD, DSD^T) and
+ * DDS's last rows. */
+static moe_tensor *rand_gpu(moe_ctx *ctx, int ndim, const int64_t *shape, uint64_t seed) {
+  moe_tensor *c = mk_rand(ctx, ndim, shape, MOE_BF16, seed), *g = c ? to_gpu(ctx, c) : NULL;
+  moe_tensor_release(c);
+  return g;
+}
+
+static void test_epilogues(moe_ctx *ctx) {
+  const char *epis[] = {"tma", "smem", "direct"}, *persist[] = {"0", "3"};
+  const int64_t shapes[2][3] = {{300, 3, 200}, {700, 5, 584}};
+  for (int sh = 0; sh < 2; sh++) {
+    int64_t T = shapes[sh][0], F = shapes[sh][1], K = shapes[sh][2];
+    moe_routing_plan *pg = mk_plan(ctx, T, 128, F, GPU);
+    if (!pg) continue;
+    int64_t R = pg->rows, N = F * 128, nnz = pg->nnz;
+    moe_tensor *x = rand_gpu(ctx, 2, (int64_t[]){R, K}, 11);
+    moe_tensor *w = rand_gpu(ctx, 3, (int64_t[]){4, K, N}, 12);
+    moe_tensor *s = rand_gpu(ctx, 3, (int64_t[]){nnz, 128, 128}, 13);
+    moe_tensor *w2 = rand_gpu(ctx, 3, (int64_t[]){4, N, K}, 14);
+    moe_tensor *ref[4] = {NULL, NULL, NULL, NULL};
+    for (int p = 0; p < 2; p++) {
+      for (int e = 0; e < 3; e++) {
+        setenv("MOE_BSMM_EPI", epis[e], 1);
+        setenv("MOE_BSMM_PERSIST", persist[p], 1);
+        EXPECT_OK(moe_knobs_reload(ctx));
+        moe_tensor *o[4] = {NULL, NULL, NULL, NULL};
+        EXPECT_OK(moe_bsmm_sdd(ctx, x, w, pg, false, &o[0]));
+        EXPECT_OK(moe_bsmm_dsd(ctx, s, w2, pg, false, &o[1]));
+        EXPECT_OK(moe_bsmm_dsd_t(ctx, s, x, pg, &o[2]));
+        EXPECT_OK(moe_bsmm_dds(ctx, x, s, pg, &o[3]));
+        for (int i = 0; i < 4; i++) {
+          if (!ref[i]) {
+            ref[i] = o[i];
+            continue;
+          }
+          bool same = o[i] && bit_equal(ctx, o[i], ref[i]);
+          EXPECT(same);
+          if (!same)
+            fprintf(stderr, "  product %d: MOE_BSMM_EPI=%s MOE_BSMM_PERSIST=%s differs from tma, persist 0 "
+                    "(T %lld F %lld K %lld)\n", i, epis[e], persist[p], (long long)T, (long long)F,
+                    (long long)K);
+          moe_tensor_release(o[i]);
+        }
+      }
+    }
+    /* and the default against the CPU */
+    unsetenv("MOE_BSMM_EPI");
+    unsetenv("MOE_BSMM_PERSIST");
+    EXPECT_OK(moe_knobs_reload(ctx));
+    check_products(ctx, MOE_BF16, T, F, K, 1e-2);
+    moe_tensor *ts[] = {x, w, s, w2, ref[0], ref[1], ref[2], ref[3]};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+    moe_routing_plan_release(pg);
+  }
+}
+
 int main(void) {
   moe_ctx *ctx = harness_start();
   SKIP_IF_NO_GPU(ctx);
   RUN(test_bf16);
   RUN(test_bf16_variants);
+  RUN(test_epilogues);
   RUN(test_gather);
   RUN(test_f32);
   RUN(test_grad);

@@ -169,6 +169,41 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
             moe_tensor_release(perm[i]);
           }
         }
+        if (impl == MOE_EXPERTS_SPARSE && dt == MOE_BF16) {
+          /* h1, h3 and a from one kernel (MOE_BSMM_GLU=1) or two products and
+           * the activation pass (the default): the same bits, every activation */
+          for (int act = 0; act < 3; act++) {
+            moe_glu_experts_opts ao = moe_glu_experts_opts_default();
+            ao.act = (moe_glu_activation)act;
+            moe_tensor *fused[6] = {0}, *apart[6] = {0};
+            run_opts(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, &ao, apart);
+            setenv("MOE_BSMM_GLU", "1", 1);
+            EXPECT_OK(moe_knobs_reload(ctx));
+            { /* the fused kernel does run here (bf16 on the sm_90a kernel) */
+              double one = 0;
+              moe_tensor *tid = NULL;
+              moe_routing_plan *fp = NULL;
+              moe_routing_opts ro = moe_routing_opts_default();
+              ro.block_size = c->bs, ro.ffn_hidden = c->f;
+              EXPECT_OK(moe_tensor_from_f64(ctx, &one, 2, (int64_t[]){1, 1}, MOE_I64, gpu, &tid));
+              if (tid) EXPECT_OK(moe_routing_plan_new(ctx, tid, c->E, &ro, &fp));
+              EXPECT(fp && moe_bsmm_glu_fuses(ctx, fp, dt));
+              moe_routing_plan_release(fp);
+              moe_tensor_release(tid);
+            }
+            run_opts(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, &ao, fused);
+            unsetenv("MOE_BSMM_GLU");
+            EXPECT_OK(moe_knobs_reload(ctx));
+            for (int i = 0; i < 6; i++) {
+              bool same = fused[i] && apart[i] && rel_err(ctx, fused[i], apart[i]) == 0.0;
+              if (!same)
+                fprintf(stderr, "case %d activation %d tensor %d: fused GLU SDD and the separate pass differ\n",
+                        (int)ci, act, i);
+              EXPECT(same);
+              moe_tensor_release(fused[i]), moe_tensor_release(apart[i]);
+            }
+          }
+        }
         { /* memory_optimized (a recomputed in the backward): the same bits */
           moe_glu_experts_opts mo = moe_glu_experts_opts_default();
           mo.memory_optimized = true;

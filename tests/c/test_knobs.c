@@ -39,6 +39,7 @@ static void test_defaults(moe_ctx *ctx) {
   EXPECT(k.attn_order == MOE_KNOB_ATTN_ORDER_HEAD);
   EXPECT(k.bsmm_tile == MOE_KNOB_BSMM_TILE_WG);
   EXPECT(k.bsmm_epi == MOE_KNOB_BSMM_EPI_AUTO);
+  EXPECT(k.bsmm_glu == 0);
   EXPECT(k.bsmm_wg_mnswap == false);
   EXPECT(k.bsmm_gather == false);
   EXPECT(k.bsmm_persist == 1);
@@ -60,7 +61,7 @@ static void test_defaults(moe_ctx *ctx) {
  * the grouped backend's names are moe_grouped_backends(). */
 static void test_table(moe_ctx *ctx) {
   (void)ctx;
-  EXPECT(moe_knob_count == 15);
+  EXPECT(moe_knob_count == 16);
   for (int i = 0; i < moe_knob_count; i++) {
     const moe_knob_def *d = &moe_knob_table[i];
     EXPECT(d->name && d->doc && d->doc[0]);
@@ -102,12 +103,13 @@ static void test_parse(moe_ctx *ctx) {
       {"MOE_BSMM_TILE", "wg", MOE_KNOB_BSMM_TILE_WG},
       {"MOE_BSMM_EPI", "direct", MOE_KNOB_BSMM_EPI_DIRECT},
       {"MOE_BSMM_EPI", "smem", MOE_KNOB_BSMM_EPI_SMEM},
+      {"MOE_BSMM_EPI", "tma", MOE_KNOB_BSMM_EPI_TMA},
       {"MOE_BSMM_WG_MNSWAP", "1", 1},   {"MOE_BSMM_PERSIST", "1", 1},
       {"MOE_BSMM_PERSIST", "96", 96},   {"MOE_BSMM_GROUP", "1", 1},
       {"MOE_BSMM_GROUP", "64", 64},     {"MOE_GROUPED_STREAMS", "8", 8},
       {"MOE_GROUPED_STREAMS", "1", 1},  {"MOE_GEMM_TUNE", "0", MOE_KNOB_GEMM_TUNE_NONE},
       {"MOE_GEMM_TUNE", "all", MOE_KNOB_GEMM_TUNE_ALL}, {"MOE_GLU_QFUSED", "0", 0},
-      {"MOE_BSMM_GATHER", "1", 1},
+      {"MOE_BSMM_GATHER", "1", 1},       {"MOE_BSMM_GLU", "1", 1},
   };
   for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
     const moe_knob_def *d = moe_knob_find(ok[i].env);
