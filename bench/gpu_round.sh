@@ -165,7 +165,7 @@ MOE_BSMM_PERSIST=1}"
       # out/scattermoe (A_SCATTERMOE=DIR elsewhere); then the 125M dMoE trained a few steps with
       # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3).
       cf=${A_CONFIGS:-mixtral,olmoe,qwen3}
-      $ml bench/moe_mlp.lua configs=$cf impls=grouped,sparse,auto budget=400 \
+      $ml bench/moe_mlp.lua configs=$cf impls=grouped,grouped_cublas,sparse,auto budget=400 \
         json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
       note "moe_mlp: rc=$?"; grep -E "grouped|sparse|auto" "$out/moe_mlp_moe.log" | grep -v "^|"
       sm=${A_SCATTERMOE:-$root/out/scattermoe}; smarg=(); [ -d "$sm/scattermoe" ] && smarg=(--scattermoe "$sm")

@@ -4,9 +4,12 @@ with SwiGLU (GLU) experts, forward + backward, bf16, one GPU, T = 16384
 tokens, top-k routing from random logits (top-k of softmax), for the configs
 mixtral (d 4096, f 14336, E 8, k 2), olmoe (2048, 1024, 64, 8) and qwen3
 (2048, 768, 128, 8). One step = routing plan from the ids (its one host
-sync) + permute + 3 expert GEMMs + combine, forward and backward with every
+sync, or none) + permute + 3 expert GEMMs + combine, forward and backward with every
 weight gradient and the gradients of x and the gates. Implementations:
-  grouped      moe.ops.glu_experts, impl "grouped" (grouped GEMM)
+  grouped      moe.ops.glu_experts, impl "grouped" (grouped GEMM: on an sm_90a GPU our
+               own kernel, offsets read on the device)
+  grouped_cublas  the same on cuBLAS (grouped backend loop or streams, as auto's
+               rule picks for host offsets), offsets copied to the host
   sparse       moe.ops.glu_experts, impl "sparse" (block-sparse, b = 128)
   lua_grouped  the GLU composed in Lua: parallel_linear x2, silu * mul,
                parallel_linear with scatter (grouped)
@@ -19,7 +22,8 @@ bench/moe_mlp_torch.py times PyTorch on the same configs and
 bench/moe_mlp_report.py joins both.
 
   moe-lua bench/moe_mlp.lua [json=FILE] [repeats=10] [budget=SECONDS]
-                            [configs=mixtral,olmoe,qwen3] [impls=grouped,sparse,lua_grouped,auto]
+                            [configs=mixtral,olmoe,qwen3]
+                            [impls=grouped,grouped_cublas,sparse,lua_grouped,auto]
                             (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                             65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
                             [smoke=true]
@@ -40,7 +44,8 @@ local moe = require "moe"
 local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
 local args = bench.config { repeats = 10, warmup = 2, budget = 80.0, smoke = false,
-  configs = { "mixtral", "olmoe", "qwen3" }, impls = { "grouped", "sparse", "lua_grouped", "auto" } }
+  configs = { "mixtral", "olmoe", "qwen3" },
+  impls = { "grouped", "grouped_cublas", "sparse", "lua_grouped", "auto" } }
 
 local smoke = args.smoke
 local dev = moe.cuda.is_available() and "cuda" or "cpu"
@@ -105,19 +110,29 @@ local function glu_lua(x, w1, w3, w2, plan, gates)
   return out
 end
 
-local function make_step(c, impl, t)
+-- grouped_cublas: the grouped path on cuBLAS with the offsets copied to the host, the
+-- backend auto's rule picks for host offsets (loop: few or large groups; else streams)
+local function cublas_backend(c, tokens)
+  return (c.E <= 16 or tokens * c.k / c.E >= 2048) and "loop" or "streams"
+end
+
+local function make_step(c, impl, t, tokens)
   local popts = impl == "sparse" and { block_size = 128, ffn_hidden = c.f } or nil
+  local backend = impl == "grouped_cublas" and cublas_backend(c, tokens) or "auto"
   return function()
     local plan = moe.ops.routing_plan(t.ids, c.E, popts)
     local out
+    moe.ops.grouped_backend(backend)
     if impl == "lua_grouped" then
       out = glu_lua(t.x, t.w1, t.w3, t.w2, plan, t.gates)
     else
-      out = moe.ops.glu_experts(t.x, t.w1, t.w3, t.w2, plan, t.gates, { impl = impl })
+      out = moe.ops.glu_experts(t.x, t.w1, t.w3, t.w2, plan, t.gates,
+        { impl = impl == "grouped_cublas" and "grouped" or impl })
     end
     out:backward(t.dy)
     out:free()
     plan:free()
+    moe.ops.grouped_backend("auto")
     for _, p in ipairs({ t.x, t.w1, t.w3, t.w2, t.gates }) do p.grad = nil end
   end
 end
@@ -139,7 +154,7 @@ local autotune = require "moe.experts.autotune"
 autotune.mode = "measure" -- the auto row measures on the CPU too (smoke runs)
 
 local results = {}
-local impl_order = { "grouped", "sparse", "lua_grouped", "auto" }
+local impl_order = { "grouped", "grouped_cublas", "sparse", "lua_grouped", "auto" }
 for _, c in ipairs(CONFIGS) do
   if want_cfg[c.name] then
     local T = c.T or T -- luacheck: ignore 421 (this config's tokens)
@@ -173,7 +188,7 @@ for _, c in ipairs(CONFIGS) do
                 rule = autotune.rule(dev == "cuda", c.E, c.f, 128) })
               run, r.impl, r.pick_ms, r.pick_T = pick, "auto:" .. pick, m and m.ms, m and m.T
             end
-            local step = make_step(c, run, t)
+            local step = make_step(c, run, t, T)
             collectgarbage()
             bench.cooldown(args.cooldown, dev) -- idle first when cooldown= is set
             step() -- warm-up (cuBLAS heuristics, allocator growth)

@@ -124,7 +124,9 @@ def main():
            "dense": {"moe": moe["dense"], "torch": th["dense"], "reference_tflops": dense},
            "method": "forward + backward of the SwiGLU expert MLP (routing plan / sort, permute, "
                      "3 expert GEMMs, combine; all weight, input and gate gradients); median of "
-                     "per-step CUDA-event times after 2 warm-up steps; TFLOP/s = 18 T k d f / time",
+                     "per-step CUDA-event times after 2 warm-up steps; TFLOP/s = 18 T k d f / time; "
+                     "grouped: moe-lua's sm_90a grouped GEMM, group offsets read on the device; "
+                     "grouped_cublas: cuBLAS with the offsets copied to the host (not an auto pick)",
            "command": command, "rows": rows, "targets": targets}
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "moe_mlp.json"), "w") as fh:

@@ -6,13 +6,16 @@
  *   local dw = moe.ops.grouped_mm_wgrad(a, b, offsets, {trans_out = false})
  *   moe.ops.grouped_backend([name]) -> the current CUDA backend (sets it first
  *                                      when name is given)
- *   moe.ops.grouped_backends()      -> {"auto", "loop", "cublas_grouped"}
+ *   moe.ops.grouped_backends()      -> {"auto", "loop", "cublas_grouped", "streams", "wgmma"}
  *
- * offsets is one of: a routing plan (its host row offsets of the local
- * experts, G = expert_end - expert_begin; the plan's one counts copy is made
- * here when it has not happened yet), a Lua sequence of G + 1 integers, or
- * an i64 CPU tensor of G + 1 values. The offsets are copied into a scratch
- * box on the Lua stack (freed by the collector even when an error unwinds).
+ * offsets is one of: a routing plan (its row offsets of the local experts,
+ * G = expert_end - expert_begin), a Lua sequence of G + 1 integers, or an
+ * i64 tensor of G + 1 values. A CUDA tensor, or a CUDA plan whose products
+ * moe_grouped_offsets_on_device runs, goes to the device-offset functions
+ * (moe_grouped_mm_dev: no host copy); otherwise the offsets come to the host
+ * (the plan's one counts copy is made here when it has not happened yet)
+ * into a scratch box on the Lua stack (freed by the collector even when an
+ * error unwinds).
  * Registered by luaopen_moe through lm_open_grouped.
  */
 #include <stdlib.h>
@@ -75,6 +78,33 @@ static void lm_gg_offsets(lua_State *L, lm_state *S, int arg, const char *fname,
   *groups = n - 1;
 }
 
+/* Whether the offsets at arg go to the device-offset functions without a
+ * host copy: a CUDA i64 tensor (always), or a CUDA plan whose products of
+ * depth K and N columns run on the device. */
+static bool lm_gg_on_device(lua_State *L, lm_state *S, int arg, const char *fname,
+                            const moe_tensor *x, int64_t K, int64_t N) {
+  moe_routing_plan *p = lm_toplan(L, arg, fname);
+  if (p)
+    return p->device.type == MOE_DEVICE_CUDA && p->row_offsets &&
+           moe_grouped_offsets_on_device(S->ctx, p->device, x->dtype, p->e1 - p->e0, K, N);
+  lm_tensor *t = lm_testtensor(L, arg);
+  return t && t->t && moe_tensor_device(t->t).type != MOE_DEVICE_CPU;
+}
+
+/* Those offsets as a tensor (a new reference; the plan's local slice of its
+ * row offsets), or NULL with the context's error set. */
+static moe_tensor *lm_gg_dev_offsets(lua_State *L, lm_state *S, int arg, const char *fname) {
+  moe_routing_plan *p = lm_toplan(L, arg, fname);
+  moe_tensor *o = NULL;
+  if (p) {
+    if (moe_narrow(S->ctx, p->row_offsets, 0, p->e0, p->e1 - p->e0 + 1, &o) != MOE_OK) return NULL;
+    return o;
+  }
+  o = lm_testtensor(L, arg)->t;
+  moe_tensor_retain(o);
+  return o;
+}
+
 /* The boolean option `key` of the options table at arg (the only one allowed). */
 static bool lm_gg_flag(lua_State *L, int arg, const char *fname, const char *key) {
   if (lua_isnoneornil(L, arg)) return false;
@@ -93,13 +123,22 @@ static int lm_grouped_mm(lua_State *L) {
   moe_tensor *w = lm_checktensor(L, 2, fname);
   bool trans_w = lm_gg_flag(L, 4, fname, "trans_w");
   lm_checkend(L, 4, fname);
+  bool on_dev = x->ndim == 2 && w->ndim == 3 &&
+                lm_gg_on_device(L, S, 3, fname, x, x->shape[1], trans_w ? w->shape[1] : w->shape[2]);
   const int64_t *offs = NULL;
   int64_t groups = 0;
-  lm_gg_offsets(L, S, 3, fname, &offs, &groups);
+  if (!on_dev) lm_gg_offsets(L, S, 3, fname, &offs, &groups);
   lm_tensor *r = lm_push_empty(L);
   moe_tensor *out = NULL;
   moe_status st;
-  LM_CALL(L, st, moe_grouped_mm(S->ctx, x, w, offs, groups, trans_w, &out));
+  if (on_dev) {
+    moe_tensor *dev = lm_gg_dev_offsets(L, S, 3, fname);
+    st = dev ? MOE_OK : MOE_ERR_INVALID_ARG;
+    if (dev) LM_CALL(L, st, moe_grouped_mm_dev(S->ctx, x, w, dev, trans_w, &out));
+    moe_tensor_release(dev);
+  } else {
+    LM_CALL(L, st, moe_grouped_mm(S->ctx, x, w, offs, groups, trans_w, &out));
+  }
   return lm_result(L, S, r, st, out, fname, 0);
 }
 
@@ -111,13 +150,22 @@ static int lm_grouped_mm_wgrad(lua_State *L) {
   moe_tensor *b = lm_checktensor(L, 2, fname);
   bool trans_out = lm_gg_flag(L, 4, fname, "trans_out");
   lm_checkend(L, 4, fname);
+  bool on_dev = a->ndim == 2 && b->ndim == 2 &&
+                lm_gg_on_device(L, S, 3, fname, a, a->shape[1], b->shape[1]);
   const int64_t *offs = NULL;
   int64_t groups = 0;
-  lm_gg_offsets(L, S, 3, fname, &offs, &groups);
+  if (!on_dev) lm_gg_offsets(L, S, 3, fname, &offs, &groups);
   lm_tensor *r = lm_push_empty(L);
   moe_tensor *out = NULL;
   moe_status st;
-  LM_CALL(L, st, moe_grouped_mm_wgrad(S->ctx, a, b, offs, groups, trans_out, &out));
+  if (on_dev) {
+    moe_tensor *dev = lm_gg_dev_offsets(L, S, 3, fname);
+    st = dev ? MOE_OK : MOE_ERR_INVALID_ARG;
+    if (dev) LM_CALL(L, st, moe_grouped_mm_wgrad_dev(S->ctx, a, b, dev, trans_out, &out));
+    moe_tensor_release(dev);
+  } else {
+    LM_CALL(L, st, moe_grouped_mm_wgrad(S->ctx, a, b, offs, groups, trans_out, &out));
+  }
   return lm_result(L, S, r, st, out, fname, 0);
 }
 

@@ -62,6 +62,22 @@ moe_status moe_cuda_bsmm_dsd2(moe_ctx *ctx, int device, moe_dtype dt, const moe_
 moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
                                  const void *x, const void *w1, const void *w3, int64_t K, int act,
                                  void *h1, void *h3, void *a);
+/* The grouped GEMM on the same sm_90a kernel, bf16, group offsets read on
+ * the device (offs: G + 1 int64 in device memory; no host copy), for
+ * core/grouped.c's device-offset functions. x (R, K), w (G, K, N) or with
+ * trans_w (G, N, K) -> out (R, N), rows outside every group zero;
+ * a (R, K), b (R, N) -> out (G, K, N) = per group a^T b (zero for an empty
+ * group). Offsets out of order or past R are clamped, never followed
+ * outside the tensors. MOE_ERR_NOT_SUPPORTED where the kernel cannot run
+ * (moe_cuda_wg_grouped false, K or N not a multiple of 8, unaligned
+ * tensors, 4094 groups or more). */
+moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
+                                  const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
+                                  bool trans_w, void *out);
+moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,
+                                     const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                     int64_t N, void *out);
+bool moe_cuda_wg_grouped(moe_ctx *ctx, int device);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather
  * (topo.gather_src) and moe_cuda_bsmm_dsd2 runs. */

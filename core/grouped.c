@@ -17,6 +17,12 @@
  * measurements behind the rule). Output rows outside the groups
  * and weight gradients of empty groups are zero-filled; nothing else is.
  *
+ * The device-offset functions (moe_grouped_mm_dev, _wgrad_dev) hand bf16
+ * products on an sm_90a GPU to the block-sparse family's wgmma kernel
+ * (moe_cuda_wg_grouped_mm, kernels/blocksparse.cu), which reads the offsets
+ * where they are; otherwise they copy the offsets to the host once and run
+ * the functions above (the backward reuses that copy).
+ *
  * Backward of grouped_mm (node MOE_OP_GROUPED_MM, saves x and w, keeps its
  * own copy of the offsets in node->user):
  *   dx = grouped_mm(dout, w, offs, !trans_w)
@@ -27,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocksparse_cuda.h" /* the sm_90a kernel of the device-offset functions */
 #include "grouped_cuda.h"
 #include "internal.h"
 #include "moe_grouped.h"
@@ -38,11 +45,12 @@ typedef enum gg_backend {
   GG_LOOP,
   GG_CUBLAS_GROUPED,
   GG_STREAMS,
+  GG_WGMMA,
   GG_NBACKENDS
 } gg_backend;
 
 static const char *const gg_backend_names[GG_NBACKENDS] = {"auto", "loop", "cublas_grouped",
-                                                            "streams"};
+                                                            "streams", "wgmma"};
 
 moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name) {
   if (!ctx) return MOE_ERR_INVALID_ARG;
@@ -64,7 +72,7 @@ const char *moe_grouped_backend(const moe_ctx *ctx) {
   return gg_backend_names[b >= 0 && b < GG_NBACKENDS ? b : GG_AUTO];
 }
 
-const char *moe_grouped_backends(void) { return "auto,loop,cublas_grouped,streams"; }
+const char *moe_grouped_backends(void) { return "auto,loop,cublas_grouped,streams,wgmma"; }
 
 /* ---------------------------------------------------------- validation */
 
@@ -188,7 +196,7 @@ static moe_status gg_cpu_gemm(moe_ctx *ctx, const char *fn, const moe_gemm *g) {
 #define GG_AUTO_LOOP_MIN_ROWS 2048 /* mean rows per group at least this: loop */
 static gg_backend gg_auto_backend(const moe_ctx *ctx, int64_t groups, int64_t rows) {
   const gg_backend set = (gg_backend)ctx->knobs.grouped_backend;
-  if (set != GG_AUTO) return set;
+  if (set != GG_AUTO && set != GG_WGMMA) return set; /* wgmma: the device-offset functions' kernel */
   if (groups <= GG_AUTO_LOOP_MAX_GROUPS || rows / groups >= GG_AUTO_LOOP_MIN_ROWS) return GG_LOOP;
   return GG_STREAMS;
 }
@@ -479,5 +487,236 @@ moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, cons
   bool prev = moe_grad_set(ctx, false);
   moe_status st = gg_wgrad_compute(ctx, fn, a, b, offs, groups, trans_out, out);
   moe_grad_set(ctx, prev);
+  return st;
+}
+
+/* ---------------------------------------------- offsets on the device */
+
+/* The sm_90a kernel runs these sizes (moe_grouped_offsets_on_device). */
+static bool gg_dev_sizes(int64_t G, int64_t K, int64_t N) {
+  return G >= 1 && G < 4094 && K >= 8 && N >= 8 && K % 8 == 0 && N % 8 == 0 && K <= INT32_MAX &&
+         N <= INT32_MAX;
+}
+
+bool moe_grouped_offsets_on_device(moe_ctx *ctx, moe_device dev, moe_dtype dt, int64_t groups,
+                                   int64_t K, int64_t N) {
+  if (!ctx || dev.type != MOE_DEVICE_CUDA || dt != MOE_BF16) return false;
+  gg_backend b = (gg_backend)ctx->knobs.grouped_backend;
+  return (b == GG_AUTO || b == GG_WGMMA) && gg_dev_sizes(groups, K, N) &&
+         moe_cuda_wg_grouped(ctx, dev.index);
+}
+
+/* offs: (G + 1) i64 on dev. */
+static moe_status gg_check_offs_tensor(moe_ctx *ctx, const char *fn, const moe_tensor *offs,
+                                       moe_device dev, int64_t *groups) {
+  if (!offs) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: offsets are NULL", fn);
+  if (offs->ndim != 1 || offs->dtype != MOE_I64 || offs->shape[0] < 2)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: offsets must be a 1-D i64 tensor of G + 1 >= 2 "
+                     "entries, got %s %s", fn, moe_dtype_name(offs->dtype), MOE_SHAPE(offs));
+  moe_device od = moe_tensor_device(offs);
+  if (od.type != dev.type || od.index != dev.index)
+    return moe_error(ctx, MOE_ERR_DEVICE, "%s: offsets are on another device than the operands", fn);
+  *groups = offs->shape[0] - 1;
+  return MOE_OK;
+}
+
+/* The offsets on the host (a synchronisation on CUDA), checked. */
+static moe_status gg_offs_host(moe_ctx *ctx, const char *fn, moe_tensor *offs, int64_t R,
+                               int64_t **out) {
+  int64_t G = offs->shape[0] - 1;
+  moe_tensor *h = NULL;
+  MOE_CHECK(moe_to(ctx, offs, MOE_I64, MOE_CPU, &h));
+  moe_tensor *hc = NULL;
+  moe_status st = moe_contiguous(ctx, h, &hc);
+  moe_tensor_release(h);
+  MOE_CHECK(st);
+  int64_t *copy = (int64_t *)malloc(sizeof(int64_t) * (size_t)(G + 1));
+  if (!copy) {
+    moe_tensor_release(hc);
+    return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn, (long long)(G + 1));
+  }
+  memcpy(copy, moe_tensor_data(hc), sizeof(int64_t) * (size_t)(G + 1));
+  moe_tensor_release(hc);
+  st = gg_check_offs(ctx, fn, copy, G, R);
+  if (st != MOE_OK) {
+    free(copy);
+    return st;
+  }
+  *out = copy;
+  return MOE_OK;
+}
+
+/* A contiguous offsets tensor whose data the kernel reads. */
+static moe_status gg_dev_operands(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor *offs,
+                                  moe_tensor **ac, moe_tensor **bc, moe_tensor **oc) {
+  MOE_CHECK(moe_contiguous(ctx, a, ac));
+  MOE_CHECK(moe_contiguous(ctx, b, bc));
+  return moe_contiguous(ctx, offs, oc);
+}
+
+static bool gg_aligned(moe_tensor *const *t, int n) {
+  for (int i = 0; i < n; i++)
+    if ((uintptr_t)moe_tensor_data(t[i]) & 15) return false;
+  return true;
+}
+
+/* out (R, N) = grouped_mm with the offsets tensor; host: the offsets on the
+ * host when the kernel does not run (else NULL), made on first need. */
+static moe_status gg_dev_mm_compute(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w,
+                                    moe_tensor *offs, int64_t **host, bool trans_w,
+                                    moe_tensor **out) {
+  int64_t G = offs->shape[0] - 1, R = x->shape[0], K = x->shape[1];
+  int64_t N = trans_w ? w->shape[1] : w->shape[2];
+  moe_device dev = x->storage->device;
+  if (!*host && moe_grouped_offsets_on_device(ctx, dev, x->dtype, G, K, N)) {
+    moe_tensor *xc = NULL, *wc = NULL, *oc = NULL, *r = NULL;
+    moe_status st = gg_dev_operands(ctx, x, w, offs, &xc, &wc, &oc);
+    if (st == MOE_OK) st = moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, x->dtype, dev, &r);
+    moe_tensor *t[4] = {xc, wc, oc, r};
+    if (st == MOE_OK && gg_aligned(t, 4)) {
+      st = moe_cuda_wg_grouped_mm(ctx, dev.index, moe_tensor_data(xc), moe_tensor_data(wc),
+                                  (const int64_t *)moe_tensor_data(oc), G, R, K, N, trans_w,
+                                  moe_tensor_data(r));
+      if (st == MOE_OK) *out = r, r = NULL;
+    } else if (st == MOE_OK) {
+      st = MOE_ERR_NOT_SUPPORTED; /* unaligned views: the host path below */
+    }
+    moe_tensor_release(xc), moe_tensor_release(wc), moe_tensor_release(oc), moe_tensor_release(r);
+    if (st != MOE_ERR_NOT_SUPPORTED) return st;
+  }
+  if (!*host) MOE_CHECK(gg_offs_host(ctx, fn, offs, R, host));
+  return gg_mm_compute(ctx, fn, x, w, *host, G, trans_w, out);
+}
+
+static moe_status gg_dev_wgrad_compute(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_tensor *b,
+                                       moe_tensor *offs, int64_t **host, bool trans_out,
+                                       moe_tensor **out) {
+  int64_t G = offs->shape[0] - 1, R = a->shape[0], K = a->shape[1], N = b->shape[1];
+  moe_device dev = a->storage->device;
+  if (!*host && R > 0 && moe_grouped_offsets_on_device(ctx, dev, a->dtype, G, K, N)) {
+    moe_tensor *ac = NULL, *bc = NULL, *oc = NULL, *r = NULL;
+    moe_status st = gg_dev_operands(ctx, a, b, offs, &ac, &bc, &oc);
+    /* (G, N, K) = b^T a: the same kernel with the operands swapped */
+    int64_t shape[3] = {G, trans_out ? N : K, trans_out ? K : N};
+    if (st == MOE_OK) st = moe_tensor_empty(ctx, 3, shape, a->dtype, dev, &r);
+    moe_tensor *t[4] = {ac, bc, oc, r};
+    if (st == MOE_OK && gg_aligned(t, 4)) {
+      const void *p = moe_tensor_data(ac), *q = moe_tensor_data(bc);
+      st = moe_cuda_wg_grouped_wgrad(ctx, dev.index, trans_out ? q : p, trans_out ? p : q,
+                                     (const int64_t *)moe_tensor_data(oc), G, R,
+                                     trans_out ? N : K, trans_out ? K : N, moe_tensor_data(r));
+      if (st == MOE_OK) *out = r, r = NULL;
+    } else if (st == MOE_OK) {
+      st = MOE_ERR_NOT_SUPPORTED;
+    }
+    moe_tensor_release(ac), moe_tensor_release(bc), moe_tensor_release(oc), moe_tensor_release(r);
+    if (st != MOE_ERR_NOT_SUPPORTED) return st;
+  }
+  if (!*host) MOE_CHECK(gg_offs_host(ctx, fn, offs, R, host));
+  return gg_wgrad_compute(ctx, fn, a, b, *host, G, trans_out, out);
+}
+
+/* The node's offsets: the tensor and, once made, a host copy. */
+typedef struct gg_dev_offs {
+  moe_tensor *offs;
+  int64_t *host;
+} gg_dev_offs;
+
+static void gg_dev_offs_free(void *p) {
+  gg_dev_offs *o = (gg_dev_offs *)p;
+  if (!o) return;
+  moe_tensor_release(o->offs);
+  free(o->host);
+  free(o);
+}
+
+static moe_status gg_dev_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                     moe_tensor **gin) {
+  moe_tensor *x = NULL, *w = NULL;
+  moe_status st = MOE_OK;
+  gg_dev_offs *o = (gg_dev_offs *)n->user;
+  bool trans_w = n->iargs[0] != 0;
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
+  if (moe_node_needs_grad(n, 0))
+    MOE_CHECK_GOTO(gg_dev_mm_compute(ctx, "grouped_mm_dev", gout[0], w, o->offs, &o->host, !trans_w,
+                                     &gin[0]),
+                   st, fail);
+  if (moe_node_needs_grad(n, 1))
+    MOE_CHECK_GOTO(gg_dev_wgrad_compute(ctx, "grouped_mm_dev", x, gout[0], o->offs, &o->host,
+                                        trans_w, &gin[1]),
+                   st, fail);
+  goto done;
+fail:
+  for (int i = 0; i < 2; i++) {
+    moe_tensor_release(gin[i]);
+    gin[i] = NULL;
+  }
+done:
+  moe_tensor_release(x);
+  moe_tensor_release(w);
+  return st;
+}
+
+moe_status moe_grouped_mm_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *offs,
+                              bool trans_w, moe_tensor **out) {
+  const char *fn = "grouped_mm_dev";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
+  int64_t groups = 0;
+  MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, x->storage->device, &groups));
+  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
+  if (w->shape[0] != groups)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, the offsets %lld (x %s)",
+                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
+  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
+  if (x->shape[1] != wk)
+    return moe_error(ctx, MOE_ERR_SHAPE,
+                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
+                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  gg_dev_offs *o = (gg_dev_offs *)calloc(1, sizeof *o);
+  if (!o) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+  moe_tensor_retain(offs);
+  o->offs = offs;
+  bool prev = moe_grad_set(ctx, false);
+  moe_tensor *r = NULL;
+  moe_status st = gg_dev_mm_compute(ctx, fn, x, w, offs, &o->host, trans_w, &r);
+  moe_grad_set(ctx, prev);
+  if (st != MOE_OK) {
+    gg_dev_offs_free(o);
+    return st;
+  }
+  bool want = moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w});
+  if (!want) gg_dev_offs_free(o), o = NULL;
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_GROUPED_MM, .backward = gg_dev_mm_backward, .n_in = 2, .in = {x, w},
+      .n_save = 2, .save = {x, w}, .iargs = {trans_w}, .user = o, .user_free = gg_dev_offs_free},
+      1, &r));
+  *out = r;
+  return MOE_OK;
+}
+
+moe_status moe_grouped_mm_wgrad_dev(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor *offs,
+                                    bool trans_out, moe_tensor **out) {
+  const char *fn = "grouped_mm_wgrad_dev";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
+  if (a->shape[0] != b->shape[0])
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
+                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)a->shape[0], (long long)b->shape[0]);
+  int64_t groups = 0;
+  MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, a->storage->device, &groups));
+  int64_t *host = NULL;
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = gg_dev_wgrad_compute(ctx, fn, a, b, offs, &host, trans_out, out);
+  moe_grad_set(ctx, prev);
+  free(host);
   return st;
 }

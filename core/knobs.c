@@ -57,9 +57,10 @@ const moe_knob_def moe_knob_table[] = {
              "tile rows per rasterisation group of the block-sparse kernels (0: the built-in 8)"),
     KNOB_INT(grouped_streams, "MOE_GROUPED_STREAMS", 4, 1, 8,
              "side streams of the grouped GEMM's streams backend"),
-    KNOB_CHOICE(grouped_backend, NULL, 0, "auto,loop,cublas_grouped,streams",
+    KNOB_CHOICE(grouped_backend, NULL, 0, "auto,loop,cublas_grouped,streams,wgmma",
                 "the grouped GEMM's CUDA backend (moe_grouped_set_backend, "
-                "moe.ops.grouped_backend); auto: loop or streams chosen per call"),
+                "moe.ops.grouped_backend); auto: loop or streams chosen per call, and the "
+                "sm_90a kernel (wgmma) for device offsets where it runs"),
     KNOB_CHOICE(gemm_tune, "MOE_GEMM_TUNE", MOE_KNOB_GEMM_TUNE_BIAS, "0,1,all",
                 "0: cuBLASLt's first heuristic choice everywhere; all: time the top candidates "
                 "of every large GEMM; 1 (default): of large GEMMs with the bias epilogue"),

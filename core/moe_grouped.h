@@ -51,10 +51,35 @@ moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, cons
  * (for benchmarks and tests; like torch.backends settings): "auto" (the
  * default: chosen per call from the shapes), or one of the names that
  * moe_grouped_backends lists (e.g. "loop": one cuBLASLt GEMM per group;
- * "cublas_grouped": cublasGemmGroupedBatchedEx). Unknown names give
+ * "cublas_grouped": cublasGemmGroupedBatchedEx; "wgmma": as auto here, and
+ * the sm_90a kernel of the device-offset functions below, which auto also
+ * picks where it runs). Unknown names give
  * MOE_ERR_INVALID_ARG listing the valid ones.
  */
 moe_status moe_grouped_set_backend(moe_ctx *ctx, const char *name);
+/*
+ * The same two products with the offsets in a tensor on the operands'
+ * device (offs: (G + 1) i64), so nothing is copied to the host: on CUDA
+ * in bf16 (compute capability 9.x, K and N multiples of 8, fewer than 4094
+ * groups; moe_grouped_offsets_on_device) an sm_90a kernel of our own
+ * (TMA + wgmma, a persistent grid over every group's tiles) reads the
+ * offsets where they are. Offsets on the device are not checked (that
+ * would need the copy): out of order or past R they are clamped, so a
+ * wrong offset gives wrong rows, never an access outside the tensors.
+ * Elsewhere, or with the backend set to loop, cublas_grouped or streams,
+ * the offsets are copied to the host once per call (and once for the
+ * backward of a moe_grouped_mm_dev), checked, and the functions above run.
+ * moe_grouped_mm_dev is differentiable in x and w; its node keeps offs.
+ */
+moe_status moe_grouped_mm_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *offs,
+                              bool trans_w, moe_tensor **out);
+moe_status moe_grouped_mm_wgrad_dev(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor *offs,
+                                    bool trans_out, moe_tensor **out);
+/* Whether the device-offset functions run without a host copy for operands
+ * of dtype dt on dev, G groups, depth K and N output columns (and the same
+ * sizes swapped, as the backward needs: check both). */
+bool moe_grouped_offsets_on_device(moe_ctx *ctx, moe_device dev, moe_dtype dt, int64_t groups,
+                                   int64_t K, int64_t N);
 /* The context's backend (the knob grouped_backend, knobs.h; "auto" for NULL). */
 const char *moe_grouped_backend(const moe_ctx *ctx);
 /* A static, comma-separated list of the backend names, "auto" first. */

@@ -144,6 +144,20 @@ moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const m
                                  void *h1, void *h3, void *a) {
   return NO_CUDA_FN(ctx, "moe_cuda_bsmm_sdd_glu");
 }
+moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
+                                  const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
+                                  bool trans_w, void *out) {
+  return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_mm");
+}
+moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,
+                                     const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                     int64_t N, void *out) {
+  return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_wgrad");
+}
+bool moe_cuda_wg_grouped(moe_ctx *ctx, int device) {
+  (void)ctx, (void)device;
+  return false;
+}
 bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {
   (void)ctx, (void)device, (void)dt;
   return false;

@@ -33,6 +33,11 @@
  * plan, its rows copied by the whole producer warpgroup with cp.async
  * (bs_wg_gather_tile), so the permuted copy of the tokens is never made.
  *
+ * The consumers' epilogue stages each half tile in shared memory and one
+ * thread stores it by TMA (bs_wg_store_tma) while they go on to the next
+ * tile. The same kernel runs the grouped GEMM with offsets on the device
+ * (BS_GG, BS_GW: moe_cuda_wg_grouped_mm / _wgrad, for core/grouped.c).
+ *
  * Determinism: each output element is accumulated by one thread over the
  * chunks in the topology's order; no atomics. Sizes: K % 8 == 0 for bf16
  * (16-byte cp.async); all offsets are int64.
@@ -58,7 +63,10 @@ constexpr int BS_BK = 32;      /* k-chunk of the f32 kernel and the default bf16
 constexpr int BS_THREADS = 256;
 constexpr int BS_GROUP = 8;       /* tile rows per rasterisation group (MOE_BSMM_GROUP) */
 
-enum BsKind { BS_SDD = 0, BS_DSD = 1, BS_DSD_T = 2, BS_DDS = 3 };
+/* The four block-sparse products, and the grouped GEMM's two (sm_90a kernel
+ * only; moe_cuda_wg_grouped_mm / _wgrad): GG out rows of group g = x rows of
+ * g @ w[g] (or w[g]^T), GW out[g] = a rows of g ^T @ b rows of g. */
+enum BsKind { BS_SDD = 0, BS_DSD = 1, BS_DSD_T = 2, BS_DDS = 3, BS_GG = 4, BS_GW = 5 };
 
 /* One operand's chunk: element (mn, k) of the first 128 rows (mn < 128)
  * sits at p[mn * ld + k] when k-contiguous, else at p[k * ld + mn]; rows
@@ -86,6 +94,12 @@ struct BsArgs {
    * made in the epilogue from the rounded h1 and h3; -1: a plain product. */
   int act;
   void *out2, *out3;
+  /* The grouped kinds: G groups over R rows, N columns of the output (K:
+   * GG's depth, GW's output rows). GG walks gtab (bs_gg_table_kernel: G + 3
+   * segment starts, then G + 3 prefix sums of their 128-row tiles); GW reads
+   * the G + 1 group offsets goffs. Both on the device. */
+  const int64_t *gtab, *goffs;
+  int64_t G, R, N;
 };
 
 /* The output tile (BS_B x BN) and chunk walk of a CTA. Output element
@@ -98,6 +112,8 @@ struct BsCta {
   int nq;           /* chunks */
   int64_t out_off, ldo, cbs;
   int m_valid, n_valid;
+  int64_t n0;  /* GW: the tile's first output column */
+  int kv_last; /* GW: valid rows of the last chunk */
 };
 
 __device__ __forceinline__ int bs_min(int64_t a, int64_t b) { return (int)(a < b ? a : b); }
@@ -160,6 +176,36 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     c.out_off = (el * N + cc * BS_B) * K + c.t0;
     c.ldo = K, c.cbs = BS_B;
     c.m_valid = BS_B, c.n_valid = bs_min(BN, K - c.t0);
+  } else if (KIND == BS_GG) { /* 128 rows of a segment (bs_gg_table_kernel) x BN columns */
+    const int64_t S = g.G + 2, NT = (g.N + BN - 1) / BN, *start = g.gtab, *pre = g.gtab + S + 1;
+    bs_raster(id, pre[S], NT, g.group, &mt, &nt);
+    int64_t lo = 0, hi = S; /* the segment: pre[lo] <= mt < pre[hi] */
+    while (hi - lo > 1) {
+      int64_t mid = (lo + hi) / 2;
+      if (pre[mid] <= mt) lo = mid;
+      else hi = mid;
+    }
+    int64_t row0 = start[lo] + (mt - pre[lo]) * BS_B;
+    c.i0 = row0;
+    c.col = lo - 1; /* the group; the first and last segments are rows outside every group */
+    c.t0 = nt * BN;
+    c.nq = lo == 0 || lo == S - 1 ? 0 : (int)((K + BK - 1) / BK);
+    c.out_off = row0 * g.N + c.t0;
+    c.ldo = g.N, c.cbs = BS_B;
+    c.m_valid = bs_min(BS_B, start[lo + 1] - row0), c.n_valid = bs_min(BN, g.N - c.t0);
+  } else if (KIND == BS_GW) { /* out[e] (K, N): rows t0.., columns n0.. over the group's rows */
+    const int64_t KT = (K + BS_B - 1) / BS_B, NT = (g.N + BN - 1) / BN;
+    bs_raster(id, g.G * KT, NT, g.group, &mt, &nt);
+    int64_t e = mt / KT, r0 = g.goffs[e], r1 = g.goffs[e + 1];
+    r0 = r0 < 0 ? 0 : r0 > g.R ? g.R : r0; /* offsets clamped: never a read outside x */
+    r1 = r1 < r0 ? r0 : r1 > g.R ? g.R : r1;
+    c.col = e, c.i0 = r0;
+    c.t0 = (mt % KT) * BS_B, c.n0 = nt * BN;
+    c.nq = (int)((r1 - r0 + BK - 1) / BK);
+    c.kv_last = (int)(r1 - r0 - (int64_t)(c.nq - 1) * BK);
+    c.out_off = (e * K + c.t0) * g.N + c.n0;
+    c.ldo = g.N, c.cbs = BS_B;
+    c.m_valid = bs_min(BS_B, K - c.t0), c.n_valid = bs_min(BN, g.N - c.n0);
   } else { /* DDS: out (EL, K, N): rows t0.. of K, cols = column blocks c0 .. c0 + CPT - 1 */
     int64_t Fp = (F + CPT - 1) / CPT;
     bs_raster(id, tp.EL * Fp, (K + BS_B - 1) / BS_B, g.group, &mt, &nt);
@@ -226,9 +272,9 @@ __device__ __forceinline__ void bs_chunk(const BsArgs &g, const BsCta &c, int q,
 }
 
 template <int KIND, bool TRANS> struct BsLayout {
-  /* A k-contiguous: SDD, DSD; B k-contiguous: SDD / DSD with trans_w */
-  static constexpr bool A_KC = KIND == BS_SDD || KIND == BS_DSD;
-  static constexpr bool B_KC = (KIND == BS_SDD || KIND == BS_DSD) && TRANS;
+  /* A k-contiguous: SDD, DSD, GG; B k-contiguous: those with trans_w */
+  static constexpr bool A_KC = KIND == BS_SDD || KIND == BS_DSD || KIND == BS_GG;
+  static constexpr bool B_KC = A_KC && TRANS;
 };
 
 /* Shared-memory geometry for tile width BN, k-chunk BK and STAGES stages
@@ -498,6 +544,17 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
       for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, t0 + j * 64, r0, el, bar);
     else /* w (N | K | EL): 64 x 256 x 1 */
       moe_tma3(sb, mb, r0, t0, el, bar);
+  } else if (KIND == BS_GG) {
+    int kk = q * BS_WG_BK, n0 = (int)c.t0, e = (int)c.col;
+    moe_tma2(sa, ma, kk, (int)c.i0, bar); /* x (K | R): 64 x 128 */
+    if (!TRANS)                           /* w (N | K | G): 4 x (64 x 64 x 1) */
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, e, bar);
+    else /* w (K | N | G): 64 x 256 x 1 */
+      moe_tma3(sb, mb, kk, n0, e, bar);
+  } else if (KIND == BS_GW) { /* A = a^T: a (K | R) 2 x (64 x 64); B = b (N | R) 4 x (64 x 64) */
+    int row = (int)c.i0 + q * BS_WG_BK, t0 = (int)c.t0, n0 = (int)c.n0;
+    for (int j = 0; j < 2; j++) moe_tma2(sa + j * 8192, ma, t0 + j * 64, row, bar);
+    for (int j = 0; j < 4; j++) moe_tma2(sb + j * 8192, mb, n0 + j * 64, row, bar);
   } else {
     int64_t it = c.i0 + q / 2, i = tp.block_offsets_t[it], rb = tp.column_indices_t[it];
     int kk = (q % 2) * BS_WG_BK, t0 = (int)c.t0;
@@ -706,6 +763,8 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
           moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.i0 * BS_B) + cw * 64);
         else if (KIND == BS_DSD_T) /* (EL * N rows of K): rows col * 128.. */
           moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.col * BS_B) + cw * 64);
+        else if (KIND == BS_GW) /* (G, K, N): group col, rows t0.., columns n0.. */
+          moe_tma_store3(mo, src, (int)c.n0 + col, (int)c.t0 + cw * 64, (int)c.col);
         else /* DDS: (EL, K, N): expert col / F, rows t0.., columns (col % F) * 128 + .. */
           moe_tma_store3(mo, src, (int)((c.col % F) * BS_B) + col, (int)c.t0 + cw * 64,
                          (int)(c.col / F));
@@ -791,6 +850,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   const uint32_t epi_buf = base + BS_WG_STAGES * BS_WG_STAGE;
   const uint32_t bars = epi_buf + BS_WG_EPI_BYTES; /* full[S], empty[S] */
   const int wg = threadIdx.x / 128;
+  if (KIND == BS_GG) /* the grid covers an upper bound; the table has the count */
+    ntiles = g.gtab[2 * (g.G + 2) + 1] * ((g.N + BS_WG_BN - 1) / BS_WG_BN);
   if (threadIdx.x == 0) {
     for (int s = 0; s < BS_WG_STAGES; s++) {
       /* full: the TMA thread's arrival (+ the 128 gathering threads' copies) */
@@ -841,6 +902,16 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         /* the gathered rows came by cp.async (the generic proxy); wgmma reads
          * through the async proxy */
         if (GATHER) moe_fence_proxy();
+        if (KIND == BS_GW && q == c.nq - 1 && c.kv_last < BS_WG_BK) {
+          /* the group's last rows: the chunk's rows past them belong to the
+           * next group (or are TMA's zeros past R); this warpgroup zeroes
+           * them in its own A box (k-row r is the 128 bytes at r * 128) */
+          for (int i = (threadIdx.x & 127) + c.kv_last * 8; i < BS_WG_BK * 8; i += 128)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa + i * 16), "r"(0)
+                         : "memory");
+          moe_fence_proxy();
+          asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+        }
         moe_wg_fence();
 #pragma unroll
         for (int ks = 0; ks < BS_WG_BK / 16; ks++) {
@@ -995,6 +1066,16 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
     MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, ds, b64x128));
     return TRANS ? bs_map(ctx, mb2, g.c2, 3, dwt, b3_256) : bs_map(ctx, mb2, g.c2, 3, dw, b3_64);
   }
+  if (KIND == BS_GG) {
+    const int64_t dx[2] = {K, g.R}, dw[3] = {g.N, K, g.G}, dwt[3] = {K, g.N, g.G};
+    MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
+    return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
+  }
+  if (KIND == BS_GW) {
+    const int64_t da[2] = {K, g.R}, db[2] = {g.N, g.R};
+    MOE_CHECK(bs_map(ctx, ma, g.a, 2, da, b64x64));
+    return bs_map(ctx, mb, g.c, 2, db, b64x64);
+  }
   const int64_t ds[2] = {BS_B, S}, dy[2] = {K, R};
   const bool dds = KIND == BS_DDS; /* DSD^T: a = s, c = y; DDS: a = x, c = s */
   if (!(gather && dds)) MOE_CHECK(bs_map(ctx, ma, g.a, 2, dds ? dy : ds, b64x64));
@@ -1021,6 +1102,10 @@ template <int KIND> moe_status bs_wg_out_map(moe_ctx *ctx, const BsArgs &g, CUte
     const int64_t d[2] = {K, tp.EL * N};
     return bs_map(ctx, mo, g.out, 2, d, b2);
   }
+  if (KIND == BS_GW) {
+    const int64_t d[3] = {g.N, K, g.G};
+    return bs_map(ctx, mo, g.out, 3, d, b3);
+  }
   const int64_t d[3] = {N, K, tp.EL};
   return bs_map(ctx, mo, g.out, 3, d, b3);
 }
@@ -1030,7 +1115,7 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   CUtensorMap ma, mb, ma2, mb2, mo, mo2, mo3;
   MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb, &ma2, &mb2)));
   int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
-  constexpr bool CAN_GATHER = KIND != BS_DSD; /* DSD has no dense R-row operand */
+  constexpr bool CAN_GATHER = KIND != BS_DSD && KIND < BS_GG; /* DSD has no dense R-row operand */
   if (g.tp.gather_src && !CAN_GATHER)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: dsd has no row operand to gather");
   if (g.tp.gather_src && (g.tp.gather_k < 1 || g.tp.gather_k > INT32_MAX))
@@ -1063,6 +1148,9 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = BS_EPI_DIRECT;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
   if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
+  /* GG's tiles end inside the output at their group's last row: only the
+   * threads' stores mask rows */
+  if (KIND == BS_GG && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
   memset(&mo, 0, sizeof mo);
   memset(&mo2, 0, sizeof mo2);
   memset(&mo3, 0, sizeof mo3);
@@ -1154,11 +1242,51 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
   g.a2 = g.c2 = nullptr;
   g.act = -1;
   g.out2 = g.out3 = nullptr;
+  g.gtab = g.goffs = nullptr;
+  g.G = g.R = g.N = 0;
   /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
    * rasterisation group, for tuning */
   const int v = ctx->knobs.bsmm_group;
   g.group = v >= 1 && v <= 64 ? v : BS_GROUP;
   return g;
+}
+
+/* ------------------------------------------------------ grouped GEMM */
+
+/* GG's segment table from the G + 1 group offsets, on the device: G + 2
+ * segments (the rows before the first group, the groups, the rows after the
+ * last) as G + 3 starts (offsets clamped into [0, R] and made monotone, so
+ * bad offsets cannot send a tile outside x), then the prefix sums of their
+ * 128-row tiles. One block: the offsets are staged in shared memory and one
+ * thread scans them (G + 2 <= BS_GG_MAX_SEG). */
+constexpr int BS_GG_MAX_SEG = 4096;
+__global__ void bs_gg_table_kernel(const int64_t *offs, int64_t G, int64_t R, int64_t *tab) {
+  __shared__ int64_t o[BS_GG_MAX_SEG];
+  for (int64_t i = threadIdx.x; i <= G; i += blockDim.x) o[i] = offs[i];
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  const int64_t S = G + 2;
+  int64_t *start = tab, *pre = tab + S + 1, prev = 0;
+  start[0] = 0;
+  for (int64_t s = 1; s <= G + 1; s++) {
+    int64_t v = o[s - 1];
+    v = v < prev ? prev : v > R ? R : v;
+    start[s] = prev = v;
+  }
+  start[S] = R;
+  pre[0] = 0;
+  for (int64_t s = 0; s < S; s++) pre[s + 1] = pre[s] + (start[s + 1] - start[s] + BS_B - 1) / BS_B;
+}
+
+/* Whether the grouped kinds run for these sizes and pointers: the TMA maps
+ * need 16-byte rows and addresses, and int32 coordinates. */
+bool bs_wg_grouped_ok(int64_t G, int64_t R, int64_t K, int64_t N, const void *const *ptrs, int n) {
+  if (G < 1 || G + 2 >= BS_GG_MAX_SEG || K % 8 || N % 8 || R > INT32_MAX || K > INT32_MAX ||
+      N > INT32_MAX)
+    return false;
+  for (int i = 0; i < n; i++)
+    if ((uintptr_t)ptrs[i] & 15) return false;
+  return true;
 }
 
 /* ------------------------------------------------------ dense conversions */
@@ -1236,6 +1364,57 @@ moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const m
   BsArgs g = bs_args(ctx, tp, x, w1, h1, K);
   g.c2 = w3, g.act = act, g.out2 = h3, g.out3 = a;
   return bs_launch<BS_SDD, false>(ctx, device, dt, g);
+}
+
+moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
+                                  const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
+                                  bool trans_w, void *out) {
+  const void *ptrs[3] = {x, w, out};
+  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 3))
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "grouped gemm (sm_90a kernel): needs compute capability 9.x, K and N multiples "
+                     "of 8 (got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
+                     (long long)K, (long long)N, BS_GG_MAX_SEG - 2);
+  if (R == 0 || N == 0) return MOE_OK;
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  cudaStream_t cs = (cudaStream_t)stream;
+  MoeScratch tab(ctx, device);
+  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (G + 3))));
+  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
+  MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
+  moe_bs_topo tp;
+  memset(&tp, 0, sizeof tp);
+  BsArgs g = bs_args(ctx, &tp, x, w, out, K);
+  g.gtab = (const int64_t *)tab.ptr, g.G = G, g.R = R, g.N = N;
+  /* at most R / 128 + G + 2 row tiles; the kernel reads the count */
+  int64_t ctas = (R / BS_B + G + 2) * ((N + BS_WG_BN - 1) / BS_WG_BN);
+  if (trans_w) return bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas);
+  return bs_launch_wg<BS_GG, false>(ctx, g, cs, ctas);
+}
+
+moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,
+                                     const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                     int64_t N, void *out) {
+  const void *ptrs[3] = {a, b, out};
+  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 3))
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "grouped gemm wgrad (sm_90a kernel): needs compute capability 9.x, K and N "
+                     "multiples of 8 (got %lld, %lld) and 16-byte aligned tensors",
+                     (long long)K, (long long)N);
+  if (K == 0 || N == 0) return MOE_OK;
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  moe_bs_topo tp;
+  memset(&tp, 0, sizeof tp);
+  BsArgs g = bs_args(ctx, &tp, a, b, out, K);
+  g.goffs = offs, g.G = G, g.R = R, g.N = N;
+  int64_t ctas = G * ((K + BS_B - 1) / BS_B) * ((N + BS_WG_BN - 1) / BS_WG_BN);
+  return bs_launch_wg<BS_GW, false>(ctx, g, (cudaStream_t)stream, ctas);
+}
+
+bool moe_cuda_wg_grouped(moe_ctx *ctx, int device) {
+  return bs_variant(ctx) == BS_VWG && bs_wg_supported(device);
 }
 
 bool moe_cuda_bsmm_wgmma(moe_ctx *ctx, int device, moe_dtype dt) {

@@ -316,13 +316,13 @@ static void test_plan_offsets(moe_ctx *ctx) {
 
 static void test_backend(moe_ctx *ctx) {
   EXPECT_STR(moe_grouped_backend(ctx), "auto");
-  EXPECT_STR(moe_grouped_backends(), "auto,loop,cublas_grouped,streams");
+  EXPECT_STR(moe_grouped_backends(), "auto,loop,cublas_grouped,streams,wgmma");
   EXPECT_OK(moe_grouped_set_backend(ctx, "loop"));
   EXPECT_STR(moe_grouped_backend(ctx), "loop");
   EXPECT_OK(moe_grouped_set_backend(ctx, "cublas_grouped"));
   EXPECT_STR(moe_grouped_backend(ctx), "cublas_grouped");
   EXPECT_ERR_MSG(moe_grouped_set_backend(ctx, "fast"), MOE_ERR_INVALID_ARG,
-                 "unknown backend \"fast\" (valid: auto,loop,cublas_grouped,streams)");
+                 "unknown backend \"fast\" (valid: auto,loop,cublas_grouped,streams,wgmma)");
   EXPECT_STR(moe_grouped_backend(ctx), "cublas_grouped");
   EXPECT_ERR(moe_grouped_set_backend(ctx, NULL), MOE_ERR_INVALID_ARG);
   /* the CPU ignores the backend */
@@ -385,6 +385,74 @@ static void test_errors(moe_ctx *ctx) {
   moe_tensor_release(x64);
 }
 
+/* max |a - b| over two tensors of one size (-1: sizes differ). */
+static double max_diff_t(moe_ctx *ctx, const moe_tensor *a, const moe_tensor *b) {
+  int64_t n = moe_tensor_numel(a);
+  if (moe_tensor_numel(b) != n) return -1;
+  double *av = values_of(ctx, a), *bv = values_of(ctx, b);
+  double d = max_diff(av, bv, n);
+  free(av), free(bv);
+  return d;
+}
+
+static moe_tensor *offs_tensor(moe_ctx *ctx, const int64_t *offs, int64_t n, moe_dtype dt) {
+  double v[16];
+  for (int64_t i = 0; i < n; i++) v[i] = (double)offs[i];
+  moe_tensor *t = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, v, 1, (int64_t[]){n}, dt, MOE_CPU, &t));
+  return t;
+}
+
+/* The device-offset functions on the CPU: the host functions' results and
+ * gradients bit for bit, and errors naming the offsets tensor's fault (on
+ * the CPU its values are checked, as the host offsets are). */
+static void test_device_offsets_cpu(moe_ctx *ctx) {
+  int64_t offs[] = {1, 4, 4, 9, 11};
+  moe_tensor *o = offs_tensor(ctx, offs, 5, MOE_I64);
+  for (int tw = 0; tw < 2; tw++) {
+    moe_tensor *x = rand_tensor(ctx, 2, (int64_t[]){12, 5}, MOE_F64);
+    moe_tensor *w = rand_tensor(ctx, 3, tw ? (int64_t[]){4, 3, 5} : (int64_t[]){4, 5, 3}, MOE_F64);
+    moe_tensor *dy = rand_tensor(ctx, 2, (int64_t[]){12, 3}, MOE_F64);
+    moe_tensor *y = NULL, *yd = NULL, *dw = NULL, *dwd = NULL;
+    EXPECT_OK(moe_set_requires_grad(ctx, x, true));
+    EXPECT_OK(moe_grouped_mm(ctx, x, w, offs, 4, tw, &y));
+    EXPECT_OK(moe_grouped_mm_dev(ctx, x, w, o, tw, &yd));
+    EXPECT(y && yd && max_diff_t(ctx, y, yd) == 0.0);
+    EXPECT_OK(moe_grouped_mm_wgrad(ctx, x, dy, offs, 4, tw, &dw));
+    EXPECT_OK(moe_grouped_mm_wgrad_dev(ctx, x, dy, o, tw, &dwd));
+    EXPECT(dw && dwd && max_diff_t(ctx, dw, dwd) == 0.0);
+    /* the backward: dx through the device-offset node */
+    if (yd) {
+      EXPECT_OK(moe_backward(ctx, yd, dy, false));
+      moe_tensor *gx = moe_tensor_grad(x), *dx = NULL;
+      EXPECT_OK(moe_grouped_mm(ctx, dy, w, offs, 4, !tw, &dx));
+      EXPECT(gx && dx && max_diff_t(ctx, gx, dx) == 0.0);
+      moe_tensor_release(dx);
+    }
+    moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(dy), moe_tensor_release(y);
+    moe_tensor_release(yd), moe_tensor_release(dw), moe_tensor_release(dwd);
+  }
+  moe_tensor *x = rand_tensor(ctx, 2, (int64_t[]){12, 5}, MOE_F32);
+  moe_tensor *w = rand_tensor(ctx, 3, (int64_t[]){4, 5, 3}, MOE_F32), *out = NULL;
+  int64_t past[] = {0, 3, 5, 9, 13};
+  moe_tensor *op = offs_tensor(ctx, past, 5, MOE_I64), *o32 = offs_tensor(ctx, offs, 5, MOE_I32);
+  moe_tensor *o3 = offs_tensor(ctx, offs, 3, MOE_I64);
+  EXPECT_ERR_MSG(moe_grouped_mm_dev(ctx, x, w, op, false, &out), MOE_ERR_INVALID_ARG,
+                 "grouped_mm_dev: offsets[4] = 13 is past the 12 rows");
+  EXPECT_ERR_MSG(moe_grouped_mm_dev(ctx, x, w, o32, false, &out), MOE_ERR_SHAPE,
+                 "offsets must be a 1-D i64 tensor of G + 1 >= 2 entries, got i32 [5]");
+  EXPECT_ERR_MSG(moe_grouped_mm_dev(ctx, x, w, o3, false, &out), MOE_ERR_SHAPE,
+                 "w of shape [4, 5, 3] has 4 groups, the offsets 2");
+  EXPECT_ERR_MSG(moe_grouped_mm_dev(ctx, x, w, NULL, false, &out), MOE_ERR_INVALID_ARG,
+                 "grouped_mm_dev: offsets are NULL");
+  EXPECT_ERR_MSG(moe_grouped_mm_wgrad_dev(ctx, x, x, op, false, &out), MOE_ERR_INVALID_ARG,
+                 "grouped_mm_wgrad_dev: offsets[4] = 13 is past the 12 rows");
+  EXPECT(out == NULL);
+  EXPECT(!moe_grouped_offsets_on_device(ctx, MOE_CPU, MOE_BF16, 4, 64, 64));
+  moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(op), moe_tensor_release(o32);
+  moe_tensor_release(o3), moe_tensor_release(o);
+}
+
 int main(void) {
   RUN(test_by_hand);
   RUN(test_random);
@@ -395,5 +463,6 @@ int main(void) {
   RUN(test_plan_offsets);
   RUN(test_backend);
   RUN(test_errors);
+  RUN(test_device_offsets_cpu);
   return harness_end();
 }

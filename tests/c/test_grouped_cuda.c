@@ -79,10 +79,29 @@ static void random_offs(int64_t *offs, int64_t G, int64_t lo, int64_t hi, uint64
 /* forward, wgrad and autograd backward of one configuration: CUDA (current
  * backend) against the CPU on the same inputs. strided: x is a column
  * slice of a wider matrix. */
-static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
-                       const int64_t *offs, moe_dtype dt, bool strided, const char *name) {
+/* The GPU side's products: host offsets, or (doffs set) the device-offset
+ * functions with doffs. */
+static moe_status g_mm(moe_ctx *ctx, moe_tensor *doffs, moe_tensor *x, moe_tensor *w,
+                       const int64_t *offs, int64_t G, bool tw, moe_tensor **out) {
+  return doffs ? moe_grouped_mm_dev(ctx, x, w, doffs, tw, out) : moe_grouped_mm(ctx, x, w, offs, G, tw, out);
+}
+static moe_status g_wgrad(moe_ctx *ctx, moe_tensor *doffs, moe_tensor *a, moe_tensor *b,
+                          const int64_t *offs, int64_t G, bool tw, moe_tensor **out) {
+  return doffs ? moe_grouped_mm_wgrad_dev(ctx, a, b, doffs, tw, out)
+               : moe_grouped_mm_wgrad(ctx, a, b, offs, G, tw, out);
+}
+
+static void check_case_ex(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
+                          const int64_t *offs, moe_dtype dt, bool strided, const char *name,
+                          bool dev) {
   tol t = dt == MOE_F32 ? TOL_F32 : TOL_BF16;
   char what[160];
+  moe_tensor *doffs = NULL;
+  if (dev) {
+    double v[300];
+    for (int64_t g = 0; g <= G; g++) v[g] = (double)offs[g];
+    EXPECT_OK(moe_tensor_from_f64(ctx, v, 1, (int64_t[]){G + 1}, MOE_I64, GPU, &doffs));
+  }
   for (int tw = 0; tw < 2; tw++) {
     moe_tensor *xw = rand_cpu(ctx, 2, (int64_t[]){R, K + (strided ? 5 : 0)}, dt), *x = NULL;
     EXPECT_OK(moe_narrow(ctx, xw, 1, strided ? 3 : 0, K, &x));
@@ -94,13 +113,13 @@ static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
     /* forward, with autograd on the GPU side */
     EXPECT_OK(moe_set_requires_grad(ctx, gw, true));
     EXPECT_OK(moe_grouped_mm(ctx, x, w, offs, G, tw, &y));
-    EXPECT_OK(moe_grouped_mm(ctx, gx, gw, offs, G, tw, &gy));
+    EXPECT_OK(g_mm(ctx, doffs, gx, gw, offs, G, tw, &gy));
     snprintf(what, sizeof what, "%s %s fwd R=%lld K=%lld N=%lld G=%lld trans=%d", name,
              moe_dtype_name(dt), (long long)R, (long long)K, (long long)N, (long long)G, tw);
     if (y && gy) EXPECT(same_values(ctx, gy, y, t, what));
     /* weight gradient, direct and through backward */
     EXPECT_OK(moe_grouped_mm_wgrad(ctx, x, dy, offs, G, tw, &dw));
-    EXPECT_OK(moe_grouped_mm_wgrad(ctx, gx, gdy, offs, G, tw, &gdw));
+    EXPECT_OK(g_wgrad(ctx, doffs, gx, gdy, offs, G, tw, &gdw));
     /* wgrad sums over up to R rows: the f32 tolerance scaled by R / K */
     tol tw_tol = t;
     if (dt == MOE_F32) tw_tol.atol *= (double)(R > K ? R : K) / (double)(K > 0 ? K : 1) + 1;
@@ -116,7 +135,7 @@ static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
     /* the input gradient is the forward with the other transpose */
     moe_tensor *dx = NULL, *gdx = NULL;
     EXPECT_OK(moe_grouped_mm(ctx, dy, w, offs, G, !tw, &dx));
-    EXPECT_OK(moe_grouped_mm(ctx, gdy, gw, offs, G, !tw, &gdx));
+    EXPECT_OK(g_mm(ctx, doffs, gdy, gw, offs, G, !tw, &gdx));
     snprintf(what, sizeof what, "%s %s dgrad R=%lld K=%lld N=%lld G=%lld trans=%d", name,
              moe_dtype_name(dt), (long long)R, (long long)K, (long long)N, (long long)G, tw);
     if (dx && gdx) EXPECT(same_values(ctx, gdx, dx, t, what));
@@ -126,6 +145,12 @@ static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
     moe_tensor_release(dw), moe_tensor_release(gdw), moe_tensor_release(dx);
     moe_tensor_release(gdx);
   }
+  moe_tensor_release(doffs);
+}
+
+static void check_case(moe_ctx *ctx, int64_t R, int64_t K, int64_t N, int64_t G,
+                       const int64_t *offs, moe_dtype dt, bool strided, const char *name) {
+  check_case_ex(ctx, R, K, N, G, offs, dt, strided, name, false);
 }
 
 static void run_all(moe_ctx *ctx, const char *backend) {
@@ -156,6 +181,56 @@ static void test_cublas_grouped(moe_ctx *ctx) { run_all(ctx, BACKENDS[1]); }
 static void test_streams(moe_ctx *ctx) { run_all(ctx, BACKENDS[2]); }
 static void test_auto(moe_ctx *ctx) { run_all(ctx, BACKENDS[3]); }
 
+/* The device-offset functions: in bf16 with K and N multiples of 8 the
+ * sm_90a kernel (asserted to run), elsewhere the host copy and the backends;
+ * both against the CPU as above, forward, dgrad, wgrad (both layouts) and
+ * the backward. Offsets that are wrong on the device are clamped: no fault
+ * (compute-sanitizer runs this), rows within R. */
+static void test_device_offsets(moe_ctx *ctx) {
+  int64_t offs[300];
+  moe_dtype dts[] = {MOE_F32, MOE_BF16};
+  for (int i = 0; i < 2; i++) {
+    moe_dtype dt = dts[i];
+    bool kern = dt == MOE_BF16 && moe_grouped_offsets_on_device(ctx, GPU, dt, 7, 136, 72);
+    EXPECT(kern == (dt == MOE_BF16)); /* the test GPUs are compute capability 9.x */
+    random_offs(offs, 7, 5, 290, 11); /* rows outside at both ends */
+    check_case_ex(ctx, 300, 136, 72, 7, offs, dt, false, "dev", true);
+    check_case_ex(ctx, 300, 136, 72, 7, offs, dt, true, "dev strided", true);
+    check_case_ex(ctx, 300, 131, 67, 7, offs, dt, false, "dev odd K, N (host copy)", true);
+    int64_t one[] = {0, 0, 0, 257, 257};
+    check_case_ex(ctx, 257, 96, 40, 4, one, dt, false, "dev one group", true);
+    int64_t g1[] = {0, 129};
+    check_case_ex(ctx, 129, 8, 16, 1, g1, dt, false, "dev G=1", true);
+    random_offs(offs, 256, 0, 700, 12); /* G = 256, many empty groups */
+    check_case_ex(ctx, 700, 24, 40, 256, offs, dt, false, "dev G=256", true);
+    int64_t none[] = {0, 0, 0};
+    check_case_ex(ctx, 9, 8, 8, 2, none, dt, false, "dev no rows in groups", true);
+    random_offs(offs, 5, 0, 1000, 13);
+    check_case_ex(ctx, 1000, 256, 384, 5, offs, dt, false, "dev tile-sized", true);
+    random_offs(offs, 9, 3, 4100, 14); /* more tiles than SMs: the persistent walk */
+    check_case_ex(ctx, 4100, 512, 264, 9, offs, dt, false, "dev many tiles", true);
+  }
+  /* forced to a cuBLAS backend: the host copy, same results */
+  EXPECT_OK(moe_grouped_set_backend(ctx, "loop"));
+  EXPECT(!moe_grouped_offsets_on_device(ctx, GPU, MOE_BF16, 7, 136, 72));
+  random_offs(offs, 7, 5, 290, 11);
+  check_case_ex(ctx, 300, 136, 72, 7, offs, MOE_BF16, false, "dev via loop", true);
+  EXPECT_OK(moe_grouped_set_backend(ctx, "auto"));
+  /* wrong offsets on the device: clamped, no fault */
+  double bad[] = {40, 500, 100, -7, 9999};
+  moe_tensor *bo = NULL, *x = NULL, *w = NULL, *y = NULL, *dw = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, bad, 1, (int64_t[]){5}, MOE_I64, GPU, &bo));
+  moe_tensor *xc = rand_cpu(ctx, 2, (int64_t[]){300, 64}, MOE_BF16), *wc = rand_cpu(ctx, 3, (int64_t[]){4, 64, 32}, MOE_BF16);
+  x = on_gpu(ctx, xc), w = on_gpu(ctx, wc);
+  EXPECT_OK(moe_grouped_mm_dev(ctx, x, w, bo, false, &y));
+  EXPECT(y && y->shape[0] == 300 && y->shape[1] == 32);
+  EXPECT_OK(moe_grouped_mm_wgrad_dev(ctx, x, x, bo, false, &dw));
+  EXPECT(dw && dw->shape[0] == 4 && dw->shape[1] == 64 && dw->shape[2] == 64);
+  EXPECT_OK(moe_cuda_synchronize(ctx, GPU));
+  moe_tensor_release(bo), moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(y);
+  moe_tensor_release(dw), moe_tensor_release(xc), moe_tensor_release(wc);
+}
+
 static void test_cuda_errors(moe_ctx *ctx) {
   moe_tensor *x = NULL, *w = NULL, *wc = NULL, *out = NULL;
   int64_t offs[] = {0, 2, 4};
@@ -179,6 +254,7 @@ int main(void) {
   RUN(test_cublas_grouped);
   RUN(test_streams);
   RUN(test_auto);
+  RUN(test_device_offsets);
   RUN(test_cuda_errors);
   return harness_end();
 }

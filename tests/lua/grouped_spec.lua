@@ -159,12 +159,12 @@ end)
 
 describe("grouped backends", function()
   it("lists, reads and sets the backend", function()
-    assert.are.same({ "auto", "loop", "cublas_grouped", "streams" }, moe.ops.grouped_backends())
+    assert.are.same({ "auto", "loop", "cublas_grouped", "streams", "wgmma" }, moe.ops.grouped_backends())
     assert.are.equal("auto", moe.ops.grouped_backend())
     assert.are.equal("loop", moe.ops.grouped_backend("loop"))
     assert.are.equal("loop", moe.ops.grouped_backend())
     assert.has_error(function() moe.ops.grouped_backend("fastest") end,
-      "bad argument #1 to 'grouped_backend' (unknown backend \"fastest\" (valid: auto,loop,cublas_grouped,streams))")
+      "bad argument #1 to 'grouped_backend' (unknown backend \"fastest\" (valid: auto,loop,cublas_grouped,streams,wgmma))")
     assert.are.equal("auto", moe.ops.grouped_backend("auto"))
   end)
 end)
@@ -203,5 +203,31 @@ describe("grouped errors", function()
       "grouped_mm_wgrad: a [6, 4] and b [5, 3] have different rows (6 != 5)")
     assert.has_error(function() moe.ops.grouped_mm_wgrad(x, x, { 0, 3, 6 }, { trans_w = true }) end,
       "bad argument #4 to 'grouped_mm_wgrad' (unknown option 'trans_w' (valid options: trans_out))")
+  end)
+end)
+
+-- On a GPU: offsets on the device (a CUDA i64 tensor, or a CUDA plan) reach the
+-- device-offset functions; the same values as the host offsets. Pending without one.
+local gpu = moe.cuda.is_available()
+describe("grouped offsets on the device", function()
+  local run = gpu and it or function(name) pending(name .. " (no CUDA GPU)") end
+  run("a CUDA offsets tensor or plan gives the host offsets' results", function()
+    moe.manual_seed(5)
+    local o = { dtype = "bf16", device = "cuda" }
+    local x, w, dy = moe.randn({ 300, 64 }, o), moe.randn({ 4, 64, 40 }, o), moe.randn({ 300, 40 }, o)
+    local host = { 3, 90, 90, 200, 280 }
+    local dev = moe.tensor(host, { dtype = "i64" }):cuda()
+    -- cuBLAS and the sm_90a kernel sum in different orders: bf16 roundings apart
+    local y_host, y_dev = moe.ops.grouped_mm(x, w, host), moe.ops.grouped_mm(x, w, dev)
+    assert.is_true(near(flat(y_dev:to("cpu", "f64")), flat(y_host:to("cpu", "f64")), 0.25))
+    local g_host, g_dev = moe.ops.grouped_mm_wgrad(x, dy, host), moe.ops.grouped_mm_wgrad(x, dy, dev)
+    assert.is_true(near(flat(g_dev:to("cpu", "f64")), flat(g_host:to("cpu", "f64")), 1.0))
+    -- a plan on the GPU: its row offsets, read where they are
+    local ids = moe.tensor({ { 0, 1 }, { 2, 3 }, { 1, 2 } }, { dtype = "i64" }):cuda()
+    local plan = moe.ops.routing_plan(ids, 4)
+    local xs = moe.randn({ 6, 64 }, o)
+    local yp = moe.ops.grouped_mm(xs, w, plan)
+    assert.are.same({ 6, 40 }, yp.shape)
+    assert.are.equal(0, plan.host_syncs)
   end)
 end)
