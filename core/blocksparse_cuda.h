@@ -77,6 +77,11 @@ moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const
 moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,
                                      const int64_t *offs, int64_t G, int64_t R, int64_t K,
                                      int64_t N, void *out);
+/* out = x @ w + x2 @ w2 per group (the same sizes), summed in one kernel's
+ * accumulators. */
+moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, const void *w,
+                                   const void *x2, const void *w2, const int64_t *offs, int64_t G,
+                                   int64_t R, int64_t K, int64_t N, bool trans_w, void *out);
 bool moe_cuda_wg_grouped(moe_ctx *ctx, int device);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather

@@ -575,9 +575,18 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   /* the input gradient first, so that its rows (R, d) are combined into
    * (T, d) before the permuted tokens xs (R, d) exist, one (R, d) buffer at
    * a time. Sparse: dxs = dh1 W1^T + dh3 W3^T in one kernel
-   * (moe_bsmm_dsd_sum); grouped: dx = combine(dh1 W1^T) + combine(dh3 W3^T) */
+   * (moe_bsmm_dsd_sum), and likewise grouped with the offsets on the device
+   * (moe_grouped_mm_sum_dev); else dx = combine(dh1 W1^T) + combine(dh3 W3^T) */
+  moe_tensor *doffs = NULL;
   if (need_x && impl == MOE_EXPERTS_SPARSE) {
     MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
+    EX_DROP(dxs);
+  } else if (need_x && ex_dev_offsets(ctx, p, dA0->dtype, dA0->shape[1], w1->shape[1], &doffs)) {
+    /* the grouped GEMM on the device: both products in one kernel too */
+    st = moe_grouped_mm_sum_dev(ctx, dA0, w1, dh3, w3, doffs, true, &dxs);
+    moe_tensor_release(doffs);
+    if (st != MOE_OK) goto done;
     MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
     EX_DROP(dxs);
   } else if (need_x) {

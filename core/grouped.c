@@ -720,3 +720,70 @@ moe_status moe_grouped_mm_wgrad_dev(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, 
   free(host);
   return st;
 }
+
+moe_status moe_grouped_mm_sum_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *x2,
+                                  moe_tensor *w2, moe_tensor *offs, bool trans_w, moe_tensor **out) {
+  const char *fn = "grouped_mm_sum_dev";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  moe_tensor *in[4] = {x, w, x2, w2};
+  const char *names[4] = {"x", "w", "x2", "w2"};
+  for (int i = 0; i < 4; i++) {
+    MOE_CHECK(gg_check_tensor(ctx, fn, in[i], names[i], i % 2 ? 3 : 2,
+                              i % 2 ? (trans_w ? "(G, N, K)" : "(G, K, N)") : "(R, K)"));
+    MOE_CHECK(gg_check_pair(ctx, fn, x, "x", in[i], names[i]));
+    if (moe_grad_enabled(ctx) && moe_requires_grad(in[i]))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "%s: not differentiable, and %s requires grad: run it with grad mode off, "
+                       "or add two moe_grouped_mm_dev", fn, names[i]);
+  }
+  for (int d = 0; d < 3; d++)
+    if (w2->shape[d] != w->shape[d] || (d < 2 && x2->shape[d] != x->shape[d]))
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: x2 %s and w2 %s must have the shapes of x %s and w %s",
+                       fn, MOE_SHAPE(x2), MOE_SHAPE(w2), MOE_SHAPE(x), MOE_SHAPE(w));
+  int64_t groups = 0;
+  MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, x->storage->device, &groups));
+  if (w->shape[0] != groups)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, the offsets %lld", fn,
+                     MOE_SHAPE(w), (long long)w->shape[0], (long long)groups);
+  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
+  if (x->shape[1] != wk)
+    return moe_error(ctx, MOE_ERR_SHAPE,
+                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn,
+                     MOE_SHAPE(x), MOE_SHAPE(w), (long long)x->shape[1], (long long)wk,
+                     trans_w ? "true" : "false");
+  int64_t R = x->shape[0], K = x->shape[1], N = trans_w ? w->shape[1] : w->shape[2];
+  moe_device dev = x->storage->device;
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = MOE_ERR_NOT_SUPPORTED;
+  moe_tensor *c[5] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL;
+  int64_t *host = NULL;
+  if (moe_grouped_offsets_on_device(ctx, dev, x->dtype, groups, K, N)) {
+    /* one kernel: the second pair's chunks follow the first's into the same accumulators */
+    st = MOE_OK;
+    for (int i = 0; i < 4 && st == MOE_OK; i++) st = moe_contiguous(ctx, in[i], &c[i]);
+    if (st == MOE_OK) st = moe_contiguous(ctx, offs, &c[4]);
+    if (st == MOE_OK) st = moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, x->dtype, dev, &r);
+    moe_tensor *t[6] = {c[0], c[1], c[2], c[3], c[4], r};
+    if (st == MOE_OK && gg_aligned(t, 6))
+      st = moe_cuda_wg_grouped_mm2(ctx, dev.index, moe_tensor_data(c[0]), moe_tensor_data(c[1]),
+                                   moe_tensor_data(c[2]), moe_tensor_data(c[3]),
+                                   (const int64_t *)moe_tensor_data(c[4]), groups, R, K, N, trans_w,
+                                   moe_tensor_data(r));
+    else if (st == MOE_OK)
+      st = MOE_ERR_NOT_SUPPORTED;
+  }
+  if (st == MOE_ERR_NOT_SUPPORTED) { /* two products and a sum */
+    moe_tensor_release(r);
+    r = NULL;
+    st = gg_dev_mm_compute(ctx, fn, x, w, offs, &host, trans_w, &t1);
+    if (st == MOE_OK) st = gg_dev_mm_compute(ctx, fn, x2, w2, offs, &host, trans_w, &t2);
+    if (st == MOE_OK) st = moe_binary(ctx, MOE_OP_ADD, t1, t2, &r);
+  }
+  moe_grad_set(ctx, prev);
+  if (st == MOE_OK) *out = r, r = NULL;
+  for (int i = 0; i < 5; i++) moe_tensor_release(c[i]);
+  moe_tensor_release(r), moe_tensor_release(t1), moe_tensor_release(t2);
+  free(host);
+  return st;
+}

@@ -75,6 +75,13 @@ moe_status moe_grouped_mm_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_te
                               bool trans_w, moe_tensor **out);
 moe_status moe_grouped_mm_wgrad_dev(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor *offs,
                                     bool trans_out, moe_tensor **out);
+/* out (R, N) = x @ w + x2 @ w2 per group, with the device offsets: x2 and
+ * w2 of x's and w's shapes (the GLU experts' input gradient, dh1 W1^T +
+ * dh3 W3^T). Where moe_grouped_offsets_on_device, one kernel sums both into
+ * the same accumulators; elsewhere two products and an add. Not
+ * differentiable: an operand that requires grad under grad mode is an error. */
+moe_status moe_grouped_mm_sum_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_tensor *x2,
+                                  moe_tensor *w2, moe_tensor *offs, bool trans_w, moe_tensor **out);
 /* Whether the device-offset functions run without a host copy for operands
  * of dtype dt on dev, G groups, depth K and N output columns (and the same
  * sizes swapped, as the backward needs: check both). */

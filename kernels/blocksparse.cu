@@ -189,7 +189,7 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     c.i0 = row0;
     c.col = lo - 1; /* the group; the first and last segments are rows outside every group */
     c.t0 = nt * BN;
-    c.nq = lo == 0 || lo == S - 1 ? 0 : (int)((K + BK - 1) / BK);
+    c.nq = lo == 0 || lo == S - 1 ? 0 : (int)((K + BK - 1) / BK) * (g.a2 ? 2 : 1); /* a2: its chunks follow */
     c.out_off = row0 * g.N + c.t0;
     c.ldo = g.N, c.cbs = BS_B;
     c.m_valid = bs_min(BS_B, start[lo + 1] - row0), c.n_valid = bs_min(BN, g.N - c.t0);
@@ -545,6 +545,11 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
     else /* w (N | K | EL): 64 x 256 x 1 */
       moe_tma3(sb, mb, r0, t0, el, bar);
   } else if (KIND == BS_GG) {
+    const int nk = (int)((g.K + BS_WG_BK - 1) / BS_WG_BK);
+    if (q >= nk) { /* the second pair (g.a2): the same walk */
+      q -= nk;
+      ma = ma2, mb = mb2;
+    }
     int kk = q * BS_WG_BK, n0 = (int)c.t0, e = (int)c.col;
     moe_tma2(sa, ma, kk, (int)c.i0, bar); /* x (K | R): 64 x 128 */
     if (!TRANS)                           /* w (N | K | G): 4 x (64 x 64 x 1) */
@@ -1069,7 +1074,10 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   if (KIND == BS_GG) {
     const int64_t dx[2] = {K, g.R}, dw[3] = {g.N, K, g.G}, dwt[3] = {K, g.N, g.G};
     MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
-    return TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64);
+    MOE_CHECK(TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64));
+    if (!g.a2) return MOE_OK;
+    MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, dx, b64x128));
+    return TRANS ? bs_map(ctx, mb2, g.c2, 3, dwt, b3_256) : bs_map(ctx, mb2, g.c2, 3, dw, b3_64);
   }
   if (KIND == BS_GW) {
     const int64_t da[2] = {K, g.R}, db[2] = {g.N, g.R};
@@ -1369,8 +1377,14 @@ moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const m
 moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
                                   const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
                                   bool trans_w, void *out) {
-  const void *ptrs[3] = {x, w, out};
-  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 3))
+  return moe_cuda_wg_grouped_mm2(ctx, device, x, w, NULL, NULL, offs, G, R, K, N, trans_w, out);
+}
+
+moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, const void *w,
+                                   const void *x2, const void *w2, const int64_t *offs, int64_t G,
+                                   int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
+  const void *ptrs[5] = {x, w, out, x2 ? x2 : x, w2 ? w2 : w};
+  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 5))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "grouped gemm (sm_90a kernel): needs compute capability 9.x, K and N multiples "
                      "of 8 (got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
@@ -1387,6 +1401,7 @@ moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const
   memset(&tp, 0, sizeof tp);
   BsArgs g = bs_args(ctx, &tp, x, w, out, K);
   g.gtab = (const int64_t *)tab.ptr, g.G = G, g.R = R, g.N = N;
+  g.a2 = x2, g.c2 = x2 ? w2 : nullptr;
   /* at most R / 128 + G + 2 row tiles; the kernel reads the count */
   int64_t ctas = (R / BS_B + G + 2) * ((N + BS_WG_BN - 1) / BS_WG_BN);
   if (trans_w) return bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas);

@@ -449,6 +449,27 @@ static void test_device_offsets_cpu(moe_ctx *ctx) {
                  "grouped_mm_wgrad_dev: offsets[4] = 13 is past the 12 rows");
   EXPECT(out == NULL);
   EXPECT(!moe_grouped_offsets_on_device(ctx, MOE_CPU, MOE_BF16, 4, 64, 64));
+  { /* the summed pair: two products and an add on the CPU; its errors */
+    moe_tensor *w2 = rand_tensor(ctx, 3, (int64_t[]){4, 5, 3}, MOE_F32), *s = NULL, *y1 = NULL,
+               *y2 = NULL, *wbad = rand_tensor(ctx, 3, (int64_t[]){4, 5, 2}, MOE_F32);
+    EXPECT_OK(moe_grouped_mm_sum_dev(ctx, x, w, x, w2, o, false, &s));
+    EXPECT_OK(moe_grouped_mm(ctx, x, w, offs, 4, false, &y1));
+    EXPECT_OK(moe_grouped_mm(ctx, x, w2, offs, 4, false, &y2));
+    if (s && y1 && y2) {
+      double *sv = values_of(ctx, s), *a1 = values_of(ctx, y1), *a2 = values_of(ctx, y2), e = 0;
+      for (int64_t i = 0; i < 36; i++) e = fmax(e, fabs(sv[i] - (a1[i] + a2[i])));
+      EXPECT(e <= 1e-5);
+      free(sv), free(a1), free(a2);
+    }
+    EXPECT_ERR_MSG(moe_grouped_mm_sum_dev(ctx, x, w, x, wbad, o, false, &out), MOE_ERR_SHAPE,
+                   "grouped_mm_sum_dev: x2 [12, 5] and w2 [4, 5, 2] must have the shapes of x [12, 5] and w [4, 5, 3]");
+    EXPECT_OK(moe_set_requires_grad(ctx, w2, true));
+    EXPECT_ERR_MSG(moe_grouped_mm_sum_dev(ctx, x, w, x, w2, o, false, &out), MOE_ERR_INVALID_ARG,
+                   "grouped_mm_sum_dev: not differentiable, and w2 requires grad");
+    EXPECT(out == NULL);
+    moe_tensor_release(w2), moe_tensor_release(s), moe_tensor_release(y1), moe_tensor_release(y2);
+    moe_tensor_release(wbad);
+  }
   moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(op), moe_tensor_release(o32);
   moe_tensor_release(o3), moe_tensor_release(o);
 }

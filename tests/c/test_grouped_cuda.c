@@ -210,6 +210,29 @@ static void test_device_offsets(moe_ctx *ctx) {
     random_offs(offs, 9, 3, 4100, 14); /* more tiles than SMs: the persistent walk */
     check_case_ex(ctx, 4100, 512, 264, 9, offs, dt, false, "dev many tiles", true);
   }
+  { /* two products summed in one kernel against the two rounded to bf16 and added (three
+     * roundings of addends up to ~15: 2^-9 * 15 each, plus the sum's own) */
+    random_offs(offs, 7, 5, 290, 15);
+    double v[8];
+    for (int g = 0; g <= 7; g++) v[g] = (double)offs[g];
+    moe_tensor *o = NULL, *y = NULL, *y1 = NULL, *y2 = NULL, *ref = NULL, *ycpu = NULL;
+    EXPECT_OK(moe_tensor_from_f64(ctx, v, 1, (int64_t[]){8}, MOE_I64, GPU, &o));
+    moe_tensor *c[4] = {rand_cpu(ctx, 2, (int64_t[]){300, 136}, MOE_BF16),
+                        rand_cpu(ctx, 3, (int64_t[]){7, 72, 136}, MOE_BF16),
+                        rand_cpu(ctx, 2, (int64_t[]){300, 136}, MOE_BF16),
+                        rand_cpu(ctx, 3, (int64_t[]){7, 72, 136}, MOE_BF16)};
+    moe_tensor *gp[4];
+    for (int i = 0; i < 4; i++) gp[i] = on_gpu(ctx, c[i]);
+    EXPECT_OK(moe_grouped_mm_sum_dev(ctx, gp[0], gp[1], gp[2], gp[3], o, true, &y));
+    EXPECT_OK(moe_grouped_mm(ctx, c[0], c[1], offs, 7, true, &y1));
+    EXPECT_OK(moe_grouped_mm(ctx, c[2], c[3], offs, 7, true, &y2));
+    if (y1 && y2) EXPECT_OK(moe_binary(ctx, MOE_OP_ADD, y1, y2, &ref));
+    if (y) EXPECT_OK(moe_to(ctx, y, MOE_F32, MOE_CPU, &ycpu));
+    if (ycpu && ref) EXPECT(same_values(ctx, ycpu, ref, (tol){0.08, 1.0 / 64}, "grouped_mm_sum_dev"));
+    for (int i = 0; i < 4; i++) moe_tensor_release(c[i]), moe_tensor_release(gp[i]);
+    moe_tensor_release(o), moe_tensor_release(y), moe_tensor_release(y1), moe_tensor_release(y2);
+    moe_tensor_release(ref), moe_tensor_release(ycpu);
+  }
   /* forced to a cuBLAS backend: the host copy, same results */
   EXPECT_OK(moe_grouped_set_backend(ctx, "loop"));
   EXPECT(!moe_grouped_offsets_on_device(ctx, GPU, MOE_BF16, 7, 136, 72));
