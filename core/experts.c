@@ -97,34 +97,24 @@ static bool ex_dev_offsets(moe_ctx *ctx, moe_routing_plan *p, moe_dtype dt, int6
   return moe_narrow(ctx, p->row_offsets, 0, p->e0, G + 1, offs) == MOE_OK;
 }
 
-/* out = grouped_mm(x, w) over the plan's groups, the offsets read where they are when possible. */
-static moe_status ex_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *p,
-                                bool trans_w, moe_tensor **out) {
+/* The grouped products over the plan's groups, the offsets read where they
+ * are when possible: out = grouped_mm(a, b) (trans_w as given), or with
+ * wgrad out (G, K, N) = a^T b per group (grouped_mm_wgrad). */
+static moe_status ex_grouped(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_routing_plan *p,
+                             bool wgrad, bool trans_w, moe_tensor **out) {
+  int64_t N = wgrad ? b->shape[1] : trans_w ? b->shape[1] : b->shape[2];
   moe_tensor *offs = NULL;
-  if (ex_dev_offsets(ctx, p, x->dtype, x->shape[1], trans_w ? w->shape[1] : w->shape[2], &offs)) {
-    moe_status st = moe_grouped_mm_dev(ctx, x, w, offs, trans_w, out);
+  if (ex_dev_offsets(ctx, p, a->dtype, a->shape[1], N, &offs)) {
+    moe_status st = wgrad ? moe_grouped_mm_wgrad_dev(ctx, a, b, offs, false, out)
+                          : moe_grouped_mm_dev(ctx, a, b, offs, trans_w, out);
     moe_tensor_release(offs);
     return st;
   }
   const int64_t *ho;
   int64_t G;
   MOE_CHECK(ex_offsets(ctx, p, &ho, &G));
-  return moe_grouped_mm(ctx, x, w, ho, G, trans_w, out);
-}
-
-/* out (G, K, N) = a^T b per group (grouped_mm_wgrad), likewise. */
-static moe_status ex_grouped_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_routing_plan *p,
-                                   moe_tensor **out) {
-  moe_tensor *offs = NULL;
-  if (ex_dev_offsets(ctx, p, a->dtype, a->shape[1], b->shape[1], &offs)) {
-    moe_status st = moe_grouped_mm_wgrad_dev(ctx, a, b, offs, false, out);
-    moe_tensor_release(offs);
-    return st;
-  }
-  const int64_t *ho;
-  int64_t G;
-  MOE_CHECK(ex_offsets(ctx, p, &ho, &G));
-  return moe_grouped_mm_wgrad(ctx, a, b, ho, G, false, out);
+  return wgrad ? moe_grouped_mm_wgrad(ctx, a, b, ho, G, false, out)
+               : moe_grouped_mm(ctx, a, b, ho, G, trans_w, out);
 }
 
 static moe_status ex_check_sparse_plan(moe_ctx *ctx, const char *fn, const moe_routing_plan *p) {
@@ -225,7 +215,7 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
     xs = x;
   }
   if (o.impl == MOE_EXPERTS_GROUPED) {
-    MOE_CHECK_GOTO(ex_grouped_mm(ctx, xs, wc, plan, o.trans_w, &y), st, done);
+    MOE_CHECK_GOTO(ex_grouped(ctx, xs, wc, plan, false, o.trans_w, &y), st, done);
   } else if (sparse_in) {
     MOE_CHECK_GOTO(moe_bsmm_dsd(ctx, xs, wc, plan, o.trans_w, &y), st, done);
   } else {
@@ -394,14 +384,14 @@ static void ex_plan_release_void(void *p) { moe_routing_plan_release((moe_routin
 static moe_status ex_mm_sdd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *xs, moe_tensor *w,
                             moe_routing_plan *p, bool trans_w, moe_tensor **out) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_sdd(ctx, xs, w, p, trans_w, out);
-  return ex_grouped_mm(ctx, xs, w, p, trans_w, out);
+  return ex_grouped(ctx, xs, w, p, false, trans_w, out);
 }
 
 /* hidden (R, f) or sparse (nnz, b, b) times w -> (R, N) dense. */
 static moe_status ex_mm_dsd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *h, moe_tensor *w,
                             moe_routing_plan *p, bool trans_w, moe_tensor **out) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd(ctx, h, w, p, trans_w, out);
-  return ex_grouped_mm(ctx, h, w, p, trans_w, out);
+  return ex_grouped(ctx, h, w, p, false, trans_w, out);
 }
 
 /* The weight gradient (E_loc, K, N) = xs^T h per expert, xs (R, K) dense,
@@ -409,14 +399,14 @@ static moe_status ex_mm_dsd(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *h, 
 static moe_status ex_wgrad_in(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *xs, moe_tensor *h,
                               moe_routing_plan *p, moe_tensor **out) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dds(ctx, xs, h, p, out);
-  return ex_grouped_wgrad(ctx, xs, h, p, out);
+  return ex_grouped(ctx, xs, h, p, true, false, out);
 }
 
 /* The weight gradient (E_loc, f, d) = h^T dy per expert, h the hidden. */
 static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *h, moe_tensor *dy,
                                moe_routing_plan *p, moe_tensor **out) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd_t(ctx, h, dy, p, out);
-  return ex_grouped_wgrad(ctx, h, dy, p, out);
+  return ex_grouped(ctx, h, dy, p, true, false, out);
 }
 
 /* Whether the sparse products read the token rows in place (the kernel

@@ -124,6 +124,18 @@ static moe_status gg_check_offs(moe_ctx *ctx, const char *fn, const int64_t *off
   return MOE_OK;
 }
 
+/* a (R, K) and b (R, N) of one dtype and device, the same rows. */
+static moe_status gg_check_wgrad_operands(moe_ctx *ctx, const char *fn, const moe_tensor *a,
+                                          const moe_tensor *b) {
+  MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
+  if (a->shape[0] != b->shape[0])
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
+                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)a->shape[0], (long long)b->shape[0]);
+  return MOE_OK;
+}
+
 /* ------------------------------------------------------------- layouts */
 
 /* x (R, K) usable in place: unit stride along K and a row stride >= K. */
@@ -396,100 +408,6 @@ done:
   return st;
 }
 
-/* ------------------------------------------------------------ autograd */
-
-/* inputs x (0), w (1); saved x (slot 0), w (slot 1); iargs: groups,
- * trans_w; user: a copy of the G + 1 offsets. */
-static moe_status gg_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
-                                 moe_tensor **gin) {
-  moe_tensor *x = NULL, *w = NULL;
-  moe_status st = MOE_OK;
-  const int64_t *offs = (const int64_t *)n->user;
-  int64_t groups = n->iargs[0];
-  bool trans_w = n->iargs[1] != 0;
-  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin); /* nothing flowed in */
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
-  MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
-  if (moe_node_needs_grad(n, 0))
-    MOE_CHECK_GOTO(gg_mm_compute(ctx, "grouped_mm", gout[0], w, offs, groups, !trans_w, &gin[0]),
-                   st, fail);
-  if (moe_node_needs_grad(n, 1))
-    MOE_CHECK_GOTO(gg_wgrad_compute(ctx, "grouped_mm", x, gout[0], offs, groups, trans_w, &gin[1]),
-                   st, fail);
-  goto done;
-fail:
-  for (int i = 0; i < 2; i++) {
-    moe_tensor_release(gin[i]);
-    gin[i] = NULL;
-  }
-done:
-  moe_tensor_release(x);
-  moe_tensor_release(w);
-  return st;
-}
-
-/* ------------------------------------------------------------------ API */
-
-moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int64_t *offs,
-                          int64_t groups, bool trans_w, moe_tensor **out) {
-  const char *fn = "grouped_mm";
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
-  MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
-  MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
-  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
-  if (groups >= 1 && w->shape[0] != groups)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, wanted %lld (x %s)",
-                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
-  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
-  if (x->shape[1] != wk)
-    return moe_error(ctx, MOE_ERR_SHAPE,
-                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
-                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
-  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, x->shape[0]));
-
-  bool prev = moe_grad_set(ctx, false);
-  moe_tensor *r = NULL;
-  moe_status st = gg_mm_compute(ctx, fn, x, w, offs, groups, trans_w, &r);
-  moe_grad_set(ctx, prev);
-  MOE_CHECK(st);
-  int64_t *copy = NULL; /* the node's copy of the offsets */
-  if (moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w})) {
-    copy = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1));
-    if (!copy) {
-      moe_tensor_release(r);
-      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn,
-                       (long long)(groups + 1));
-    }
-    memcpy(copy, offs, sizeof(int64_t) * (size_t)(groups + 1));
-  }
-  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
-      .op = MOE_OP_GROUPED_MM, .backward = gg_mm_backward, .n_in = 2, .in = {x, w},
-      .n_save = 2, .save = {x, w}, .iargs = {groups, trans_w}, .user = copy, .user_free = free},
-      1, &r));
-  *out = r;
-  return MOE_OK;
-}
-
-moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const int64_t *offs,
-                                int64_t groups, bool trans_out, moe_tensor **out) {
-  const char *fn = "grouped_mm_wgrad";
-  if (!ctx) return MOE_ERR_INVALID_ARG;
-  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
-  MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
-  MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
-  if (a->shape[0] != b->shape[0])
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
-                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)a->shape[0], (long long)b->shape[0]);
-  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, a->shape[0]));
-  bool prev = moe_grad_set(ctx, false);
-  moe_status st = gg_wgrad_compute(ctx, fn, a, b, offs, groups, trans_out, out);
-  moe_grad_set(ctx, prev);
-  return st;
-}
-
 /* ---------------------------------------------- offsets on the device */
 
 /* The sm_90a kernel runs these sizes (moe_grouped_offsets_on_device). */
@@ -560,12 +478,29 @@ static bool gg_aligned(moe_tensor *const *t, int n) {
   return true;
 }
 
-/* out (R, N) = grouped_mm with the offsets tensor; host: the offsets on the
- * host when the kernel does not run (else NULL), made on first need. */
-static moe_status gg_dev_mm_compute(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w,
-                                    moe_tensor *offs, int64_t **host, bool trans_w,
-                                    moe_tensor **out) {
-  int64_t G = offs->shape[0] - 1, R = x->shape[0], K = x->shape[1];
+/* A product's offsets: a tensor on the operands' device (offs, else NULL)
+ * and, once made (or given), their host copy. */
+typedef struct gg_offs {
+  moe_tensor *offs;
+  int64_t *host;
+  int64_t groups;
+} gg_offs;
+
+static void gg_offs_free(void *p) {
+  gg_offs *o = (gg_offs *)p;
+  if (!o) return;
+  moe_tensor_release(o->offs);
+  free(o->host);
+  free(o);
+}
+
+/* out (R, N) = grouped_mm over o: the kernel reads o->offs on the device
+ * where it runs; otherwise the host copy, made on first need. */
+static moe_status gg_mm_any(moe_ctx *ctx, const char *fn, moe_tensor *x, moe_tensor *w, gg_offs *o,
+                            bool trans_w, moe_tensor **out) {
+  moe_tensor *offs = o->offs;
+  int64_t **host = &o->host;
+  int64_t G = o->groups, R = x->shape[0], K = x->shape[1];
   int64_t N = trans_w ? w->shape[1] : w->shape[2];
   moe_device dev = x->storage->device;
   if (!*host && moe_grouped_offsets_on_device(ctx, dev, x->dtype, G, K, N)) {
@@ -588,10 +523,11 @@ static moe_status gg_dev_mm_compute(moe_ctx *ctx, const char *fn, moe_tensor *x,
   return gg_mm_compute(ctx, fn, x, w, *host, G, trans_w, out);
 }
 
-static moe_status gg_dev_wgrad_compute(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_tensor *b,
-                                       moe_tensor *offs, int64_t **host, bool trans_out,
-                                       moe_tensor **out) {
-  int64_t G = offs->shape[0] - 1, R = a->shape[0], K = a->shape[1], N = b->shape[1];
+static moe_status gg_wgrad_any(moe_ctx *ctx, const char *fn, moe_tensor *a, moe_tensor *b,
+                               gg_offs *o, bool trans_out, moe_tensor **out) {
+  moe_tensor *offs = o->offs;
+  int64_t **host = &o->host;
+  int64_t G = o->groups, R = a->shape[0], K = a->shape[1], N = b->shape[1];
   moe_device dev = a->storage->device;
   if (!*host && R > 0 && moe_grouped_offsets_on_device(ctx, dev, a->dtype, G, K, N)) {
     moe_tensor *ac = NULL, *bc = NULL, *oc = NULL, *r = NULL;
@@ -616,37 +552,24 @@ static moe_status gg_dev_wgrad_compute(moe_ctx *ctx, const char *fn, moe_tensor 
   return gg_wgrad_compute(ctx, fn, a, b, *host, G, trans_out, out);
 }
 
-/* The node's offsets: the tensor and, once made, a host copy. */
-typedef struct gg_dev_offs {
-  moe_tensor *offs;
-  int64_t *host;
-} gg_dev_offs;
+/* ------------------------------------------------------------ autograd */
 
-static void gg_dev_offs_free(void *p) {
-  gg_dev_offs *o = (gg_dev_offs *)p;
-  if (!o) return;
-  moe_tensor_release(o->offs);
-  free(o->host);
-  free(o);
-}
-
-static moe_status gg_dev_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
-                                     moe_tensor **gin) {
+/* inputs x (0), w (1); saved x (slot 0), w (slot 1); iargs: trans_w;
+ * user: the gg_offs (a host copy of the G + 1 offsets, or the device
+ * tensor). */
+static moe_status gg_mm_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout,
+                                 moe_tensor **gin) {
   moe_tensor *x = NULL, *w = NULL;
   moe_status st = MOE_OK;
-  gg_dev_offs *o = (gg_dev_offs *)n->user;
+  gg_offs *o = (gg_offs *)n->user;
   bool trans_w = n->iargs[0] != 0;
-  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin); /* nothing flowed in */
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 0, &x), st, fail);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, 1, &w), st, fail);
   if (moe_node_needs_grad(n, 0))
-    MOE_CHECK_GOTO(gg_dev_mm_compute(ctx, "grouped_mm_dev", gout[0], w, o->offs, &o->host, !trans_w,
-                                     &gin[0]),
-                   st, fail);
+    MOE_CHECK_GOTO(gg_mm_any(ctx, "grouped_mm", gout[0], w, o, !trans_w, &gin[0]), st, fail);
   if (moe_node_needs_grad(n, 1))
-    MOE_CHECK_GOTO(gg_dev_wgrad_compute(ctx, "grouped_mm_dev", x, gout[0], o->offs, &o->host,
-                                        trans_w, &gin[1]),
-                   st, fail);
+    MOE_CHECK_GOTO(gg_wgrad_any(ctx, "grouped_mm", x, gout[0], o, trans_w, &gin[1]), st, fail);
   goto done;
 fail:
   for (int i = 0; i < 2; i++) {
@@ -656,6 +579,66 @@ fail:
 done:
   moe_tensor_release(x);
   moe_tensor_release(w);
+  return st;
+}
+
+/* ------------------------------------------------------------------ API */
+
+moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int64_t *offs,
+                          int64_t groups, bool trans_w, moe_tensor **out) {
+  const char *fn = "grouped_mm";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
+  MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
+  MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
+  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
+  if (groups >= 1 && w->shape[0] != groups)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, wanted %lld (x %s)",
+                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
+  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
+  if (x->shape[1] != wk)
+    return moe_error(ctx, MOE_ERR_SHAPE,
+                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
+                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, x->shape[0]));
+
+  bool prev = moe_grad_set(ctx, false);
+  moe_tensor *r = NULL;
+  moe_status st = gg_mm_compute(ctx, fn, x, w, offs, groups, trans_w, &r);
+  moe_grad_set(ctx, prev);
+  MOE_CHECK(st);
+  gg_offs *o = NULL; /* the node's copy of the offsets */
+  if (moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w})) {
+    o = (gg_offs *)calloc(1, sizeof *o);
+    if (o) o->host = (int64_t *)malloc(sizeof(int64_t) * (size_t)(groups + 1));
+    if (!o || !o->host) {
+      gg_offs_free(o);
+      moe_tensor_release(r);
+      return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: cannot copy %lld offsets", fn,
+                       (long long)(groups + 1));
+    }
+    memcpy(o->host, offs, sizeof(int64_t) * (size_t)(groups + 1));
+    o->groups = groups;
+  }
+  MOE_CHECK(moe_record(ctx, &(moe_record_spec){
+      .op = MOE_OP_GROUPED_MM, .backward = gg_mm_backward, .n_in = 2, .in = {x, w},
+      .n_save = 2, .save = {x, w}, .iargs = {trans_w}, .user = o, .user_free = gg_offs_free},
+      1, &r));
+  *out = r;
+  return MOE_OK;
+}
+
+moe_status moe_grouped_mm_wgrad(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const int64_t *offs,
+                                int64_t groups, bool trans_out, moe_tensor **out) {
+  const char *fn = "grouped_mm_wgrad";
+  if (!ctx) return MOE_ERR_INVALID_ARG;
+  if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  MOE_CHECK(gg_check_wgrad_operands(ctx, fn, a, b));
+  MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, a->shape[0]));
+  bool prev = moe_grad_set(ctx, false);
+  moe_status st = gg_wgrad_compute(ctx, fn, a, b, offs, groups, trans_out, out);
+  moe_grad_set(ctx, prev);
   return st;
 }
 
@@ -678,23 +661,23 @@ moe_status moe_grouped_mm_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_te
     return moe_error(ctx, MOE_ERR_SHAPE,
                      "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
                      sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
-  gg_dev_offs *o = (gg_dev_offs *)calloc(1, sizeof *o);
+  gg_offs *o = (gg_offs *)calloc(1, sizeof *o);
   if (!o) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   moe_tensor_retain(offs);
-  o->offs = offs;
+  o->offs = offs, o->groups = groups;
   bool prev = moe_grad_set(ctx, false);
   moe_tensor *r = NULL;
-  moe_status st = gg_dev_mm_compute(ctx, fn, x, w, offs, &o->host, trans_w, &r);
+  moe_status st = gg_mm_any(ctx, fn, x, w, o, trans_w, &r);
   moe_grad_set(ctx, prev);
   if (st != MOE_OK) {
-    gg_dev_offs_free(o);
+    gg_offs_free(o);
     return st;
   }
   bool want = moe_grad_wanted(ctx, 2, (const moe_tensor *const[]){x, w});
-  if (!want) gg_dev_offs_free(o), o = NULL;
+  if (!want) gg_offs_free(o), o = NULL;
   MOE_CHECK(moe_record(ctx, &(moe_record_spec){
-      .op = MOE_OP_GROUPED_MM, .backward = gg_dev_mm_backward, .n_in = 2, .in = {x, w},
-      .n_save = 2, .save = {x, w}, .iargs = {trans_w}, .user = o, .user_free = gg_dev_offs_free},
+      .op = MOE_OP_GROUPED_MM, .backward = gg_mm_backward, .n_in = 2, .in = {x, w},
+      .n_save = 2, .save = {x, w}, .iargs = {trans_w}, .user = o, .user_free = gg_offs_free},
       1, &r));
   *out = r;
   return MOE_OK;
@@ -705,19 +688,14 @@ moe_status moe_grouped_mm_wgrad_dev(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, 
   const char *fn = "grouped_mm_wgrad_dev";
   if (!ctx) return MOE_ERR_INVALID_ARG;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
-  MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
-  MOE_CHECK(gg_check_tensor(ctx, fn, b, "b", 2, "(R, N)"));
-  MOE_CHECK(gg_check_pair(ctx, fn, a, "a", b, "b"));
-  if (a->shape[0] != b->shape[0])
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: a %s and b %s have different rows (%lld != %lld)", fn,
-                     MOE_SHAPE(a), MOE_SHAPE(b), (long long)a->shape[0], (long long)b->shape[0]);
+  MOE_CHECK(gg_check_wgrad_operands(ctx, fn, a, b));
   int64_t groups = 0;
   MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, a->storage->device, &groups));
-  int64_t *host = NULL;
+  gg_offs o = {offs, NULL, groups};
   bool prev = moe_grad_set(ctx, false);
-  moe_status st = gg_dev_wgrad_compute(ctx, fn, a, b, offs, &host, trans_out, out);
+  moe_status st = gg_wgrad_any(ctx, fn, a, b, &o, trans_out, out);
   moe_grad_set(ctx, prev);
-  free(host);
+  free(o.host);
   return st;
 }
 
@@ -757,7 +735,7 @@ moe_status moe_grouped_mm_sum_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, mo
   bool prev = moe_grad_set(ctx, false);
   moe_status st = MOE_ERR_NOT_SUPPORTED;
   moe_tensor *c[5] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL;
-  int64_t *host = NULL;
+  gg_offs o = {offs, NULL, groups};
   if (moe_grouped_offsets_on_device(ctx, dev, x->dtype, groups, K, N)) {
     /* one kernel: the second pair's chunks follow the first's into the same accumulators */
     st = MOE_OK;
@@ -776,14 +754,14 @@ moe_status moe_grouped_mm_sum_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, mo
   if (st == MOE_ERR_NOT_SUPPORTED) { /* two products and a sum */
     moe_tensor_release(r);
     r = NULL;
-    st = gg_dev_mm_compute(ctx, fn, x, w, offs, &host, trans_w, &t1);
-    if (st == MOE_OK) st = gg_dev_mm_compute(ctx, fn, x2, w2, offs, &host, trans_w, &t2);
+    st = gg_mm_any(ctx, fn, x, w, &o, trans_w, &t1);
+    if (st == MOE_OK) st = gg_mm_any(ctx, fn, x2, w2, &o, trans_w, &t2);
     if (st == MOE_OK) st = moe_binary(ctx, MOE_OP_ADD, t1, t2, &r);
   }
   moe_grad_set(ctx, prev);
   if (st == MOE_OK) *out = r, r = NULL;
   for (int i = 0; i < 5; i++) moe_tensor_release(c[i]);
   moe_tensor_release(r), moe_tensor_release(t1), moe_tensor_release(t2);
-  free(host);
+  free(o.host);
   return st;
 }

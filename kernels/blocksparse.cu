@@ -722,6 +722,18 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
 #endif /* BS_WG_DEVICE */
 
 #ifdef BS_WG_DEVICE
+/* The TMA epilogues' staging: the bf16 pair v of the thread's row r and
+ * 16-byte piece jj of a 128-column half (two 64 x 64 boxes of 8 pieces a
+ * row) into buf in the 128-byte swizzle, at the lane's 4 bytes of it. */
+__device__ __forceinline__ void bs_stage_pair(uint32_t buf, int jj, int r, int lane, __nv_bfloat162 v) {
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + (jj >> 3) * 8192 + r * 128 +
+                                                  (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4),
+               "r"(bits)
+               : "memory");
+}
+
 /* The TMA epilogue: each half (128 columns) of the consumer warpgroup's
  * 64 x 256 goes to its 16 KB buffer buf as bf16, two 64 x 64 boxes in the
  * 128-byte swizzle (row r at r * 128, 16-byte piece p at (p ^ r % 8) * 16;
@@ -744,13 +756,7 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
 #pragma unroll
       for (int h = 0; h < 2; h++) {
         const int j = half * 16 + jj, r = wq * 16 + (lane >> 2) + h * 8;
-        __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + (jj >> 3) * 8192 + r * 128 +
-                                                        (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4),
-                     "r"(bits)
-                     : "memory");
+        bs_stage_pair(buf, jj, r, lane, __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
       }
     }
     moe_fence_proxy();
@@ -814,12 +820,7 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
             v = __floats2bfloat162_rn(f0 * __low2float(v3), f1 * __high2float(v3));
           }
         }
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(buf + (jj >> 3) * 8192 + r * 128 +
-                                                        (((jj & 7) ^ (r & 7)) << 4) + (lane & 3) * 4),
-                     "r"(bits)
-                     : "memory");
+        bs_stage_pair(buf, jj, r, lane, v);
       }
     }
     moe_fence_proxy();
@@ -1043,6 +1044,21 @@ moe_status bs_map(moe_ctx *ctx, CUtensorMap *m, const void *p, int rank, const i
   return MOE_OK;
 }
 
+/* The maps of a k-contiguous A of dims da (64 x 128 boxes) and a per-expert
+ * weight of dims dw (64 x 256 x 1 boxes with trans_w, else 64 x 64 x 1), and
+ * of the second pair g.a2, g.c2 when there is one (DSD, GG). */
+template <bool TRANS>
+moe_status bs_wg_pair_maps(moe_ctx *ctx, const BsArgs &g, const int64_t *da, const int64_t *dw,
+                           CUtensorMap *ma, CUtensorMap *mb, CUtensorMap *ma2, CUtensorMap *mb2) {
+  const uint32_t b64x128[2] = {64, 128}, b3_64[3] = {64, 64, 1}, b3_256[3] = {64, 256, 1};
+  const uint32_t *bw = TRANS ? b3_256 : b3_64;
+  MOE_CHECK(bs_map(ctx, ma, g.a, 2, da, b64x128));
+  MOE_CHECK(bs_map(ctx, mb, g.c, 3, dw, bw));
+  if (!g.a2) return MOE_OK;
+  MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, da, b64x128));
+  return bs_map(ctx, mb2, g.c2, 3, dw, bw);
+}
+
 /* The two tensor maps of a product (see bs_wg_issue for the boxes). */
 template <int KIND, bool TRANS>
 moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMap *mb,
@@ -1065,19 +1081,11 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   }
   if (KIND == BS_DSD) {
     const int64_t ds[2] = {BS_B, S}, dw[3] = {K, N, EL}, dwt[3] = {N, K, EL};
-    MOE_CHECK(bs_map(ctx, ma, g.a, 2, ds, b64x128));
-    MOE_CHECK(TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64));
-    if (!g.a2) return MOE_OK;
-    MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, ds, b64x128));
-    return TRANS ? bs_map(ctx, mb2, g.c2, 3, dwt, b3_256) : bs_map(ctx, mb2, g.c2, 3, dw, b3_64);
+    return bs_wg_pair_maps<TRANS>(ctx, g, ds, TRANS ? dwt : dw, ma, mb, ma2, mb2);
   }
   if (KIND == BS_GG) {
     const int64_t dx[2] = {K, g.R}, dw[3] = {g.N, K, g.G}, dwt[3] = {K, g.N, g.G};
-    MOE_CHECK(bs_map(ctx, ma, g.a, 2, dx, b64x128));
-    MOE_CHECK(TRANS ? bs_map(ctx, mb, g.c, 3, dwt, b3_256) : bs_map(ctx, mb, g.c, 3, dw, b3_64));
-    if (!g.a2) return MOE_OK;
-    MOE_CHECK(bs_map(ctx, ma2, g.a2, 2, dx, b64x128));
-    return TRANS ? bs_map(ctx, mb2, g.c2, 3, dwt, b3_256) : bs_map(ctx, mb2, g.c2, 3, dw, b3_64);
+    return bs_wg_pair_maps<TRANS>(ctx, g, dx, TRANS ? dwt : dw, ma, mb, ma2, mb2);
   }
   if (KIND == BS_GW) {
     const int64_t da[2] = {K, g.R}, db[2] = {g.N, g.R};
