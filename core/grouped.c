@@ -464,7 +464,8 @@ static moe_status gg_offs_host(moe_ctx *ctx, const char *fn, moe_tensor *offs, i
   return MOE_OK;
 }
 
-/* A contiguous offsets tensor whose data the kernel reads. */
+/* The kernel's operands and offsets, contiguous (the tensors themselves
+ * when they already are). */
 static moe_status gg_dev_operands(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_tensor *offs,
                                   moe_tensor **ac, moe_tensor **bc, moe_tensor **oc) {
   MOE_CHECK(moe_contiguous(ctx, a, ac));

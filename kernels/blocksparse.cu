@@ -910,11 +910,17 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         if (GATHER) moe_fence_proxy();
         if (KIND == BS_GW && q == c.nq - 1 && c.kv_last < BS_WG_BK) {
           /* the group's last rows: the chunk's rows past them belong to the
-           * next group (or are TMA's zeros past R); this warpgroup zeroes
-           * them in its own A box (k-row r is the 128 bytes at r * 128) */
+           * next group (or are TMA's zeros past R). This warpgroup zeroes
+           * them in its own A box and in all of B (k-row r is the 128 bytes
+           * at r * 128 of each box; the other warpgroup writes the same
+           * zeros), so not even an infinity of the next group's leaks in. */
           for (int i = (threadIdx.x & 127) + c.kv_last * 8; i < BS_WG_BK * 8; i += 128)
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sa + i * 16), "r"(0)
-                         : "memory");
+#pragma unroll
+            for (int j = 0; j < 5; j++)
+              asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(
+                               (j == 0 ? sa : sb + (j - 1) * 8192) + i * 16),
+                           "r"(0)
+                           : "memory");
           moe_fence_proxy();
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
         }
