@@ -734,6 +734,19 @@ __device__ __forceinline__ void bs_stage_pair(uint32_t buf, int jj, int r, int l
                : "memory");
 }
 
+/* Around a warpgroup's writes to its staging buffer buf: before, the last
+ * TMA store from it has read it (its thread 0 waits; the barrier passes that
+ * on); after, the writes are visible to TMA's async proxy and done across
+ * the warpgroup, so that thread 0 can store. */
+__device__ __forceinline__ void bs_stage_acquire(int cw) {
+  if ((threadIdx.x & 127) == 0) moe_bulk_wait_read<0>();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+}
+__device__ __forceinline__ void bs_stage_release(int cw) {
+  moe_fence_proxy();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+}
+
 /* The TMA epilogue: each half (128 columns) of the consumer warpgroup's
  * 64 x 256 goes to its 16 KB buffer buf as bf16, two 64 x 64 boxes in the
  * 128-byte swizzle (row r at r * 128, 16-byte piece p at (p ^ r % 8) * 16;
@@ -749,8 +762,7 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
 #pragma unroll
   for (int half = 0; half < 2; half++) {
     if (half * 128 >= c.n_valid) break; /* uniform over the warpgroup */
-    if (tid == 0) moe_bulk_wait_read<0>();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    bs_stage_acquire(cw);
 #pragma unroll
     for (int jj = 0; jj < 16; jj++) {
 #pragma unroll
@@ -759,8 +771,7 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
         bs_stage_pair(buf, jj, r, lane, __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
       }
     }
-    moe_fence_proxy();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    bs_stage_release(cw);
     if (tid == 0) {
       const int64_t F = g.tp.F;
 #pragma unroll
@@ -784,9 +795,7 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
     }
   }
 }
-#endif /* BS_WG_DEVICE */
 
-#ifdef BS_WG_DEVICE
 /* The GLU pair's epilogue (BsArgs::act): the warpgroup's 64 x 256 is h1's
  * block (columns 0..127) beside h3's (128..255), so a thread holds h1 and h3
  * of the same elements: h1, h3 and a = act(h1) * h3 (computed from the
@@ -799,8 +808,7 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
   const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
 #pragma unroll 1
   for (int part = 0; part < 3; part++) {
-    if (tid == 0) moe_bulk_wait_read<0>();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    bs_stage_acquire(cw);
 #pragma unroll
     for (int jj = 0; jj < 16; jj++) {
 #pragma unroll
@@ -823,8 +831,7 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
         bs_stage_pair(buf, jj, r, lane, v);
       }
     }
-    moe_fence_proxy();
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
+    bs_stage_release(cw);
     if (tid == 0) {
       const CUtensorMap *m = part == 0 ? mo : part == 1 ? mo2 : mo3;
       for (int b = 0; b < 2; b++) moe_tma_store2(m, buf + b * 8192, b * 64, (int)(c.i0 * BS_B) + cw * 64);

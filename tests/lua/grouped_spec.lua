@@ -209,9 +209,11 @@ end)
 -- On a GPU: offsets on the device (a CUDA i64 tensor, or a CUDA plan) reach the
 -- device-offset functions; the same values as the host offsets. Pending without one.
 local gpu = moe.cuda.is_available()
+local function gpu_it(name, fn)
+  if gpu then it(name, fn) else pending(name .. " (no CUDA GPU)") end
+end
 describe("grouped offsets on the device", function()
-  local run = gpu and it or function(name) pending(name .. " (no CUDA GPU)") end
-  run("a CUDA offsets tensor or plan gives the host offsets' results", function()
+  gpu_it("a CUDA offsets tensor or plan gives the host offsets' results", function()
     moe.manual_seed(5)
     local o = { dtype = "bf16", device = "cuda" }
     local x, w, dy = moe.randn({ 300, 64 }, o), moe.randn({ 4, 64, 40 }, o), moe.randn({ 300, 40 }, o)
