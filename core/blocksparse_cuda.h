@@ -82,6 +82,24 @@ moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, co
 moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, const void *w,
                                    const void *x2, const void *w2, const int64_t *offs, int64_t G,
                                    int64_t R, int64_t K, int64_t N, bool trans_w, void *out);
+/* The grouped products with the R-row operand gathered from a token-order
+ * tensor, so no permuted copy is made: row r of that operand is row
+ * src[r] / k of a (T, width) tensor, zeros where src[r] < 0 (src: R int64
+ * on the device, a routing plan's src). mm_gather: x is (T, K) (and x2, w2
+ * must be NULL with a gather; gt NULL: moe_cuda_wg_grouped_mm2);
+ * wgrad_gather: b_rows false gathers a ((T, K)), true b ((T, N)). */
+typedef struct moe_wg_gather {
+  const int64_t *src;
+  int64_t k;
+  bool b_rows;
+} moe_wg_gather;
+moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x, const void *w,
+                                         const void *x2, const void *w2, const int64_t *offs,
+                                         const moe_wg_gather *gt, int64_t G, int64_t R, int64_t K,
+                                         int64_t N, bool trans_w, void *out);
+moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void *a, const void *b,
+                                            const int64_t *offs, const moe_wg_gather *gt, int64_t G,
+                                            int64_t R, int64_t K, int64_t N, void *out);
 bool moe_cuda_wg_grouped(moe_ctx *ctx, int device);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather

@@ -18,9 +18,9 @@
  * bits as saving it, for one hidden-sized tensor less; memory_optimized
  * changes nothing for this op). The
  * permuted tokens xs = permute(x) (k times x) are not saved but gathered
- * again; with MOE_BSMM_GATHER=1 the sparse path on sm_90a in bf16 never
- * makes them at all: its wgmma kernels read the rows of x and dout in token
- * order (moe_bsmm_*_gather; same bits, slower on an H100 today, so off by
+ * again; with MOE_BSMM_GATHER=1 on sm_90a in bf16 neither path makes them
+ * at all: the wgmma kernels read the rows of x and dout in token order
+ * (moe_bsmm_*_gather, ex_gg_gather; same bits, slower today, so off by
  * default). With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
  * forward makes h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue
  * computes a from the rounded h1 and h3; same bits, slower on an H100
@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blocksparse_cuda.h"
 #include "experts_cuda.h"
 #include "internal.h"
 #include "moe_quantize.h"
@@ -409,11 +410,72 @@ static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *
   return ex_grouped(ctx, h, dy, p, true, false, out);
 }
 
-/* Whether the sparse products read the token rows in place (the kernel
- * gathers them: moe_bsmm_gathers, with MOE_BSMM_GATHER=1) instead of a
- * permuted copy. */
-static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt) {
-  return impl == MOE_EXPERTS_SPARSE && ctx->knobs.bsmm_gather && moe_bsmm_gathers(ctx, p, dt);
+/* Whether the products read the token rows in place (the sm_90a kernel
+ * gathers them, with MOE_BSMM_GATHER=1) instead of a permuted copy: the
+ * sparse ones where moe_bsmm_gathers, the grouped ones (d, f: the experts'
+ * sizes) where both directions read their offsets on the device. */
+static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt,
+                      int64_t d, int64_t f) {
+  if (!ctx->knobs.bsmm_gather) return false;
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_gathers(ctx, p, dt);
+  int64_t G = p->e1 - p->e0;
+  return p->row_offsets && p->src && moe_grouped_offsets_on_device(ctx, p->device, dt, G, d, f) &&
+         moe_grouped_offsets_on_device(ctx, p->device, dt, G, f, d);
+}
+
+/* The grouped products with tok's rows (T, width) gathered by the plan
+ * inside the sm_90a kernel (ex_gather held): EX_GG_MM out (R, N) =
+ * rows @ w[e] (trans_w as given; other = w); EX_GG_WGRAD_A out (G, width,
+ * N) = rows^T other per expert (other (R, N)); EX_GG_WGRAD_B out (G, K,
+ * width) = other^T rows (other (R, K)). An unaligned operand takes the
+ * permuted copy instead. */
+enum { EX_GG_MM, EX_GG_WGRAD_A, EX_GG_WGRAD_B };
+static moe_status ex_gg_gather(moe_ctx *ctx, int kind, moe_tensor *tok, moe_tensor *other,
+                               moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  moe_status st = MOE_OK;
+  moe_tensor *tc = NULL, *oc = NULL, *offs = NULL, *r = NULL, *xs = NULL;
+  int64_t G = p->e1 - p->e0, R = p->rows, W = tok->shape[1];
+  int64_t shape[3] = {R, 0, 0};
+  int nd = 2;
+  if (kind == EX_GG_MM) shape[1] = trans_w ? other->shape[1] : other->shape[2];
+  else nd = 3, shape[0] = G, shape[1] = kind == EX_GG_WGRAD_A ? W : other->shape[1],
+       shape[2] = kind == EX_GG_WGRAD_A ? other->shape[1] : W;
+  MOE_CHECK_GOTO(moe_contiguous(ctx, tok, &tc), st, done);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, other, &oc), st, done);
+  MOE_CHECK_GOTO(moe_narrow(ctx, p->row_offsets, 0, p->e0, G + 1, &offs), st, done);
+  MOE_CHECK_GOTO(moe_tensor_empty(ctx, nd, shape, tok->dtype, p->device, &r), st, done);
+  const void *td = moe_tensor_data(tc), *od = moe_tensor_data(oc);
+  if (!(((uintptr_t)td | (uintptr_t)od | (uintptr_t)moe_tensor_data(r)) & 15) &&
+      moe_tensor_is_contiguous(p->src)) {
+    moe_wg_gather gt = {(const int64_t *)moe_tensor_data(p->src), p->k, kind == EX_GG_WGRAD_B};
+    const int64_t *o = (const int64_t *)moe_tensor_data(offs);
+    int dev = p->device.index;
+    if (kind == EX_GG_MM)
+      st = moe_cuda_wg_grouped_mm_gather(ctx, dev, td, od, NULL, NULL, o, &gt, G, R, W, shape[1],
+                                         trans_w, moe_tensor_data(r));
+    else
+      st = moe_cuda_wg_grouped_wgrad_gather(ctx, dev, kind == EX_GG_WGRAD_A ? td : od,
+                                            kind == EX_GG_WGRAD_A ? od : td, o, &gt, G, R, shape[1],
+                                            shape[2], moe_tensor_data(r));
+    if (st == MOE_OK) *out = r, r = NULL;
+    goto done;
+  }
+  /* the permuted copy */
+  MOE_CHECK_GOTO(moe_routing_permute(ctx, tc, p, &xs), st, done);
+  if (kind == EX_GG_MM) st = ex_grouped(ctx, xs, oc, p, false, trans_w, out);
+  else if (kind == EX_GG_WGRAD_A) st = ex_grouped(ctx, xs, oc, p, true, false, out);
+  else st = ex_grouped(ctx, oc, xs, p, true, false, out);
+done:
+  moe_tensor_release(tc), moe_tensor_release(oc), moe_tensor_release(offs);
+  moe_tensor_release(r), moe_tensor_release(xs);
+  return st;
+}
+
+/* ex_wgrad_in with x's rows gathered (x (T, K) in token order). */
+static moe_status ex_wgrad_in_gather(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *x, moe_tensor *h,
+                                     moe_routing_plan *p, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dds_gather(ctx, x, h, p, out);
+  return ex_gg_gather(ctx, EX_GG_WGRAD_A, x, h, p, false, out);
 }
 
 /* Whether the backward of n may write into t, which it got from saved slot
@@ -489,10 +551,13 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
   }
   /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows */
-  bool gath = ex_gather(ctx, impl, p, dt);
+  bool gath = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2]);
   if (gath) {
     MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout_rows), st, done);
-    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, dout_rows, w2, p, true, &dA0), st, done);
+    if (impl == MOE_EXPERTS_SPARSE)
+      MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, dout_rows, w2, p, true, &dA0), st, done);
+    else
+      MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_MM, dout_rows, w2, p, true, &dA0), st, done);
   } else {
     MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
     MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
@@ -554,7 +619,10 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   moe_node_saved_free(ctx, n, EX_SAVED_H1);
   moe_node_saved_free(ctx, n, EX_SAVED_H3);
   if (qbits) moe_node_saved_free(ctx, n, EX_SAVED_S1), moe_node_saved_free(ctx, n, EX_SAVED_S3);
-  if (need_w2 && gath) MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
+  if (need_w2 && gath && impl == MOE_EXPERTS_SPARSE)
+    MOE_CHECK_GOTO(moe_bsmm_dsd_t_gather(ctx, ga, dout_rows, p, &gin[3]), st, done);
+  else if (need_w2 && gath)
+    MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_WGRAD_B, dout_rows, ga, p, false, &gin[3]), st, done);
   else if (need_w2) MOE_CHECK_GOTO(ex_wgrad_out(ctx, impl, ga, dout_rows, p, &gin[3]), st, done);
   EX_DROP(ga);
   EX_DROP(dout_rows);
@@ -596,10 +664,10 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     if (gath) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
     else MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
   }
-  if (need_w1 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dA0, p, &gin[1]), st, done);
+  if (need_w1 && gath) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dA0, p, &gin[1]), st, done);
   else if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
   EX_DROP(dA0);
-  if (need_w3 && gath) MOE_CHECK_GOTO(moe_bsmm_dds_gather(ctx, xs, dh3, p, &gin[2]), st, done);
+  if (need_w3 && gath) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dh3, p, &gin[2]), st, done);
   else if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
 #undef EX_DROP
 done:
@@ -781,9 +849,15 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w2, &w2c), st, fail);
-  if (ex_gather(ctx, impl, plan, x->dtype)) { /* the kernel reads x's rows: no permuted copy */
-    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w1c, plan, false, &h1), st, fail);
-    MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w3c, plan, false, &h3), st, fail);
+  if (ex_gather(ctx, impl, plan, x->dtype, w1->shape[1], w1->shape[2])) {
+    /* the kernel reads x's rows: no permuted copy */
+    if (impl == MOE_EXPERTS_SPARSE) {
+      MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w1c, plan, false, &h1), st, fail);
+      MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w3c, plan, false, &h3), st, fail);
+    } else {
+      MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_MM, x, w1c, plan, false, &h1), st, fail);
+      MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_MM, x, w3c, plan, false, &h3), st, fail);
+    }
   } else {
     MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, fail);
     if (impl == MOE_EXPERTS_SPARSE && o.quant_bits == 0 && moe_bsmm_glu_fuses(ctx, plan, x->dtype)) {

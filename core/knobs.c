@@ -43,9 +43,9 @@ const moe_knob_def moe_knob_table[] = {
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
     KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
-              "1: the block-sparse GLU experts gather the token rows inside the wgmma kernel "
-              "(cp.async) instead of reading a permuted copy (TMA); same bits, slower on an "
-              "H100 today"),
+              "1: the GLU experts (block-sparse or grouped on the sm_90a kernel) gather the token "
+              "rows inside the wgmma kernel (cp.async) instead of reading a permuted copy (TMA); "
+              "same bits, less memory, slower today"),
     KNOB_BOOL(bsmm_glu, "MOE_BSMM_GLU", 0,
               "1: the block-sparse GLU experts make h1, h3 and a = act(h1) * h3 in one wgmma "
               "kernel (sm_90a, bf16) instead of two products and the activation pass; same bits, "

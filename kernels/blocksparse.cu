@@ -100,6 +100,8 @@ struct BsArgs {
    * the G + 1 group offsets goffs. Both on the device. */
   const int64_t *gtab, *goffs;
   int64_t G, R, N;
+  /* GW with a gather (tp.gather_src): true gathers b's rows, false a's */
+  bool gather_b;
 };
 
 /* The output tile (BS_B x BN) and chunk walk of a CTA. Output element
@@ -609,13 +611,27 @@ template <int N> __device__ __forceinline__ void bs_cp_wait() {
 __device__ __forceinline__ void bs_producer_sync() { asm volatile("bar.sync 3, 128;\n" ::: "memory"); }
 
 /* With a gather: thread 0's TMA copies of the operand that is not gathered,
- * and the bytes they bring. */
+ * arriving on bar with the bytes they bring. */
 template <int KIND, bool TRANS>
 __device__ __forceinline__ void bs_wg_issue_other(const BsArgs &g, const BsCta &c, int q,
                                                   const CUtensorMap *ma, const CUtensorMap *mb,
                                                   uint32_t sa, uint32_t sb, uint32_t bar) {
   const moe_bs_topo &tp = g.tp;
-  if (KIND == BS_SDD) { /* B = w, as bs_wg_issue */
+  if (KIND == BS_GG) { /* B = w, as bs_wg_issue */
+    int kk = q * BS_WG_BK, n0 = (int)c.t0, e = (int)c.col;
+    moe_mbar_expect(bar, BS_WG_B_BYTES);
+    if (!TRANS)
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, e, bar);
+    else
+      moe_tma3(sb, mb, kk, n0, e, bar);
+  } else if (KIND == BS_GW) { /* the operand that is not gathered, as bs_wg_issue */
+    int row = (int)c.i0 + q * BS_WG_BK;
+    moe_mbar_expect(bar, g.gather_b ? BS_WG_A_BYTES : BS_WG_B_BYTES);
+    if (g.gather_b)
+      for (int j = 0; j < 2; j++) moe_tma2(sa + j * 8192, ma, (int)c.t0 + j * 64, row, bar);
+    else
+      for (int j = 0; j < 4; j++) moe_tma2(sb + j * 8192, mb, (int)c.n0 + j * 64, row, bar);
+  } else if (KIND == BS_SDD) { /* B = w, as bs_wg_issue */
     int64_t i = c.i0, cb = tp.column_indices[i], F = tp.F;
     int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
     moe_mbar_expect(bar, BS_WG_B_BYTES);
@@ -716,6 +732,68 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
     }
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
     if (KIND != BS_SDD) bs_cp_commit();
+  }
+}
+
+/* The grouped kinds' gathering walk (GG, GW with tp.gather_src): as
+ * bs_wg_gather_tile's, the producer warpgroup's 128 threads copy the
+ * gathered operand's rows with 16-byte cp.async (piece t % 8 of rows
+ * t / 8 + 16 u) and thread 0 loads the other operand by TMA; but each
+ * thread loads its rows' plan entries itself, a chunk ahead into registers
+ * (the rows of a GW chunk start at any group offset, so no aligned 16-byte
+ * copy of them exists). A row past its group's end reads as zeros:
+ *   GG: A (K-major, 128 rows x 64 k), rows u < 8 of the tile (entries read
+ *       once per tile);
+ *   GW gathering a: A = a^T (boxes j = 0, 1 of 64 columns x 64 k-rows), or
+ *   gathering b: B (boxes j = 0..3), k-rows u < 4 of chunk q. */
+__device__ __forceinline__ int bs_gtok(const BsArgs &g, int64_t r, bool valid) {
+  return valid ? bs_tok(g.tp.gather_src[r], (int)g.tp.gather_k) : -1;
+}
+template <int KIND>
+__device__ __forceinline__ void bs_gw_toks(const BsArgs &g, const BsCta &c, int q, int rs, int *t) {
+  const int64_t r0 = c.i0 + (int64_t)q * BS_WG_BK, end = c.i0 + (int64_t)(c.nq - 1) * BS_WG_BK + c.kv_last;
+#pragma unroll
+  for (int u = 0; u < 4; u++) t[u] = bs_gtok(g, r0 + rs + 16 * u, r0 + rs + 16 * u < end);
+}
+template <int KIND, bool TRANS>
+__device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCta &c, int64_t &it,
+                                                     const CUtensorMap *ma, const CUtensorMap *mb,
+                                                     uint32_t base, uint32_t bars) {
+  const int t = threadIdx.x, p = t & 7, rs = t >> 3;
+  const bool gb = KIND == BS_GW && g.gather_b;
+  const uint16_t *d = (const uint16_t *)(gb ? g.c : g.a);
+  const int64_t width = gb ? g.N : g.K;
+  int tok[8], nxt[4];
+  if (KIND == BS_GG) {
+#pragma unroll
+    for (int u = 0; u < 8; u++) tok[u] = bs_gtok(g, c.i0 + rs + 16 * u, rs + 16 * u < c.m_valid);
+  } else if (c.nq > 0) {
+    bs_gw_toks<KIND>(g, c, 0, rs, nxt);
+  }
+  for (int q = 0; q < c.nq; q++, it++) {
+    if (KIND == BS_GW) {
+#pragma unroll
+      for (int u = 0; u < 4; u++) tok[u] = nxt[u];
+      if (q + 1 < c.nq) bs_gw_toks<KIND>(g, c, q + 1, rs, nxt);
+    }
+    const int s = (int)(it % BS_WG_STAGES);
+    if (it >= BS_WG_STAGES)
+      moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
+    const uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE, sb = sa + BS_WG_A_BYTES;
+    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, q, ma, mb, sa, sb, full);
+    if (KIND == BS_GG) {
+#pragma unroll
+      for (int u = 0; u < 8; u++) bs_gather_piece(sa, rs + 16 * u, p, d, tok[u], (int64_t)q * BS_WG_BK, width);
+    } else {
+      const uint32_t dst = gb ? sb : sa;
+      const int64_t c0 = gb ? c.n0 : c.t0;
+#pragma unroll
+      for (int u = 0; u < 4; u++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+          if (gb || j < 2) bs_gather_piece(dst + j * 8192, rs + 16 * u, p, d, tok[u], c0 + j * 64, width);
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
   }
 }
 
@@ -876,7 +954,13 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   __syncthreads();
   if (wg == 0) { /* producer */
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if (GATHER) { /* the whole warpgroup copies the gathered operand */
+    if constexpr (GATHER && KIND >= BS_GG) { /* the grouped kinds' gathering walk */
+      int64_t it = 0;
+      for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+        BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
+        bs_wg_gather_grouped<KIND, TRANS>(g, c, it, &ma, &mb, base, bars);
+      }
+    } else if constexpr (GATHER) { /* the whole warpgroup copies the gathered operand */
       const uint32_t ring = bars + 2 * BS_WG_STAGES * 8;
       int64_t it = 0;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
@@ -1072,7 +1156,8 @@ moe_status bs_wg_pair_maps(moe_ctx *ctx, const BsArgs &g, const int64_t *da, con
   return bs_map(ctx, mb2, g.c2, 3, dw, bw);
 }
 
-/* The two tensor maps of a product (see bs_wg_issue for the boxes). */
+/* The two tensor maps of a product (see bs_wg_issue for the boxes). A
+ * gathered operand has no map (the producer warpgroup copies its rows). */
 template <int KIND, bool TRANS>
 moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMap *mb,
                       CUtensorMap *ma2, CUtensorMap *mb2) {
@@ -1080,7 +1165,6 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   int64_t K = g.K, N = tp.F * BS_B, R = tp.Rb * BS_B, S = tp.nnz * BS_B, EL = tp.EL;
   const uint32_t b64x128[2] = {64, 128}, b64x64[2] = {64, 64};
   const uint32_t b3_64[3] = {64, 64, 1}, b3_256[3] = {64, 256, 1};
-  /* a gathered operand has no map (the producer warpgroup copies its rows) */
   const bool gather = tp.gather_src != nullptr;
   memset(ma, 0, sizeof *ma);
   memset(mb, 0, sizeof *mb);
@@ -1098,12 +1182,13 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   }
   if (KIND == BS_GG) {
     const int64_t dx[2] = {K, g.R}, dw[3] = {g.N, K, g.G}, dwt[3] = {K, g.N, g.G};
+    if (gather) return bs_map(ctx, mb, g.c, 3, TRANS ? dwt : dw, TRANS ? b3_256 : b3_64);
     return bs_wg_pair_maps<TRANS>(ctx, g, dx, TRANS ? dwt : dw, ma, mb, ma2, mb2);
   }
   if (KIND == BS_GW) {
     const int64_t da[2] = {K, g.R}, db[2] = {g.N, g.R};
-    MOE_CHECK(bs_map(ctx, ma, g.a, 2, da, b64x64));
-    return bs_map(ctx, mb, g.c, 2, db, b64x64);
+    if (!(gather && !g.gather_b)) MOE_CHECK(bs_map(ctx, ma, g.a, 2, da, b64x64));
+    return gather && g.gather_b ? MOE_OK : bs_map(ctx, mb, g.c, 2, db, b64x64);
   }
   const int64_t ds[2] = {BS_B, S}, dy[2] = {K, R};
   const bool dds = KIND == BS_DDS; /* DSD^T: a = s, c = y; DDS: a = x, c = s */
@@ -1144,9 +1229,11 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   CUtensorMap ma, mb, ma2, mb2, mo, mo2, mo3;
   MOE_CHECK((bs_wg_maps<KIND, TRANS>(ctx, g, &ma, &mb, &ma2, &mb2)));
   int swap = ctx->knobs.bsmm_wg_mnswap; /* MOE_BSMM_WG_MNSWAP=1 */
-  constexpr bool CAN_GATHER = KIND != BS_DSD && KIND < BS_GG; /* DSD has no dense R-row operand */
+  constexpr bool CAN_GATHER = KIND != BS_DSD; /* DSD has no dense R-row operand */
   if (g.tp.gather_src && !CAN_GATHER)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: dsd has no row operand to gather");
+  if (g.tp.gather_src && g.a2)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: a gather with a summed second pair");
   if (g.tp.gather_src && (g.tp.gather_k < 1 || g.tp.gather_k > INT32_MAX))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: gather k = %lld", (long long)g.tp.gather_k);
   auto kern = g.tp.gather_src ? bs_wg_kernel<KIND, TRANS, CAN_GATHER> : bs_wg_kernel<KIND, TRANS, false>;
@@ -1273,6 +1360,7 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
   g.out2 = g.out3 = nullptr;
   g.gtab = g.goffs = nullptr;
   g.G = g.R = g.N = 0;
+  g.gather_b = false;
   /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
    * rasterisation group, for tuning */
   const int v = ctx->knobs.bsmm_group;
@@ -1395,21 +1483,41 @@ moe_status moe_cuda_bsmm_sdd_glu(moe_ctx *ctx, int device, moe_dtype dt, const m
   return bs_launch<BS_SDD, false>(ctx, device, dt, g);
 }
 
+/* The row gather of the grouped kinds (NULL: none) into g's topology. */
+moe_status bs_gg_gather(moe_ctx *ctx, BsArgs &g, const moe_wg_gather *gt) {
+  if (!gt) return MOE_OK;
+  if (!gt->src || gt->k < 1 || gt->k > INT32_MAX)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "grouped gemm gather: src %p, k %lld",
+                     (const void *)gt->src, (long long)gt->k);
+  g.tp.gather_src = gt->src, g.tp.gather_k = gt->k;
+  g.gather_b = gt->b_rows;
+  return MOE_OK;
+}
+
 moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
                                   const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
                                   bool trans_w, void *out) {
-  return moe_cuda_wg_grouped_mm2(ctx, device, x, w, NULL, NULL, offs, G, R, K, N, trans_w, out);
+  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, NULL, NULL, offs, NULL, G, R, K, N, trans_w, out);
 }
 
 moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, const void *w,
                                    const void *x2, const void *w2, const int64_t *offs, int64_t G,
                                    int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
+  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, x2, w2, offs, NULL, G, R, K, N, trans_w, out);
+}
+
+moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x, const void *w,
+                                         const void *x2, const void *w2, const int64_t *offs,
+                                         const moe_wg_gather *gt, int64_t G, int64_t R, int64_t K,
+                                         int64_t N, bool trans_w, void *out) {
   const void *ptrs[5] = {x, w, out, x2 ? x2 : x, w2 ? w2 : w};
   if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 5))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "grouped gemm (sm_90a kernel): needs compute capability 9.x, K and N multiples "
                      "of 8 (got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
                      (long long)K, (long long)N, BS_GG_MAX_SEG - 2);
+  if (gt && x2)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "grouped gemm: a gather with a summed second pair");
   if (R == 0 || N == 0) return MOE_OK;
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
@@ -1423,6 +1531,7 @@ moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, cons
   BsArgs g = bs_args(ctx, &tp, x, w, out, K);
   g.gtab = (const int64_t *)tab.ptr, g.G = G, g.R = R, g.N = N;
   g.a2 = x2, g.c2 = x2 ? w2 : nullptr;
+  MOE_CHECK(bs_gg_gather(ctx, g, gt));
   /* at most R / 128 + G + 2 row tiles; the kernel reads the count */
   int64_t ctas = (R / BS_B + G + 2) * ((N + BS_WG_BN - 1) / BS_WG_BN);
   if (trans_w) return bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas);
@@ -1432,6 +1541,12 @@ moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, cons
 moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,
                                      const int64_t *offs, int64_t G, int64_t R, int64_t K,
                                      int64_t N, void *out) {
+  return moe_cuda_wg_grouped_wgrad_gather(ctx, device, a, b, offs, NULL, G, R, K, N, out);
+}
+
+moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void *a, const void *b,
+                                            const int64_t *offs, const moe_wg_gather *gt, int64_t G,
+                                            int64_t R, int64_t K, int64_t N, void *out) {
   const void *ptrs[3] = {a, b, out};
   if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 3))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
@@ -1445,6 +1560,7 @@ moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, co
   memset(&tp, 0, sizeof tp);
   BsArgs g = bs_args(ctx, &tp, a, b, out, K);
   g.goffs = offs, g.G = G, g.R = R, g.N = N;
+  MOE_CHECK(bs_gg_gather(ctx, g, gt));
   int64_t ctas = G * ((K + BS_B - 1) / BS_B) * ((N + BS_WG_BN - 1) / BS_WG_BN);
   return bs_launch_wg<BS_GW, false>(ctx, g, (cudaStream_t)stream, ctas);
 }

@@ -5,8 +5,8 @@
  * multiple of 128, an empty expert, k = 1, 2, 8, d not a multiple of 64, f
  * not a multiple of 8: the kernels' scalar path);
  * parallel_linear gather/scatter; bit-identical repeats (no atomics); the
- * sparse bf16 path's rows gathered inside the kernel (MOE_BSMM_GATHER=1)
- * against a permuted copy, bit for bit; one host sync per plan. Exits 77 without a GPU.
+ * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
+ * and grouped) against a permuted copy, bit for bit; one host sync per plan. Exits 77 without a GPU.
  */
 #include "half.h"
 #include "harness.h"
@@ -166,8 +166,9 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
           fprintf(stderr, "case %d %s impl %d: %lld host syncs\n", (int)ci, moe_dtype_name(dt), impl,
                   (long long)syncs);
         run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, again);
-        if (impl == MOE_EXPERTS_SPARSE && dt == MOE_BF16) {
-          /* rows gathered inside the kernel, or a permuted copy: the same bits */
+        if (dt == MOE_BF16) {
+          /* rows gathered inside the kernel, or a permuted copy: the same bits
+           * (both impls: the block-sparse products and the grouped GEMM) */
           moe_tensor *perm[6] = {0};
           setenv("MOE_BSMM_GATHER", "1", 1);
           EXPECT_OK(moe_knobs_reload(ctx));
@@ -176,7 +177,8 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
           EXPECT_OK(moe_knobs_reload(ctx));
           for (int i = 0; i < 6; i++) {
             bool same = perm[i] && got[i] && rel_err(ctx, perm[i], got[i]) == 0.0;
-            if (!same) fprintf(stderr, "case %d tensor %d: permuted and gathered differ\n", (int)ci, i);
+            if (!same)
+              fprintf(stderr, "case %d impl %d tensor %d: permuted and gathered differ\n", (int)ci, impl, i);
             EXPECT(same);
             moe_tensor_release(perm[i]);
           }

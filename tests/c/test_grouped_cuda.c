@@ -5,10 +5,13 @@
  * forward (both transposes), weight gradient (both layouts) and the
  * autograd backward at awkward sizes (odd K and N, empty groups, every row
  * in one group, rows outside the groups, G = 1 and 256, a strided x), in
- * f32 and bf16, with the tolerance of each dtype beside the check. Exits 77
+ * f32 and bf16, with the tolerance of each dtype beside the check; the
+ * sm_90a kernel's rows gathered by index against a permuted copy. Exits 77
  * without a GPU.
  */
+#include "blocksparse_cuda.h" /* the sm_90a kernel's gathering launchers */
 #include "harness.h"
+#include "knobs.h"
 #include "moe_grouped.h"
 
 static const moe_device GPU = {MOE_DEVICE_CUDA, 0};
@@ -277,6 +280,121 @@ static void test_device_offsets(moe_ctx *ctx) {
   moe_tensor_release(dw), moe_tensor_release(xc), moe_tensor_release(wc);
 }
 
+/* The gathering launchers (the GLU experts' grouped path with
+ * MOE_BSMM_GATHER=1): rows read by a plan-like src from a token-order
+ * tensor against the same launchers over the permuted copy made here, bit
+ * for bit: forward (both transposes), the weight gradient gathering a or b.
+ * src has padding rows (-1: zeros), the offsets leave rows outside both
+ * ends, K and N are not multiples of 64; one CTA per tile and a persistent
+ * grid of 3 CTAs. */
+static moe_tensor *perm_rows(moe_ctx *ctx, moe_tensor *tok, const int64_t *src, int64_t R, int64_t k) {
+  int64_t T = tok->shape[0], W = tok->shape[1];
+  double *v = malloc(sizeof(double) * (size_t)(T * W)), *o = calloc((size_t)(R * W + 1), sizeof(double));
+  moe_tensor *r = NULL;
+  EXPECT_OK(moe_tensor_to_f64(ctx, tok, v));
+  for (int64_t i = 0; i < R; i++)
+    if (src[i] >= 0) memcpy(o + i * W, v + (src[i] / k) * W, sizeof(double) * (size_t)W);
+  EXPECT_OK(moe_tensor_from_f64(ctx, o, 2, (int64_t[]){R, W}, MOE_BF16, GPU, &r));
+  free(v), free(o);
+  return r;
+}
+
+static bool bits_equal(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, const char *what) {
+  int64_t n = moe_tensor_numel(a);
+  double *x = malloc(sizeof(double) * (size_t)(n + 1)), *y = malloc(sizeof(double) * (size_t)(n + 1));
+  bool ok = moe_tensor_to_f64(ctx, a, x) == MOE_OK && moe_tensor_to_f64(ctx, b, y) == MOE_OK;
+  for (int64_t i = 0; ok && i < n; i++)
+    if (x[i] != y[i]) {
+      fprintf(stderr, "%s: element %lld gathered %.9g permuted %.9g\n", what, (long long)i, x[i], y[i]);
+      ok = false;
+    }
+  free(x), free(y);
+  return ok;
+}
+
+static void check_gather_case(moe_ctx *ctx, int64_t T, int64_t k, int64_t K, int64_t N, int64_t G,
+                              uint64_t seed) {
+  int64_t R = T * k + T / 7 + 3; /* every assignment once, and padding rows */
+  int64_t *src = malloc(sizeof(int64_t) * (size_t)R), *offs = malloc(sizeof(int64_t) * (size_t)(G + 1));
+  for (int64_t i = 0; i < R; i++) src[i] = i < T * k ? i : -1;
+  uint64_t s = seed;
+  for (int64_t i = R - 1; i > 0; i--) { /* shuffled */
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    int64_t j = (int64_t)((s >> 33) % (uint64_t)(i + 1)), t = src[i];
+    src[i] = src[j], src[j] = t;
+  }
+  random_offs(offs, G, R / 50, R - R / 40, seed);
+  double *sv = malloc(sizeof(double) * (size_t)R), *ov = malloc(sizeof(double) * (size_t)(G + 1));
+  for (int64_t i = 0; i < R; i++) sv[i] = (double)src[i];
+  for (int64_t g = 0; g <= G; g++) ov[g] = (double)offs[g];
+  moe_tensor *dsrc = NULL, *doffs = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, sv, 1, (int64_t[]){R}, MOE_I64, GPU, &dsrc));
+  EXPECT_OK(moe_tensor_from_f64(ctx, ov, 1, (int64_t[]){G + 1}, MOE_I64, GPU, &doffs));
+  moe_tensor *c[5] = {rand_cpu(ctx, 2, (int64_t[]){T, K}, MOE_BF16), rand_cpu(ctx, 3, (int64_t[]){G, K, N}, MOE_BF16),
+                      rand_cpu(ctx, 3, (int64_t[]){G, N, K}, MOE_BF16), rand_cpu(ctx, 2, (int64_t[]){T, N}, MOE_BF16),
+                      rand_cpu(ctx, 2, (int64_t[]){R, K}, MOE_BF16)};
+  moe_tensor *xt = on_gpu(ctx, c[0]), *w = on_gpu(ctx, c[1]), *wt = on_gpu(ctx, c[2]), *bt = on_gpu(ctx, c[3]),
+             *ar = on_gpu(ctx, c[4]);
+  moe_tensor *xs = perm_rows(ctx, c[0], src, R, k), *bs = perm_rows(ctx, c[3], src, R, k);
+  moe_wg_gather ga = {(const int64_t *)moe_tensor_data(dsrc), k, false}, gb = ga;
+  gb.b_rows = true;
+  const int64_t *o = (const int64_t *)moe_tensor_data(doffs);
+  char what[128];
+  for (int tw = 0; tw < 2; tw++) { /* forward: (R, N) */
+    moe_tensor *y1 = NULL, *y2 = NULL;
+    EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &y1));
+    EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &y2));
+    const void *wd = moe_tensor_data(tw ? wt : w);
+    EXPECT_OK(moe_cuda_wg_grouped_mm(ctx, 0, moe_tensor_data(xs), wd, o, G, R, K, N, tw, moe_tensor_data(y1)));
+    EXPECT_OK(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(xt), wd, NULL, NULL, o, &ga, G, R, K, N, tw,
+                                            moe_tensor_data(y2)));
+    snprintf(what, sizeof what, "mm_gather T=%lld k=%lld K=%lld N=%lld G=%lld trans_w=%d", (long long)T,
+             (long long)k, (long long)K, (long long)N, (long long)G, tw);
+    EXPECT(bits_equal(ctx, y2, y1, what));
+    moe_tensor_release(y1), moe_tensor_release(y2);
+  }
+  for (int which = 0; which < 2; which++) { /* wgrad: gather a ((G, K, N) = xs^T bs), or b ((G, K, N) = ar^T bs) */
+    moe_tensor *d1 = NULL, *d2 = NULL;
+    EXPECT_OK(moe_tensor_empty(ctx, 3, (int64_t[]){G, K, N}, MOE_BF16, GPU, &d1));
+    EXPECT_OK(moe_tensor_empty(ctx, 3, (int64_t[]){G, K, N}, MOE_BF16, GPU, &d2));
+    const void *a = moe_tensor_data(which ? ar : xs), *b = moe_tensor_data(bs);
+    EXPECT_OK(moe_cuda_wg_grouped_wgrad(ctx, 0, a, b, o, G, R, K, N, moe_tensor_data(d1)));
+    if (which)
+      EXPECT_OK(moe_cuda_wg_grouped_wgrad_gather(ctx, 0, a, moe_tensor_data(bt), o, &gb, G, R, K, N,
+                                                 moe_tensor_data(d2)));
+    else
+      EXPECT_OK(moe_cuda_wg_grouped_wgrad_gather(ctx, 0, moe_tensor_data(xt), b, o, &ga, G, R, K, N,
+                                                 moe_tensor_data(d2)));
+    snprintf(what, sizeof what, "wgrad_gather %s T=%lld k=%lld K=%lld N=%lld G=%lld", which ? "b" : "a",
+             (long long)T, (long long)k, (long long)K, (long long)N, (long long)G);
+    EXPECT(bits_equal(ctx, d2, d1, what));
+    moe_tensor_release(d1), moe_tensor_release(d2);
+  }
+  /* a gather with a summed second pair is refused */
+  EXPECT_ERR_MSG(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(xt), moe_tensor_data(w),
+                                               moe_tensor_data(xt), moe_tensor_data(w), o, &ga, G, R, K, N,
+                                               false, moe_tensor_data(ar)),
+                 MOE_ERR_INVALID_ARG, "a gather with a summed second pair");
+  for (int i = 0; i < 5; i++) moe_tensor_release(c[i]);
+  moe_tensor *t[] = {dsrc, doffs, xt, w, wt, bt, ar, xs, bs};
+  for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) moe_tensor_release(t[i]);
+  free(src), free(offs), free(sv), free(ov);
+}
+
+static void test_gather(moe_ctx *ctx) {
+  const char *persist[] = {"0", "3"};
+  for (int v = 0; v < 2; v++) {
+    setenv("MOE_BSMM_PERSIST", persist[v], 1);
+    EXPECT_OK(moe_knobs_reload(ctx));
+    check_gather_case(ctx, 300, 2, 136, 72, 7, 21);  /* partial chunks and tiles */
+    check_gather_case(ctx, 130, 8, 64, 264, 16, 22); /* k = 8 */
+    check_gather_case(ctx, 257, 1, 512, 256, 3, 23); /* k = 1, more tiles than CTAs */
+    check_gather_case(ctx, 100, 4, 8, 8, 64, 24);    /* tiny K, N; many empty groups */
+  }
+  unsetenv("MOE_BSMM_PERSIST");
+  EXPECT_OK(moe_knobs_reload(ctx));
+}
+
 static void test_cuda_errors(moe_ctx *ctx) {
   moe_tensor *x = NULL, *w = NULL, *wc = NULL, *out = NULL;
   int64_t offs[] = {0, 2, 4};
@@ -301,6 +419,7 @@ int main(void) {
   RUN(test_streams);
   RUN(test_auto);
   RUN(test_device_offsets);
+  RUN(test_gather);
   RUN(test_cuda_errors);
   return harness_end();
 }
