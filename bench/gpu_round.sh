@@ -148,9 +148,9 @@ MOE_BSMM_PERSIST=1}"
       cf=${G_CONFIGS:-mixtral,olmoe,qwen3}
       $ml bench/moe_mlp.lua configs=$cf budget=400 json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
       note "moe_mlp: rc=$?"; grep -E "grouped|sparse" "$out/moe_mlp_moe.log"
-      MOE_BSMM_GATHER=1 $ml bench/moe_mlp.lua configs=$cf impls=sparse budget=300 \
+      MOE_BSMM_GATHER=1 $ml bench/moe_mlp.lua configs=$cf impls=grouped,sparse budget=300 \
         json="$out/moe_mlp_gathered.json" > "$out/moe_mlp_gathered.log" 2>&1
-      note "moe_mlp (MOE_BSMM_GATHER=1): rc=$?"; grep -E "sparse" "$out/moe_mlp_gathered.log"
+      note "moe_mlp (MOE_BSMM_GATHER=1): rc=$?"; grep -E "grouped|sparse" "$out/moe_mlp_gathered.log"
       python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile --json "$out/moe_mlp_torch.json" \
         > "$out/moe_mlp_torch.log" 2>&1
       note "moe_mlp_torch: rc=$?"; grep -E "torch_grouped_mm|Error" "$out/moe_mlp_torch.log" | head -12

@@ -8,9 +8,9 @@ the targets of the fine-grained expert kernels:
            mixtral and >= 60% on olmoe and qwen3; every moe-lua path faster
            than the faster of torch._grouped_mm eager and torch.compile'd
   goal:    90% on mixtral, 65% on olmoe and qwen3.
---gathered FILE adds the sparse rows of a moe_mlp.lua run with
+--gathered FILE adds the grouped and sparse rows of a moe_mlp.lua run with
 MOE_BSMM_GATHER=1 (the token rows gathered inside the wgmma kernel instead
-of a permuted copy) as implementation "sparse_gather".
+of a permuted copy) as implementations "grouped_gather" and "sparse_gather".
 The dense rate is the larger of the two measured (moe.matmul and
 torch.matmul 8192^3): percentages are never flattered by a slow reference.
 
@@ -46,8 +46,8 @@ def main():
             row["pct_dense"] = 100 * r["tflops"] / dense
         rows.append(row)
     for r in (gathered or {}).get("results", []):
-        if r.get("impl") == "sparse":
-            row = dict(r, impl="sparse_gather", side="moe-lua")
+        if r.get("impl") in ("grouped", "sparse"):
+            row = dict(r, impl=r["impl"] + "_gather", side="moe-lua")
             if "tflops" in r:
                 row["pct_dense"] = 100 * r["tflops"] / dense
             rows.append(row)
