@@ -187,6 +187,8 @@ static moe_bs_topo bs_topo(const moe_routing_plan *p, const bs_geom *g) {
   tp.column_indices_t = bs_idx(p->bs_column_indices_t);
   tp.block_offsets_t = bs_idx(p->bs_block_offsets_t);
   tp.gather_src = NULL;
+  tp.scatter_dst = NULL;
+  tp.scatter_scale = NULL;
   tp.gather_k = p->k;
   return tp;
 }
@@ -362,50 +364,107 @@ static moe_status bs_dsd_raw(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_rou
   return bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, out);
 }
 
-moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
-                            moe_tensor *w2, moe_routing_plan *p, bool trans_w, moe_tensor **out) {
-  const char *fn = "bsmm_dsd_sum";
+bool moe_bsmm_scatters(moe_ctx *ctx, const moe_routing_plan *p, moe_dtype dt) {
+  return ctx && p && bs_cuda(p) && ctx->knobs.bsmm_scatter && p->k == 1 && p->e0 == 0 &&
+         p->e1 == p->E && p->capacity == 0 && p->src && moe_tensor_is_contiguous(p->src) &&
+         moe_cuda_bsmm_wgmma(ctx, p->device.index, dt);
+}
+
+/* moe_bsmm_dsd_sum (combine false) and moe_bsmm_dsd_combine (true): one
+ * pair when s2 is NULL. */
+static moe_status bs_dsd_pair(moe_ctx *ctx, const char *fn, moe_tensor *s, moe_tensor *w,
+                              moe_tensor *s2, moe_tensor *w2, moe_routing_plan *p, bool trans_w,
+                              bool combine, moe_tensor *gates, moe_tensor **out) {
   bs_geom g = {0};
   int64_t K = 0, K2 = 0;
   if (!out) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: out is NULL", fn);
+  if (!s2 != !w2) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: s2 and w2 go together", fn);
   MOE_CHECK(bs_dsd_check(ctx, fn, "s", s, "w", w, p, trans_w, &g, &K));
-  MOE_CHECK(bs_dsd_check(ctx, fn, "s2", s2, "w2", w2, p, trans_w, &g, &K2));
-  MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "s2", s2->dtype));
-  if (K2 != K)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s and w2 %s give different K (%lld, %lld)", fn,
-                     MOE_SHAPE(w), MOE_SHAPE(w2), (long long)K, (long long)K2);
-  moe_tensor *in[4] = {s, w, s2, w2};
-  for (int i = 0; i < 4; i++)
-    if (moe_grad_enabled(ctx) && moe_requires_grad(in[i]))
+  if (s2) {
+    MOE_CHECK(bs_dsd_check(ctx, fn, "s2", s2, "w2", w2, p, trans_w, &g, &K2));
+    MOE_CHECK(moe_check_same_dtype(ctx, fn, "s", s->dtype, "s2", s2->dtype));
+    if (K2 != K)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s and w2 %s give different K (%lld, %lld)", fn,
+                       MOE_SHAPE(w), MOE_SHAPE(w2), (long long)K, (long long)K2);
+  }
+  if (gates) {
+    MOE_CHECK(bs_check_operand(ctx, fn, "gates", gates, p));
+    if (gates->ndim != 2 || gates->shape[0] != p->T || gates->shape[1] != p->k)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates have shape %s, expected the plan's (%lld, %lld)",
+                       fn, MOE_SHAPE(gates), (long long)p->T, (long long)p->k);
+  }
+  moe_tensor *in[5] = {s, w, s2, w2, gates};
+  for (int i = 0; i < 5; i++)
+    if (in[i] && moe_grad_enabled(ctx) && moe_requires_grad(in[i]))
       return moe_error(ctx, MOE_ERR_INVALID_ARG,
                        "%s: not differentiable, and %s requires grad: run it with grad mode off, "
-                       "or add two moe_bsmm_dsd", fn, (const char *[]){"s", "w", "s2", "w2"}[i]);
+                       "or compose moe_bsmm_dsd%s", fn, (const char *[]){"s", "w", "s2", "w2", "gates"}[i],
+                       combine ? " and moe_routing_combine" : " twice");
   bool prev = moe_grad_set(ctx, false);
   moe_status st = MOE_OK;
-  moe_tensor *c[4] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL;
-  if (bs_cuda(p) && g.nnz > 0 && moe_cuda_bsmm_wgmma(ctx, p->device.index, s->dtype)) {
-    /* one kernel walks both pairs into one f32 sum per element */
-    for (int i = 0; i < 4; i++) MOE_CHECK_GOTO(bs_prepare(ctx, in[i], s->dtype, &c[i]), st, done);
-    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){g.R, K}, s->dtype, p->device, &r), st, done);
+  moe_tensor *c[4] = {0}, *r = NULL, *t1 = NULL, *t2 = NULL, *gf = NULL, *gc = NULL;
+  bool one = bs_cuda(p) && g.nnz > 0 && moe_cuda_bsmm_wgmma(ctx, p->device.index, s->dtype);
+  bool scat = combine && one && moe_bsmm_scatters(ctx, p, s->dtype);
+  if (one && (s2 || scat)) {
+    /* one kernel: both pairs into one f32 sum per element; with the
+     * scatter its epilogue writes each row in token order, as the combine */
+    int n = s2 ? 4 : 2;
+    for (int i = 0; i < n; i++) MOE_CHECK_GOTO(bs_prepare(ctx, in[i], s->dtype, &c[i]), st, done);
+    int64_t rows = scat ? p->T : g.R;
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){rows, K}, s->dtype, p->device, &r), st, done);
     moe_bs_topo tp = bs_topo(p, &g);
-    MOE_CHECK_GOTO(moe_cuda_bsmm_dsd2(ctx, p->device.index, s->dtype, &tp, moe_tensor_data(c[0]),
-                                      moe_tensor_data(c[1]), moe_tensor_data(c[2]),
-                                      moe_tensor_data(c[3]), K, trans_w, moe_tensor_data(r)),
-                   st, done);
+    if (scat) {
+      if (gates) {
+        MOE_CHECK_GOTO(moe_to(ctx, gates, MOE_F32, p->device, &gf), st, done);
+        MOE_CHECK_GOTO(moe_contiguous(ctx, gf, &gc), st, done);
+        tp.scatter_scale = (const float *)moe_tensor_data(gc);
+      }
+      tp.scatter_dst = bs_idx(p->src);
+    }
+    if (s2)
+      st = moe_cuda_bsmm_dsd2(ctx, p->device.index, s->dtype, &tp, moe_tensor_data(c[0]),
+                              moe_tensor_data(c[1]), moe_tensor_data(c[2]), moe_tensor_data(c[3]), K,
+                              trans_w, moe_tensor_data(r));
+    else
+      st = moe_cuda_bsmm_dsd(ctx, p->device.index, s->dtype, &tp, moe_tensor_data(c[0]),
+                             moe_tensor_data(c[1]), K, trans_w, moe_tensor_data(r));
+    if (st != MOE_OK) goto done;
   } else {
     MOE_CHECK_GOTO(bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s, w, 2, (int64_t[]){g.R, K}, &t1), st, done);
-    MOE_CHECK_GOTO(bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s2, w2, 2, (int64_t[]){g.R, K}, &t2), st, done);
-    MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &r), st, done);
+    if (s2) {
+      MOE_CHECK_GOTO(bs_run(ctx, fn, BS_DSD, p, &g, K, trans_w, s2, w2, 2, (int64_t[]){g.R, K}, &t2), st, done);
+      MOE_CHECK_GOTO(moe_binary(ctx, MOE_OP_ADD, t1, t2, &r), st, done);
+    } else {
+      r = t1, t1 = NULL;
+    }
+  }
+  if (combine && !scat) {
+    moe_tensor *rows = r;
+    r = NULL;
+    st = moe_routing_combine(ctx, rows, p, gates, &r);
+    moe_tensor_release(rows);
+    if (st != MOE_OK) goto done;
   }
   *out = r;
   r = NULL;
 done:
   moe_grad_set(ctx, prev);
   for (int i = 0; i < 4; i++) moe_tensor_release(c[i]);
-  moe_tensor_release(r);
-  moe_tensor_release(t1);
-  moe_tensor_release(t2);
+  moe_tensor_release(r), moe_tensor_release(t1), moe_tensor_release(t2);
+  moe_tensor_release(gf), moe_tensor_release(gc);
   return st;
+}
+
+moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
+                            moe_tensor *w2, moe_routing_plan *p, bool trans_w, moe_tensor **out) {
+  if (!s2 || !w2) return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm_dsd_sum: s2 or w2 is NULL");
+  return bs_dsd_pair(ctx, "bsmm_dsd_sum", s, w, s2, w2, p, trans_w, false, NULL, out);
+}
+
+moe_status moe_bsmm_dsd_combine(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
+                                moe_tensor *w2, moe_routing_plan *p, bool trans_w, moe_tensor *gates,
+                                moe_tensor **out) {
+  return bs_dsd_pair(ctx, "bsmm_dsd_combine", s, w, s2, w2, p, trans_w, true, gates, out);
 }
 
 moe_status moe_bsmm_dsd_t(moe_ctx *ctx, moe_tensor *s, moe_tensor *y, moe_routing_plan *p,

@@ -41,6 +41,14 @@ typedef struct moe_bs_topo {
    * Only the sm_90a bf16 kernel gathers (moe_cuda_bsmm_wgmma). */
   const int64_t *gather_src;       /* (R) or NULL */
   int64_t gather_k;
+  /* The scatter of a DSD output (and GG's, moe_wg_scatter; the sm_90a bf16
+   * kernel only), or NULL: row
+   * r of the product goes to row scatter_dst[r] of out (none where < 0) as
+   * bf16(0 + s * v), v the row's bf16 value and s = scatter_scale[row]
+   * (1 where scatter_scale is NULL): what moe_routing_combine makes of a
+   * token's one assignment. */
+  const int64_t *scatter_dst; /* (R) or NULL */
+  const float *scatter_scale; /* (rows of out) or NULL */
 } moe_bs_topo;
 
 moe_status moe_cuda_bsmm_sdd(moe_ctx *ctx, int device, moe_dtype dt, const moe_bs_topo *tp,
@@ -93,10 +101,16 @@ typedef struct moe_wg_gather {
   int64_t k;
   bool b_rows;
 } moe_wg_gather;
+/* And mm_gather's output rows scattered (dst NULL: none): row r of the
+ * product to row dst[r] of out, scaled as moe_bs_topo's scatter. */
+typedef struct moe_wg_scatter {
+  const int64_t *dst;
+  const float *scale;
+} moe_wg_scatter;
 moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x, const void *w,
                                          const void *x2, const void *w2, const int64_t *offs,
-                                         const moe_wg_gather *gt, int64_t G, int64_t R, int64_t K,
-                                         int64_t N, bool trans_w, void *out);
+                                         const moe_wg_gather *gt, const moe_wg_scatter *sc, int64_t G,
+                                         int64_t R, int64_t K, int64_t N, bool trans_w, void *out);
 moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void *a, const void *b,
                                             const int64_t *offs, const moe_wg_gather *gt, int64_t G,
                                             int64_t R, int64_t K, int64_t N, void *out);

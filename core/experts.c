@@ -451,7 +451,7 @@ static moe_status ex_gg_gather(moe_ctx *ctx, int kind, moe_tensor *tok, moe_tens
     const int64_t *o = (const int64_t *)moe_tensor_data(offs);
     int dev = p->device.index;
     if (kind == EX_GG_MM)
-      st = moe_cuda_wg_grouped_mm_gather(ctx, dev, td, od, NULL, NULL, o, &gt, G, R, W, shape[1],
+      st = moe_cuda_wg_grouped_mm_gather(ctx, dev, td, od, NULL, NULL, o, &gt, NULL, G, R, W, shape[1],
                                          trans_w, moe_tensor_data(r));
     else
       st = moe_cuda_wg_grouped_wgrad_gather(ctx, dev, kind == EX_GG_WGRAD_A ? td : od,
@@ -468,6 +468,70 @@ static moe_status ex_gg_gather(moe_ctx *ctx, int kind, moe_tensor *tok, moe_tens
 done:
   moe_tensor_release(tc), moe_tensor_release(oc), moe_tensor_release(offs);
   moe_tensor_release(r), moe_tensor_release(xs);
+  return st;
+}
+
+/* The grouped products' rows combined into token order, the offsets on the
+ * device (offs): out = moe_routing_combine(a @ w [+ a2 @ w2], p, gates),
+ * gates (T, k) or NULL. Where moe_bsmm_scatters, the sm_90a kernel's
+ * epilogue writes each row where the combine would put it, scaled by its
+ * gate (moe_wg_scatter): no (R, N) product, no combine pass, the same bits. */
+static moe_status ex_gg_combine(moe_ctx *ctx, moe_tensor *a, moe_tensor *w, moe_tensor *a2,
+                                moe_tensor *w2, moe_tensor *offs, moe_routing_plan *p, bool trans_w,
+                                moe_tensor *gates, moe_tensor **out) {
+  moe_status st = MOE_OK;
+  moe_tensor *c[5] = {0}, *r = NULL, *gf = NULL, *gc = NULL, *rows = NULL;
+  int64_t G = p->e1 - p->e0, R = p->rows, K = a->shape[1], N = trans_w ? w->shape[1] : w->shape[2];
+  if (moe_bsmm_scatters(ctx, p, a->dtype)) {
+    moe_tensor *in[4] = {a, w, a2, w2};
+    uintptr_t bits = 0;
+    for (int i = 0; i < 4; i++)
+      if (in[i]) {
+        MOE_CHECK_GOTO(moe_contiguous(ctx, in[i], &c[i]), st, done);
+        bits |= (uintptr_t)moe_tensor_data(c[i]);
+      }
+    MOE_CHECK_GOTO(moe_contiguous(ctx, offs, &c[4]), st, done);
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){p->T, N}, a->dtype, p->device, &r), st, done);
+    if (gates) {
+      MOE_CHECK_GOTO(moe_to(ctx, gates, MOE_F32, p->device, &gf), st, done);
+      MOE_CHECK_GOTO(moe_contiguous(ctx, gf, &gc), st, done);
+    }
+    if (!((bits | (uintptr_t)moe_tensor_data(r)) & 15)) {
+      moe_wg_scatter sc = {(const int64_t *)moe_tensor_data(p->src),
+                           gc ? (const float *)moe_tensor_data(gc) : NULL};
+      st = moe_cuda_wg_grouped_mm_gather(
+          ctx, p->device.index, moe_tensor_data(c[0]), moe_tensor_data(c[1]),
+          c[2] ? moe_tensor_data(c[2]) : NULL, c[3] ? moe_tensor_data(c[3]) : NULL,
+          (const int64_t *)moe_tensor_data(c[4]), NULL, &sc, G, R, K, N, trans_w, moe_tensor_data(r));
+      if (st == MOE_OK) *out = r, r = NULL;
+      goto done;
+    }
+  }
+  if (a2) MOE_CHECK_GOTO(moe_grouped_mm_sum_dev(ctx, a, w, a2, w2, offs, trans_w, &rows), st, done);
+  else MOE_CHECK_GOTO(moe_grouped_mm_dev(ctx, a, w, offs, trans_w, &rows), st, done);
+  st = moe_routing_combine(ctx, rows, p, gates, out);
+done:
+  for (int i = 0; i < 5; i++) moe_tensor_release(c[i]);
+  moe_tensor_release(r), moe_tensor_release(gf), moe_tensor_release(gc), moe_tensor_release(rows);
+  return st;
+}
+
+/* The experts' output rows a @ w2 combined into token order with gates:
+ * moe_bsmm_dsd_combine (sparse), ex_gg_combine (grouped, offsets on the
+ * device), else the grouped product and moe_routing_combine. */
+static moe_status ex_combine(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *a, moe_tensor *w,
+                             moe_routing_plan *p, moe_tensor *gates, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd_combine(ctx, a, w, NULL, NULL, p, false, gates, out);
+  moe_tensor *offs = NULL, *y = NULL;
+  moe_status st;
+  if (ex_dev_offsets(ctx, p, a->dtype, a->shape[1], w->shape[2], &offs)) {
+    st = ex_gg_combine(ctx, a, w, NULL, NULL, offs, p, false, gates, out);
+    moe_tensor_release(offs);
+    return st;
+  }
+  MOE_CHECK(ex_mm_dsd(ctx, impl, a, w, p, false, &y));
+  st = moe_routing_combine(ctx, y, p, gates, out);
+  moe_tensor_release(y);
   return st;
 }
 
@@ -637,16 +701,12 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
    * (moe_grouped_mm_sum_dev); else dx = combine(dh1 W1^T) + combine(dh3 W3^T) */
   moe_tensor *doffs = NULL;
   if (need_x && impl == MOE_EXPERTS_SPARSE) {
-    MOE_CHECK_GOTO(moe_bsmm_dsd_sum(ctx, dA0, w1, dh3, w3, p, true, &dxs), st, done);
-    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
-    EX_DROP(dxs);
+    MOE_CHECK_GOTO(moe_bsmm_dsd_combine(ctx, dA0, w1, dh3, w3, p, true, NULL, &gin[0]), st, done);
   } else if (need_x && ex_dev_offsets(ctx, p, dA0->dtype, dA0->shape[1], w1->shape[1], &doffs)) {
     /* the grouped GEMM on the device: both products in one kernel too */
-    st = moe_grouped_mm_sum_dev(ctx, dA0, w1, dh3, w3, doffs, true, &dxs);
+    st = ex_gg_combine(ctx, dA0, w1, dh3, w3, doffs, p, true, NULL, &gin[0]);
     moe_tensor_release(doffs);
     if (st != MOE_OK) goto done;
-    MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &gin[0]), st, done);
-    EX_DROP(dxs);
   } else if (need_x) {
     MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, dA0, w1, p, true, &dxs), st, done);
     MOE_CHECK_GOTO(moe_routing_combine(ctx, dxs, p, NULL, &t1), st, done);
@@ -844,7 +904,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   bool want = moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in);
   moe_status st = MOE_OK;
   moe_tensor *w1c = NULL, *w3c = NULL, *w2c = NULL, *xs = NULL, *h1 = NULL, *h3 = NULL, *a = NULL,
-             *y = NULL, *r = NULL, *v1 = NULL, *s1 = NULL, *v3 = NULL, *s3 = NULL;
+             *r = NULL, *v1 = NULL, *s1 = NULL, *v3 = NULL, *s3 = NULL;
   bool prev = moe_grad_set(ctx, false);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
@@ -881,8 +941,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   } else if (!a) {
     MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
   }
-  MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, a, w2c, plan, false, &y), st, fail);
-  MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, gates, &r), st, fail);
+  MOE_CHECK_GOTO(ex_combine(ctx, impl, a, w2c, plan, gates, &r), st, fail);
   moe_grad_set(ctx, prev);
   if (want) {
     /* saved: the contiguous weights (w itself when already contiguous), the
@@ -923,7 +982,6 @@ done:
   moe_tensor_release(h1);
   moe_tensor_release(h3);
   moe_tensor_release(a);
-  moe_tensor_release(y);
   moe_tensor_release(r);
   moe_tensor_release(v1);
   moe_tensor_release(s1);

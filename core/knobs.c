@@ -46,6 +46,10 @@ const moe_knob_def moe_knob_table[] = {
               "1: the GLU experts (block-sparse or grouped on the sm_90a kernel) gather the token "
               "rows inside the wgmma kernel (cp.async) instead of reading a permuted copy (TMA); "
               "same bits, less memory, slower today"),
+    KNOB_BOOL(bsmm_scatter, "MOE_BSMM_SCATTER", 1,
+              "0: the top-1 GLU experts write their output and input gradient in expert order "
+              "and combine them in a pass of their own, instead of the sm_90a kernel's epilogue "
+              "writing the rows in token order (same bits)"),
     KNOB_BOOL(bsmm_glu, "MOE_BSMM_GLU", 0,
               "1: the block-sparse GLU experts make h1, h3 and a = act(h1) * h3 in one wgmma "
               "kernel (sm_90a, bf16) instead of two products and the activation pass; same bits, "

@@ -60,6 +60,7 @@ typedef struct moe_knobs {
   int bsmm_epi;            /* MOE_BSMM_EPI: MOE_KNOB_BSMM_EPI_* */
   bool bsmm_wg_mnswap;     /* MOE_BSMM_WG_MNSWAP */
   bool bsmm_gather;        /* MOE_BSMM_GATHER */
+  bool bsmm_scatter;       /* MOE_BSMM_SCATTER */
   int bsmm_persist;        /* MOE_BSMM_PERSIST: 0 one CTA per tile, 1 (default) one per SM, n at most n */
   int bsmm_group;          /* MOE_BSMM_GROUP: 0 the kernel's own (8), else 1..64 */
   int grouped_streams;     /* MOE_GROUPED_STREAMS: 1..8 */

@@ -73,6 +73,26 @@ moe_status moe_bsmm_dsd_sum(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tens
                             moe_tensor **out);
 
 /*
+ * out (T, K) = moe_routing_combine(moe_bsmm_dsd(s, w) [+ moe_bsmm_dsd(s2,
+ * w2)], plan, gates), bit for bit: the GLU experts' output (gates (T, k) or
+ * NULL: ones) and input gradient (the pair, no gates). s2 and w2 are both
+ * NULL or both given. Where moe_bsmm_scatters (top-1 plans: every token's
+ * row is its output row) the sm_90a kernel's epilogue writes each product
+ * row where the combine would put it, scaled by its gate, so neither the
+ * (R, K) product nor the combine pass is made; elsewhere the products and
+ * the combine. Not differentiable: with grad mode on, an operand that
+ * requires grad is an error.
+ */
+moe_status moe_bsmm_dsd_combine(moe_ctx *ctx, moe_tensor *s, moe_tensor *w, moe_tensor *s2,
+                                moe_tensor *w2, struct moe_routing_plan *plan, bool trans_w,
+                                moe_tensor *gates, moe_tensor **out);
+/* Whether moe_bsmm_dsd_combine and the grouped experts scatter inside the
+ * kernel for dtype dt: CUDA, bf16 on the sm_90a kernel, k = 1, every expert
+ * local, no capacity, and MOE_BSMM_SCATTER (the knob bsmm_scatter, on by
+ * default). */
+bool moe_bsmm_scatters(moe_ctx *ctx, const struct moe_routing_plan *plan, moe_dtype dt);
+
+/*
  * DSD with S transposed (a weight gradient; not differentiable):
  * s (nnz, b, b), y (R, K) -> out (E_loc, N, K), out[e][c block, :] = sum over
  * the blocks i of column block cb of S_i^T @ y[rb]; blocks of a column in the

@@ -161,8 +161,8 @@ moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, cons
 }
 moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x, const void *w,
                                          const void *x2, const void *w2, const int64_t *offs,
-                                         const moe_wg_gather *gt, int64_t G, int64_t R, int64_t K,
-                                         int64_t N, bool trans_w, void *out) {
+                                         const moe_wg_gather *gt, const moe_wg_scatter *sc, int64_t G,
+                                         int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_mm_gather");
 }
 moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void *a, const void *b,

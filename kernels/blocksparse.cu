@@ -919,6 +919,21 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
 }
 #endif /* BS_WG_DEVICE */
 
+#ifdef BS_WG_DEVICE
+/* A scattered row's 8 bf16 values as moe_routing_combine makes a token's
+ * row from its one assignment: bf16(0 + s * v) in f32 (so that the fused
+ * scatter gives the combine's bits). */
+__device__ __forceinline__ uint4 bs_scatter8(uint4 v, float s) {
+  __nv_bfloat162 *e = reinterpret_cast<__nv_bfloat162 *>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 f = __bfloat1622float2(e[i]);
+    e[i] = __floats2bfloat162_rn(__fadd_rn(0.f, __fmul_rn(s, f.x)), __fadd_rn(0.f, __fmul_rn(s, f.y)));
+  }
+  return v;
+}
+#endif
+
 /* mn_swap: 1 swaps the LBO / SBO fields of the M/N-major descriptors (a
  * diagnostic, MOE_BSMM_WG_MNSWAP=1; 0 is the PTX ISA's canonical form).
  * The CTA walks tiles blockIdx.x, blockIdx.x + gridDim.x, ... < ntiles: one
@@ -1049,6 +1064,21 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
          * stores below touch 8 rows per instruction). */
         const uint32_t buf = epi_buf + cw * (BS_WG_EPI_BYTES / 2);
         const int tid = threadIdx.x & 127;
+        /* the scatter (DSD, GG; tp.scatter_dst): the thread's rows
+         * tid / 16 + 8 k of the warpgroup's 64 go to rows srow[k] of out
+         * (none where < 0), scaled by ssc[k] as bs_scatter8 */
+        const bool scat = (KIND == BS_DSD || KIND == BS_GG) && g.tp.scatter_dst;
+        int64_t srow[8];
+        float ssc[8];
+        if (scat) {
+          const int64_t r0 = (KIND == BS_GG ? c.i0 : c.i0 * BS_B) + cw * 64 + (tid >> 4);
+#pragma unroll
+          for (int k = 0; k < 8; k++) {
+            const bool v = cw * 64 + (tid >> 4) + 8 * k < c.m_valid;
+            srow[k] = v ? g.tp.scatter_dst[r0 + 8 * k] : -1;
+            ssc[k] = srow[k] >= 0 && g.tp.scatter_scale ? g.tp.scatter_scale[srow[k]] : 1.f;
+          }
+        }
 #pragma unroll
         for (int half = 0; half < 2; half++) {
           /* the buffer's previous readers (the other half, the last tile) are done */
@@ -1077,8 +1107,12 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
                          : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                          : "r"(buf + r * 256 + ((ch ^ (r & 7)) << 4))
                          : "memory");
-            if (row < c.m_valid && col < c.n_valid) {
+            if (row < c.m_valid && col < c.n_valid && (!scat || srow[k] >= 0)) {
               __nv_bfloat16 *dst = out + (int64_t)row * c.ldo + (int64_t)(col >> 7) * c.cbs + (col & (BS_B - 1));
+              if (scat) { /* (column blocks are adjacent: cbs is 128 for DSD and GG) */
+                dst = (__nv_bfloat16 *)g.out + srow[k] * c.ldo + c.t0 + col;
+                v = bs_scatter8(v, ssc[k]);
+              }
               if (col + 8 <= c.n_valid) {
                 *(uint4 *)dst = v;
               } else {
@@ -1265,8 +1299,12 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
   if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
   /* GG's tiles end inside the output at their group's last row: only the
-   * threads' stores mask rows */
-  if (KIND == BS_GG && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
+   * threads' stores mask rows; and only they scatter rows */
+  if ((KIND == BS_GG || g.tp.scatter_dst) && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
+  if (g.tp.scatter_dst && (epi != BS_EPI_STAGED || ((uintptr_t)g.out & 15) || (KIND != BS_DSD && KIND != BS_GG)))
+    return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                     "bsmm: a scatter needs dsd or the grouped gemm, a 16-byte aligned output and the "
+                     "staged epilogue (MOE_BSMM_EPI is %s)", epi == BS_EPI_DIRECT ? "direct" : "not direct");
   memset(&mo, 0, sizeof mo);
   memset(&mo2, 0, sizeof mo2);
   memset(&mo3, 0, sizeof mo3);
@@ -1335,11 +1373,12 @@ moe_status bs_launch(moe_ctx *ctx, int device, moe_dtype dt, const BsArgs &g) {
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
-  if ((g.tp.gather_src || g.a2 || g.act >= 0) &&
+  if ((g.tp.gather_src || g.tp.scatter_dst || g.a2 || g.act >= 0) &&
       !(dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device)))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
                      "bsmm: %s needs bf16 and the wgmma kernel on compute capability 9.x",
-                     g.a2 ? "a summed second pair" : g.act >= 0 ? "the GLU pair" : "gathering rows");
+                     g.a2 ? "a summed second pair" : g.act >= 0 ? "the GLU pair" :
+                     g.tp.gather_src ? "gathering rows" : "scattering rows");
   if (dt == MOE_BF16 && v == BS_VWG && bs_wg_supported(device))
     return bs_launch_wg<KIND, TRANS>(ctx, g, cs, ctas);
   if (dt == MOE_BF16 && (v == BS_V256K64 || v == BS_VWG)) return bs_launch_mma<KIND, TRANS, 256, 64, 3>(ctx, g, cs, ctas);
@@ -1497,19 +1536,19 @@ moe_status bs_gg_gather(moe_ctx *ctx, BsArgs &g, const moe_wg_gather *gt) {
 moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
                                   const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
                                   bool trans_w, void *out) {
-  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, NULL, NULL, offs, NULL, G, R, K, N, trans_w, out);
+  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, NULL, NULL, offs, NULL, NULL, G, R, K, N, trans_w, out);
 }
 
 moe_status moe_cuda_wg_grouped_mm2(moe_ctx *ctx, int device, const void *x, const void *w,
                                    const void *x2, const void *w2, const int64_t *offs, int64_t G,
                                    int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
-  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, x2, w2, offs, NULL, G, R, K, N, trans_w, out);
+  return moe_cuda_wg_grouped_mm_gather(ctx, device, x, w, x2, w2, offs, NULL, NULL, G, R, K, N, trans_w, out);
 }
 
 moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x, const void *w,
                                          const void *x2, const void *w2, const int64_t *offs,
-                                         const moe_wg_gather *gt, int64_t G, int64_t R, int64_t K,
-                                         int64_t N, bool trans_w, void *out) {
+                                         const moe_wg_gather *gt, const moe_wg_scatter *sc, int64_t G,
+                                         int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
   const void *ptrs[5] = {x, w, out, x2 ? x2 : x, w2 ? w2 : w};
   if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 5))
     return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
@@ -1532,6 +1571,7 @@ moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x
   g.gtab = (const int64_t *)tab.ptr, g.G = G, g.R = R, g.N = N;
   g.a2 = x2, g.c2 = x2 ? w2 : nullptr;
   MOE_CHECK(bs_gg_gather(ctx, g, gt));
+  if (sc) g.tp.scatter_dst = sc->dst, g.tp.scatter_scale = sc->scale;
   /* at most R / 128 + G + 2 row tiles; the kernel reads the count */
   int64_t ctas = (R / BS_B + G + 2) * ((N + BS_WG_BN - 1) / BS_WG_BN);
   if (trans_w) return bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas);

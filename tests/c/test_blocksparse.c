@@ -549,6 +549,48 @@ static void test_dsd_sum(moe_ctx *ctx) {
   moe_routing_plan_release(p);
 }
 
+/* dsd_combine on the CPU (the reference of the kernel's scatter): the
+ * products combined by the plan with the gates (f64: exact), k = 1 and 2, one
+ * pair and two; and its errors. */
+static void test_dsd_combine(moe_ctx *ctx) {
+  for (int k = 1; k <= 2; k++) {
+    moe_routing_plan *p = mk_plan(ctx, IDS, 7, k, 4, 4, 2, 0, 0);
+    if (!p) return;
+    EXPECT(!moe_bsmm_scatters(ctx, p, MOE_F64)); /* the CPU combines in a pass */
+    geo g = mk_geo(ctx, p);
+    const int64_t K = 5;
+    moe_tensor *s1 = mk_rand(ctx, 3, (int64_t[]){g.nnz, 4, 4}, MOE_F64, 51);
+    moe_tensor *s2 = mk_rand(ctx, 3, (int64_t[]){g.nnz, 4, 4}, MOE_F64, 52);
+    moe_tensor *w1 = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K}, MOE_F64, 53);
+    moe_tensor *w2 = mk_rand(ctx, 3, (int64_t[]){g.EL, g.N, K}, MOE_F64, 54);
+    moe_tensor *gates = mk_rand(ctx, 2, (int64_t[]){7, k}, MOE_F64, 55);
+    for (int pair = 0; pair < 2; pair++) {
+      moe_tensor *got = NULL, *rows = NULL, *b = NULL, *sum = NULL, *want = NULL;
+      EXPECT_OK(moe_bsmm_dsd_combine(ctx, s1, w1, pair ? s2 : NULL, pair ? w2 : NULL, p, false,
+                                     pair ? NULL : gates, &got));
+      EXPECT_OK(moe_bsmm_dsd(ctx, s1, w1, p, false, &rows));
+      if (pair) EXPECT_OK(moe_bsmm_dsd(ctx, s2, w2, p, false, &b));
+      if (pair && rows && b) EXPECT_OK(moe_binary(ctx, MOE_OP_ADD, rows, b, &sum));
+      EXPECT_OK(moe_routing_combine(ctx, pair ? sum : rows, p, pair ? NULL : gates, &want));
+      EXPECT(got && want && got->shape[0] == 7 && got->shape[1] == K && same_tensor(ctx, got, want, 0));
+      moe_tensor *ts[] = {got, rows, b, sum, want};
+      for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+    }
+    moe_tensor *o = NULL, *bad = mk_rand(ctx, 2, (int64_t[]){7, k + 1}, MOE_F64, 56);
+    EXPECT_ERR_MSG(moe_bsmm_dsd_combine(ctx, s1, w1, NULL, NULL, p, false, bad, &o), MOE_ERR_SHAPE,
+                   "bsmm_dsd_combine: gates have shape");
+    EXPECT_ERR_MSG(moe_bsmm_dsd_combine(ctx, s1, w1, s2, NULL, p, false, NULL, &o), MOE_ERR_INVALID_ARG,
+                   "s2 and w2 go together");
+    EXPECT_OK(moe_set_requires_grad(ctx, gates, true));
+    EXPECT_ERR_MSG(moe_bsmm_dsd_combine(ctx, s1, w1, NULL, NULL, p, false, gates, &o), MOE_ERR_INVALID_ARG,
+                   "not differentiable, and gates requires grad");
+    EXPECT(o == NULL);
+    moe_tensor *ts[] = {s1, s2, w1, w2, gates, bad};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+    moe_routing_plan_release(p);
+  }
+}
+
 static void test_gather(moe_ctx *ctx) {
   check_gather(ctx, 0, 0); /* all experts */
   check_gather(ctx, 1, 3); /* local experts: other ranks' rows are not in the buffer */
@@ -566,5 +608,6 @@ int main(void) {
   RUN(test_errors);
   RUN(test_gather);
   RUN(test_dsd_sum);
+  RUN(test_dsd_combine);
   return harness_end();
 }

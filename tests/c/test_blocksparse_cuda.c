@@ -9,7 +9,9 @@
  * kernels/blocksparse.cu (MOE_BSMM_TILE = 128, 256, 256k64, wg). The
  * gather variants (rows read from token order inside the wgmma kernel)
  * against permute + the product, bit for bit; dsd_sum (two DSD pairs in one
- * kernel) against the two products added.
+ * kernel) against the two products added; dsd_combine (top-1: rows scattered
+ * in token order by the kernel) against the products and the combine, bit
+ * for bit.
  * Exits 77 without a GPU.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -290,6 +292,51 @@ static void check_dsd_sum(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
   }
 }
 
+/* dsd_combine: the scatter inside the kernel (k = 1) or the products and a
+ * combine pass (k > 1), against dsd (+ dsd) and moe_routing_combine, bit for
+ * bit; with gates and without, one pair and two. */
+static void check_dsd_combine(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
+  int64_t N = p->ffn_blocks * 128, EL = p->e1 - p->e0, nnz = p->nnz;
+  EXPECT(moe_bsmm_scatters(ctx, p, MOE_BF16) == (p->k == 1));
+  moe_tensor *c[5] = {mk_rand(ctx, 3, (int64_t[]){nnz, 128, 128}, MOE_BF16, 61),
+                      mk_rand(ctx, 3, (int64_t[]){nnz, 128, 128}, MOE_BF16, 62),
+                      mk_rand(ctx, 3, (int64_t[]){EL, N, K}, MOE_BF16, 63),
+                      mk_rand(ctx, 3, (int64_t[]){EL, N, K}, MOE_BF16, 64),
+                      mk_rand(ctx, 2, (int64_t[]){p->T, p->k}, MOE_BF16, 65)};
+  moe_tensor *gp[5];
+  for (int i = 0; i < 5; i++) gp[i] = to_gpu(ctx, c[i]);
+  for (int pair = 0; pair < 2; pair++) {
+    moe_tensor *got = NULL, *rows = NULL, *b = NULL, *want = NULL, *sum = NULL;
+    EXPECT_OK(moe_bsmm_dsd_combine(ctx, gp[0], gp[2], pair ? gp[1] : NULL, pair ? gp[3] : NULL, p, false,
+                                   pair ? NULL : gp[4], &got));
+    if (pair) {
+      EXPECT_OK(moe_bsmm_dsd_sum(ctx, gp[0], gp[2], gp[1], gp[3], p, false, &sum));
+    } else {
+      EXPECT_OK(moe_bsmm_dsd(ctx, gp[0], gp[2], p, false, &rows));
+    }
+    EXPECT_OK(moe_routing_combine(ctx, pair ? sum : rows, p, pair ? NULL : gp[4], &want));
+    int64_t n = want ? moe_tensor_numel(want) : 0, bad = 0;
+    EXPECT(got && want && moe_tensor_numel(got) == n);
+    if (got && want && moe_tensor_numel(got) == n) {
+      double *x = malloc(sizeof(double) * (size_t)(n + 1)), *y = malloc(sizeof(double) * (size_t)(n + 1));
+      EXPECT_OK(moe_tensor_to_f64(ctx, got, x));
+      EXPECT_OK(moe_tensor_to_f64(ctx, want, y));
+      for (int64_t e = 0; e < n; e++)
+        if (x[e] != y[e] || signbit(x[e]) != signbit(y[e])) {
+          if (bad++ == 0)
+            fprintf(stderr, "  dsd_combine pair=%d T=%lld k=%lld K=%lld: token %lld col %lld got %g, want %g\n",
+                    pair, (long long)p->T, (long long)p->k, (long long)K, (long long)(e / K),
+                    (long long)(e % K), x[e], y[e]);
+        }
+      free(x), free(y);
+    }
+    EXPECT(bad == 0);
+    moe_tensor *ts[] = {got, rows, b, want, sum};
+    for (size_t i = 0; i < sizeof ts / sizeof ts[0]; i++) moe_tensor_release(ts[i]);
+  }
+  for (int i = 0; i < 5; i++) moe_tensor_release(c[i]), moe_tensor_release(gp[i]);
+}
+
 /* Rows gathered inside the wgmma kernel (bf16): k = 1, 2, 8, up to 256
  * experts with empty ones, T not a multiple of 128, K with a partial 64-wide
  * chunk and a partial 256-wide tile; one CTA per tile and a persistent grid
@@ -297,7 +344,7 @@ static void check_dsd_sum(moe_ctx *ctx, moe_routing_plan *p, int64_t K) {
 static void test_gather(moe_ctx *ctx) {
   const int64_t cfg[][5] = {/* T, E, k, F, K */
                             {300, 4, 2, 3, 200},  {130, 8, 1, 2, 8},   {257, 16, 8, 1, 264},
-                            {700, 64, 8, 5, 584}, {1000, 256, 8, 2, 136}};
+                            {700, 64, 8, 5, 584}, {1000, 256, 8, 2, 136}, {1000, 16, 1, 3, 264}};
   const char *persist[] = {"0", "3"};
   for (int v = 0; v < 2; v++) {
     setenv("MOE_BSMM_PERSIST", persist[v], 1);
@@ -306,6 +353,7 @@ static void test_gather(moe_ctx *ctx) {
       moe_routing_plan *p = mk_plan_k(ctx, cfg[i][0], cfg[i][1], cfg[i][2], cfg[i][3]);
       if (p) check_gather(ctx, p, cfg[i][4]);
       if (p) check_dsd_sum(ctx, p, cfg[i][4]);
+      if (p) check_dsd_combine(ctx, p, cfg[i][4]);
       moe_routing_plan_release(p);
     }
   }

@@ -6,7 +6,9 @@
  * not a multiple of 8: the kernels' scalar path);
  * parallel_linear gather/scatter; bit-identical repeats (no atomics); the
  * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
- * and grouped) against a permuted copy, bit for bit; one host sync per plan. Exits 77 without a GPU.
+ * and grouped) against a permuted copy, and top-1 rows scattered in token
+ * order by the kernel against a combine pass, bit for bit; one host sync
+ * per plan. Exits 77 without a GPU.
  */
 #include "half.h"
 #include "harness.h"
@@ -129,6 +131,7 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
       {1000, 8, 64, 63, 128, 128, 128}, /* k = 8, expert 63 empty */
       {77, 1, 3, 2, 40, 72, 0},       /* tiny, d and f not multiples of 64 */
       {65, 2, 5, 5, 24, 36, 0},       /* f % 8 != 0: the scalar bf16 backward pass */
+      {500, 1, 16, 15, 128, 256, 128}, /* k = 1: rows scattered in token order; expert 15 empty */
   };
   moe_device gpu = {MOE_DEVICE_CUDA, 0};
   for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -166,6 +169,24 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
           fprintf(stderr, "case %d %s impl %d: %lld host syncs\n", (int)ci, moe_dtype_name(dt), impl,
                   (long long)syncs);
         run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, again);
+        if (dt == MOE_BF16) {
+          /* top-1 plans: the output and input-gradient rows written in token
+           * order by the kernel's epilogue (MOE_BSMM_SCATTER, the default) or
+           * combined in a pass: the same bits */
+          moe_tensor *comb[6] = {0};
+          setenv("MOE_BSMM_SCATTER", "0", 1);
+          EXPECT_OK(moe_knobs_reload(ctx));
+          run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, comb);
+          unsetenv("MOE_BSMM_SCATTER");
+          EXPECT_OK(moe_knobs_reload(ctx));
+          for (int i = 0; i < 6; i++) {
+            bool same = comb[i] && got[i] && rel_err(ctx, comb[i], got[i]) == 0.0;
+            if (!same)
+              fprintf(stderr, "case %d impl %d tensor %d: scattered and combined differ\n", (int)ci, impl, i);
+            EXPECT(same);
+            moe_tensor_release(comb[i]);
+          }
+        }
         if (dt == MOE_BF16) {
           /* rows gathered inside the kernel, or a permuted copy: the same bits
            * (both impls: the block-sparse products and the grouped GEMM) */

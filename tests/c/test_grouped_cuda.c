@@ -346,7 +346,7 @@ static void check_gather_case(moe_ctx *ctx, int64_t T, int64_t k, int64_t K, int
     EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &y2));
     const void *wd = moe_tensor_data(tw ? wt : w);
     EXPECT_OK(moe_cuda_wg_grouped_mm(ctx, 0, moe_tensor_data(xs), wd, o, G, R, K, N, tw, moe_tensor_data(y1)));
-    EXPECT_OK(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(xt), wd, NULL, NULL, o, &ga, G, R, K, N, tw,
+    EXPECT_OK(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(xt), wd, NULL, NULL, o, &ga, NULL, G, R, K, N, tw,
                                             moe_tensor_data(y2)));
     snprintf(what, sizeof what, "mm_gather T=%lld k=%lld K=%lld N=%lld G=%lld trans_w=%d", (long long)T,
              (long long)k, (long long)K, (long long)N, (long long)G, tw);
@@ -372,7 +372,7 @@ static void check_gather_case(moe_ctx *ctx, int64_t T, int64_t k, int64_t K, int
   }
   /* a gather with a summed second pair is refused */
   EXPECT_ERR_MSG(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(xt), moe_tensor_data(w),
-                                               moe_tensor_data(xt), moe_tensor_data(w), o, &ga, G, R, K, N,
+                                               moe_tensor_data(xt), moe_tensor_data(w), o, &ga, NULL, G, R, K, N,
                                                false, moe_tensor_data(ar)),
                  MOE_ERR_INVALID_ARG, "a gather with a summed second pair");
   for (int i = 0; i < 5; i++) moe_tensor_release(c[i]);

@@ -42,6 +42,7 @@ static void test_defaults(moe_ctx *ctx) {
   EXPECT(k.bsmm_glu == 0);
   EXPECT(k.bsmm_wg_mnswap == false);
   EXPECT(k.bsmm_gather == false);
+  EXPECT(k.bsmm_scatter == true);
   EXPECT(k.bsmm_persist == 1);
   EXPECT(k.bsmm_group == 0);
   EXPECT(k.grouped_streams == 4);
@@ -61,7 +62,7 @@ static void test_defaults(moe_ctx *ctx) {
  * the grouped backend's names are moe_grouped_backends(). */
 static void test_table(moe_ctx *ctx) {
   (void)ctx;
-  EXPECT(moe_knob_count == 16);
+  EXPECT(moe_knob_count == 17);
   for (int i = 0; i < moe_knob_count; i++) {
     const moe_knob_def *d = &moe_knob_table[i];
     EXPECT(d->name && d->doc && d->doc[0]);
@@ -110,6 +111,7 @@ static void test_parse(moe_ctx *ctx) {
       {"MOE_GROUPED_STREAMS", "1", 1},  {"MOE_GEMM_TUNE", "0", MOE_KNOB_GEMM_TUNE_NONE},
       {"MOE_GEMM_TUNE", "all", MOE_KNOB_GEMM_TUNE_ALL}, {"MOE_GLU_QFUSED", "0", 0},
       {"MOE_BSMM_GATHER", "1", 1},       {"MOE_BSMM_GLU", "1", 1},
+      {"MOE_BSMM_SCATTER", "0", 0},
   };
   for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
     const moe_knob_def *d = moe_knob_find(ok[i].env);
