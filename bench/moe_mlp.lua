@@ -25,7 +25,8 @@ bench/moe_mlp_report.py joins both.
                             [configs=mixtral,olmoe,qwen3]
                             [impls=grouped,grouped_cublas,sparse,lua_grouped,auto]
                             (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
-                            65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
+                            65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
+                            llama4: d 5120, f 8192, E 16, k 1)
                             [smoke=true]
 
 smoke=true runs the same code on tiny shapes (T = 128, d / f / E scaled
@@ -60,6 +61,8 @@ local CONFIGS = {
   { name = "qwen3_t4k", d = 2048, f = 768, E = 128, k = 8, T = 4096 },
   { name = "qwen3_t64k", d = 2048, f = 768, E = 128, k = 8, T = 65536 },
   { name = "deepseek", d = 7168, f = 2048, E = 256, k = 8, T = 8192 },
+  -- top-1 routing (Llama-4-Scout-like experts): the output rows are written where they go
+  { name = "llama4", d = 5120, f = 8192, E = 16, k = 1 },
 }
 if smoke then
   for _, c in ipairs(CONFIGS) do

@@ -30,7 +30,8 @@ all weight gradients and the gradients of x and the gates.
   python3 bench/moe_mlp_torch.py [--json FILE] [--repeats N] [--budget S]
                                  [--configs mixtral,olmoe,qwen3]
                                  (also qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
-                                 65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192)
+                                 65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
+                                 llama4: d 5120, f 8192, E 16, k 1)
                                  [--compile] [--scattermoe DIR]
 
 Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
@@ -56,6 +57,8 @@ CONFIGS = [
     {"name": "qwen3_t4k", "d": 2048, "f": 768, "E": 128, "k": 8, "T": 4096},
     {"name": "qwen3_t64k", "d": 2048, "f": 768, "E": 128, "k": 8, "T": 65536},
     {"name": "deepseek", "d": 7168, "f": 2048, "E": 256, "k": 8, "T": 8192},
+    # top-1 routing (Llama-4-Scout-like experts)
+    {"name": "llama4", "d": 5120, "f": 8192, "E": 16, "k": 1},
 ]
 ALIGN = 16
 
