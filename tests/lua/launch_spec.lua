@@ -60,7 +60,7 @@ end
 -- Variables of an outer launcher must not leak into these tests.
 local clean = "env -u OMPI_COMM_WORLD_RANK -u OMPI_COMM_WORLD_SIZE -u OMPI_COMM_WORLD_LOCAL_RANK " ..
   "-u OMPI_COMM_WORLD_LOCAL_SIZE -u SLURM_PROCID -u RANK -u WORLD_SIZE -u LOCAL_RANK " ..
-  "-u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u MOE_LAUNCH_DIR -u MOE_DIST_PRINT"
+  "-u LOCAL_WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT -u MOE_LAUNCH_DIR -u MOE_DIST_PRINT -u OMP_NUM_THREADS"
 
 describe("the host as a rank", function()
   teardown(function()
@@ -187,9 +187,13 @@ describe("moe-lua launch", function()
     local out, err, rc = launch("--dry-run -n 3 --mpirun /bin/true -x FOO=1 " .. dist .. "/launch_env.lua a=1 -n 5")
     assert.are.equal(0, rc, err)
     assert.truthy(has(out, "/bin/true -n 3 --oversubscribe --mca btl self,vader --mca oob_tcp_if_include lo " ..
-      "--bind-to none -x MOE_LAUNCH_DIR -x MASTER_ADDR -x MASTER_PORT -x FOO=1 "), out)
+      "--bind-to none -x MOE_LAUNCH_DIR -x MASTER_ADDR -x MASTER_PORT -x OMP_NUM_THREADS -x FOO=1 "), out)
     assert.truthy(has(out, " " .. dist .. "/launch_env.lua a=1 -n 5\n"), out)
     assert.truthy(has(out, "MASTER_ADDR=127.0.0.1 MASTER_PORT="), out)
+    -- one CPU thread per rank unless OMP_NUM_THREADS is set
+    assert.truthy(has(out, " OMP_NUM_THREADS=1 "), out)
+    assert.falsy(has(launch("--dry-run -n 2 --mpirun /bin/true " .. dist .. "/launch_env.lua", "OMP_NUM_THREADS=4"),
+      "OMP_NUM_THREADS="), "a user's OMP_NUM_THREADS is kept")
     local root = require("moe").proc.geteuid() == 0
     assert.are.equal(root, has(out, "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"), out)
     -- with a hostfile: its first host, no loopback settings, -n required

@@ -16,8 +16,9 @@ mpirun gets: -n N, --bind-to none (and --mca odls_base_sigkill_timeout S with
 and loopback only (--mca btl self,vader --mca oob_tcp_if_include lo); the
 variables MOE_LAUNCH_DIR (where each rank's host writes rank-<r>.exit when it
 exits; bindings/host.c), MASTER_ADDR (127.0.0.1 on one node, else the first
-host of the hostfile) and MASTER_PORT (a free port), each unless already set
-in the environment, and -x for each; OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1 when
+host of the hostfile), MASTER_PORT (a free port) and OMP_NUM_THREADS (1, as
+torchrun: one CPU thread per rank for OpenMP and OpenBLAS), each unless
+already set in the environment, and -x for each; OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1 when
 run as root. The ranks run this executable with the script and its
 arguments.
 
@@ -507,6 +508,11 @@ function M.main(...)
   end
   local master_port = os.getenv("MASTER_PORT")
   if not master_port or master_port == "" then env.MASTER_PORT = tostring(proc.free_port()) end
+  -- one CPU thread per rank unless the user says otherwise, as torchrun does: the ranks
+  -- share the cores, and OpenBLAS's and OpenMP's threads on top of them oversubscribe them
+  -- (and make a rank's CPU GEMMs sum in an order that depends on the load)
+  local omp = os.getenv("OMP_NUM_THREADS")
+  if not omp or omp == "" then env.OMP_NUM_THREADS = "1" end
   if proc.geteuid() == 0 then
     env.OMPI_ALLOW_RUN_AS_ROOT = os.getenv("OMPI_ALLOW_RUN_AS_ROOT") or "1"
     env.OMPI_ALLOW_RUN_AS_ROOT_CONFIRM = os.getenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") or "1"
@@ -542,7 +548,7 @@ function M.main(...)
   end
   add("--bind-to", "none")
   if o.stop_grace then add("--mca", "odls_base_sigkill_timeout", o.stop_grace) end
-  add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT")
+  add("-x", "MOE_LAUNCH_DIR", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS")
   if o.max_restarts > 0 then add("-x", "MOE_LAUNCH_RESTART") end
   if timeline then add("-x", "MOE_LAUNCH_TIMELINE") end
   for _, x in ipairs(o.exports) do add("-x", x) end
@@ -552,7 +558,7 @@ function M.main(...)
 
   if o.dry_run then
     local words = {}
-    for _, k in ipairs({ "MOE_LAUNCH_DIR", "MOE_LAUNCH_TIMELINE", "MASTER_ADDR", "MASTER_PORT",
+    for _, k in ipairs({ "MOE_LAUNCH_DIR", "MOE_LAUNCH_TIMELINE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS",
       "OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" }) do
       if env[k] then words[#words + 1] = k .. "=" .. quote(env[k]) end
     end
