@@ -232,4 +232,21 @@ describe("grouped offsets on the device", function()
     assert.are.same({ 6, 40 }, yp.shape)
     assert.are.equal(0, plan.host_syncs)
   end)
+  gpu_it("names what is wrong with offsets on the device", function()
+    local o = { dtype = "bf16", device = "cuda" }
+    local x, w = moe.randn({ 300, 64 }, o), moe.randn({ 4, 64, 40 }, o)
+    local f32 = moe.tensor({ 0, 10, 20, 30, 40 }, { dtype = "f32" }):cuda()
+    assert.error_matches(function() moe.ops.grouped_mm(x, w, f32) end,
+      "offsets must be a 1%-D i64 tensor of G %+ 1 >= 2 entries, got f32")
+    local two = moe.tensor({ { 0, 10 }, { 20, 30 } }, { dtype = "i64" }):cuda()
+    assert.error_matches(function() moe.ops.grouped_mm_wgrad(x, x, two) end,
+      "offsets must be a 1%-D i64 tensor")
+    local xc, wc = moe.randn({ 300, 64 }), moe.randn({ 4, 64, 40 })
+    local dev = moe.tensor({ 0, 10, 20, 30, 40 }, { dtype = "i64" }):cuda()
+    assert.error_matches(function() moe.ops.grouped_mm(xc, wc, dev) end,
+      "offsets are on another device than the operands")
+    local three = moe.tensor({ 0, 10, 20 }, { dtype = "i64" }):cuda()
+    assert.error_matches(function() moe.ops.grouped_mm(x, w, three) end,
+      "w of shape %[4, 64, 40%] has 4 groups, the offsets 2")
+  end)
 end)
