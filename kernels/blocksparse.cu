@@ -1299,12 +1299,13 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
   if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
   /* GG's tiles end inside the output at their group's last row: only the
-   * threads' stores mask rows; and only they scatter rows */
-  if ((KIND == BS_GG || g.tp.scatter_dst) && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
-  if (g.tp.scatter_dst && (epi != BS_EPI_STAGED || ((uintptr_t)g.out & 15) || (KIND != BS_DSD && KIND != BS_GG)))
+   * threads' stores mask rows; and only the staged ones scatter rows (what
+   * MOE_BSMM_EPI says) */
+  if (KIND == BS_GG && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
+  if (g.tp.scatter_dst) epi = BS_EPI_STAGED;
+  if (g.tp.scatter_dst && (((uintptr_t)g.out & 15) || (KIND != BS_DSD && KIND != BS_GG)))
     return moe_error(ctx, MOE_ERR_INVALID_ARG,
-                     "bsmm: a scatter needs dsd or the grouped gemm, a 16-byte aligned output and the "
-                     "staged epilogue (MOE_BSMM_EPI is %s)", epi == BS_EPI_DIRECT ? "direct" : "not direct");
+                     "bsmm: a scatter needs dsd or the grouped gemm and a 16-byte aligned output");
   memset(&mo, 0, sizeof mo);
   memset(&mo2, 0, sizeof mo2);
   memset(&mo3, 0, sizeof mo3);

@@ -358,6 +358,13 @@ static void test_gather(moe_ctx *ctx) {
     }
   }
   unsetenv("MOE_BSMM_PERSIST");
+  /* the scatter takes the staged epilogue whatever MOE_BSMM_EPI says */
+  setenv("MOE_BSMM_EPI", "direct", 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
+  moe_routing_plan *p1 = mk_plan_k(ctx, 1000, 16, 1, 3);
+  if (p1) check_dsd_combine(ctx, p1, 264);
+  moe_routing_plan_release(p1);
+  unsetenv("MOE_BSMM_EPI");
   EXPECT_OK(moe_knobs_reload(ctx));
 }
 
