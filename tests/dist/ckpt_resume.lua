@@ -115,6 +115,7 @@ if world == 2 then
   assert(latest and latest:match("ckpt%-" .. STOP .. "$"), ("[rank %d] latest is %s"):format(rank, tostring(latest)))
   local tmp = io.popen("ls -1A '" .. shared .. "/" .. name .. "'"):read("a")
   assert(tmp:find(".tmp-ckpt-" .. (STOP + 2) .. "-dcp", 1, true), "the failed save left no temporary folder: " .. tmp)
+  dist.barrier() -- every rank has looked before the resumed run's rank 0 removes the unfinished save
   res = train.run(cfg(name, with(over, { resume = "latest" })))
   compare("after a failed save", fref.losses, res.losses, 0)
   tmp = io.popen("ls -1A '" .. shared .. "/" .. name .. "'"):read("a")
