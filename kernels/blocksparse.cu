@@ -941,7 +941,7 @@ __device__ __forceinline__ uint4 bs_scatter8(uint4 v, float s) {
  * (MOE_BSMM_PERSIST; the producer then loads the next tile's first chunks
  * while the consumers store the previous one). Stage / phase counters run
  * on across tiles (it = the CTA's chunk count so far). */
-template <int KIND, bool TRANS, bool GATHER>
+template <int KIND, bool TRANS, bool GATHER, bool SCATTER>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
                  const __grid_constant__ CUtensorMap ma2, const __grid_constant__ CUtensorMap mb2,
@@ -1064,10 +1064,11 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
          * stores below touch 8 rows per instruction). */
         const uint32_t buf = epi_buf + cw * (BS_WG_EPI_BYTES / 2);
         const int tid = threadIdx.x & 127;
-        /* the scatter (DSD, GG; tp.scatter_dst): the thread's rows
+        /* the scatter (DSD, GG; tp.scatter_dst; a kernel of its own, so
+         * that the others' epilogue is not touched): the thread's rows
          * tid / 16 + 8 k of the warpgroup's 64 go to rows srow[k] of out
          * (none where < 0), scaled by ssc[k] as bs_scatter8 */
-        const bool scat = (KIND == BS_DSD || KIND == BS_GG) && g.tp.scatter_dst;
+        constexpr bool scat = SCATTER && (KIND == BS_DSD || KIND == BS_GG);
         int64_t srow[8];
         float ssc[8];
         if (scat) {
@@ -1268,9 +1269,14 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: dsd has no row operand to gather");
   if (g.tp.gather_src && g.a2)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: a gather with a summed second pair");
+  if (g.tp.gather_src && g.tp.scatter_dst)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: a gather and a scatter in one product");
   if (g.tp.gather_src && (g.tp.gather_k < 1 || g.tp.gather_k > INT32_MAX))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: gather k = %lld", (long long)g.tp.gather_k);
-  auto kern = g.tp.gather_src ? bs_wg_kernel<KIND, TRANS, CAN_GATHER> : bs_wg_kernel<KIND, TRANS, false>;
+  constexpr bool CAN_SCATTER = KIND == BS_DSD || KIND == BS_GG;
+  auto kern = g.tp.gather_src    ? bs_wg_kernel<KIND, TRANS, CAN_GATHER, false>
+              : g.tp.scatter_dst ? bs_wg_kernel<KIND, TRANS, false, CAN_SCATTER>
+                                 : bs_wg_kernel<KIND, TRANS, false, false>;
   MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       (int)BS_WG_SMEM));
   /* the knob bsmm_persist: 1 (the default), a persistent grid of one CTA per
