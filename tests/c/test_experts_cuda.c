@@ -125,6 +125,25 @@ static int64_t run(moe_ctx *ctx, const ex_case *c, const int64_t *ids, double *c
   return run_opts(ctx, c, ids, vals, dev, dt, impl, NULL, res);
 }
 
+/* Runs the case again with the knob env = value and expects the bits of
+ * got (the defaults' run). */
+static void same_with_knob(moe_ctx *ctx, const ex_case *c, const int64_t *ids, double *const *vals,
+                           moe_device dev, moe_dtype dt, int impl, const char *env, const char *value,
+                           moe_tensor *const *got, int ci) {
+  moe_tensor *res[6] = {0};
+  setenv(env, value, 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
+  run(ctx, c, ids, vals, dev, dt, (moe_experts_impl)impl, res);
+  unsetenv(env);
+  EXPECT_OK(moe_knobs_reload(ctx));
+  for (int i = 0; i < 6; i++) {
+    bool same = res[i] && got[i] && rel_err(ctx, res[i], got[i]) == 0.0;
+    if (!same) fprintf(stderr, "case %d impl %d tensor %d: %s=%s differs from the default\n", ci, impl, i, env, value);
+    EXPECT(same);
+    moe_tensor_release(res[i]);
+  }
+}
+
 static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
   const ex_case cases[] = {
       {300, 2, 8, 8, 64, 256, 128},   /* T not a multiple of 128 */
@@ -172,37 +191,10 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
         if (dt == MOE_BF16) {
           /* top-1 plans: the output and input-gradient rows written in token
            * order by the kernel's epilogue (MOE_BSMM_SCATTER, the default) or
-           * combined in a pass: the same bits */
-          moe_tensor *comb[6] = {0};
-          setenv("MOE_BSMM_SCATTER", "0", 1);
-          EXPECT_OK(moe_knobs_reload(ctx));
-          run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, comb);
-          unsetenv("MOE_BSMM_SCATTER");
-          EXPECT_OK(moe_knobs_reload(ctx));
-          for (int i = 0; i < 6; i++) {
-            bool same = comb[i] && got[i] && rel_err(ctx, comb[i], got[i]) == 0.0;
-            if (!same)
-              fprintf(stderr, "case %d impl %d tensor %d: scattered and combined differ\n", (int)ci, impl, i);
-            EXPECT(same);
-            moe_tensor_release(comb[i]);
-          }
-        }
-        if (dt == MOE_BF16) {
-          /* rows gathered inside the kernel, or a permuted copy: the same bits
-           * (both impls: the block-sparse products and the grouped GEMM) */
-          moe_tensor *perm[6] = {0};
-          setenv("MOE_BSMM_GATHER", "1", 1);
-          EXPECT_OK(moe_knobs_reload(ctx));
-          run(ctx, c, ids, rv, gpu, dt, (moe_experts_impl)impl, perm);
-          unsetenv("MOE_BSMM_GATHER");
-          EXPECT_OK(moe_knobs_reload(ctx));
-          for (int i = 0; i < 6; i++) {
-            bool same = perm[i] && got[i] && rel_err(ctx, perm[i], got[i]) == 0.0;
-            if (!same)
-              fprintf(stderr, "case %d impl %d tensor %d: permuted and gathered differ\n", (int)ci, impl, i);
-            EXPECT(same);
-            moe_tensor_release(perm[i]);
-          }
+           * combined in a pass; rows gathered inside the kernel
+           * (MOE_BSMM_GATHER=1, both impls) or a permuted copy: the same bits */
+          same_with_knob(ctx, c, ids, rv, gpu, dt, impl, "MOE_BSMM_SCATTER", "0", got, (int)ci);
+          same_with_knob(ctx, c, ids, rv, gpu, dt, impl, "MOE_BSMM_GATHER", "1", got, (int)ci);
         }
         if (impl == MOE_EXPERTS_SPARSE && dt == MOE_BF16) {
           /* h1, h3 and a from one kernel (MOE_BSMM_GLU=1) or two products and
