@@ -125,6 +125,23 @@ static moe_status gg_check_offs(moe_ctx *ctx, const char *fn, const int64_t *off
 }
 
 /* a (R, K) and b (R, N) of one dtype and device, the same rows. */
+/* x (R, K) times w per group: w's group count against the groups the
+ * offsets give (gname says whose: "wanted", "the offsets"; not checked for
+ * groups < 1, which the offsets' check reports), and the depths. */
+static moe_status gg_check_mm(moe_ctx *ctx, const char *fn, const moe_tensor *x, const moe_tensor *w,
+                              int64_t groups, const char *gname, bool trans_w) {
+  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
+  if (groups >= 1 && w->shape[0] != groups)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, %s %lld (x %s)", fn, sw,
+                     (long long)w->shape[0], gname, (long long)groups, sx);
+  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
+  if (x->shape[1] != wk)
+    return moe_error(ctx, MOE_ERR_SHAPE,
+                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
+                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  return MOE_OK;
+}
+
 static moe_status gg_check_wgrad_operands(moe_ctx *ctx, const char *fn, const moe_tensor *a,
                                           const moe_tensor *b) {
   MOE_CHECK(gg_check_tensor(ctx, fn, a, "a", 2, "(R, K)"));
@@ -593,15 +610,7 @@ moe_status moe_grouped_mm(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, const int6
   MOE_CHECK(gg_check_tensor(ctx, fn, x, "x", 2, "(R, K)"));
   MOE_CHECK(gg_check_tensor(ctx, fn, w, "w", 3, trans_w ? "(G, N, K)" : "(G, K, N)"));
   MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
-  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
-  if (groups >= 1 && w->shape[0] != groups)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, wanted %lld (x %s)",
-                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
-  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
-  if (x->shape[1] != wk)
-    return moe_error(ctx, MOE_ERR_SHAPE,
-                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
-                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  MOE_CHECK(gg_check_mm(ctx, fn, x, w, groups, "wanted", trans_w));
   MOE_CHECK(gg_check_offs(ctx, fn, offs, groups, x->shape[0]));
 
   bool prev = moe_grad_set(ctx, false);
@@ -653,15 +662,7 @@ moe_status moe_grouped_mm_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_te
   MOE_CHECK(gg_check_pair(ctx, fn, x, "x", w, "w"));
   int64_t groups = 0;
   MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, x->storage->device, &groups));
-  const char *sx = MOE_SHAPE(x), *sw = MOE_SHAPE(w);
-  if (w->shape[0] != groups)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, the offsets %lld (x %s)",
-                     fn, sw, (long long)w->shape[0], (long long)groups, sx);
-  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
-  if (x->shape[1] != wk)
-    return moe_error(ctx, MOE_ERR_SHAPE,
-                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn, sx,
-                     sw, (long long)x->shape[1], (long long)wk, trans_w ? "true" : "false");
+  MOE_CHECK(gg_check_mm(ctx, fn, x, w, groups, "the offsets", trans_w));
   gg_offs *o = (gg_offs *)calloc(1, sizeof *o);
   if (!o) return moe_error(ctx, MOE_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
   moe_tensor_retain(offs);
@@ -722,15 +723,7 @@ moe_status moe_grouped_mm_sum_dev(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, mo
                        fn, MOE_SHAPE(x2), MOE_SHAPE(w2), MOE_SHAPE(x), MOE_SHAPE(w));
   int64_t groups = 0;
   MOE_CHECK(gg_check_offs_tensor(ctx, fn, offs, x->storage->device, &groups));
-  if (w->shape[0] != groups)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w of shape %s has %lld groups, the offsets %lld", fn,
-                     MOE_SHAPE(w), (long long)w->shape[0], (long long)groups);
-  int64_t wk = trans_w ? w->shape[2] : w->shape[1];
-  if (x->shape[1] != wk)
-    return moe_error(ctx, MOE_ERR_SHAPE,
-                     "%s: x %s and w %s cannot be multiplied (K %lld != %lld, trans_w %s)", fn,
-                     MOE_SHAPE(x), MOE_SHAPE(w), (long long)x->shape[1], (long long)wk,
-                     trans_w ? "true" : "false");
+  MOE_CHECK(gg_check_mm(ctx, fn, x, w, groups, "the offsets", trans_w));
   int64_t R = x->shape[0], K = x->shape[1], N = trans_w ? w->shape[1] : w->shape[2];
   moe_device dev = x->storage->device;
   bool prev = moe_grad_set(ctx, false);
