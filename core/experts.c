@@ -6,10 +6,13 @@
  * (moe_grouped.h) or the block-sparse products (moe_blocksparse.h); the
  * gather and the weighted scatter from moe_routing_permute / _combine.
  *
- * parallel_linear COMPOSES those differentiable ops (each records its own
- * node): their backward rules are tested where they live, so the op adds no
- * second copy of them, and autograd frees each intermediate as soon as its
- * consumer's backward ran. MOE_OP_PARALLEL_LINEAR is therefore never a node.
+ * parallel_linear records ONE node (MOE_OP_PARALLEL_LINEAR, pl_backward):
+ * it saves x, w and gates, never the permuted tokens (gather) or the
+ * product's rows (scatter): the backward permutes again and forms the gate
+ * gradient from dX0 = dout_rows W^T, which it needs anyway (the GLU's
+ * scheme below). Its products are the GLU experts': with scatter and no
+ * gather the forward's product and combine are one kernel where it scatters
+ * (top-1), and with MOE_BSMM_GATHER=1 the kernels read token rows in place.
  *
  * glu_experts records ONE node (MOE_OP_GLU_EXPERTS) with its own backward:
  * it saves x, the weights and gates (the caller holds those anyway), the
@@ -125,114 +128,6 @@ static moe_status ex_check_sparse_plan(moe_ctx *ctx, const char *fn, const moe_r
                      "ffn_hidden options); this plan has block_size %lld and no topology",
                      fn, (long long)p->block_size);
   return MOE_OK;
-}
-
-/* ------------------------------------------------------ parallel_linear */
-
-moe_parallel_linear_opts moe_parallel_linear_opts_default(void) {
-  moe_parallel_linear_opts o;
-  memset(&o, 0, sizeof o);
-  o.impl = MOE_EXPERTS_GROUPED;
-  return o;
-}
-
-moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
-                               struct moe_routing_plan *plan,
-                               const moe_parallel_linear_opts *opts, moe_tensor **out) {
-  const char *fn = "parallel_linear";
-  if (!x || !w || !plan || !out)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: x, w, plan or out is NULL", fn);
-  moe_parallel_linear_opts o = opts ? *opts : moe_parallel_linear_opts_default();
-  if (o.impl != MOE_EXPERTS_GROUPED && o.impl != MOE_EXPERTS_SPARSE)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)o.impl);
-  MOE_CHECK(ex_check_float(ctx, fn, "x", x));
-  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w", w, x));
-  MOE_CHECK(ex_check_device(ctx, fn, "x", x, plan->device));
-  MOE_CHECK(ex_check_device(ctx, fn, "w", w, plan->device));
-  int64_t E_loc = plan->e1 - plan->e0;
-  if (w->ndim != 3 || w->shape[0] != E_loc)
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w must be (E_loc, %s) with the plan's E_loc = %lld "
-                     "local experts, got %s", fn, o.trans_w ? "N, K" : "K, N", (long long)E_loc,
-                     MOE_SHAPE(w));
-  int64_t K = o.trans_w ? w->shape[2] : w->shape[1];
-  int64_t N = o.trans_w ? w->shape[1] : w->shape[2];
-  if (o.gates && !o.scatter)
-    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gates are given but scatter is off", fn);
-  if (o.gates) {
-    MOE_CHECK(ex_check_float(ctx, fn, "gates", o.gates));
-    MOE_CHECK(ex_check_device(ctx, fn, "gates", o.gates, plan->device));
-    if (o.gates->ndim != 2 || o.gates->shape[0] != plan->T || o.gates->shape[1] != plan->k)
-      return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
-                       fn, (long long)plan->T, (long long)plan->k, MOE_SHAPE(o.gates));
-  }
-  bool sparse_in = o.impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
-  int64_t nb = plan->ffn_blocks * plan->block_size; /* the sparse width */
-  if (o.impl == MOE_EXPERTS_SPARSE) {
-    MOE_CHECK(ex_check_sparse_plan(ctx, fn, plan));
-    if (x->ndim != 2 && x->ndim != 3)
-      return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse takes a dense 2-D x or a sparse "
-                       "(nnz, b, b) x, got %s", fn, MOE_SHAPE(x));
-    if (sparse_in && o.gather)
-      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gather needs a dense x (T, K), got the "
-                       "sparse %s", fn, MOE_SHAPE(x));
-    if (!sparse_in && o.scatter)
-      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: scatter of a block-sparse (SDD) output is "
-                       "not defined: the dense x %s gives a sparse hidden", fn,
-                       MOE_SHAPE(x));
-    if (sparse_in) {
-      int64_t b = plan->block_size;
-      if (x->shape[0] != plan->nnz || x->shape[1] != b || x->shape[2] != b)
-        return moe_error(ctx, MOE_ERR_SHAPE, "%s: sparse x must be the plan's (nnz, b, b) = "
-                         "(%lld, %lld, %lld), got %s", fn, (long long)plan->nnz, (long long)b,
-                         (long long)b, MOE_SHAPE(x));
-      if (K != nb)
-        return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have K = ffn_hidden = %lld for a "
-                         "sparse x", fn, MOE_SHAPE(w), (long long)nb);
-    } else if (N != nb) {
-      return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have N = ffn_hidden = %lld for impl "
-                       "sparse (the plan's topology)", fn, MOE_SHAPE(w),
-                       (long long)nb);
-    }
-  } else if (x->ndim != 2) {
-    return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be 2-D (%s, K), got %s", fn,
-                     o.gather ? "T" : "R", MOE_SHAPE(x));
-  }
-  if (!sparse_in) {
-    int64_t rows = o.gather ? plan->T : plan->rows;
-    if (x->shape[0] != rows || x->shape[1] != K)
-      return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (%s, K) = (%lld, %lld) for w %s%s, got %s",
-                       fn, o.gather ? "T" : "R", (long long)rows, (long long)K,
-                       MOE_SHAPE(w), o.trans_w ? " (trans_w)" : "",
-                       MOE_SHAPE(x));
-  }
-
-  moe_status st = MOE_OK;
-  moe_tensor *xs = NULL, *wc = NULL, *y = NULL;
-  MOE_CHECK_GOTO(moe_contiguous(ctx, w, &wc), st, done);
-  if (o.gather) {
-    MOE_CHECK_GOTO(moe_routing_permute(ctx, x, plan, &xs), st, done);
-  } else {
-    moe_tensor_retain(x);
-    xs = x;
-  }
-  if (o.impl == MOE_EXPERTS_GROUPED) {
-    MOE_CHECK_GOTO(ex_grouped(ctx, xs, wc, plan, false, o.trans_w, &y), st, done);
-  } else if (sparse_in) {
-    MOE_CHECK_GOTO(moe_bsmm_dsd(ctx, xs, wc, plan, o.trans_w, &y), st, done);
-  } else {
-    MOE_CHECK_GOTO(moe_bsmm_sdd(ctx, xs, wc, plan, o.trans_w, &y), st, done);
-  }
-  if (o.scatter) {
-    MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, o.gates, out), st, done);
-  } else {
-    *out = y;
-    y = NULL;
-  }
-done:
-  moe_tensor_release(xs);
-  moe_tensor_release(wc);
-  moe_tensor_release(y);
-  return st;
 }
 
 /* --------------------------------------------------- CPU elementwise */
@@ -516,20 +411,21 @@ done:
   return st;
 }
 
-/* The experts' output rows a @ w2 combined into token order with gates:
- * moe_bsmm_dsd_combine (sparse), ex_gg_combine (grouped, offsets on the
- * device), else the grouped product and moe_routing_combine. */
+/* The rows a @ w (w transposed with trans_w) combined into token order with
+ * gates (NULL: ones): moe_bsmm_dsd_combine (sparse, a the hidden),
+ * ex_gg_combine (grouped, offsets on the device), else the grouped product
+ * and moe_routing_combine. */
 static moe_status ex_combine(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *a, moe_tensor *w,
-                             moe_routing_plan *p, moe_tensor *gates, moe_tensor **out) {
-  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd_combine(ctx, a, w, NULL, NULL, p, false, gates, out);
+                             moe_routing_plan *p, bool trans_w, moe_tensor *gates, moe_tensor **out) {
+  if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dsd_combine(ctx, a, w, NULL, NULL, p, trans_w, gates, out);
   moe_tensor *offs = NULL, *y = NULL;
   moe_status st;
-  if (ex_dev_offsets(ctx, p, a->dtype, a->shape[1], w->shape[2], &offs)) {
-    st = ex_gg_combine(ctx, a, w, NULL, NULL, offs, p, false, gates, out);
+  if (ex_dev_offsets(ctx, p, a->dtype, a->shape[1], trans_w ? w->shape[1] : w->shape[2], &offs)) {
+    st = ex_gg_combine(ctx, a, w, NULL, NULL, offs, p, trans_w, gates, out);
     moe_tensor_release(offs);
     return st;
   }
-  MOE_CHECK(ex_mm_dsd(ctx, impl, a, w, p, false, &y));
+  MOE_CHECK(ex_mm_dsd(ctx, impl, a, w, p, trans_w, &y));
   st = moe_routing_combine(ctx, y, p, gates, out);
   moe_tensor_release(y);
   return st;
@@ -540,6 +436,303 @@ static moe_status ex_wgrad_in_gather(moe_ctx *ctx, moe_experts_impl impl, moe_te
                                      moe_routing_plan *p, moe_tensor **out) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_dds_gather(ctx, x, h, p, out);
   return ex_gg_gather(ctx, EX_GG_WGRAD_A, x, h, p, false, out);
+}
+
+/* ------------------------------------------------------ parallel_linear */
+
+moe_parallel_linear_opts moe_parallel_linear_opts_default(void) {
+  moe_parallel_linear_opts o;
+  memset(&o, 0, sizeof o);
+  o.impl = MOE_EXPERTS_GROUPED;
+  return o;
+}
+
+static moe_status pl_validate(moe_ctx *ctx, moe_tensor *x, moe_tensor *w, moe_routing_plan *plan,
+                              moe_parallel_linear_opts o) {
+  const char *fn = "parallel_linear";
+  if (o.impl != MOE_EXPERTS_GROUPED && o.impl != MOE_EXPERTS_SPARSE)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: unknown impl %d", fn, (int)o.impl);
+  MOE_CHECK(ex_check_float(ctx, fn, "x", x));
+  MOE_CHECK(ex_check_same_dtype(ctx, fn, "w", w, x));
+  MOE_CHECK(ex_check_device(ctx, fn, "x", x, plan->device));
+  MOE_CHECK(ex_check_device(ctx, fn, "w", w, plan->device));
+  int64_t E_loc = plan->e1 - plan->e0;
+  if (w->ndim != 3 || w->shape[0] != E_loc)
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: w must be (E_loc, %s) with the plan's E_loc = %lld "
+                     "local experts, got %s", fn, o.trans_w ? "N, K" : "K, N", (long long)E_loc,
+                     MOE_SHAPE(w));
+  int64_t K = o.trans_w ? w->shape[2] : w->shape[1];
+  int64_t N = o.trans_w ? w->shape[1] : w->shape[2];
+  if (o.gates && !o.scatter)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gates are given but scatter is off", fn);
+  if (o.gates) {
+    MOE_CHECK(ex_check_float(ctx, fn, "gates", o.gates));
+    MOE_CHECK(ex_check_device(ctx, fn, "gates", o.gates, plan->device));
+    if (o.gates->ndim != 2 || o.gates->shape[0] != plan->T || o.gates->shape[1] != plan->k)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: gates must be the plan's (T, k) = (%lld, %lld), got %s",
+                       fn, (long long)plan->T, (long long)plan->k, MOE_SHAPE(o.gates));
+  }
+  bool sparse_in = o.impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
+  int64_t nb = plan->ffn_blocks * plan->block_size; /* the sparse width */
+  if (o.impl == MOE_EXPERTS_SPARSE) {
+    MOE_CHECK(ex_check_sparse_plan(ctx, fn, plan));
+    if (x->ndim != 2 && x->ndim != 3)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: impl sparse takes a dense 2-D x or a sparse "
+                       "(nnz, b, b) x, got %s", fn, MOE_SHAPE(x));
+    if (sparse_in && o.gather)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: gather needs a dense x (T, K), got the "
+                       "sparse %s", fn, MOE_SHAPE(x));
+    if (!sparse_in && o.scatter)
+      return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: scatter of a block-sparse (SDD) output is "
+                       "not defined: the dense x %s gives a sparse hidden", fn,
+                       MOE_SHAPE(x));
+    if (sparse_in) {
+      int64_t b = plan->block_size;
+      if (x->shape[0] != plan->nnz || x->shape[1] != b || x->shape[2] != b)
+        return moe_error(ctx, MOE_ERR_SHAPE, "%s: sparse x must be the plan's (nnz, b, b) = "
+                         "(%lld, %lld, %lld), got %s", fn, (long long)plan->nnz, (long long)b,
+                         (long long)b, MOE_SHAPE(x));
+      if (K != nb)
+        return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have K = ffn_hidden = %lld for a "
+                         "sparse x", fn, MOE_SHAPE(w), (long long)nb);
+    } else if (N != nb) {
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: w %s must have N = ffn_hidden = %lld for impl "
+                       "sparse (the plan's topology)", fn, MOE_SHAPE(w),
+                       (long long)nb);
+    }
+  } else if (x->ndim != 2) {
+    return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be 2-D (%s, K), got %s", fn,
+                     o.gather ? "T" : "R", MOE_SHAPE(x));
+  }
+  if (!sparse_in) {
+    int64_t rows = o.gather ? plan->T : plan->rows;
+    if (x->shape[0] != rows || x->shape[1] != K)
+      return moe_error(ctx, MOE_ERR_SHAPE, "%s: x must be (%s, K) = (%lld, %lld) for w %s%s, got %s",
+                       fn, o.gather ? "T" : "R", (long long)rows, (long long)K,
+                       MOE_SHAPE(w), o.trans_w ? " (trans_w)" : "",
+                       MOE_SHAPE(x));
+  }
+  return MOE_OK;
+}
+
+/* The gate's backward pass of a linear's rows on the CPU (experts_cuda.h's
+ * moe_cuda_experts_gate_rows; any float dtype, g_rows and dgate_rows of
+ * dtype gdt). */
+static void ex_gate_rows_cpu(moe_dtype dt, moe_dtype gdt, int64_t R, int64_t K, int64_t bs, void *dX0,
+                             const void *xs, const int64_t *src, int64_t k, const void *g_rows,
+                             void *gxs, void *ys, int64_t N, void *dgate_rows) {
+  for (int64_t r = 0; r < R; r++) {
+    double g = g_rows ? ex_ld(g_rows, gdt, r) : 1.0, dot = 0.0;
+    int64_t xrow = src ? (src[r] >= 0 ? src[r] / k : -1) : 0;
+    for (int64_t c = 0; c < K; c++) {
+      int64_t i = ex_hidx(r, c, K, bs);
+      double xv = !src ? ex_ld(xs, dt, i) : xrow >= 0 ? ex_ld(xs, dt, xrow * K + c) : 0.0;
+      if (dX0) {
+        double d0 = ex_ld(dX0, dt, i);
+        dot += d0 * xv;
+        ex_st(dX0, dt, i, g * d0);
+      }
+      if (gxs) ex_st(gxs, dt, i, g * xv);
+    }
+    for (int64_t c = 0; ys && c < N; c++) ex_st(ys, dt, r * N + c, g * ex_ld(ys, dt, r * N + c));
+    if (dgate_rows) ex_st(dgate_rows, gdt, r, dot);
+  }
+}
+
+/* iargs of the parallel_linear node: 0 impl, 1 trans_w, 2 gather,
+ * 3 scatter, 4 slot of the gates (-1: none). Saved: x, w (contiguous),
+ * gates. */
+enum { PL_SAVED_X = 0, PL_SAVED_W, PL_SAVED_G };
+
+/* rows = (gather ? permute(x) : x) @ w over the plan: the kernels gather x's
+ * rows where ex_gather holds (N, K: w's sizes). */
+static moe_status pl_rows(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *x, moe_tensor *w,
+                          moe_routing_plan *p, bool trans_w, bool gather, int64_t K, int64_t N,
+                          moe_tensor **out) {
+  bool sparse_in = impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
+  if (gather && ex_gather(ctx, impl, p, x->dtype, K, N)) {
+    if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_sdd_gather(ctx, x, w, p, trans_w, out);
+    return ex_gg_gather(ctx, EX_GG_MM, x, w, p, trans_w, out);
+  }
+  moe_tensor *xs = NULL;
+  if (gather) MOE_CHECK(moe_routing_permute(ctx, x, p, &xs));
+  else moe_tensor_retain(xs = x);
+  moe_status st = sparse_in ? moe_bsmm_dsd(ctx, xs, w, p, trans_w, out)
+                            : ex_mm_sdd(ctx, impl, xs, w, p, trans_w, out);
+  moe_tensor_release(xs);
+  return st;
+}
+
+/*
+ * Backward of out = scatter(rows(x) W, gates), with xs the rows of x (x
+ * itself, or its permuted tokens with gather), drows the rows of dout
+ * (permuted with scatter) and g the rows' gates (1 without gates):
+ *   dX0 = drows W^T                        (the rows of dx, ungated)
+ *   with gates: dgate_r = <dX0_r, xs_r>, dX0_r *= g_r, and drows_r *= g_r
+ *               in place (or gxs = g xs where the kernels read dout's rows
+ *               in place): one pass, moe_cuda_experts_gate_rows
+ *   dx = gather ? combine(dX0) : dX0       (without gates and with gather:
+ *                                           ex_combine, fused where it scatters)
+ *   dW = xs^T drows (or gxs^T drows) per expert (transposed for trans_w)
+ * Where ex_gather holds, the kernels read the token rows of x and dout in
+ * place (the one not read in place is made: both at once is not a product
+ * the kernels have). Neither the permuted tokens nor the product's rows are
+ * saved.
+ */
+static moe_status pl_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout, moe_tensor **gin) {
+  moe_routing_plan *p = (moe_routing_plan *)n->user;
+  moe_experts_impl impl = (moe_experts_impl)n->iargs[0];
+  bool trans_w = n->iargs[1], gather = n->iargs[2], scatter = n->iargs[3];
+  int gslot = (int)n->iargs[4];
+  if (!gout[0]) return moe_node_zero_grads(ctx, n, gin);
+  bool need_x = moe_node_needs_grad(n, 0), need_w = moe_node_needs_grad(n, 1),
+       need_g = gslot >= 0 && moe_node_needs_grad(n, 2);
+  moe_status st = MOE_OK;
+  moe_tensor *x = NULL, *w = NULL, *gates = NULL, *xc = NULL, *dout = NULL, *drows = NULL,
+             *dX0 = NULL, *gc = NULL, *g_rows = NULL, *gxs = NULL, *dgate_rows = NULL, *xs = NULL,
+             *dw = NULL, *dwt = NULL, *dg = NULL;
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, PL_SAVED_X, &x), st, done);
+  MOE_CHECK_GOTO(moe_node_saved(ctx, n, PL_SAVED_W, &w), st, done);
+  if (gslot >= 0) MOE_CHECK_GOTO(moe_node_saved(ctx, n, gslot, &gates), st, done);
+  moe_dtype dt = n->in_dtype[0];
+  moe_dtype gdt = dt == MOE_F64 ? MOE_F64 : MOE_F32;
+  moe_device dev = n->in_device[0];
+  bool sparse_in = impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
+  int64_t K = trans_w ? w->shape[2] : w->shape[1], N = trans_w ? w->shape[1] : w->shape[2];
+  int64_t R = p->rows;
+  bool gated = scatter && gates; /* the gate pass runs */
+  bool gath = (gather || scatter) && ex_gather(ctx, impl, p, dt, K, N);
+  bool dk = scatter && gath; /* the kernels read dout's rows in place */
+  MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xc), st, done);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout), st, done);
+  if (!scatter) moe_tensor_retain(drows = dout);
+  else if (!dk) MOE_CHECK_GOTO(moe_routing_permute(ctx, dout, p, &drows), st, done);
+  /* with gather and no gate pass, dx is one product combined (fused where
+   * it scatters): dX0 is not made for it */
+  bool fuse_dx = need_x && gather && !gated && drows;
+  if ((need_x && !fuse_dx) || (gated && need_g)) {
+    if (dk && sparse_in) MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, dout, w, p, !trans_w, &dX0), st, done);
+    else if (dk) MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_MM, dout, w, p, !trans_w, &dX0), st, done);
+    else if (sparse_in) MOE_CHECK_GOTO(moe_bsmm_sdd(ctx, drows, w, p, !trans_w, &dX0), st, done);
+    else MOE_CHECK_GOTO(ex_mm_dsd(ctx, impl, drows, w, p, !trans_w, &dX0), st, done);
+  }
+  if (gated) {
+    int64_t bs = sparse_in ? p->block_size : 0;
+    MOE_CHECK_GOTO(moe_contiguous(ctx, gates, &gc), st, done);
+    MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
+    /* the weight gradient's gate goes on drows, scaled in place (the
+     * permuted copy is the backward's own), or where the kernels read dout's
+     * rows in place on a copy of xs */
+    if (need_w && dk) {
+      if (gather) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){R, K}, dt, dev, &gxs), st, done);
+      else MOE_CHECK_GOTO(moe_tensor_empty(ctx, xc->ndim, xc->shape, dt, dev, &gxs), st, done);
+    }
+    if (need_g) MOE_CHECK_GOTO(moe_tensor_empty(ctx, 1, &R, gdt, dev, &dgate_rows), st, done);
+    const int64_t *src = gather ? (const int64_t *)moe_tensor_data(p->src) : NULL;
+    void *d0 = dX0 ? moe_tensor_data(dX0) : NULL, *gx = gxs ? moe_tensor_data(gxs) : NULL;
+    void *ys = need_w && !dk ? moe_tensor_data(drows) : NULL;
+    if (R > 0 && dev.type == MOE_DEVICE_CUDA)
+      MOE_CHECK_GOTO(moe_cuda_experts_gate_rows(
+                         ctx, dev.index, dt, R, K, bs, d0, moe_tensor_data(xc), src, p->k,
+                         (const float *)moe_tensor_data(g_rows), gx, ys, N,
+                         dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
+                     st, done);
+    else if (R > 0)
+      ex_gate_rows_cpu(dt, gdt, R, K, bs, d0, moe_tensor_data(xc), src, p->k, moe_tensor_data(g_rows),
+                       gx, ys, N, dgate_rows ? moe_tensor_data(dgate_rows) : NULL);
+  }
+  if (need_x && fuse_dx) {
+    MOE_CHECK_GOTO(ex_combine(ctx, impl, drows, w, p, !trans_w, NULL, &gin[0]), st, done);
+  } else if (need_x && gather) {
+    MOE_CHECK_GOTO(moe_routing_combine(ctx, dX0, p, NULL, &gin[0]), st, done);
+  } else if (need_x) {
+    moe_tensor_retain(gin[0] = dX0);
+  }
+  moe_tensor_release(dX0), dX0 = NULL;
+  if (need_w) {
+    /* the x side: gxs, x, or x's rows read in place (unless dout's are) */
+    moe_tensor *a = gxs ? gxs : xc;
+    bool ak = !gxs && gather && gath && !dk;
+    if (!gxs && gather && !ak) {
+      MOE_CHECK_GOTO(moe_routing_permute(ctx, xc, p, &xs), st, done);
+      a = xs;
+    }
+    if (impl == MOE_EXPERTS_SPARSE && sparse_in)
+      st = dk ? moe_bsmm_dsd_t_gather(ctx, a, dout, p, &dw) : moe_bsmm_dsd_t(ctx, a, drows, p, &dw);
+    else if (impl == MOE_EXPERTS_SPARSE)
+      st = ak ? moe_bsmm_dds_gather(ctx, a, drows, p, &dw) : moe_bsmm_dds(ctx, a, drows, p, &dw);
+    else if (ak)
+      st = ex_gg_gather(ctx, EX_GG_WGRAD_A, a, drows, p, false, &dw);
+    else if (dk)
+      st = ex_gg_gather(ctx, EX_GG_WGRAD_B, dout, a, p, false, &dw);
+    else
+      st = ex_grouped(ctx, a, drows, p, true, false, &dw);
+    if (st != MOE_OK) goto done;
+    if (trans_w) {
+      MOE_CHECK_GOTO(moe_transpose(ctx, dw, 1, 2, &dwt), st, done);
+      MOE_CHECK_GOTO(moe_contiguous(ctx, dwt, &gin[1]), st, done);
+    } else {
+      moe_tensor_retain(gin[1] = dw);
+    }
+  }
+  if (need_g) {
+    MOE_CHECK_GOTO(ex_take(ctx, dgate_rows, p->dest, n->in_dtype[2], &dg), st, done);
+    MOE_CHECK_GOTO(moe_view(ctx, dg, 2, (int64_t[]){p->T, p->k}, &gin[2]), st, done);
+  }
+done:
+  moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(gates), moe_tensor_release(xc);
+  moe_tensor_release(dout), moe_tensor_release(drows), moe_tensor_release(dX0);
+  moe_tensor_release(gc), moe_tensor_release(g_rows), moe_tensor_release(gxs);
+  moe_tensor_release(dgate_rows), moe_tensor_release(xs), moe_tensor_release(dw);
+  moe_tensor_release(dwt), moe_tensor_release(dg);
+  return st;
+}
+
+moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
+                               struct moe_routing_plan *plan,
+                               const moe_parallel_linear_opts *opts, moe_tensor **out) {
+  if (!x || !w || !plan || !out)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "parallel_linear: x, w, plan or out is NULL");
+  moe_parallel_linear_opts o = opts ? *opts : moe_parallel_linear_opts_default();
+  MOE_CHECK(pl_validate(ctx, x, w, plan, o));
+  int64_t K = o.trans_w ? w->shape[2] : w->shape[1], N = o.trans_w ? w->shape[1] : w->shape[2];
+  moe_tensor *in[3] = {x, w, o.gates};
+  bool want = moe_grad_wanted(ctx, o.gates ? 3 : 2, (const moe_tensor *const *)in);
+  moe_status st = MOE_OK;
+  moe_tensor *wc = NULL, *y = NULL, *r = NULL;
+  bool prev = moe_grad_set(ctx, false);
+  MOE_CHECK_GOTO(moe_contiguous(ctx, w, &wc), st, fail);
+  if (o.scatter && !o.gather) {
+    /* one product and the combine: fused where the kernels scatter */
+    MOE_CHECK_GOTO(ex_combine(ctx, o.impl, x, wc, plan, o.trans_w, o.gates, &r), st, fail);
+  } else {
+    MOE_CHECK_GOTO(pl_rows(ctx, o.impl, x, wc, plan, o.trans_w, o.gather, K, N, &y), st, fail);
+    if (o.scatter) MOE_CHECK_GOTO(moe_routing_combine(ctx, y, plan, o.gates, &r), st, fail);
+    else r = y, y = NULL;
+  }
+  moe_grad_set(ctx, prev);
+  if (want) {
+    moe_record_spec spec = {.op = MOE_OP_PARALLEL_LINEAR, .backward = pl_backward,
+                            .n_in = o.gates ? 3 : 2, .in = {x, w, o.gates}, .n_save = 2,
+                            .save = {x, wc},
+                            .iargs = {o.impl, o.trans_w, o.gather, o.scatter, -1},
+                            .user = plan, .user_free = ex_plan_release_void};
+    if (o.gates) {
+      spec.iargs[4] = spec.n_save;
+      spec.save[spec.n_save++] = o.gates;
+    }
+    moe_routing_plan_retain(plan);
+    st = moe_record(ctx, &spec, 1, &r);
+    if (st != MOE_OK) goto done;
+  }
+  *out = r;
+  r = NULL;
+  goto done;
+fail:
+  moe_grad_set(ctx, prev);
+done:
+  moe_tensor_release(wc), moe_tensor_release(y), moe_tensor_release(r);
+  return st;
 }
 
 /* Whether the backward of n may write into t, which it got from saved slot
@@ -941,7 +1134,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   } else if (!a) {
     MOE_CHECK_GOTO(ex_glu_fwd(ctx, h1, h3, (int)act, &a), st, fail);
   }
-  MOE_CHECK_GOTO(ex_combine(ctx, impl, a, w2c, plan, gates, &r), st, fail);
+  MOE_CHECK_GOTO(ex_combine(ctx, impl, a, w2c, plan, false, gates, &r), st, fail);
   moe_grad_set(ctx, prev);
   if (want) {
     /* saved: the contiguous weights (w itself when already contiguous), the

@@ -5,8 +5,8 @@
  *
  * The fused elementwise work of the GLU expert MLP: its activation, its
  * backward (gate scaling, gate gradient, activation derivative in one pass
- * over the hidden) and the index gathers that move gates between assignment
- * order (T * k) and buffer-row order (R). Launches go on the context's
+ * over the hidden), parallel_linear's gate pass, and the index gathers that
+ * move gates between assignment order (T * k) and buffer-row order (R). Launches go on the context's
  * stream; nothing synchronises with the host; no atomics (the per-row gate
  * gradient is a fixed-order block reduction). Index math is int64.
  *
@@ -78,6 +78,22 @@ moe_status moe_cuda_experts_glu_bwd_quant(moe_ctx *ctx, int device, moe_dtype dt
                                           int64_t R, int64_t f, int64_t bs, void *dA0,
                                           const moe_ex_qhidden *qh, const float *g_rows,
                                           void *dh3, void *ga, float *dgate_rows);
+
+/*
+ * Backward of out_rows = g_rows * (xs W) at the gate, given dX0 = dout_rows
+ * W^T (ungated), per row r of xs (R rows, K cols, layout bs):
+ *   dgate_rows[r] = sum_c dX0 * xs            (when dgate_rows != NULL)
+ *   dX0 = g * dX0, in place                   (g = g_rows[r], 1 when NULL;
+ *                                              dX0 may be NULL: no dot, no dX0)
+ *   gxs = g * xs                              (when gxs != NULL)
+ *   ys = g * ys, in place                     (when ys != NULL: dense (R, N))
+ * xs is the tensor xs, or with src (bs 0 only) row src[r] / k of x (T, K)
+ * (zeros where src[r] < 0). Tensors of dtype dt; g_rows, dgate_rows f32.
+ */
+moe_status moe_cuda_experts_gate_rows(moe_ctx *ctx, int device, moe_dtype dt, int64_t R, int64_t K,
+                                      int64_t bs, void *dX0, const void *xs, const int64_t *src,
+                                      int64_t k, const float *g_rows, void *gxs, void *ys, int64_t N,
+                                      float *dgate_rows);
 
 /* out[i] = idx[i] >= 0 ? in[idx[i]] : 0 for i < n; in of dtype in_dt, out of
  * out_dt (f32, f64, bf16), idx i64, all contiguous. */

@@ -1,6 +1,6 @@
 /*
  * moe_experts.h - expert computation over a routing plan:
- * parallel_linear, one differentiable op over the grouped GEMM
+ * parallel_linear, one differentiable op (one node) over the grouped GEMM
  * (moe_grouped.h) or the block-sparse products (moe_blocksparse.h), from
  * which Lua composes expert MLPs; and the fused GLU expert MLP in C that a
  * Lua-composed GLU must match. core/experts.c (+ kernels where fused work
@@ -42,7 +42,13 @@ moe_parallel_linear_opts moe_parallel_linear_opts_default(void);
  *            (SDD; scatter is an error); a 3-D x (nnz, b, b) is a sparse
  *            hidden and gives (R, N) or (T, N) with scatter (DSD; gather is an
  *            error). N, K from w as above.
- * Differentiable in x, w and gates. Uses the plan's host row offsets
+ * Differentiable in x, w and gates: one autograd node that saves x, w and
+ * gates, neither the permuted tokens nor the product's rows (its backward
+ * permutes again and forms the gate gradient from dout's rows times W^T).
+ * With scatter on a top-1 plan the product writes the rows in token order
+ * (bf16 on sm_90a: moe_bsmm_scatters); with MOE_BSMM_GATHER=1 the sm_90a
+ * kernels read token rows in place. Where the grouped products cannot read
+ * the offsets on the device it uses the plan's host row offsets
  * (moe_routing_plan_counts_to_host: at most one sync per plan).
  */
 moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,

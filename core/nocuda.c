@@ -198,6 +198,12 @@ moe_status moe_cuda_experts_glu_bwd(moe_ctx *ctx, int device, moe_dtype dt, int 
                                     float *dgate_rows) {
   return NO_CUDA_FN(ctx, "moe_cuda_experts_glu_bwd");
 }
+moe_status moe_cuda_experts_gate_rows(moe_ctx *ctx, int device, moe_dtype dt, int64_t R, int64_t K,
+                                      int64_t bs, void *dX0, const void *xs, const int64_t *src,
+                                      int64_t k, const float *g_rows, void *gxs, void *ys, int64_t N,
+                                      float *dgate_rows) {
+  return NO_CUDA_FN(ctx, "moe_cuda_experts_gate_rows");
+}
 moe_status moe_cuda_experts_glu_fwd_quant(moe_ctx *ctx, int device, moe_dtype dt, int act,
                                           int64_t rows, const moe_ex_qhidden *qh, bool stochastic,
                                           uint64_t seed, uint64_t call1, uint64_t call3,

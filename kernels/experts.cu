@@ -2,8 +2,9 @@
  * experts.cu - CUDA kernels of the experts family (entry points in
  * core/experts_cuda.h, called by core/experts.c): the GLU activation
  * a = act(h1) * h3, its fused backward pass (gate scaling, per-row gate
- * gradient, activation derivative) over a dense or block-sparse hidden, and
- * the index gather that moves gates between assignment and row order.
+ * gradient, activation derivative) over a dense or block-sparse hidden,
+ * parallel_linear's gate pass (the same for a linear's rows), and the index
+ * gather that moves gates between assignment and row order.
  *
  * With quantize on, the forward pass quantizes h1 and h3 in the pass that
  * computes a (the quantize fast path's group-in-registers scheme, helpers in
@@ -146,6 +147,56 @@ __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *
       *(ExVec<T, V> *)(dA0 + i) = o1;
       *(ExVec<T, V> *)(dh3 + i) = o3;
       if (ga) *(ExVec<T, V> *)(ga + i) = og;
+    }
+    if (dgate_rows) {
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
+      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = dot;
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += warp_sums[w];
+        dgate_rows[r] = s;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+/* The gate's backward pass of a linear's rows (moe_cuda_experts_gate_rows):
+ * one block per row as ex_glu_bwd_kernel, the same fixed-order reduction;
+ * with src, xs's row is x's row src[r] / k (zeros for a padding row). */
+template <typename T, int V>
+__global__ void ex_gate_rows_kernel(int64_t R, int64_t K, int64_t bs, T *dX0, const T *xs,
+                                    const int64_t *src, int64_t k, const float *g_rows, T *gxs,
+                                    T *ys, int64_t N, float *dgate_rows) {
+  __shared__ float warp_sums[EX_THREADS / 32];
+  for (int64_t r = blockIdx.x; r < R; r += gridDim.x) {
+    float g = g_rows ? g_rows[r] : 1.0f, dot = 0.0f;
+    int64_t base, F = bs > 0 ? K / bs : 0, xrow = -1;
+    if (bs == 0) base = r * K;
+    else base = (r / bs) * F * bs * bs + (r % bs) * bs;
+    if (src) xrow = src[r] >= 0 ? src[r] / k : -1;
+    for (int64_t c = (int64_t)threadIdx.x * V; c < K; c += (int64_t)blockDim.x * V) {
+      int64_t i = bs == 0 ? base + c : base + (c / bs) * bs * bs + c % bs;
+      ExVec<T, V> xv, d0, od, og;
+      if (!src) xv = *(const ExVec<T, V> *)(xs + i);
+      else if (xrow >= 0) xv = *(const ExVec<T, V> *)(xs + xrow * K + c);
+      if (dX0) d0 = *(const ExVec<T, V> *)(dX0 + i);
+#pragma unroll
+      for (int j = 0; j < V; j++) {
+        float xj = src && xrow < 0 ? 0.0f : ex_load(xv.v, j), dd = dX0 ? ex_load(d0.v, j) : 0.0f;
+        dot += dd * xj;
+        ex_store(od.v, j, g * dd);
+        ex_store(og.v, j, g * xj);
+      }
+      if (dX0) *(ExVec<T, V> *)(dX0 + i) = od;
+      if (gxs) *(ExVec<T, V> *)(gxs + i) = og;
+    }
+    for (int64_t c = (int64_t)threadIdx.x * V; ys && c < N; c += (int64_t)blockDim.x * V) {
+      ExVec<T, V> y = *(const ExVec<T, V> *)(ys + r * N + c);
+#pragma unroll
+      for (int j = 0; j < V; j++) ex_store(y.v, j, g * ex_load(y.v, j));
+      *(ExVec<T, V> *)(ys + r * N + c) = y;
     }
     if (dgate_rows) {
       for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
@@ -477,5 +528,44 @@ extern "C" moe_status moe_cuda_experts_take(moe_ctx *ctx, int device, int64_t n,
     ex_take_launch<double>(grid, s, n, idx, (const double *)in, out, out_dt);
   }
   MOE_CUDA_CHECK_LAUNCH(ctx, "glu_experts gate gather kernel");
+  return MOE_OK;
+}
+
+template <typename T>
+static void ex_gate_rows_launch(cudaStream_t s, int64_t R, int64_t K, int64_t bs, void *dX0,
+                                const void *xs, const int64_t *src, int64_t k, const float *g_rows,
+                                void *gxs, void *ys, int64_t N, float *dgate_rows) {
+  constexpr int V = 16 / sizeof(T);
+  bool vec = K % V == 0 && (bs == 0 || bs % V == 0) && (!dX0 || moe_aligned(dX0, 16)) && moe_aligned(xs, 16) &&
+             (!gxs || moe_aligned(gxs, 16)) && (!ys || (N % V == 0 && moe_aligned(ys, 16)));
+  int64_t chunks = vec ? K / V : K;
+  int threads = (int)((chunks + 31) / 32 * 32);
+  if (threads > EX_THREADS) threads = EX_THREADS;
+  if (threads < 32) threads = 32;
+  unsigned grid = (unsigned)(R < (1 << 30) ? R : (1 << 30));
+  if (vec)
+    ex_gate_rows_kernel<T, V><<<grid, threads, 0, s>>>(R, K, bs, (T *)dX0, (const T *)xs, src, k,
+                                                       g_rows, (T *)gxs, (T *)ys, N, dgate_rows);
+  else
+    ex_gate_rows_kernel<T, 1><<<grid, threads, 0, s>>>(R, K, bs, (T *)dX0, (const T *)xs, src, k,
+                                                       g_rows, (T *)gxs, (T *)ys, N, dgate_rows);
+}
+
+extern "C" moe_status moe_cuda_experts_gate_rows(moe_ctx *ctx, int device, moe_dtype dt, int64_t R,
+                                                 int64_t K, int64_t bs, void *dX0, const void *xs,
+                                                 const int64_t *src, int64_t k, const float *g_rows,
+                                                 void *gxs, void *ys, int64_t N, float *dgate_rows) {
+  cudaStream_t s;
+  MOE_CHECK(ex_stream(ctx, device, &s));
+  if (src && bs != 0)
+    return moe_error(ctx, MOE_ERR_INVALID_ARG, "parallel_linear: gathered rows need a dense layout");
+  if (R <= 0) return MOE_OK;
+  if (dt == MOE_F32) ex_gate_rows_launch<float>(s, R, K, bs, dX0, xs, src, k, g_rows, gxs, ys, N, dgate_rows);
+  else if (dt == MOE_BF16)
+    ex_gate_rows_launch<__nv_bfloat16>(s, R, K, bs, dX0, xs, src, k, g_rows, gxs, ys, N, dgate_rows);
+  else
+    return moe_error(ctx, MOE_ERR_DTYPE, "parallel_linear: CUDA takes f32 or bf16, got %s",
+                     moe_dtype_name(dt));
+  MOE_CUDA_CHECK_LAUNCH(ctx, "parallel_linear gate backward kernel");
   return MOE_OK;
 }

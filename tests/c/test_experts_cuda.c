@@ -4,7 +4,8 @@
  * gates) in f32 and bf16, grouped and sparse, at awkward sizes (T not a
  * multiple of 128, an empty expert, k = 1, 2, 8, d not a multiple of 64, f
  * not a multiple of 8: the kernels' scalar path);
- * parallel_linear gather/scatter; bit-identical repeats (no atomics); the
+ * parallel_linear's node in every form of x and output, gradients
+ * included; bit-identical repeats (no atomics); the
  * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
  * and grouped) against a permuted copy, and top-1 rows scattered in token
  * order by the kernel against a combine pass, bit for bit; one host sync
@@ -270,36 +271,152 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
   }
 }
 
-/* parallel_linear with gather and scatter on CUDA vs CPU (f32). */
-static void test_parallel_linear_cuda(moe_ctx *ctx) {
-  int64_t T = 129, k = 2, E = 4, K = 48, N = 40;
-  moe_device gpu = {MOE_DEVICE_CUDA, 0};
-  double *xv = rvals(T * K, 1.0), *wv = rvals(E * K * N, 0.2), *gv = rvals(T * k, 1.0);
-  double *idv = malloc(sizeof(double) * (size_t)(T * k));
-  for (int64_t t = 0; t < T; t++) idv[t * k] = (double)(t % E), idv[t * k + 1] = (double)((t + 1) % E);
-  moe_tensor *out[2] = {0};
-  for (int dev = 0; dev < 2; dev++) {
-    moe_device dv = dev ? gpu : MOE_CPU;
-    moe_tensor *x = NULL, *w = NULL, *g = NULL, *tid = NULL, *y = NULL;
-    EXPECT_OK(moe_tensor_from_f64(ctx, xv, 2, (int64_t[]){T, K}, MOE_F32, dv, &x));
-    EXPECT_OK(moe_tensor_from_f64(ctx, wv, 3, (int64_t[]){E, K, N}, MOE_F32, dv, &w));
-    EXPECT_OK(moe_tensor_from_f64(ctx, gv, 2, (int64_t[]){T, k}, MOE_F32, dv, &g));
-    EXPECT_OK(moe_tensor_from_f64(ctx, idv, 2, (int64_t[]){T, k}, MOE_I64, dv, &tid));
-    moe_routing_plan *p = NULL;
-    EXPECT_OK(moe_routing_plan_new(ctx, tid, E, NULL, &p));
-    moe_parallel_linear_opts o = moe_parallel_linear_opts_default();
-    o.gather = o.scatter = true;
-    o.gates = g;
-    if (p) EXPECT_OK(moe_parallel_linear(ctx, x, w, p, &o, &y));
-    if (y) EXPECT_OK(moe_to(ctx, y, MOE_F64, MOE_CPU, &out[dev]));
-    moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(g);
-    moe_tensor_release(tid), moe_tensor_release(y);
-    moe_routing_plan_release(p);
+/* parallel_linear cases: x "tokens" (T, K) gathered, "rows" (R, K) or the
+ * sparse "hidden" (nnz, b, b); the output rows, or scattered to tokens
+ * with or without gates. */
+typedef struct pl_case {
+  int64_t T, k, E, K, N, bs; /* bs > 0: impl sparse on a plan padded to it */
+  bool gather, sparse_in, scatter, gates, trans_w;
+} pl_case;
+
+/* Runs parallel_linear forward and backward on dev in dt from the f64 values
+ * (x, w, gates, dout: sized by the case; x's rows: R or T, or nnz * b);
+ * res[0] = out, res[1..3] = the grads of x, w, gates (f64 CPU copies). */
+static void pl_run(moe_ctx *ctx, const pl_case *c, const int64_t *ids, double *const *vals,
+                   moe_device dev, moe_dtype dt, moe_tensor **res) {
+  double *idv = malloc(sizeof(double) * (size_t)(c->T * c->k));
+  for (int64_t i = 0; i < c->T * c->k; i++) idv[i] = (double)ids[i];
+  moe_tensor *tid = NULL, *x = NULL, *w = NULL, *g = NULL, *y = NULL, *dy = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, idv, 2, (int64_t[]){c->T, c->k}, MOE_I64, dev, &tid));
+  free(idv);
+  moe_routing_opts o = moe_routing_opts_default();
+  o.block_size = c->bs;
+  o.ffn_hidden = c->bs ? (c->sparse_in ? c->K : c->N) : 0;
+  moe_routing_plan *p = NULL;
+  EXPECT_OK(moe_routing_plan_new(ctx, tid, c->E, &o, &p));
+  if (!p) goto out;
+  int64_t rows = c->gather ? c->T : p->rows;
+  if (c->sparse_in)
+    EXPECT_OK(moe_tensor_from_f64(ctx, vals[0], 3, (int64_t[]){p->nnz, c->bs, c->bs}, dt, dev, &x));
+  else
+    EXPECT_OK(moe_tensor_from_f64(ctx, vals[0], 2, (int64_t[]){rows, c->K}, dt, dev, &x));
+  int64_t ws[3] = {c->E, c->trans_w ? c->N : c->K, c->trans_w ? c->K : c->N};
+  EXPECT_OK(moe_tensor_from_f64(ctx, vals[1], 3, ws, dt, dev, &w));
+  EXPECT_OK(moe_set_requires_grad(ctx, x, true));
+  EXPECT_OK(moe_set_requires_grad(ctx, w, true));
+  if (c->gates) {
+    EXPECT_OK(moe_tensor_from_f64(ctx, vals[2], 2, (int64_t[]){c->T, c->k}, dt, dev, &g));
+    EXPECT_OK(moe_set_requires_grad(ctx, g, true));
   }
-  /* f32 GEMMs of depth 48 on O(1) values: 1e-5 relative to the scale */
-  EXPECT(out[0] && out[1] && rel_err(ctx, out[1], out[0]) <= 1e-5);
-  moe_tensor_release(out[0]), moe_tensor_release(out[1]);
-  free(xv), free(wv), free(gv), free(idv);
+  moe_parallel_linear_opts po = moe_parallel_linear_opts_default();
+  po.impl = c->bs ? MOE_EXPERTS_SPARSE : MOE_EXPERTS_GROUPED;
+  po.gather = c->gather, po.scatter = c->scatter, po.trans_w = c->trans_w, po.gates = g;
+  EXPECT_OK(moe_parallel_linear(ctx, x, w, p, &po, &y));
+  if (!y) goto out;
+  EXPECT_OK(moe_tensor_from_f64(ctx, vals[3], y->ndim, y->shape, dt, dev, &dy));
+  EXPECT_OK(moe_backward(ctx, y, dy, false));
+  EXPECT_OK(moe_to(ctx, y, MOE_F64, MOE_CPU, &res[0]));
+  moe_tensor *in[3] = {x, w, g};
+  for (int i = 0; i < 3; i++) {
+    if (!in[i]) continue;
+    moe_tensor *gr = moe_tensor_grad(in[i]);
+    EXPECT(gr != NULL);
+    if (gr) EXPECT_OK(moe_to(ctx, gr, MOE_F64, MOE_CPU, &res[i + 1]));
+  }
+out:
+  moe_tensor_release(tid), moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(g);
+  moe_tensor_release(y), moe_tensor_release(dy);
+  moe_routing_plan_release(p);
+}
+
+/* pl_run with the knob env = value; expects the bits of got, except that
+ * the gradient of w may differ by w_tol (relative to its scale). */
+static void pl_same_with_knob(moe_ctx *ctx, const pl_case *c, const int64_t *ids, double *const *vals,
+                              const char *env, const char *value, moe_tensor *const *got, int ci,
+                              double w_tol) {
+  moe_tensor *res[4] = {0};
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  setenv(env, value, 1);
+  EXPECT_OK(moe_knobs_reload(ctx));
+  pl_run(ctx, c, ids, vals, gpu, MOE_BF16, res);
+  unsetenv(env);
+  EXPECT_OK(moe_knobs_reload(ctx));
+  for (int i = 0; i < 4; i++) {
+    bool same = (!res[i] && !got[i]) || (res[i] && got[i] && rel_err(ctx, res[i], got[i]) <= (i == 2 ? w_tol : 0.0));
+    if (!same) fprintf(stderr, "parallel_linear case %d tensor %d: %s=%s differs from the default\n", ci, i, env, value);
+    EXPECT(same);
+    moe_tensor_release(res[i]);
+  }
+}
+
+/* parallel_linear (its own node) on CUDA, forward and the gradients of x,
+ * w and gates, f32 and bf16, against the f64 CPU op on the same rounded
+ * values, for each form of x and output, k = 1 and 2, trans_w, grouped and
+ * sparse; bf16: rows gathered in the kernels (MOE_BSMM_GATHER=1) and top-1
+ * rows scattered by them or combined in a pass (MOE_BSMM_SCATTER=0) give
+ * the same bits (with gates and the gather, w's gradient rounds the gate's
+ * product on the other operand: within bf16's rounding). */
+static void test_parallel_linear_cuda(moe_ctx *ctx) {
+  const pl_case cases[] = {
+      {300, 2, 4, 64, 72, 0, true, false, false, false, false},   /* gather */
+      {300, 1, 4, 64, 72, 0, true, false, false, false, true},    /* gather, trans_w, k = 1 */
+      {300, 2, 4, 64, 72, 0, false, false, true, true, false},    /* scatter with gates */
+      {257, 1, 4, 64, 72, 0, false, false, true, true, true},     /* scatter, k = 1: fused */
+      {257, 1, 5, 64, 72, 0, false, false, true, false, false},   /* scatter without gates */
+      {300, 2, 4, 64, 72, 0, true, false, true, true, false},     /* gather and scatter */
+      {129, 1, 3, 64, 72, 0, true, false, true, false, false},    /* both, no gates, k = 1 */
+      {200, 2, 3, 72, 64, 0, false, false, false, false, false},  /* rows to rows */
+      {300, 2, 4, 64, 256, 128, true, false, false, false, false}, /* sparse: gather (SDD) */
+      {300, 1, 4, 256, 64, 128, false, true, true, true, false},  /* sparse hidden, gated, k = 1 */
+      {300, 2, 4, 256, 64, 128, false, true, true, true, true},   /* sparse hidden, gated, trans_w */
+      {300, 2, 4, 256, 64, 128, false, true, false, false, false}, /* sparse hidden to rows */
+  };
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+    const pl_case *c = &cases[ci];
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
+    for (int64_t t = 0; t < c->T; t++)
+      for (int64_t j = 0; j < c->k; j++) ids[t * c->k + j] = (t * 7 + j * 3 + (t % 5) * j) % c->E;
+    for (int64_t t = 0; t < c->T && c->k == 2; t++)
+      if (ids[t * 2] == ids[t * 2 + 1]) ids[t * 2 + 1] = (ids[t * 2] + 1) % c->E;
+    /* generous sizes: rows of x at most T k + E bs (padding) */
+    int64_t xn = (c->T * c->k + c->E * (c->bs ? c->bs : 1)) * c->K, wn = c->E * c->K * c->N;
+    int64_t dn = (c->T * c->k + c->E * (c->bs ? c->bs : 1)) * c->N;
+    double *vals[4] = {rvals(xn, 1.0), rvals(wn, 1.0 / sqrt((double)c->K)), rvals(c->T * c->k, 1.0),
+                       rvals(dn, 1.0)};
+    for (int dtc = 0; dtc < 2; dtc++) {
+      moe_dtype dt = dtc ? MOE_BF16 : MOE_F32;
+      double *rv[4];
+      int64_t ns[4] = {xn, wn, c->T * c->k, dn};
+      for (int i = 0; i < 4; i++) {
+        rv[i] = malloc(sizeof(double) * (size_t)ns[i]);
+        for (int64_t j = 0; j < ns[i]; j++)
+          rv[i][j] = dt == MOE_BF16 ? moe_bf16_to_f32(moe_f32_to_bf16((float)vals[i][j])) : (float)vals[i][j];
+      }
+      moe_tensor *ref[4] = {0}, *got[4] = {0};
+      pl_run(ctx, c, ids, rv, MOE_CPU, MOE_F64, ref);
+      pl_run(ctx, c, ids, rv, gpu, dt, got);
+      /* f32: GEMMs of depth <= 300 on O(1) values; bf16: the products' and
+       * the gradients' roundings, relative to each tensor's scale */
+      double tol = dt == MOE_F32 ? 1e-4 : 2e-2;
+      for (int i = 0; i < 4; i++) {
+        bool have = i < 3 || c->gates;
+        double e = have && got[i] && ref[i] ? rel_err(ctx, got[i], ref[i]) : (have ? INFINITY : 0);
+        if (!(e <= tol))
+          fprintf(stderr, "parallel_linear case %d %s tensor %d: error %g\n", (int)ci, moe_dtype_name(dt), i, e);
+        EXPECT(e <= tol);
+      }
+      if (dt == MOE_BF16) {
+        /* with gates and dout's rows read in place, the weight gradient
+         * applies the gate to x's rows (rounded there) instead of dout's */
+        pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_GATHER", "1", got, (int)ci, c->gates ? 1e-2 : 0.0);
+        pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_SCATTER", "0", got, (int)ci, 0.0);
+      }
+      for (int i = 0; i < 4; i++) moe_tensor_release(ref[i]), moe_tensor_release(got[i]), free(rv[i]);
+    }
+    for (int i = 0; i < 4; i++) free(vals[i]);
+    free(ids);
+  }
 }
 
 /* glu_experts with its own quantization of h1 and h3 on CUDA:

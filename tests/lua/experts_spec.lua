@@ -76,6 +76,76 @@ describe("parallel_linear", function()
     assert.is_true(near(yt2:totable(), yt, 1e-12))
   end)
 
+  -- the op against the differentiable ops it fuses (permute, the grouped or
+  -- block-sparse product, combine), values and the gradients of x, w and
+  -- gates, for every option it takes
+  local function composed(x, w, plan, o)
+    local xs = o.gather and moe.ops.permute(x, plan) or x
+    local y
+    if o.impl == "sparse" then
+      y = (xs:dim() == 3 and moe.ops.bsmm_dsd or moe.ops.bsmm_sdd)(xs, w, plan, { trans_w = o.trans_w })
+    else
+      y = moe.ops.grouped_mm(xs, w, plan, { trans_w = o.trans_w })
+    end
+    if o.scatter then return moe.ops.combine(y, plan, o.gates) end
+    return y
+  end
+  -- x's form: "tokens" (T, K) gathered, "rows" (R, K), "hidden" the sparse
+  -- (nnz, b, b); out: "rows", or "tokens" (scattered, with or without gates)
+  local CASES = {
+    { "grouped", "tokens", "rows" }, { "grouped", "rows", "rows" }, { "grouped", "rows", "tokens" },
+    { "grouped", "rows", "gated" }, { "grouped", "tokens", "gated" }, { "grouped", "tokens", "tokens" },
+    { "sparse", "tokens", "rows" }, { "sparse", "rows", "rows" }, { "sparse", "hidden", "rows" },
+    { "sparse", "hidden", "tokens" }, { "sparse", "hidden", "gated" },
+  }
+  for _, kk in ipairs({ 1, 2 }) do
+    for _, c in ipairs(CASES) do
+      for _, trans in ipairs({ false, true }) do
+        local impl, xin, out = c[1], c[2], c[3]
+        it(("matches the composed ops in values and gradients (k %d, %s, x %s, out %s%s)"):format(
+          kk, impl, xin, out, trans and ", trans_w" or ""), function()
+          local o64 = { dtype = "f64" }
+          moe.manual_seed(40 + kk)
+          local _, ids = moe.topk(moe.rand({ T, E }, o64), kk, -1)
+          local plan = moe.ops.routing_plan(ids, E, impl == "sparse" and { block_size = 2, ffn_hidden = f } or nil)
+          local Kin = xin == "hidden" and f or d
+          local Nout = impl == "sparse" and xin ~= "hidden" and f or d + 1
+          local results = {}
+          for path = 1, 2 do
+            moe.manual_seed(50)
+            local xshape = xin == "hidden" and { plan.nnz, 2, 2 } or { xin == "tokens" and T or plan.rows, Kin }
+            local x = moe.randn(xshape, o64):requires_grad_(true)
+            local w = moe.randn(trans and { E, Nout, Kin } or { E, Kin, Nout }, o64):requires_grad_(true)
+            local g = out == "gated" and moe.rand({ T, kk }, o64):requires_grad_(true) or nil
+            local o = { impl = impl, gather = xin == "tokens", scatter = out ~= "rows", gates = g, trans_w = trans }
+            local y = path == 1 and composed(x, w, plan, o) or moe.ops.parallel_linear(x, w, plan, o)
+            y:backward(moe.randn(y:size(), o64))
+            results[path] = { y:totable(), x.grad:totable(), w.grad:totable(), g and g.grad:totable() or {} }
+          end
+          for i = 1, 4 do assert.is_true(near(results[2][i], results[1][i], 1e-10)) end
+        end)
+      end
+    end
+  end
+
+  it("passes a finite-difference check with gates and trans_w", function()
+    moe.manual_seed(60)
+    local o64 = { dtype = "f64" }
+    local _, ids = moe.topk(moe.rand({ T, E }, o64), k, -1)
+    local plan = moe.ops.routing_plan(ids, E, { block_size = 2, ffn_hidden = f })
+    local x = moe.randn({ T, d }, o64):requires_grad_(true)
+    local w = moe.randn({ E, d + 1, d }, o64):requires_grad_(true)
+    local g = moe.rand({ T, k }, o64):requires_grad_(true)
+    assert(moe.gradcheck(function(a, b, c)
+      return moe.ops.parallel_linear(a, b, plan, { gather = true, scatter = true, gates = c, trans_w = true })
+    end, { x, w, g }))
+    local hs = moe.randn({ plan.nnz, 2, 2 }, o64):requires_grad_(true)
+    local w2 = moe.randn({ E, f, d }, o64):requires_grad_(true)
+    assert(moe.gradcheck(function(a, b, c)
+      return moe.ops.parallel_linear(a, b, plan, { impl = "sparse", scatter = true, gates = c })
+    end, { hs, w2, g }))
+  end)
+
   it("gives the same result grouped and block-sparse", function()
     local p = params(2)
     local gates, _, plan = route(p, { block_size = 2, ffn_hidden = f })
