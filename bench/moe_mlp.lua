@@ -13,6 +13,8 @@ weight gradient and the gradients of x and the gates. Implementations:
   sparse       moe.ops.glu_experts, impl "sparse" (block-sparse, b = 128)
   lua_grouped  the GLU composed in Lua: parallel_linear x2, silu * mul,
                parallel_linear with scatter (grouped)
+  lua_ops      the same GLU from the ops parallel_linear fuses, each its own
+               autograd node: permute, grouped_mm x3, combine (on request)
   auto         what a dMoE layer's mlp_impl = "auto" runs: the autotuner
                (moe/experts/autotune.lua) measures grouped and sparse on its
                synthetic even routing, then the pick is timed here (the row
@@ -23,7 +25,7 @@ bench/moe_mlp_report.py joins both.
 
   moe-lua bench/moe_mlp.lua [json=FILE] [repeats=10] [budget=SECONDS]
                             [configs=mixtral,olmoe,qwen3]
-                            [impls=grouped,grouped_cublas,sparse,lua_grouped,auto]
+                            [impls=grouped,grouped_cublas,sparse,lua_grouped,auto,lua_ops]
                             (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                             65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
                             llama4: d 5120, f 8192, E 16, k 1)
@@ -113,6 +115,22 @@ local function glu_lua(x, w1, w3, w2, plan, gates)
   return out
 end
 
+-- the same from the ops parallel_linear fuses: the permuted tokens and the
+-- product's rows are saved by their nodes
+local function glu_ops(x, w1, w3, w2, plan, gates)
+  local xs = moe.ops.permute(x, plan)
+  local h1 = moe.ops.grouped_mm(xs, w1, plan)
+  local h3 = moe.ops.grouped_mm(xs, w3, plan)
+  xs:free()
+  local a = moe.silu(h1) * h3
+  h1:free(); h3:free()
+  local rows = moe.ops.grouped_mm(a, w2, plan)
+  a:free()
+  local out = moe.ops.combine(rows, plan, gates)
+  rows:free()
+  return out
+end
+
 -- grouped_cublas: the grouped path on cuBLAS with the offsets copied to the host, the
 -- backend auto's rule picks for host offsets (loop: few or large groups; else streams)
 local function cublas_backend(c, tokens)
@@ -128,6 +146,8 @@ local function make_step(c, impl, t, tokens)
     moe.ops.grouped_backend(backend)
     if impl == "lua_grouped" then
       out = glu_lua(t.x, t.w1, t.w3, t.w2, plan, t.gates)
+    elseif impl == "lua_ops" then
+      out = glu_ops(t.x, t.w1, t.w3, t.w2, plan, t.gates)
     else
       out = moe.ops.glu_experts(t.x, t.w1, t.w3, t.w2, plan, t.gates,
         { impl = impl == "grouped_cublas" and "grouped" or impl })
@@ -157,7 +177,7 @@ local autotune = require "moe.experts.autotune"
 autotune.mode = "measure" -- the auto row measures on the CPU too (smoke runs)
 
 local results = {}
-local impl_order = { "grouped", "grouped_cublas", "sparse", "lua_grouped", "auto" }
+local impl_order = { "grouped", "grouped_cublas", "sparse", "lua_grouped", "auto", "lua_ops" }
 for _, c in ipairs(CONFIGS) do
   if want_cfg[c.name] then
     local T = c.T or T -- luacheck: ignore 421 (this config's tokens)
