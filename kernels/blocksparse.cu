@@ -863,6 +863,8 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
           moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.i0 * BS_B) + cw * 64);
         else if (KIND == BS_DSD_T) /* (EL * N rows of K): rows col * 128.. */
           moe_tma_store2(mo, src, (int)c.t0 + col, (int)(c.col * BS_B) + cw * 64);
+        else if (KIND == BS_GG) /* (R, N): rows i0.. (a whole tile), columns t0.. */
+          moe_tma_store2(mo, src, (int)c.t0 + col, (int)c.i0 + cw * 64);
         else if (KIND == BS_GW) /* (G, K, N): group col, rows t0.., columns n0.. */
           moe_tma_store3(mo, src, (int)c.n0 + col, (int)c.t0 + cw * 64, (int)c.col);
         else /* DDS: (EL, K, N): expert col / F, rows t0.., columns (col % F) * 128 + .. */
@@ -1052,7 +1054,9 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         bs_wg_store_glu(g, c, &mo, &mo2, &mo3, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
         continue;
       }
-      if (epi == BS_EPI_TMA) {
+      /* GG: a tile that ends inside the output (its group's last rows) is
+       * stored by the threads below, which mask the rows past the group */
+      if (epi == BS_EPI_TMA && (KIND != BS_GG || c.m_valid == BS_B)) {
         bs_wg_store_tma<KIND>(g, c, &mo, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
         continue;
       }
@@ -1082,7 +1086,9 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         }
 #pragma unroll
         for (int half = 0; half < 2; half++) {
-          /* the buffer's previous readers (the other half, the last tile) are done */
+          /* the buffer's previous readers (the other half, the last tile, or
+           * with the TMA epilogue an earlier tile's stores) are done */
+          if (epi == BS_EPI_TMA && tid == 0) moe_bulk_wait_read<0>();
           asm volatile("bar.sync %0, 128;\n" ::"r"(1 + cw) : "memory");
 #pragma unroll
           for (int jj = 0; jj < 16; jj++) {
@@ -1234,7 +1240,7 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
 
 /* The output's tensor map of the TMA epilogue (bs_wg_store_tma): 64 x 64
  * boxes of SDD's blocks (nnz * 128 rows of 128), DSD's (R, K), DSD^T's
- * (EL * N, K) or DDS's (EL, K, N). */
+ * (EL * N, K), GW's (G, K, N), GG's (R, N) or DDS's (EL, K, N). */
 template <int KIND> moe_status bs_wg_out_map(moe_ctx *ctx, const BsArgs &g, CUtensorMap *mo) {
   const moe_bs_topo &tp = g.tp;
   int64_t K = g.K, N = tp.F * BS_B;
@@ -1254,6 +1260,10 @@ template <int KIND> moe_status bs_wg_out_map(moe_ctx *ctx, const BsArgs &g, CUte
   if (KIND == BS_GW) {
     const int64_t d[3] = {g.N, K, g.G};
     return bs_map(ctx, mo, g.out, 3, d, b3);
+  }
+  if (KIND == BS_GG) {
+    const int64_t d[2] = {g.N, g.R};
+    return bs_map(ctx, mo, g.out, 2, d, b2);
   }
   const int64_t d[3] = {N, K, tp.EL};
   return bs_map(ctx, mo, g.out, 3, d, b3);
@@ -1304,10 +1314,9 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = BS_EPI_DIRECT;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
   if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
-  /* GG's tiles end inside the output at their group's last row: only the
-   * threads' stores mask rows; and only the staged ones scatter rows (what
-   * MOE_BSMM_EPI says) */
-  if (KIND == BS_GG && epi == BS_EPI_TMA) epi = BS_EPI_STAGED;
+  /* GG's tiles end inside the output at their group's last row: with TMA
+   * the kernel stores those by the threads (masking rows); only the staged
+   * stores scatter rows (what MOE_BSMM_EPI says) */
   if (g.tp.scatter_dst) epi = BS_EPI_STAGED;
   if (g.tp.scatter_dst && (((uintptr_t)g.out & 15) || (KIND != BS_DSD && KIND != BS_GG)))
     return moe_error(ctx, MOE_ERR_INVALID_ARG,

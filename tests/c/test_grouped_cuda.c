@@ -395,6 +395,55 @@ static void test_gather(moe_ctx *ctx) {
   EXPECT_OK(moe_knobs_reload(ctx));
 }
 
+/* The sm_90a kernel's epilogues on GG: whole tiles stored by TMA and the
+ * tiles that end inside the output (a group's last rows) by the threads
+ * (the default), against every tile staged and stored by the threads
+ * (MOE_BSMM_EPI=smem) and stored from registers (direct): the same bits,
+ * forward and transposed, alone and with a summed second pair, one CTA a
+ * tile and a persistent grid of 3. */
+static void test_epilogues(moe_ctx *ctx) {
+  int64_t offs[16];
+  const int64_t R = 1000, K = 136, N = 328, G = 9;
+  random_offs(offs, G, 3, 990, 31); /* partial tiles, rows outside both ends */
+  double v[16];
+  for (int64_t g = 0; g <= G; g++) v[g] = (double)offs[g];
+  moe_tensor *o = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, v, 1, (int64_t[]){G + 1}, MOE_I64, GPU, &o));
+  const char *epis[] = {"smem", "direct"}, *persist[] = {"0", "3"};
+  for (int trans = 0; trans < 2; trans++) {
+    int64_t ws[3] = {G, trans ? N : K, trans ? K : N};
+    moe_tensor *c[4] = {rand_cpu(ctx, 2, (int64_t[]){R, K}, MOE_BF16), rand_cpu(ctx, 3, ws, MOE_BF16),
+                        rand_cpu(ctx, 2, (int64_t[]){R, K}, MOE_BF16), rand_cpu(ctx, 3, ws, MOE_BF16)};
+    moe_tensor *gp[4];
+    for (int i = 0; i < 4; i++) gp[i] = on_gpu(ctx, c[i]);
+    for (int sum = 0; sum < 2; sum++)
+      for (int pi = 0; pi < 2; pi++) {
+        setenv("MOE_BSMM_PERSIST", persist[pi], 1);
+        EXPECT_OK(moe_knobs_reload(ctx));
+        moe_tensor *ref = NULL;
+        if (sum) EXPECT_OK(moe_grouped_mm_sum_dev(ctx, gp[0], gp[1], gp[2], gp[3], o, trans, &ref));
+        else EXPECT_OK(moe_grouped_mm_dev(ctx, gp[0], gp[1], o, trans, &ref));
+        for (int ei = 0; ei < 2; ei++) {
+          setenv("MOE_BSMM_EPI", epis[ei], 1);
+          EXPECT_OK(moe_knobs_reload(ctx));
+          moe_tensor *y = NULL;
+          if (sum) EXPECT_OK(moe_grouped_mm_sum_dev(ctx, gp[0], gp[1], gp[2], gp[3], o, trans, &y));
+          else EXPECT_OK(moe_grouped_mm_dev(ctx, gp[0], gp[1], o, trans, &y));
+          char what[96];
+          snprintf(what, sizeof what, "epilogue %s trans %d sum %d persist %s", epis[ei], trans, sum, persist[pi]);
+          EXPECT(y && ref && bits_equal(ctx, y, ref, what));
+          moe_tensor_release(y);
+          unsetenv("MOE_BSMM_EPI");
+        }
+        moe_tensor_release(ref);
+      }
+    unsetenv("MOE_BSMM_PERSIST");
+    EXPECT_OK(moe_knobs_reload(ctx));
+    for (int i = 0; i < 4; i++) moe_tensor_release(c[i]), moe_tensor_release(gp[i]);
+  }
+  moe_tensor_release(o);
+}
+
 static void test_cuda_errors(moe_ctx *ctx) {
   moe_tensor *x = NULL, *w = NULL, *wc = NULL, *out = NULL;
   int64_t offs[] = {0, 2, 4};
@@ -420,6 +469,7 @@ int main(void) {
   RUN(test_auto);
   RUN(test_device_offsets);
   RUN(test_gather);
+  RUN(test_epilogues);
   RUN(test_cuda_errors);
   return harness_end();
 }
