@@ -157,9 +157,11 @@ def main():
         marker = os.path.join(a.scattermoe, "COMMIT")
         if os.path.exists(marker):
             smoe_version = open(marker).read().strip()
-        else:
+        elif os.path.exists(os.path.join(a.scattermoe, ".git")):  # its own checkout, not an enclosing repository
             git = subprocess.run(["git", "-C", a.scattermoe, "rev-parse", "HEAD"], capture_output=True, text=True)
             smoe_version = git.stdout.strip() or "unknown"
+        else:
+            smoe_version = "unknown (no COMMIT file, no .git)"
     t0 = time.time()
     dense = dense_rate()
     print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
