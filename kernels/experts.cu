@@ -105,6 +105,21 @@ __device__ __forceinline__ void ex_qload(const void *vals, const float *sc, cons
   }
 }
 
+/* The block's per-thread partial sums of one row, reduced in a fixed order
+ * (warp shuffles, then thread 0 over the warps in order) into *out. Every
+ * thread of the block calls it. */
+__device__ __forceinline__ void ex_row_sum(float dot, float *warp_sums, float *out) {
+  for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = dot;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += warp_sums[w];
+    *out = s;
+  }
+  __syncthreads();
+}
+
 /* BITS 0: h1 and h3 are T tensors; 8 or 4: they are read from q. */
 template <typename T, int V, int BITS>
 __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *dA0, const T *h1,
@@ -148,17 +163,7 @@ __global__ void ex_glu_bwd_kernel(int act, int64_t R, int64_t f, int64_t bs, T *
       *(ExVec<T, V> *)(dh3 + i) = o3;
       if (ga) *(ExVec<T, V> *)(ga + i) = og;
     }
-    if (dgate_rows) {
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
-      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = dot;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float s = 0.0f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += warp_sums[w];
-        dgate_rows[r] = s;
-      }
-      __syncthreads();
-    }
+    if (dgate_rows) ex_row_sum(dot, warp_sums, dgate_rows + r);
   }
 }
 
@@ -198,17 +203,7 @@ __global__ void ex_gate_rows_kernel(int64_t R, int64_t K, int64_t bs, T *dX0, co
       for (int j = 0; j < V; j++) ex_store(y.v, j, g * ex_load(y.v, j));
       *(ExVec<T, V> *)(ys + r * N + c) = y;
     }
-    if (dgate_rows) {
-      for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
-      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = dot;
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        float s = 0.0f;
-        for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += warp_sums[w];
-        dgate_rows[r] = s;
-      }
-      __syncthreads();
-    }
+    if (dgate_rows) ex_row_sum(dot, warp_sums, dgate_rows + r);
   }
 }
 
