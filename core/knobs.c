@@ -43,13 +43,13 @@ const moe_knob_def moe_knob_table[] = {
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
     KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
-              "1: the GLU experts (block-sparse or grouped on the sm_90a kernel) gather the token "
-              "rows inside the wgmma kernel (cp.async) instead of reading a permuted copy (TMA); "
-              "same bits, less memory, slower today"),
+              "1: the GLU experts and parallel_linear (block-sparse or grouped on the sm_90a "
+              "kernel) gather the token rows inside the wgmma kernel (cp.async) instead of reading "
+              "a permuted copy (TMA); same bits, less memory, slower today"),
     KNOB_BOOL(bsmm_scatter, "MOE_BSMM_SCATTER", 1,
-              "0: the top-1 GLU experts write their output and input gradient in expert order "
-              "and combine them in a pass of their own, instead of the sm_90a kernel's epilogue "
-              "writing the rows in token order (same bits)"),
+              "0: the top-1 GLU experts and parallel_linear's scatter write their rows in expert "
+              "order and combine them in a pass of their own, instead of the sm_90a kernel's "
+              "epilogue writing the rows in token order (same bits)"),
     KNOB_BOOL(bsmm_glu, "MOE_BSMM_GLU", 0,
               "1: the block-sparse GLU experts make h1, h3 and a = act(h1) * h3 in one wgmma "
               "kernel (sm_90a, bf16) instead of two products and the activation pass; same bits, "
