@@ -458,6 +458,30 @@ static void test_cuda_errors(moe_ctx *ctx) {
                  "x is on cuda:0 but w is on cpu");
   EXPECT(out == NULL);
   moe_tensor_release(x), moe_tensor_release(w), moe_tensor_release(wc), moe_tensor_release(x32);
+  /* the gathering launcher refuses what its kernel does not have: a gather
+   * with a scatter in one product, a gather with a summed second pair */
+  moe_tensor *t[6] = {0};
+  double ov[3] = {0, 64, 128}, sv[128];
+  for (int i = 0; i < 128; i++) sv[i] = i;
+  EXPECT_OK(moe_tensor_full(ctx, 2, (int64_t[]){64, 64}, 1, MOE_BF16, GPU, &t[0]));     /* tokens */
+  EXPECT_OK(moe_tensor_full(ctx, 3, (int64_t[]){2, 64, 64}, 1, MOE_BF16, GPU, &t[1]));  /* w */
+  EXPECT_OK(moe_tensor_from_f64(ctx, ov, 1, (int64_t[]){3}, MOE_I64, GPU, &t[2]));      /* offsets */
+  EXPECT_OK(moe_tensor_from_f64(ctx, sv, 1, (int64_t[]){128}, MOE_I64, GPU, &t[3]));    /* src, dst */
+  EXPECT_OK(moe_tensor_full(ctx, 2, (int64_t[]){128, 64}, 0, MOE_BF16, GPU, &t[4]));    /* out */
+  EXPECT_OK(moe_tensor_full(ctx, 2, (int64_t[]){128, 64}, 1, MOE_BF16, GPU, &t[5]));    /* x2 */
+  if (t[0] && t[1] && t[2] && t[3] && t[4] && t[5]) {
+    const int64_t *src = (const int64_t *)moe_tensor_data(t[3]), *o = (const int64_t *)moe_tensor_data(t[2]);
+    moe_wg_gather gt = {src, 2, false};
+    moe_wg_scatter sc = {src, NULL};
+    EXPECT_ERR_MSG(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(t[0]), moe_tensor_data(t[1]), NULL,
+                                                 NULL, o, &gt, &sc, 2, 128, 64, 64, false, moe_tensor_data(t[4])),
+                   MOE_ERR_INVALID_ARG, "a gather and a scatter in one product");
+    EXPECT_ERR_MSG(moe_cuda_wg_grouped_mm_gather(ctx, 0, moe_tensor_data(t[0]), moe_tensor_data(t[1]),
+                                                 moe_tensor_data(t[5]), moe_tensor_data(t[1]), o, &gt, NULL, 2,
+                                                 128, 64, 64, false, moe_tensor_data(t[4])),
+                   MOE_ERR_INVALID_ARG, "a gather with a summed second pair");
+  }
+  for (int i = 0; i < 6; i++) moe_tensor_release(t[i]);
 }
 
 int main(void) {

@@ -273,6 +273,27 @@ describe("glu_experts quantize", function()
   end)
 end)
 
+describe("parallel_linear's node", function()
+  it("accumulates with retain_graph and says so when its saved tensors are gone", function()
+    local p = params(8)
+    local gates, _, plan = route(p)
+    local g = gates:detach():requires_grad_(true)
+    local y = moe.ops.parallel_linear(p.x, p.w1:transpose(1, 2):contiguous(), plan,
+      { gather = true, scatter = true, gates = g, trans_w = true })
+    local R = moe.randn(y:size(), { dtype = "f64" })
+    y:backward(R, { retain_graph = true })
+    local gx, gg = p.x.grad:totable(), g.grad:totable()
+    y:backward(R)
+    for t = 1, T do
+      for j = 1, k do assert.is_true(near(g.grad:totable()[t][j], 2 * gg[t][j], 1e-12)) end
+      for c = 1, d do assert.is_true(near(p.x.grad:totable()[t][c], 2 * gx[t][c], 1e-12)) end
+    end
+    local ok, err = pcall(y.backward, y, R)
+    assert.is_false(ok)
+    assert.matches("retain_graph", err)
+  end)
+end)
+
 describe("experts bad arguments", function()
   local p = params(7)
   local gates, _, plan = route(p)
