@@ -25,7 +25,7 @@
  *
  * Hopper (sm_90a, the default "wg" variant; see "Hopper: TMA + wgmma main
  * loop" below): the same tiles and chunk walk (bs_cta), each chunk's
- * operands loaded by TMA boxes with the 128-byte swizzle into a 4-stage
+ * operands loaded by TMA boxes with the 128-byte swizzle into a 3-stage
  * mbarrier pipeline by a producer warpgroup, consumed by two warpgroups
  * with wgmma m64n256k16 (M/N-major operands through the transpose bits);
  * 2.1-2.3x the mma.sync kernels on an H100. With a gather (topo.gather_src:
@@ -484,7 +484,7 @@ __global__ void __launch_bounds__(BS_THREADS) bs_f32_kernel(BsArgs g) {
  * are zero-filled by TMA; the epilogue writes only valid rows / columns. */
 constexpr int BS_WG_BK = 64;
 constexpr int BS_WG_BN = 256;
-constexpr int BS_WG_STAGES = 4;
+constexpr int BS_WG_STAGES = 3;
 constexpr int BS_WG_THREADS = 384;
 constexpr int BS_WG_A_BYTES = BS_B * BS_WG_BK * 2;     /* 16 KB */
 constexpr int BS_WG_B_BYTES = BS_WG_BN * BS_WG_BK * 2; /* 32 KB */
@@ -503,8 +503,10 @@ enum { BS_EPI_DIRECT = 0, BS_EPI_STAGED = 1, BS_EPI_TMA = 2 };
 constexpr int BS_WG_RING = 3;
 constexpr int BS_WG_RING_BYTES = BS_WG_RING * 64 * 8; /* 1536 */
 /* stages + epilogue buffer + mbarriers + 1024 bytes for aligning the base
- * (SW128 atoms) + the gather's ring: 232000 bytes, within the H100's 232448
- * per block */
+ * (SW128 atoms) + the gather's ring: 182832 bytes (the H100 has 232448 per
+ * block). Three stages, not four: on an H200 the mixtral layer's grouped
+ * GEMMs ran 1.9 % faster and the fine-grained layers the same
+ * (bench/results/wg_stages.md). */
 constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYTES + 1024 +
                               2 * BS_WG_STAGES * 8 + BS_WG_RING_BYTES;
 
@@ -1353,7 +1355,7 @@ bool bs_wg_supported(int device) {
 /* -------------------------------------------------------------- launch */
 
 /* The bf16 kernel variant, the knob bsmm_tile (MOE_BSMM_TILE):
- * "wg" (the default: TMA + wgmma, 128 x 256, BK 64, 4 stages, sm_90a; on a
+ * "wg" (the default: TMA + wgmma, 128 x 256, BK 64, 3 stages, sm_90a; on a
  * GPU other than compute capability 9.x it falls back to 256k64), or the
  * mma.sync kernels: "128" (tile 128 x 128, BK 32, 4 stages, 2 CTAs per SM),
  * "256" (128 x 256, BK 32, 4 stages), "256k64" (128 x 256, BK 64, 3 stages).
