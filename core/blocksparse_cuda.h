@@ -114,6 +114,24 @@ moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x
 moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void *a, const void *b,
                                             const int64_t *offs, const moe_wg_gather *gt, int64_t G,
                                             int64_t R, int64_t K, int64_t N, void *out);
+/* The GLU experts' products with their elementwise pass in the kernel's
+ * epilogue (moe_cuda_wg_grouped_mm's kernel and conditions, bf16; act a
+ * moe_glu_activation). glu: h1 = x @ w1, h3 = x @ w3 (w (G, K, N)) and
+ * a = act(h1) * h3 from their rounded values, each (R, N): the bits of
+ * two products and moe_cuda_experts_glu_fwd. glu_bwd: dA0 = dy @ w2^T (w2
+ * (G, N, K), dy (R, K)) and over it moe_cuda_experts_glu_bwd's pass (h1,
+ * h3 (R, N); g_rows R floats or NULL: ones): dh1 (in place of dA0), dh3 and
+ * ga (NULL: not made) with its bits; dgate_rows (R floats, NULL: not made)
+ * summed per row over 256-column tiles, then over the tiles in order.
+ * dh3 may be h3 and ga h1. */
+moe_status moe_cuda_wg_grouped_glu(moe_ctx *ctx, int device, const void *x, const void *w1,
+                                   const void *w3, const int64_t *offs, int64_t G, int64_t R,
+                                   int64_t K, int64_t N, int act, void *h1, void *h3, void *a);
+moe_status moe_cuda_wg_grouped_glu_bwd(moe_ctx *ctx, int device, const void *dy, const void *w2,
+                                       const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                       int64_t N, int act, const void *h1, const void *h3,
+                                       const float *g_rows, void *dh1, void *dh3, void *ga,
+                                       float *dgate_rows);
 bool moe_cuda_wg_grouped(moe_ctx *ctx, int device);
 /* Whether the sm_90a wgmma kernel runs for dtype dt on device (bf16,
  * MOE_BSMM_TILE=wg, compute capability 9.x): the products can then gather

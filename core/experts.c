@@ -26,8 +26,10 @@
  * (moe_bsmm_*_gather, ex_gg_gather; same bits, slower today, so off by
  * default). With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
  * forward makes h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue
- * computes a from the rounded h1 and h3; same bits, slower on an H100
- * today, so off by default).
+ * computes a from the rounded h1 and h3), and the grouped one likewise
+ * (moe_cuda_wg_grouped_glu), its backward doing the fused pass in the
+ * epilogue of dA0's product (moe_cuda_wg_grouped_glu_bwd); same bits but for
+ * the grouped gates' gradient, slower today, so off by default.
  * y = a W2 is never kept: the gate gradient is
  * dot(dout_t, y_r) = dot(dout_t W2^T, a_r), formed from the ungated
  * dA0 = dout_rows W2^T the backward needs anyway. Backward:
@@ -101,6 +103,26 @@ static bool ex_dev_offsets(moe_ctx *ctx, moe_routing_plan *p, moe_dtype dt, int6
   return moe_narrow(ctx, p->row_offsets, 0, p->e0, G + 1, offs) == MOE_OK;
 }
 
+/* Whether the grouped GLU experts' products do the activation passes in
+ * their epilogues (moe_cuda_wg_grouped_glu / _glu_bwd, MOE_BSMM_GLU=1): the
+ * sm_90a grouped GEMM with the offsets on the device for the experts'
+ * sizes (d, f) both ways; *offs then holds them. */
+static bool ex_gg_glu_fuses(moe_ctx *ctx, moe_routing_plan *p, moe_dtype dt, int64_t d, int64_t f,
+                            moe_tensor **offs) {
+  int64_t G = p->e1 - p->e0;
+  if (!ctx->knobs.bsmm_glu || !moe_grouped_offsets_on_device(ctx, p->device, dt, G, f, d)) return false;
+  return ex_dev_offsets(ctx, p, dt, d, f, offs);
+}
+
+/* Whether the data of n tensors (NULL entries skipped) are 16-byte aligned,
+ * as the fused kernels need. */
+static bool ex_aligned16(moe_tensor *const *t, int n) {
+  uintptr_t bits = 0;
+  for (int i = 0; i < n; i++)
+    if (t[i]) bits |= (uintptr_t)moe_tensor_data(t[i]);
+  return !(bits & 15);
+}
+
 /* The grouped products over the plan's groups, the offsets read where they
  * are when possible: out = grouped_mm(a, b) (trans_w as given), or with
  * wgrad out (G, K, N) = a^T b per group (grouped_mm_wgrad). */
@@ -119,6 +141,33 @@ static moe_status ex_grouped(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, moe_rou
   MOE_CHECK(ex_offsets(ctx, p, &ho, &G));
   return wgrad ? moe_grouped_mm_wgrad(ctx, a, b, ho, G, false, out)
                : moe_grouped_mm(ctx, a, b, ho, G, trans_w, out);
+}
+
+/* h1 = xs W1, h3 = xs W3 and a = act(h1) * h3 from one kernel
+ * (moe_cuda_wg_grouped_glu; ex_gg_glu_fuses held and gave offs). With an
+ * unaligned operand: the two products, and *a stays NULL for the pass. */
+static moe_status ex_gg_glu(moe_ctx *ctx, moe_tensor *xs, moe_tensor *w1, moe_tensor *w3,
+                            moe_tensor *offs, moe_routing_plan *p, int act, moe_tensor **h1,
+                            moe_tensor **h3, moe_tensor **a) {
+  moe_tensor *in[3] = {xs, w1, w3}, *o[3] = {0};
+  if (!ex_aligned16(in, 3) || !moe_tensor_is_contiguous(xs)) {
+    MOE_CHECK(ex_grouped(ctx, xs, w1, p, false, false, h1));
+    return ex_grouped(ctx, xs, w3, p, false, false, h3);
+  }
+  moe_status st = MOE_OK;
+  int64_t R = p->rows, d = w1->shape[1], f = w1->shape[2];
+  for (int i = 0; i < 3; i++)
+    MOE_CHECK_GOTO(moe_tensor_empty(ctx, 2, (int64_t[]){R, f}, xs->dtype, p->device, &o[i]), st, done);
+  MOE_CHECK_GOTO(moe_cuda_wg_grouped_glu(ctx, p->device.index, moe_tensor_data(xs), moe_tensor_data(w1),
+                                         moe_tensor_data(w3), (const int64_t *)moe_tensor_data(offs),
+                                         p->e1 - p->e0, R, d, f, act, moe_tensor_data(o[0]),
+                                         moe_tensor_data(o[1]), moe_tensor_data(o[2])),
+                 st, done);
+  *h1 = o[0], *h3 = o[1], *a = o[2];
+  o[0] = o[1] = o[2] = NULL;
+done:
+  for (int i = 0; i < 3; i++) moe_tensor_release(o[i]);
+  return st;
 }
 
 static moe_status ex_check_sparse_plan(moe_ctx *ctx, const char *fn, const moe_routing_plan *p) {
@@ -762,7 +811,7 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
              *h3 = NULL, *gates = NULL, *gc = NULL,
              *g_rows = NULL, *dout_rows = NULL, *dA0 = NULL, *dh3 = NULL, *ga = NULL,
              *dgate_rows = NULL, *xs = NULL, *t1 = NULL, *t2 = NULL, *dxs = NULL, *dg = NULL,
-             *s1 = NULL, *s3 = NULL;
+             *s1 = NULL, *s3 = NULL, *goffs = NULL;
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W1, &w1), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W3, &w3), st, done);
   MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_W2, &w2), st, done);
@@ -809,6 +858,10 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   }
   /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows */
   bool gath = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2]);
+  /* gfuse: dA0's product does the pass below in its epilogue
+   * (moe_cuda_wg_grouped_glu_bwd); dA0 is then only dh1's buffer */
+  bool gfuse = !gath && !qbits && impl == MOE_EXPERTS_GROUPED &&
+               ex_gg_glu_fuses(ctx, p, dt, w1->shape[1], w1->shape[2], &goffs);
   if (gath) {
     MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout_rows), st, done);
     if (impl == MOE_EXPERTS_SPARSE)
@@ -817,7 +870,10 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
       MOE_CHECK_GOTO(ex_gg_gather(ctx, EX_GG_MM, dout_rows, w2, p, true, &dA0), st, done);
   } else {
     MOE_CHECK_GOTO(moe_routing_permute(ctx, gout[0], p, &dout_rows), st, done);
-    MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
+    moe_tensor *in[4] = {dout_rows, w2, h1, h3};
+    gfuse = gfuse && ex_aligned16(in, 4) && moe_tensor_is_contiguous(w2);
+    if (gfuse) MOE_CHECK_GOTO(moe_tensor_empty(ctx, hnd, hshape, dt, dev, &dA0), st, done);
+    else MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, dout_rows, w2, p, true, &dA0), st, done);
   }
   /* dh3 and ga take the places of h3 and h1 where the node owns them:
    * the fused pass reads each element before it writes it, so the backward's
@@ -845,6 +901,15 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
                            moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
                            dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
                        st, done);
+    } else if (gfuse) {
+      MOE_CHECK_GOTO(moe_cuda_wg_grouped_glu_bwd(
+                         ctx, dev.index, moe_tensor_data(dout_rows), moe_tensor_data(w2),
+                         (const int64_t *)moe_tensor_data(goffs), p->e1 - p->e0, R, w1->shape[1], f,
+                         act, moe_tensor_data(h1), moe_tensor_data(h3),
+                         g_rows ? (const float *)moe_tensor_data(g_rows) : NULL,
+                         moe_tensor_data(dA0), moe_tensor_data(dh3), ga ? moe_tensor_data(ga) : NULL,
+                         dgate_rows ? (float *)moe_tensor_data(dgate_rows) : NULL),
+                     st, done);
     } else if (dev.type == MOE_DEVICE_CUDA) {
       if (R > 0 && f > 0)
         MOE_CHECK_GOTO(moe_cuda_experts_glu_bwd(
@@ -947,6 +1012,7 @@ done:
   moe_tensor_release(dg);
   moe_tensor_release(s1);
   moe_tensor_release(s3);
+  moe_tensor_release(goffs);
   return st;
 }
 
@@ -1097,7 +1163,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   bool want = moe_grad_wanted(ctx, n_in, (const moe_tensor *const *)in);
   moe_status st = MOE_OK;
   moe_tensor *w1c = NULL, *w3c = NULL, *w2c = NULL, *xs = NULL, *h1 = NULL, *h3 = NULL, *a = NULL,
-             *r = NULL, *v1 = NULL, *s1 = NULL, *v3 = NULL, *s3 = NULL;
+             *r = NULL, *v1 = NULL, *s1 = NULL, *v3 = NULL, *s3 = NULL, *goffs = NULL;
   bool prev = moe_grad_set(ctx, false);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
@@ -1116,6 +1182,10 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
     if (impl == MOE_EXPERTS_SPARSE && o.quant_bits == 0 && moe_bsmm_glu_fuses(ctx, plan, x->dtype)) {
       /* one kernel: h1, h3 and a (the same bits as the passes below) */
       MOE_CHECK_GOTO(moe_bsmm_sdd_glu(ctx, xs, w1c, w3c, plan, (int)act, &h1, &h3, &a), st, fail);
+    } else if (impl == MOE_EXPERTS_GROUPED && o.quant_bits == 0 &&
+               ex_gg_glu_fuses(ctx, plan, x->dtype, w1->shape[1], w1->shape[2], &goffs)) {
+      /* likewise for the grouped GEMM */
+      MOE_CHECK_GOTO(ex_gg_glu(ctx, xs, w1c, w3c, goffs, plan, (int)act, &h1, &h3, &a), st, fail);
     } else {
       MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w1c, plan, false, &h1), st, fail);
       MOE_CHECK_GOTO(ex_mm_sdd(ctx, impl, xs, w3c, plan, false, &h3), st, fail);
@@ -1180,5 +1250,6 @@ done:
   moe_tensor_release(s1);
   moe_tensor_release(v3);
   moe_tensor_release(s3);
+  moe_tensor_release(goffs);
   return st;
 }

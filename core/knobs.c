@@ -51,9 +51,10 @@ const moe_knob_def moe_knob_table[] = {
               "order and combine them in a pass of their own, instead of the sm_90a kernel's "
               "epilogue writing the rows in token order (same bits)"),
     KNOB_BOOL(bsmm_glu, "MOE_BSMM_GLU", 0,
-              "1: the block-sparse GLU experts make h1, h3 and a = act(h1) * h3 in one wgmma "
-              "kernel (sm_90a, bf16) instead of two products and the activation pass; same bits, "
-              "slower on an H100 today"),
+              "1: the GLU experts' activation passes go into the wgmma products' epilogues "
+              "(sm_90a, bf16): block-sparse, h1, h3 and a = act(h1) * h3 in one kernel; grouped, "
+              "that and the backward pass in dA0's product; same bits (grouped: but the gates' "
+              "gradient, summed in another order), slower today"),
     KNOB_INT(bsmm_persist, "MOE_BSMM_PERSIST", 1, 0, 2147483647,
              "1 (default): a persistent wgmma block-sparse grid of one CTA per SM; n >= 2: n "
              "CTAs; 0: one CTA per tile"),

@@ -170,6 +170,18 @@ moe_status moe_cuda_wg_grouped_wgrad_gather(moe_ctx *ctx, int device, const void
                                             int64_t R, int64_t K, int64_t N, void *out) {
   return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_wgrad_gather");
 }
+moe_status moe_cuda_wg_grouped_glu(moe_ctx *ctx, int device, const void *x, const void *w1,
+                                   const void *w3, const int64_t *offs, int64_t G, int64_t R,
+                                   int64_t K, int64_t N, int act, void *h1, void *h3, void *a) {
+  return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_glu");
+}
+moe_status moe_cuda_wg_grouped_glu_bwd(moe_ctx *ctx, int device, const void *dy, const void *w2,
+                                       const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                       int64_t N, int act, const void *h1, const void *h3,
+                                       const float *g_rows, void *dh1, void *dh3, void *ga,
+                                       float *dgate_rows) {
+  return NO_CUDA_FN(ctx, "moe_cuda_wg_grouped_glu_bwd");
+}
 bool moe_cuda_wg_grouped(moe_ctx *ctx, int device) {
   (void)ctx, (void)device;
   return false;

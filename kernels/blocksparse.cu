@@ -36,7 +36,10 @@
  * The consumers' epilogue stages each half tile in shared memory and one
  * thread stores it by TMA (bs_wg_store_tma) while they go on to the next
  * tile. The same kernel runs the grouped GEMM with offsets on the device
- * (BS_GG, BS_GW: moe_cuda_wg_grouped_mm / _wgrad, for core/grouped.c).
+ * (BS_GG, BS_GW: moe_cuda_wg_grouped_mm / _wgrad, for core/grouped.c), and
+ * for the GLU experts the grouped GEMM with their elementwise passes in the
+ * epilogue, done by epilogue warps while the consumers go on (BsArgs::fuse,
+ * at BS_EW_STAGES: moe_cuda_wg_grouped_glu / _glu_bwd).
  *
  * Determinism: each output element is accumulated by one thread over the
  * chunks in the topology's order; no atomics. Sizes: K % 8 == 0 for bf16
@@ -102,7 +105,20 @@ struct BsArgs {
   int64_t G, R, N;
   /* GW with a gather (tp.gather_src): true gathers b's rows, false a's */
   bool gather_b;
+  /* GG only (BsFuse): the GLU experts' elementwise work in the epilogue.
+   * BS_FUSE_GLU: c2 is w3 and a tile is 128 columns of h1 = x w (out)
+   * beside the same of h3 = x w3 (out2), with a = act(h1) * h3 (out3).
+   * BS_FUSE_GLU_BWD: the product is dA0 = dy w^T, and the epilogue is the
+   * GLU's backward pass over it: h1 = eh1 and h3 = eh3 (read), per-row gates
+   * grow (NULL: ones); dh1 to out, dh3 to out2, ga = g a to out3 (NULL:
+   * none), each row's partial gate gradient <dA0, a> over the tile's
+   * columns to gpart[row * column tiles + column tile] (NULL: none). */
+  int fuse;
+  const void *eh1, *eh3;
+  const float *grow;
+  float *gpart;
 };
+enum BsFuse { BS_FUSE_NONE = 0, BS_FUSE_GLU = 1, BS_FUSE_GLU_BWD = 2 };
 
 /* The output tile (BS_B x BN) and chunk walk of a CTA. Output element
  * (row, col) of the tile is out[out_off + row * ldo + (col / 128) * cbs +
@@ -139,6 +155,12 @@ __host__ __device__ inline int64_t bs_tiles(int kind, const moe_bs_topo &tp, int
   case BS_DSD_T: return tp.EL * tp.F * ((K + BN - 1) / BN);
   default: return tp.EL * ((tp.F + cpt - 1) / cpt) * ((K + BS_B - 1) / BS_B);
   }
+}
+
+/* GG's tile width over the output's N columns: BN, or 128 for the GLU
+ * pair (128 columns of h1 beside the same of h3). */
+__host__ __device__ inline int bs_gg_width(const BsArgs &g, int BN) {
+  return g.fuse == BS_FUSE_GLU ? BS_B : BN;
 }
 
 template <int KIND, int BN, int BK>
@@ -179,7 +201,8 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     c.ldo = K, c.cbs = BS_B;
     c.m_valid = BS_B, c.n_valid = bs_min(BN, K - c.t0);
   } else if (KIND == BS_GG) { /* 128 rows of a segment (bs_gg_table_kernel) x BN columns */
-    const int64_t S = g.G + 2, NT = (g.N + BN - 1) / BN, *start = g.gtab, *pre = g.gtab + S + 1;
+    const int64_t S = g.G + 2, *start = g.gtab, *pre = g.gtab + S + 1;
+    const int bw = bs_gg_width(g, BN), NT = (int)((g.N + bw - 1) / bw);
     bs_raster(id, pre[S], NT, g.group, &mt, &nt);
     int64_t lo = 0, hi = S; /* the segment: pre[lo] <= mt < pre[hi] */
     while (hi - lo > 1) {
@@ -190,11 +213,11 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     int64_t row0 = start[lo] + (mt - pre[lo]) * BS_B;
     c.i0 = row0;
     c.col = lo - 1; /* the group; the first and last segments are rows outside every group */
-    c.t0 = nt * BN;
+    c.t0 = nt * bw;
     c.nq = lo == 0 || lo == S - 1 ? 0 : (int)((K + BK - 1) / BK) * (g.a2 ? 2 : 1); /* a2: its chunks follow */
     c.out_off = row0 * g.N + c.t0;
     c.ldo = g.N, c.cbs = BS_B;
-    c.m_valid = bs_min(BS_B, start[lo + 1] - row0), c.n_valid = bs_min(BN, g.N - c.t0);
+    c.m_valid = bs_min(BS_B, start[lo + 1] - row0), c.n_valid = bs_min(bw, g.N - c.t0);
   } else if (KIND == BS_GW) { /* out[e] (K, N): rows t0.., columns n0.. over the group's rows */
     const int64_t KT = (K + BS_B - 1) / BS_B, NT = (g.N + BN - 1) / BN;
     bs_raster(id, g.G * KT, NT, g.group, &mt, &nt);
@@ -509,12 +532,34 @@ constexpr int BS_WG_RING_BYTES = BS_WG_RING * 64 * 8; /* 1536 */
  * (bench/results/wg_stages.md). */
 constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYTES + 1024 +
                               2 * BS_WG_STAGES * 8 + BS_WG_RING_BYTES;
+/* The fused epilogues (BsArgs::fuse, GG only) overlap the next tile's
+ * products: the consumers leave the whole 128 x 256 tile in shared memory
+ * as bf16 (rows of 512 bytes, 16-byte pieces XOR-swizzled by row % 8, so
+ * that both the fragment writes and the row reads are free of bank
+ * conflicts) and go on, while warps 1-3 of the producer warpgroup (the
+ * epilogue warps; warp 0 issues the TMA copies) read it, do the GLU's
+ * elementwise work and store the results. The tile takes a stage's room:
+ * BS_EW_STAGES stages. Named barriers BS_EW_FULL (the tile is there) and
+ * BS_EW_EMPTY (the epilogue warps have read it) join the 256 consumer
+ * threads and the 96 epilogue threads. */
+constexpr int BS_EW_STAGES = 3;
+constexpr int BS_WG_TILE_BYTES = 128 * 256 * 2; /* 64 KB */
+/* The backward's epilogue reads h1, h3 and the gate of BS_EW_DEPTH rows
+ * ahead with cp.async, into a ring of slots after the barriers: per slot,
+ * 16 bytes of h1, 16 of h3 and 4 of the gate for each of the 96 threads. */
+constexpr int BS_EW_DEPTH = 4;
+constexpr int BS_EW_SLOT = 96 * (16 + 16 + 4);
+constexpr size_t BS_EW_SMEM = (size_t)BS_EW_STAGES * BS_WG_STAGE + BS_WG_TILE_BYTES + 1024 +
+                              2 * BS_EW_STAGES * 8 + BS_EW_DEPTH * BS_EW_SLOT;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BS_WG_DEVICE 1
 #endif
 
 #ifdef BS_WG_DEVICE
+/* named barriers 1 and 2 are the consumer warpgroups', 3 the gathering producer's */
+constexpr int BS_EW_FULL = 4, BS_EW_EMPTY = 5, BS_EW_SYNC = 256 + 96; /* at BS_EW_STAGES */
+
 /* Producer: TMA copies of chunk q of the CTA's walk into stage st (A at
  * sa, B at sb), completing on mbarrier bar. Maps: ma / mb as made by
  * bs_wg_maps (the box shapes listed there). */
@@ -556,7 +601,9 @@ __device__ __forceinline__ void bs_wg_issue(const BsArgs &g, const BsCta &c, int
     }
     int kk = q * BS_WG_BK, n0 = (int)c.t0, e = (int)c.col;
     moe_tma2(sa, ma, kk, (int)c.i0, bar); /* x (K | R): 64 x 128 */
-    if (!TRANS)                           /* w (N | K | G): 4 x (64 x 64 x 1) */
+    if (!TRANS && g.fuse == BS_FUSE_GLU)  /* w1 and w3 (N | K | G): 2 x 2 x (64 x 64 x 1) */
+      for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, j < 2 ? mb : mb2, n0 + (j & 1) * 64, kk, e, bar);
+    else if (!TRANS)                      /* w (N | K | G): 4 x (64 x 64 x 1) */
       for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, e, bar);
     else /* w (K | N | G): 64 x 256 x 1 */
       moe_tma3(sb, mb, kk, n0, e, bar);
@@ -924,6 +971,174 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
 #endif /* BS_WG_DEVICE */
 
 #ifdef BS_WG_DEVICE
+/* The fused epilogues (BsArgs::fuse; layout and barriers at BS_EW_STAGES).
+ * Piece p (16 bytes: columns 8p..8p+7) of row r of the tile buffer tb. */
+__device__ __forceinline__ uint32_t bs_ew_piece(uint32_t tb, int r, int p) {
+  return tb + r * 512 + ((p ^ (r & 7)) << 4);
+}
+__device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
+
+/* A consumer warpgroup's 64 x 256 (acc as in the kernel's epilogue) into
+ * the tile buffer as bf16, once the epilogue warps have read the last one;
+ * then the tile is announced to them. */
+__device__ __forceinline__ void bs_ew_stage(const float (&acc)[128], uint32_t tb, int cw) {
+  const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+  asm volatile("bar.sync %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
+#pragma unroll
+  for (int j = 0; j < 32; j++) {
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = cw * 64 + wq * 16 + (lane >> 2) + h * 8;
+      __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      uint32_t bits;
+      memcpy(&bits, &v, 4);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(bs_ew_piece(tb, r, j) + (lane & 3) * 4), "r"(bits)
+                   : "memory");
+    }
+  }
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_FULL), "n"(BS_EW_SYNC) : "memory");
+}
+
+/* BS_FUSE_GLU: the tile is h1 (pieces 0-15) beside h3 (16-31) of the same
+ * 128 columns. Epilogue warp ew's lanes 0-15 take its rows ew * 2 + 6 i,
+ * lanes 16-31 the next ones; lane l % 16 piece l of h1 and of h3. h1, h3
+ * and a = act(h1) * h3 (from the rounded h1 and h3, in f32, as the
+ * separate activation pass) go out as 16-byte stores. */
+__device__ __forceinline__ void bs_ew_glu(const BsArgs &g, const BsCta &c, uint32_t tb, int ew,
+                                          int lane) {
+  const int l = lane & 15;
+  if (l * 8 >= c.n_valid) return;
+  for (int r = ew * 2 + (lane >> 4); r < c.m_valid; r += 6) {
+    uint4 v1 = bs_lds16(bs_ew_piece(tb, r, l)), v3 = bs_lds16(bs_ew_piece(tb, r, l + 16)), va;
+    const __nv_bfloat162 *p1 = reinterpret_cast<const __nv_bfloat162 *>(&v1),
+                         *p3 = reinterpret_cast<const __nv_bfloat162 *>(&v3);
+    __nv_bfloat162 *pa = reinterpret_cast<__nv_bfloat162 *>(&va);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      float2 x1 = __bfloat1622float2(p1[i]), x3 = __bfloat1622float2(p3[i]);
+      float f0, f1, d;
+      ex_act(g.act, x1.x, &f0, &d);
+      ex_act(g.act, x1.y, &f1, &d);
+      pa[i] = __floats2bfloat162_rn(f0 * x3.x, f1 * x3.y);
+    }
+    const int64_t off = (c.i0 + r) * g.N + c.t0 + l * 8;
+    *(uint4 *)((__nv_bfloat16 *)g.out + off) = v1;
+    *(uint4 *)((__nv_bfloat16 *)g.out2 + off) = v3;
+    *(uint4 *)((__nv_bfloat16 *)g.out3 + off) = va;
+  }
+}
+
+/* BS_FUSE_GLU_BWD: the tile is dA0's. Epilogue warp ew takes rows
+ * ew + 3 i, lane l piece l (columns 8l..8l+7); each thread copies its
+ * pieces of h1 and h3 and the row's gate BS_EW_DEPTH rows ahead into its
+ * own places of the ring (cp.async: no registers held while they come).
+ * Per element the arithmetic of the separate backward pass
+ * (ex_glu_bwd_kernel in kernels/experts.cu), so dh1, dh3 and ga have its
+ * bits. h1 and h3 may be ga's and dh3's buffers: each element is read (by
+ * the copy that precedes its row) before it is written, by the same thread.
+ * The row's partial gate gradient: the lane's 8 products in order, then the
+ * warp's 32 lanes reduced in a fixed order. */
+__device__ __forceinline__ void bs_ew_glu_bwd(const BsArgs &g, const BsCta &c, uint32_t tb,
+                                              uint32_t ring, int ew, int lane) {
+  const int t = (int)threadIdx.x - 32; /* 0..95 */
+  const bool on = lane * 8 < c.n_valid;
+  const int64_t NT = (g.N + BS_WG_BN - 1) / BS_WG_BN, nt = c.t0 / BS_WG_BN;
+  const __nv_bfloat16 *h1 = (const __nv_bfloat16 *)g.eh1, *h3 = (const __nv_bfloat16 *)g.eh3;
+  __nv_bfloat16 *dh1 = (__nv_bfloat16 *)g.out, *dh3 = (__nv_bfloat16 *)g.out2,
+                *ga = (__nv_bfloat16 *)g.out3;
+  const int rows = c.m_valid > ew ? (c.m_valid - ew + 2) / 3 : 0;
+  auto fetch = [&](int i) { /* row i of the warp's into slot i % depth (an empty group past the last) */
+    const int r = ew + 3 * i;
+    const uint32_t slot = ring + (i % BS_EW_DEPTH) * BS_EW_SLOT;
+    if (i < rows && on) {
+      const int64_t off = (c.i0 + r) * g.N + c.t0 + lane * 8;
+      moe_cp16(slot + t * 16, h1 + off, true);
+      moe_cp16(slot + 96 * 16 + t * 16, h3 + off, true);
+      if (g.grow)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(slot + 96 * 32 + t * 4),
+                     "l"(g.grow + c.i0 + r)
+                     : "memory");
+    }
+    bs_cp_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < BS_EW_DEPTH; i++) fetch(i);
+  for (int i = 0; i < rows; i++) {
+    bs_cp_wait<BS_EW_DEPTH - 1>();
+    const int r = ew + 3 * i;
+    const uint32_t slot = ring + (i % BS_EW_DEPTH) * BS_EW_SLOT;
+    float dot = 0.f;
+    if (on) {
+      uint4 v1 = bs_lds16(slot + t * 16), v3 = bs_lds16(slot + 96 * 16 + t * 16),
+            v0 = bs_lds16(bs_ew_piece(tb, r, lane));
+      float gs = 1.0f;
+      if (g.grow) asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(gs) : "r"(slot + 96 * 32 + t * 4) : "memory");
+      const __nv_bfloat162 *p1 = reinterpret_cast<const __nv_bfloat162 *>(&v1),
+                           *p3 = reinterpret_cast<const __nv_bfloat162 *>(&v3),
+                           *p0 = reinterpret_cast<const __nv_bfloat162 *>(&v0);
+      uint4 o1, o3, og;
+      __nv_bfloat162 *q1 = reinterpret_cast<__nv_bfloat162 *>(&o1),
+                     *q3 = reinterpret_cast<__nv_bfloat162 *>(&o3),
+                     *qg = reinterpret_cast<__nv_bfloat162 *>(&og);
+#pragma unroll
+      for (int j = 0; j < 4; j++) {
+        const float2 x1 = __bfloat1622float2(p1[j]), x3 = __bfloat1622float2(p3[j]),
+                     dd = __bfloat1622float2(p0[j]);
+        float o[2][3];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+          const float a1 = e ? x1.y : x1.x, a3 = e ? x3.y : x3.x, d0 = e ? dd.y : dd.x;
+          float fa, dfa;
+          ex_act(g.act, a1, &fa, &dfa);
+          const float av = __bfloat162float(__float2bfloat16_rn(fa * a3));
+          dot += d0 * av;
+          const float da = gs * d0;
+          o[e][0] = da * a3 * dfa, o[e][1] = da * fa, o[e][2] = gs * av;
+        }
+        q1[j] = __floats2bfloat162_rn(o[0][0], o[1][0]);
+        q3[j] = __floats2bfloat162_rn(o[0][1], o[1][1]);
+        qg[j] = __floats2bfloat162_rn(o[0][2], o[1][2]);
+      }
+      const int64_t off = (c.i0 + r) * g.N + c.t0 + lane * 8;
+      *(uint4 *)(dh1 + off) = o1;
+      *(uint4 *)(dh3 + off) = o3;
+      if (ga) *(uint4 *)(ga + off) = og;
+    }
+    if (g.gpart) {
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_down_sync(0xffffffffu, dot, o);
+      if (lane == 0) g.gpart[(c.i0 + r) * NT + nt] = dot;
+    }
+    fetch(i + BS_EW_DEPTH);
+  }
+  bs_cp_wait<0>(); /* the ring is the next tile's */
+}
+
+/* The epilogue warps (warps 1-3 of the producer warpgroup): the CTA's
+ * tiles in the consumers' order, each once the consumers have staged it. */
+template <int FUSE>
+__device__ __forceinline__ void bs_ew_loop(const BsArgs &g, int64_t ntiles, uint32_t tb, uint32_t ring) {
+  const int ew = (int)(threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;
+  if ((int64_t)blockIdx.x < ntiles) /* the buffer starts empty */
+    asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    BsCta c = bs_cta<BS_GG, BS_WG_BN, BS_WG_BK>(g, tile);
+    asm volatile("bar.sync %0, %1;\n" ::"n"(BS_EW_FULL), "n"(BS_EW_SYNC) : "memory");
+    if (FUSE == BS_FUSE_GLU) bs_ew_glu(g, c, tb, ew, lane);
+    else bs_ew_glu_bwd(g, c, tb, ring, ew, lane);
+    if (tile + gridDim.x < ntiles) /* the consumers' next tile may be staged */
+      asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
+  }
+}
+#endif /* BS_WG_DEVICE */
+
+#ifdef BS_WG_DEVICE
 /* A scattered row's 8 bf16 values as moe_routing_combine makes a token's
  * row from its one assignment: bf16(0 + s * v) in f32 (so that the fused
  * scatter gives the combine's bits). */
@@ -945,7 +1160,7 @@ __device__ __forceinline__ uint4 bs_scatter8(uint4 v, float s) {
  * (MOE_BSMM_PERSIST; the producer then loads the next tile's first chunks
  * while the consumers store the previous one). Stage / phase counters run
  * on across tiles (it = the CTA's chunk count so far). */
-template <int KIND, bool TRANS, bool GATHER, bool SCATTER>
+template <int KIND, bool TRANS, bool GATHER, bool SCATTER, int FUSE>
 __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     bs_wg_kernel(const __grid_constant__ CUtensorMap ma, const __grid_constant__ CUtensorMap mb,
                  const __grid_constant__ CUtensorMap ma2, const __grid_constant__ CUtensorMap mb2,
@@ -954,33 +1169,39 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
                  int epi) {
 #ifdef BS_WG_DEVICE
   using L = BsLayout<KIND, TRANS>;
+  constexpr int ST = FUSE ? BS_EW_STAGES : BS_WG_STAGES; /* stages */
   extern __shared__ __align__(16) uint8_t bs_wsmem[];
   const uint32_t raw = moe_smem_u32(bs_wsmem);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t epi_buf = base + BS_WG_STAGES * BS_WG_STAGE;
-  const uint32_t bars = epi_buf + BS_WG_EPI_BYTES; /* full[S], empty[S] */
+  const uint32_t epi_buf = base + ST * BS_WG_STAGE;
+  const uint32_t bars = epi_buf + (FUSE ? BS_WG_TILE_BYTES : BS_WG_EPI_BYTES); /* full[S], empty[S] */
   const int wg = threadIdx.x / 128;
   if (KIND == BS_GG) /* the grid covers an upper bound; the table has the count */
-    ntiles = g.gtab[2 * (g.G + 2) + 1] * ((g.N + BS_WG_BN - 1) / BS_WG_BN);
+    ntiles = g.gtab[2 * (g.G + 2) + 1] * ((g.N + bs_gg_width(g, BS_WG_BN) - 1) / bs_gg_width(g, BS_WG_BN));
   if (threadIdx.x == 0) {
-    for (int s = 0; s < BS_WG_STAGES; s++) {
+    for (int s = 0; s < ST; s++) {
       /* full: the TMA thread's arrival (+ the 128 gathering threads' copies) */
       moe_mbar_init(bars + 8 * s, GATHER ? 1 + 128 : 1);
-      moe_mbar_init(bars + 8 * (BS_WG_STAGES + s), 256);
+      moe_mbar_init(bars + 8 * (ST + s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (wg == 0) { /* producer */
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
-    if constexpr (GATHER && KIND >= BS_GG) { /* the grouped kinds' gathering walk */
+    /* the fused epilogues' warps get a few more registers than the copies
+     * need: 72 here against the consumers' 216 (65536 in all) */
+    if constexpr (FUSE != BS_FUSE_NONE) asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
+    else asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (FUSE != BS_FUSE_NONE && threadIdx.x >= 32) { /* the epilogue warps */
+      bs_ew_loop<FUSE>(g, ntiles, epi_buf, bars + 2 * ST * 8);
+    } else if constexpr (GATHER && KIND >= BS_GG) { /* the grouped kinds' gathering walk */
       int64_t it = 0;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
         bs_wg_gather_grouped<KIND, TRANS>(g, c, it, &ma, &mb, base, bars);
       }
     } else if constexpr (GATHER) { /* the whole warpgroup copies the gathered operand */
-      const uint32_t ring = bars + 2 * BS_WG_STAGES * 8;
+      const uint32_t ring = bars + 2 * ST * 8;
       int64_t it = 0;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
@@ -991,9 +1212,9 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
         for (int q = 0; q < c.nq; q++, it++) {
-          int s = (int)(it % BS_WG_STAGES);
-          if (it >= BS_WG_STAGES)
-            moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
+          int s = (int)(it % ST);
+          if (it >= ST)
+            moe_mbar_wait(bars + 8 * (ST + s), (uint32_t)((it / ST - 1) & 1));
           uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE;
           moe_mbar_expect(full, BS_WG_STAGE);
           bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, &ma2, &mb2, sa, sa + BS_WG_A_BYTES, full);
@@ -1001,7 +1222,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       }
     }
   } else { /* consumers: rows (wg - 1) * 64 .. of the tile */
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+    if constexpr (FUSE != BS_FUSE_NONE) asm volatile("setmaxnreg.inc.sync.aligned.u32 216;\n");
+    else asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
     const int cw = wg - 1;
     const uint32_t lbo = mn_swap ? 1024u : 8192u, sbo = mn_swap ? 8192u : 1024u;
     const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
@@ -1012,8 +1234,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
 #pragma unroll
       for (int e = 0; e < 128; e++) acc[e] = 0.f;
       for (int q = 0; q < c.nq; q++, it++) {
-        int s = (int)(it % BS_WG_STAGES);
-        moe_mbar_wait(bars + 8 * s, (uint32_t)((it / BS_WG_STAGES) & 1));
+        int s = (int)(it % ST);
+        moe_mbar_wait(bars + 8 * s, (uint32_t)((it / ST) & 1));
         uint32_t sa = base + s * BS_WG_STAGE + cw * 8192, sb = base + s * BS_WG_STAGE + BS_WG_A_BYTES;
         /* the gathered rows came by cp.async (the generic proxy); wgmma reads
          * through the async proxy */
@@ -1045,13 +1267,17 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         }
         moe_wg_commit();
         moe_wg_wait<1>();
-        if (q > 0) moe_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+        if (q > 0) moe_mbar_arrive(bars + 8 * (ST + (it - 1) % ST));
       }
       moe_wg_wait<0>();
       /* the tile's last stage is free for the producer's next tile */
-      if (c.nq > 0) moe_mbar_arrive(bars + 8 * (BS_WG_STAGES + (it - 1) % BS_WG_STAGES));
+      if (c.nq > 0) moe_mbar_arrive(bars + 8 * (ST + (it - 1) % ST));
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
+      if constexpr (FUSE != BS_FUSE_NONE) { /* to the epilogue warps */
+        bs_ew_stage(acc, epi_buf, cw);
+        continue;
+      }
       if (KIND == BS_SDD && g.act >= 0) {
         bs_wg_store_glu(g, c, &mo, &mo2, &mo3, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
         continue;
@@ -1148,7 +1374,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       }
     }
     /* the shared memory stays until the last stores have read it */
-    if ((epi == BS_EPI_TMA || g.act >= 0) && (threadIdx.x & 127) == 0) moe_bulk_wait<0>();
+    if (!FUSE && (epi == BS_EPI_TMA || g.act >= 0) && (threadIdx.x & 127) == 0) moe_bulk_wait<0>();
   }
 #else
   (void)ma, (void)mb, (void)ma2, (void)mb2, (void)mo, (void)mo2, (void)mo3, (void)g, (void)ntiles, (void)mn_swap, (void)epi;
@@ -1226,6 +1452,7 @@ moe_status bs_wg_maps(moe_ctx *ctx, const BsArgs &g, CUtensorMap *ma, CUtensorMa
   if (KIND == BS_GG) {
     const int64_t dx[2] = {K, g.R}, dw[3] = {g.N, K, g.G}, dwt[3] = {K, g.N, g.G};
     if (gather) return bs_map(ctx, mb, g.c, 3, TRANS ? dwt : dw, TRANS ? b3_256 : b3_64);
+    if (g.fuse == BS_FUSE_GLU) MOE_CHECK(bs_map(ctx, mb2, g.c2, 3, dw, b3_64)); /* w3 of the pair */
     return bs_wg_pair_maps<TRANS>(ctx, g, dx, TRANS ? dwt : dw, ma, mb, ma2, mb2);
   }
   if (KIND == BS_GW) {
@@ -1286,11 +1513,21 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (g.tp.gather_src && (g.tp.gather_k < 1 || g.tp.gather_k > INT32_MAX))
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "bsmm: gather k = %lld", (long long)g.tp.gather_k);
   constexpr bool CAN_SCATTER = KIND == BS_DSD || KIND == BS_GG;
-  auto kern = g.tp.gather_src    ? bs_wg_kernel<KIND, TRANS, CAN_GATHER, false>
-              : g.tp.scatter_dst ? bs_wg_kernel<KIND, TRANS, false, CAN_SCATTER>
-                                 : bs_wg_kernel<KIND, TRANS, false, false>;
-  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)BS_WG_SMEM));
+  auto kern = g.tp.gather_src    ? bs_wg_kernel<KIND, TRANS, CAN_GATHER, false, BS_FUSE_NONE>
+              : g.tp.scatter_dst ? bs_wg_kernel<KIND, TRANS, false, CAN_SCATTER, BS_FUSE_NONE>
+                                 : bs_wg_kernel<KIND, TRANS, false, false, BS_FUSE_NONE>;
+  size_t smem = BS_WG_SMEM;
+  if (g.fuse != BS_FUSE_NONE) {
+    if (KIND != BS_GG || g.tp.gather_src || g.tp.scatter_dst || g.a2 || g.act < 0 || g.act > 2 ||
+        TRANS != (g.fuse == BS_FUSE_GLU_BWD))
+      return moe_error(ctx, MOE_ERR_INVALID_ARG,
+                       "bsmm: a fused GLU epilogue is the grouped gemm's alone, with activation "
+                       "0..2, no gather, scatter or second pair, and trans_w for the backward");
+    constexpr int F = TRANS ? BS_FUSE_GLU_BWD : BS_FUSE_GLU;
+    if constexpr (KIND == BS_GG) kern = bs_wg_kernel<KIND, TRANS, false, false, F>;
+    smem = BS_EW_SMEM;
+  }
+  MOE_CUDA_CHECK(ctx, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
   /* the knob bsmm_persist: 1 (the default), a persistent grid of one CTA per
    * multiprocessor (the producer loads a CTA's next tile while its consumers
    * store the last: the short tiles of fine-grained experts gain most); n >=
@@ -1335,10 +1572,10 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g, &mo));
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g2, &mo2));
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g3, &mo3));
-  } else if (epi == BS_EPI_TMA) {
+  } else if (epi == BS_EPI_TMA && g.fuse == BS_FUSE_NONE) {
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g, &mo));
   }
-  kern<<<(unsigned)grid, BS_WG_THREADS, BS_WG_SMEM, stream>>>(ma, mb, ma2, mb2, mo, mo2, mo3, g, ctas,
+  kern<<<(unsigned)grid, BS_WG_THREADS, smem, stream>>>(ma, mb, ma2, mb2, mo, mo2, mo3, g, ctas,
                                                               swap, epi);
   MOE_CUDA_CHECK_LAUNCH(ctx, "bsmm (bf16 wgmma kernel)");
   return MOE_OK;
@@ -1418,6 +1655,10 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
   g.gtab = g.goffs = nullptr;
   g.G = g.R = g.N = 0;
   g.gather_b = false;
+  g.fuse = BS_FUSE_NONE;
+  g.eh1 = g.eh3 = nullptr;
+  g.grow = nullptr;
+  g.gpart = nullptr;
   /* the knob bsmm_group, MOE_BSMM_GROUP (1..64), overrides the
    * rasterisation group, for tuning */
   const int v = ctx->knobs.bsmm_group;
@@ -1594,6 +1835,81 @@ moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x
   int64_t ctas = (R / BS_B + G + 2) * ((N + BS_WG_BN - 1) / BS_WG_BN);
   if (trans_w) return bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas);
   return bs_launch_wg<BS_GG, false>(ctx, g, cs, ctas);
+}
+
+/* Row r's gate gradient from its column tiles' partials, in order. */
+__global__ void bs_gg_rowsum_kernel(const float *part, int64_t R, int64_t NT, float *out) {
+  for (int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; r < R;
+       r += (int64_t)gridDim.x * blockDim.x) {
+    float s = 0.0f;
+    for (int64_t t = 0; t < NT; t++) s += part[r * NT + t];
+    out[r] = s;
+  }
+}
+
+/* The grouped GEMM with a fused GLU epilogue (fuse, the arguments as
+ * BsArgs says): the segment table, the launch, and for the backward's gate
+ * gradient the partials' sum. */
+static moe_status bs_gg_fused(moe_ctx *ctx, int device, BsArgs &g, const int64_t *offs,
+                              const void *const *ptrs, int n, float *dgate_rows) {
+  const char *fn = g.fuse == BS_FUSE_GLU ? "grouped gemm glu" : "grouped gemm glu backward";
+  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG ||
+      !bs_wg_grouped_ok(g.G, g.R, g.K, g.N, ptrs, n))
+    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                     "%s (sm_90a kernel): needs compute capability 9.x, K and N multiples of 8 "
+                     "(got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
+                     fn, (long long)g.K, (long long)g.N, BS_GG_MAX_SEG - 2);
+  if (g.act < 0 || g.act > 2) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: activation %d", fn, g.act);
+  if (g.R == 0 || g.N == 0) return MOE_OK;
+  void *stream;
+  MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
+  cudaStream_t cs = (cudaStream_t)stream;
+  MoeScratch tab(ctx, device), part(ctx, device);
+  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (g.G + 3))));
+  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, g.G, g.R, (int64_t *)tab.ptr);
+  MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
+  g.gtab = (const int64_t *)tab.ptr;
+  const int bw = bs_gg_width(g, BS_WG_BN);
+  const int64_t NT = (g.N + bw - 1) / bw;
+  if (dgate_rows) {
+    MOE_CHECK(part.alloc(sizeof(float) * (size_t)(g.R * NT)));
+    g.gpart = (float *)part.ptr;
+  }
+  int64_t ctas = (g.R / BS_B + g.G + 2) * NT;
+  if (g.fuse == BS_FUSE_GLU_BWD) MOE_CHECK((bs_launch_wg<BS_GG, true>(ctx, g, cs, ctas)));
+  else MOE_CHECK((bs_launch_wg<BS_GG, false>(ctx, g, cs, ctas)));
+  if (dgate_rows) {
+    bs_gg_rowsum_kernel<<<(unsigned)((g.R + 255) / 256 < 65535 ? (g.R + 255) / 256 : 65535), 256, 0, cs>>>(
+        g.gpart, g.R, NT, dgate_rows);
+    MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm glu backward gate sums");
+  }
+  return MOE_OK;
+}
+
+moe_status moe_cuda_wg_grouped_glu(moe_ctx *ctx, int device, const void *x, const void *w1,
+                                   const void *w3, const int64_t *offs, int64_t G, int64_t R,
+                                   int64_t K, int64_t N, int act, void *h1, void *h3, void *a) {
+  moe_bs_topo tp;
+  memset(&tp, 0, sizeof tp);
+  BsArgs g = bs_args(ctx, &tp, x, w1, h1, K);
+  g.c2 = w3, g.out2 = h3, g.out3 = a, g.act = act, g.fuse = BS_FUSE_GLU;
+  g.G = G, g.R = R, g.N = N;
+  const void *ptrs[6] = {x, w1, w3, h1, h3, a};
+  return bs_gg_fused(ctx, device, g, offs, ptrs, 6, NULL);
+}
+
+moe_status moe_cuda_wg_grouped_glu_bwd(moe_ctx *ctx, int device, const void *dy, const void *w2,
+                                       const int64_t *offs, int64_t G, int64_t R, int64_t K,
+                                       int64_t N, int act, const void *h1, const void *h3,
+                                       const float *g_rows, void *dh1, void *dh3, void *ga,
+                                       float *dgate_rows) {
+  moe_bs_topo tp;
+  memset(&tp, 0, sizeof tp);
+  BsArgs g = bs_args(ctx, &tp, dy, w2, dh1, K);
+  g.eh1 = h1, g.eh3 = h3, g.grow = g_rows, g.out2 = dh3, g.out3 = ga, g.act = act;
+  g.fuse = BS_FUSE_GLU_BWD, g.G = G, g.R = R, g.N = N;
+  const void *ptrs[7] = {dy, w2, h1, h3, dh1, dh3, ga ? ga : dh1};
+  return bs_gg_fused(ctx, device, g, offs, ptrs, 7, dgate_rows);
 }
 
 moe_status moe_cuda_wg_grouped_wgrad(moe_ctx *ctx, int device, const void *a, const void *b,

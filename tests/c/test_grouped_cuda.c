@@ -6,10 +6,11 @@
  * autograd backward at awkward sizes (odd K and N, empty groups, every row
  * in one group, rows outside the groups, G = 1 and 256, a strided x), in
  * f32 and bf16, with the tolerance of each dtype beside the check; the
- * sm_90a kernel's rows gathered by index against a permuted copy. Exits 77
- * without a GPU.
+ * sm_90a kernel's rows gathered by index against a permuted copy, and its
+ * fused GLU epilogues against the separate passes. Exits 77 without a GPU.
  */
-#include "blocksparse_cuda.h" /* the sm_90a kernel's gathering launchers */
+#include "blocksparse_cuda.h" /* the sm_90a kernel's gathering and GLU launchers */
+#include "experts_cuda.h"     /* the separate GLU passes */
 #include "harness.h"
 #include "knobs.h"
 #include "moe_grouped.h"
@@ -444,6 +445,112 @@ static void test_epilogues(moe_ctx *ctx) {
   moe_tensor_release(o);
 }
 
+/* The GLU experts' fused epilogues (moe_cuda_wg_grouped_glu, _glu_bwd)
+ * against the products and the separate passes (moe_cuda_experts_glu_fwd,
+ * _glu_bwd): h1, h3, a, dh1, dh3 and ga bit for bit, the gate gradient
+ * (summed in another order) within 1e-5 of its largest magnitude; every
+ * activation; gates or none, ga and the gate gradient or neither, h3 and h1
+ * as dh3's and ga's buffers; partial tiles, rows outside both ends, N not a
+ * multiple of the tiles' 128 or 256 columns; one CTA a tile and a
+ * persistent grid of 3. */
+static double max_abs_diff(moe_ctx *ctx, moe_tensor *a, moe_tensor *b, double *scale) {
+  int64_t n = moe_tensor_numel(a);
+  double *x = malloc(sizeof(double) * (size_t)(n + 1)), *y = malloc(sizeof(double) * (size_t)(n + 1)), d = 0;
+  *scale = 0;
+  if (moe_tensor_to_f64(ctx, a, x) != MOE_OK || moe_tensor_to_f64(ctx, b, y) != MOE_OK) d = INFINITY;
+  for (int64_t i = 0; d != INFINITY && i < n; i++) {
+    d = fmax(d, fabs(x[i] - y[i]));
+    *scale = fmax(*scale, fabs(y[i]));
+  }
+  free(x), free(y);
+  return d;
+}
+
+static void *dp(moe_tensor *t) { return t ? moe_tensor_data(t) : NULL; }
+
+static void test_glu_epilogue(moe_ctx *ctx) {
+  int64_t offs[16];
+  const int64_t R = 1000, K = 136, N = 328, G = 9;
+  random_offs(offs, G, 3, 990, 47);
+  double v[16];
+  for (int64_t g = 0; g <= G; g++) v[g] = (double)offs[g];
+  moe_tensor *o = NULL, *gr = NULL, *gcpu = NULL;
+  EXPECT_OK(moe_tensor_from_f64(ctx, v, 1, (int64_t[]){G + 1}, MOE_I64, GPU, &o));
+  EXPECT_OK(moe_tensor_empty(ctx, 1, (int64_t[]){R}, MOE_F32, MOE_CPU, &gcpu));
+  if (gcpu) EXPECT_OK(moe_uniform_(ctx, gcpu, 0, 1));
+  gr = on_gpu(ctx, gcpu);
+  moe_tensor *c[5] = {rand_cpu(ctx, 2, (int64_t[]){R, K}, MOE_BF16), rand_cpu(ctx, 3, (int64_t[]){G, K, N}, MOE_BF16),
+                      rand_cpu(ctx, 3, (int64_t[]){G, K, N}, MOE_BF16), rand_cpu(ctx, 2, (int64_t[]){R, K}, MOE_BF16),
+                      rand_cpu(ctx, 3, (int64_t[]){G, N, K}, MOE_BF16)}; /* x, w1, w3, dy, w2 */
+  moe_tensor *gp[5];
+  for (int i = 0; i < 5; i++) gp[i] = on_gpu(ctx, c[i]);
+  const int64_t *od = (const int64_t *)dp(o);
+  const char *persist[] = {"0", "3"};
+  for (int pi = 0; pi < 2; pi++) {
+    setenv("MOE_BSMM_PERSIST", persist[pi], 1);
+    EXPECT_OK(moe_knobs_reload(ctx));
+    for (int act = 0; act < 3; act++) {
+      char what[96];
+      moe_tensor *h1 = NULL, *h3 = NULL, *a = NULL, *f[3] = {0};
+      EXPECT_OK(moe_grouped_mm_dev(ctx, gp[0], gp[1], o, false, &h1));
+      EXPECT_OK(moe_grouped_mm_dev(ctx, gp[0], gp[2], o, false, &h3));
+      EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &a));
+      if (h1 && h3 && a) EXPECT_OK(moe_cuda_experts_glu_fwd(ctx, 0, MOE_BF16, act, R * N, dp(h1), dp(h3), dp(a)));
+      for (int i = 0; i < 3; i++) EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &f[i]));
+      EXPECT_OK(moe_cuda_wg_grouped_glu(ctx, 0, dp(gp[0]), dp(gp[1]), dp(gp[2]), od, G, R, K, N, act, dp(f[0]),
+                                        dp(f[1]), dp(f[2])));
+      moe_tensor *fr[3] = {h1, h3, a};
+      for (int i = 0; i < 3; i++) {
+        snprintf(what, sizeof what, "glu forward tensor %d activation %d persist %s", i, act, persist[pi]);
+        EXPECT(f[i] && fr[i] && bits_equal(ctx, f[i], fr[i], what));
+      }
+      /* backward: gates and both extras (0), neither (1), in place (2) */
+      for (int form = 0; form < 3; form++) {
+        bool gates = form != 1, extras = form != 1, inplace = form == 2;
+        moe_tensor *r[4] = {0}, *b[4] = {0}, *h1c = NULL, *h3c = NULL; /* dh1, dh3, ga, dgate */
+        EXPECT_OK(moe_grouped_mm_dev(ctx, gp[3], gp[4], o, true, &r[0]));
+        EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &r[1]));
+        if (extras) EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &r[2]));
+        if (extras) EXPECT_OK(moe_tensor_empty(ctx, 1, (int64_t[]){R}, MOE_F32, GPU, &r[3]));
+        if (r[0] && r[1])
+          EXPECT_OK(moe_cuda_experts_glu_bwd(ctx, 0, MOE_BF16, act, R, N, 0, dp(r[0]), dp(h1), dp(h3),
+                                             gates ? (const float *)dp(gr) : NULL, dp(r[1]), dp(r[2]),
+                                             (float *)dp(r[3])));
+        EXPECT_OK(moe_clone(ctx, h1, &h1c));
+        EXPECT_OK(moe_clone(ctx, h3, &h3c));
+        EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &b[0]));
+        if (inplace) moe_tensor_retain(b[1] = h3c), moe_tensor_retain(b[2] = h1c);
+        else EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &b[1]));
+        if (extras && !inplace) EXPECT_OK(moe_tensor_empty(ctx, 2, (int64_t[]){R, N}, MOE_BF16, GPU, &b[2]));
+        if (extras) EXPECT_OK(moe_tensor_empty(ctx, 1, (int64_t[]){R}, MOE_F32, GPU, &b[3]));
+        EXPECT_OK(moe_cuda_wg_grouped_glu_bwd(ctx, 0, dp(gp[3]), dp(gp[4]), od, G, R, K, N, act, dp(h1c),
+                                              dp(h3c), gates ? (const float *)dp(gr) : NULL, dp(b[0]),
+                                              dp(b[1]), dp(b[2]), (float *)dp(b[3])));
+        for (int i = 0; i < 3; i++) {
+          if (!r[i] && !b[i]) continue;
+          snprintf(what, sizeof what, "glu backward tensor %d activation %d form %d persist %s", i, act, form,
+                   persist[pi]);
+          EXPECT(r[i] && b[i] && bits_equal(ctx, b[i], r[i], what));
+        }
+        if (r[3] && b[3]) {
+          double scale, d = max_abs_diff(ctx, b[3], r[3], &scale);
+          if (!(d <= 1e-5 * scale && scale > 0))
+            fprintf(stderr, "glu backward gate gradient activation %d: %g off (largest %g)\n", act, d, scale);
+          EXPECT(d <= 1e-5 * scale && scale > 0);
+        }
+        for (int i = 0; i < 4; i++) moe_tensor_release(r[i]), moe_tensor_release(b[i]);
+        moe_tensor_release(h1c), moe_tensor_release(h3c);
+      }
+      moe_tensor_release(h1), moe_tensor_release(h3), moe_tensor_release(a);
+      for (int i = 0; i < 3; i++) moe_tensor_release(f[i]);
+    }
+  }
+  unsetenv("MOE_BSMM_PERSIST");
+  EXPECT_OK(moe_knobs_reload(ctx));
+  for (int i = 0; i < 5; i++) moe_tensor_release(c[i]), moe_tensor_release(gp[i]);
+  moe_tensor_release(o), moe_tensor_release(gr), moe_tensor_release(gcpu);
+}
+
 static void test_cuda_errors(moe_ctx *ctx) {
   moe_tensor *x = NULL, *w = NULL, *wc = NULL, *out = NULL;
   int64_t offs[] = {0, 2, 4};
@@ -481,6 +588,13 @@ static void test_cuda_errors(moe_ctx *ctx) {
                                                  128, 64, 64, false, moe_tensor_data(t[4])),
                    MOE_ERR_INVALID_ARG, "a gather with a summed second pair");
   }
+  /* the GLU launchers name a bad activation */
+  if (t[0] && t[1] && t[2] && t[4])
+    EXPECT_ERR_MSG(moe_cuda_wg_grouped_glu(ctx, 0, moe_tensor_data(t[0]), moe_tensor_data(t[1]),
+                                           moe_tensor_data(t[1]), (const int64_t *)moe_tensor_data(t[2]), 2, 64,
+                                           64, 64, 5, moe_tensor_data(t[4]), moe_tensor_data(t[4]),
+                                           moe_tensor_data(t[4])),
+                   MOE_ERR_INVALID_ARG, "grouped gemm glu: activation 5");
   for (int i = 0; i < 6; i++) moe_tensor_release(t[i]);
 }
 
@@ -494,6 +608,7 @@ int main(void) {
   RUN(test_device_offsets);
   RUN(test_gather);
   RUN(test_epilogues);
+  RUN(test_glu_epilogue);
   RUN(test_cuda_errors);
   return harness_end();
 }
