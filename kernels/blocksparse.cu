@@ -539,9 +539,10 @@ constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYT
  * conflicts) and go on, while warps 1-3 of the producer warpgroup (the
  * epilogue warps; warp 0 issues the TMA copies) read it, do the GLU's
  * elementwise work and store the results. The tile takes a stage's room:
- * BS_EW_STAGES stages. Named barriers BS_EW_FULL (the tile is there) and
- * BS_EW_EMPTY (the epilogue warps have read it) join the 256 consumer
- * threads and the 96 epilogue threads. */
+ * BS_EW_STAGES stages. Two mbarriers after the stages' hand the buffer
+ * over: "tile full" (the 256 consumer threads arrive once they have written
+ * it) and "tile empty" (the 96 epilogue threads arrive once they have read
+ * it), each completing one phase per tile. */
 constexpr int BS_EW_STAGES = 3;
 constexpr int BS_WG_TILE_BYTES = 128 * 256 * 2; /* 64 KB */
 /* The backward's epilogue reads h1, h3 and the gate of BS_EW_DEPTH rows
@@ -550,16 +551,13 @@ constexpr int BS_WG_TILE_BYTES = 128 * 256 * 2; /* 64 KB */
 constexpr int BS_EW_DEPTH = 4;
 constexpr int BS_EW_SLOT = 96 * (16 + 16 + 4);
 constexpr size_t BS_EW_SMEM = (size_t)BS_EW_STAGES * BS_WG_STAGE + BS_WG_TILE_BYTES + 1024 +
-                              2 * BS_EW_STAGES * 8 + BS_EW_DEPTH * BS_EW_SLOT;
+                              2 * BS_EW_STAGES * 8 + 16 + BS_EW_DEPTH * BS_EW_SLOT;
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define BS_WG_DEVICE 1
 #endif
 
 #ifdef BS_WG_DEVICE
-/* named barriers 1 and 2 are the consumer warpgroups', 3 the gathering producer's */
-constexpr int BS_EW_FULL = 4, BS_EW_EMPTY = 5, BS_EW_SYNC = 256 + 96; /* at BS_EW_STAGES */
-
 /* Producer: TMA copies of chunk q of the CTA's walk into stage st (A at
  * sa, B at sb), completing on mbarrier bar. Maps: ma / mb as made by
  * bs_wg_maps (the box shapes listed there). */
@@ -986,11 +984,13 @@ __device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
 }
 
 /* A consumer warpgroup's 64 x 256 (acc as in the kernel's epilogue) into
- * the tile buffer as bf16, once the epilogue warps have read the last one;
- * then the tile is announced to them. */
-__device__ __forceinline__ void bs_ew_stage(const float (&acc)[128], uint32_t tb, int cw) {
+ * the tile buffer as bf16, once the epilogue warps have read the last one
+ * (tn: the CTA's tiles so far; tbar: the tile full and tile empty
+ * mbarriers); then the tile is announced to them. */
+__device__ __forceinline__ void bs_ew_stage(const float (&acc)[128], uint32_t tb, int cw, int64_t tn,
+                                            uint32_t tbar) {
   const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
-  asm volatile("bar.sync %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
+  if (tn > 0) moe_mbar_wait(tbar + 8, (uint32_t)((tn - 1) & 1));
 #pragma unroll
   for (int j = 0; j < 32; j++) {
 #pragma unroll
@@ -1003,7 +1003,7 @@ __device__ __forceinline__ void bs_ew_stage(const float (&acc)[128], uint32_t tb
                    : "memory");
     }
   }
-  asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_FULL), "n"(BS_EW_SYNC) : "memory");
+  moe_mbar_arrive(tbar);
 }
 
 /* BS_FUSE_GLU: the tile is h1 (pieces 0-15) beside h3 (16-31) of the same
@@ -1123,17 +1123,16 @@ __device__ __forceinline__ void bs_ew_glu_bwd(const BsArgs &g, const BsCta &c, u
 /* The epilogue warps (warps 1-3 of the producer warpgroup): the CTA's
  * tiles in the consumers' order, each once the consumers have staged it. */
 template <int FUSE>
-__device__ __forceinline__ void bs_ew_loop(const BsArgs &g, int64_t ntiles, uint32_t tb, uint32_t ring) {
+__device__ __forceinline__ void bs_ew_loop(const BsArgs &g, int64_t ntiles, uint32_t tb, uint32_t tbar,
+                                           uint32_t ring) {
   const int ew = (int)(threadIdx.x >> 5) - 1, lane = threadIdx.x & 31;
-  if ((int64_t)blockIdx.x < ntiles) /* the buffer starts empty */
-    asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
-  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+  int64_t tn = 0;
+  for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, tn++) {
     BsCta c = bs_cta<BS_GG, BS_WG_BN, BS_WG_BK>(g, tile);
-    asm volatile("bar.sync %0, %1;\n" ::"n"(BS_EW_FULL), "n"(BS_EW_SYNC) : "memory");
+    moe_mbar_wait(tbar, (uint32_t)(tn & 1));
     if (FUSE == BS_FUSE_GLU) bs_ew_glu(g, c, tb, ew, lane);
     else bs_ew_glu_bwd(g, c, tb, ring, ew, lane);
-    if (tile + gridDim.x < ntiles) /* the consumers' next tile may be staged */
-      asm volatile("bar.arrive %0, %1;\n" ::"n"(BS_EW_EMPTY), "n"(BS_EW_SYNC) : "memory");
+    moe_mbar_arrive(tbar + 8); /* the consumers' next tile may be staged */
   }
 }
 #endif /* BS_WG_DEVICE */
@@ -1184,6 +1183,10 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       moe_mbar_init(bars + 8 * s, GATHER ? 1 + 128 : 1);
       moe_mbar_init(bars + 8 * (ST + s), 256);
     }
+    if (FUSE != BS_FUSE_NONE) { /* the tile buffer's: full (consumers), empty (epilogue warps) */
+      moe_mbar_init(bars + 2 * ST * 8, 256);
+      moe_mbar_init(bars + 2 * ST * 8 + 8, 96);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -1193,7 +1196,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     if constexpr (FUSE != BS_FUSE_NONE) asm volatile("setmaxnreg.dec.sync.aligned.u32 72;\n");
     else asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (FUSE != BS_FUSE_NONE && threadIdx.x >= 32) { /* the epilogue warps */
-      bs_ew_loop<FUSE>(g, ntiles, epi_buf, bars + 2 * ST * 8);
+      bs_ew_loop<FUSE>(g, ntiles, epi_buf, bars + 2 * ST * 8, bars + 2 * ST * 8 + 16);
     } else if constexpr (GATHER && KIND >= BS_GG) { /* the grouped kinds' gathering walk */
       int64_t it = 0;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
@@ -1228,6 +1231,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     const uint32_t lbo = mn_swap ? 1024u : 8192u, sbo = mn_swap ? 8192u : 1024u;
     const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
     int64_t it = 0;
+    [[maybe_unused]] int64_t tn = 0; /* the CTA's tiles so far: the tile buffer's phases */
     for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
       BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
       float acc[128];
@@ -1275,7 +1279,7 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
       if constexpr (FUSE != BS_FUSE_NONE) { /* to the epilogue warps */
-        bs_ew_stage(acc, epi_buf, cw);
+        bs_ew_stage(acc, epi_buf, cw, tn++, bars + 2 * ST * 8);
         continue;
       }
       if (KIND == BS_SDD && g.act >= 0) {
