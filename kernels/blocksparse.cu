@@ -512,12 +512,14 @@ constexpr int BS_WG_THREADS = 384;
 constexpr int BS_WG_A_BYTES = BS_B * BS_WG_BK * 2;     /* 16 KB */
 constexpr int BS_WG_B_BYTES = BS_WG_BN * BS_WG_BK * 2; /* 32 KB */
 constexpr int BS_WG_STAGE = BS_WG_A_BYTES + BS_WG_B_BYTES;
-/* The staged epilogue's buffer: per consumer warpgroup 64 rows x 128
- * columns of bf16 (half of its 64 x 256 tile at a time), 16-byte chunks
+/* The staged epilogues' buffer: per consumer warpgroup 32 KB, its whole
+ * 64 x 256 tile of bf16 for the TMA epilogue (two 16 KB halves of 128
+ * columns, so that it writes both before one wait for the last tile's
+ * stores), the first 16 KB a half at a time for the others; 16-byte chunks
  * XOR-swizzled by row % 8 so that both the fragment writes and the row reads
  * are free of bank conflicts. Separate from the stages, so a persistent CTA's
  * producer can fill them for the next tile meanwhile. */
-constexpr int BS_WG_EPI_BYTES = 2 * 64 * 128 * 2; /* 32 KB */
+constexpr int BS_WG_EPI_BYTES = 2 * 64 * 256 * 2; /* 64 KB */
 /* The epilogues (the kernel's epi): from registers, staged through shared
  * memory and stored by the warpgroup, or staged and stored by TMA. */
 enum { BS_EPI_DIRECT = 0, BS_EPI_STAGED = 1, BS_EPI_TMA = 2 };
@@ -526,7 +528,7 @@ enum { BS_EPI_DIRECT = 0, BS_EPI_STAGED = 1, BS_EPI_TMA = 2 };
 constexpr int BS_WG_RING = 3;
 constexpr int BS_WG_RING_BYTES = BS_WG_RING * 64 * 8; /* 1536 */
 /* stages + epilogue buffer + mbarriers + 1024 bytes for aligning the base
- * (SW128 atoms) + the gather's ring: 182832 bytes (the H100 has 232448 per
+ * (SW128 atoms) + the gather's ring: 214064 bytes (the H100 has 232448 per
  * block). Three stages, not four: on an H200 the mixtral layer's grouped
  * GEMMs ran 1.9 % faster and the fine-grained layers the same
  * (bench/results/wg_stages.md). */
@@ -873,37 +875,42 @@ __device__ __forceinline__ void bs_stage_release(int cw) {
 }
 
 /* The TMA epilogue: each half (128 columns) of the consumer warpgroup's
- * 64 x 256 goes to its 16 KB buffer buf as bf16, two 64 x 64 boxes in the
+ * 64 x 256 goes to its 16 KB half of buf as bf16, two 64 x 64 boxes in the
  * 128-byte swizzle (row r at r * 128, 16-byte piece p at (p ^ r % 8) * 16;
  * the fragment writes are free of bank conflicts), and one thread stores
  * the boxes with TMA (map mo, made by bs_wg_out_map). The warpgroup goes on
  * to its next tile while the stores run; the buffer is written again once
- * they have read it. The tensor's bounds clip the tile's invalid rows and
+ * they have read it (one wait a tile, before both halves). The tensor's bounds clip the tile's invalid rows and
  * columns, except SDD's second block past the row's last, which is skipped. */
 template <int KIND>
 __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c, const CUtensorMap *mo,
                                                 const float (&acc)[128], uint32_t buf, int cw) {
   const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
+  bs_stage_acquire(cw);
 #pragma unroll
   for (int half = 0; half < 2; half++) {
     if (half * 128 >= c.n_valid) break; /* uniform over the warpgroup */
-    bs_stage_acquire(cw);
 #pragma unroll
     for (int jj = 0; jj < 16; jj++) {
 #pragma unroll
       for (int h = 0; h < 2; h++) {
         const int j = half * 16 + jj, r = wq * 16 + (lane >> 2) + h * 8;
-        bs_stage_pair(buf, jj, r, lane, __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
+        bs_stage_pair(buf + half * 16384, jj, r, lane,
+                      __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]));
       }
     }
-    bs_stage_release(cw);
+  }
+  bs_stage_release(cw);
+#pragma unroll
+  for (int half = 0; half < 2; half++) {
+    if (half * 128 >= c.n_valid) break;
     if (tid == 0) {
       const int64_t F = g.tp.F;
 #pragma unroll
       for (int b = 0; b < 2; b++) {
         const int col = half * 128 + b * 64;
         if (col >= c.n_valid) break;
-        const uint32_t src = buf + b * 8192;
+        const uint32_t src = buf + half * 16384 + b * 8192;
         if (KIND == BS_SDD) /* blocks (nnz * 128 rows of 128): block i0 + half */
           moe_tma_store2(mo, src, b * 64, (int)((c.i0 + half) * BS_B) + cw * 64);
         else if (KIND == BS_DSD) /* (R rows of K): row block i0 */
