@@ -208,7 +208,7 @@ for _, c in ipairs(CONFIGS) do
             local run = impl
             if impl == "auto" then
               local pick, m = autotune.pick(glu_view(c, t), { T = T, k = c.k, block_size = 128,
-                rule = autotune.rule(dev == "cuda", c.E, c.f, 128) })
+                rule = autotune.rule(dev == "cuda", c.E, c.f, 128, autotune.own(dev, "bf16", c.E, c.d, c.f)) })
               run, r.impl, r.pick_ms, r.pick_T = pick, "auto:" .. pick, m and m.ms, m and m.T
             end
             local step = make_step(c, run, t, T)

@@ -7,6 +7,9 @@
  *   moe.ops.grouped_backend([name]) -> the current CUDA backend (sets it first
  *                                      when name is given)
  *   moe.ops.grouped_backends()      -> {"auto", "loop", "cublas_grouped", "streams", "wgmma"}
+ *   moe.ops.grouped_on_device(device, dtype, groups, K, N)
+ *                                   -> whether those products run on moe-lua's own
+ *                                      kernel with the offsets on the device
  *
  * offsets is one of: a routing plan (its row offsets of the local experts,
  * G = expert_end - expert_begin), a Lua sequence of G + 1 integers, or an
@@ -202,10 +205,26 @@ static int lm_grouped_backends(lua_State *L) {
   return 1;
 }
 
+/* moe.ops.grouped_on_device(device, dtype, groups, K, N) -> boolean:
+ * moe_grouped_offsets_on_device (bf16 on compute capability 9.x with the
+ * grouped backend auto or wgmma, K and N multiples of 8). */
+static int lm_grouped_on_device(lua_State *L) {
+  const char *fname = "grouped_on_device";
+  lm_state *S = lm_S(L);
+  moe_device d = lm_checkdevice_at(L, S, 1, 1, fname);
+  moe_dtype dt = lm_checkdtype_at(L, 2, 2, fname);
+  int64_t G = lm_checkint(L, 3, fname, "groups"), K = lm_checkint(L, 4, fname, "K"),
+          N = lm_checkint(L, 5, fname, "N");
+  lm_checkend(L, 5, fname);
+  lua_pushboolean(L, moe_grouped_offsets_on_device(S->ctx, d, dt, G, K, N));
+  return 1;
+}
+
 static const luaL_Reg lm_grouped_functions[] = {{"grouped_mm", lm_grouped_mm},
                                                 {"grouped_mm_wgrad", lm_grouped_mm_wgrad},
                                                 {"grouped_backend", lm_grouped_backend},
                                                 {"grouped_backends", lm_grouped_backends},
+                                                {"grouped_on_device", lm_grouped_on_device},
                                                 {NULL, NULL}};
 
 void lm_open_grouped(lua_State *L, int ops, int methods, int sentinel) {

@@ -167,6 +167,24 @@ describe("grouped backends", function()
       "bad argument #1 to 'grouped_backend' (unknown backend \"fastest\" (valid: auto,loop,cublas_grouped,streams,wgmma))")
     assert.are.equal("auto", moe.ops.grouped_backend("auto"))
   end)
+
+  it("says where the grouped GEMM reads its offsets on the device", function()
+    -- never on the CPU; on CUDA only bf16 with K and N multiples of 8 (and a Hopper GPU)
+    assert.is_false(moe.ops.grouped_on_device("cpu", "bf16", 8, 4096, 14336))
+    if moe.cuda.is_available() then
+      assert.is_false(moe.ops.grouped_on_device("cuda:0", "f32", 8, 4096, 14336))
+      assert.is_false(moe.ops.grouped_on_device("cuda:0", "bf16", 8, 4096, 14335))
+      if moe.cuda.get_device_name(0):match("H[12]00") then -- Hopper: compute capability 9.0
+        assert.is_true(moe.ops.grouped_on_device("cuda:0", "bf16", 8, 4096, 14336))
+        moe.ops.grouped_backend("loop") -- cuBLAS, offsets on the host
+        assert.is_false(moe.ops.grouped_on_device("cuda:0", "bf16", 8, 4096, 14336))
+        moe.ops.grouped_backend("auto")
+      end
+    end
+    assert.has_error(function() moe.ops.grouped_on_device("cpu", "bf16", 8, 4096) end,
+      "bad argument #5 to 'grouped_on_device' (N must be an integer, got no value)")
+    assert.has_error(function() moe.ops.grouped_on_device("cpu", "f99", 8, 16, 16) end)
+  end)
 end)
 
 describe("grouped errors", function()

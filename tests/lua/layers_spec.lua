@@ -108,6 +108,16 @@ describe("layers.dMoE", function()
     assert.has_error(function() make(4, "fast") end)
   end)
 
+  it("mlp_impl auto's rule keeps the grouped path where our own grouped GEMM runs it", function()
+    local autotune = require "moe.experts.autotune"
+    assert.are.equal("sparse", autotune.rule(true, 32, 128, 128, false))
+    assert.are.equal("sparse", autotune.rule(true, 32, 128, 128))
+    assert.are.equal("grouped", autotune.rule(true, 32, 128, 128, true))
+    assert.are.equal("grouped", autotune.rule(false, 32, 128, 128, false))
+    assert.are.equal("grouped", autotune.rule(true, 16, 128, 128, false))
+    assert.are.equal("grouped", autotune.rule(true, 32, 100, 128, false))
+  end)
+
   it("matches a dense per-token reference (MLP and GLU experts)", function()
     moe.manual_seed(1)
     for _, mlp_type in ipairs({ "mlp", "glu" }) do

@@ -24,7 +24,8 @@ share one measurement, and the token counts an expert-parallel rank receives,
 which vary by step, fall in a few buckets.
 
 The implementation `rule` names (the layer's fixed choice: sparse on CUDA
-with more than 16 experts, else grouped) is kept unless another is faster by
+with more than 16 experts unless the grouped path runs moe-lua's own grouped
+GEMM there, else grouped) is kept unless another is faster by
 more than `margin` (5%), so timing noise between two close paths does not
 flip the choice from run to run. A path whose measurement raises (out of
 memory at the rounded T, say) is left out and its error kept in the result
@@ -55,11 +56,22 @@ M.repeats = 3
 local cache = {}  -- key -> {impl =, ms = {impl -> ms}, T =, key =}
 local fresh = {}  -- results not yet taken by take_new, in the order measured
 
---- rule(cuda, n_experts, d_ff, block_size) -> the choice without measuring: the
---- block-sparse path on CUDA for more than 16 (local) experts when d_ff is a
---- multiple of the block, the grouped path otherwise (moe/layers/dmoe.lua says why).
-function M.rule(cuda, n_experts, d_ff, block_size)
-  return (cuda and n_experts > 16 and d_ff % block_size == 0) and "sparse" or "grouped"
+--- rule(cuda, n_experts, d_ff, block_size, own) -> the choice without measuring:
+--- the block-sparse path on CUDA for more than 16 (local) experts when d_ff is a
+--- multiple of the block and the grouped path would run on cuBLAS (own false:
+--- not moe.ops.grouped_on_device), the grouped path otherwise
+--- (moe/layers/dmoe.lua says why).
+function M.rule(cuda, n_experts, d_ff, block_size, own)
+  return (cuda and not own and n_experts > 16 and d_ff % block_size == 0) and "sparse" or "grouped"
+end
+
+--- own(device, dtype, n_experts, d, d_ff) -> whether the grouped path runs
+--- moe-lua's own grouped GEMM there, both ways (moe.ops.grouped_on_device;
+--- false without CUDA): rule's `own`.
+function M.own(device, dtype, n_experts, d, d_ff)
+  if device:sub(1, 4) ~= "cuda" or not moe.cuda.is_available() then return false end
+  return moe.ops.grouped_on_device(device, dtype, n_experts, d, d_ff)
+    and moe.ops.grouped_on_device(device, dtype, n_experts, d_ff, d)
 end
 
 -- The rounded token count a measurement uses.

@@ -242,11 +242,13 @@ end
 function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidden_size end
 
 -- mlp_impl "auto": the rule picks the block-sparse path on CUDA for more
--- than 16 experts (many small groups: on an H100 it is 1.5x the grouped path
--- on the qwen3 shape of bench/moe_mlp.lua and on the 125M dMoE with 64
--- experts, while the grouped path is 1.09x faster on mixtral's 8 large
--- experts), the grouped path otherwise (on the CPU the grouped path was 1.3x
--- faster at 32 experts, d 128, f 256). On CUDA the built-in experts are then
+-- than 16 experts when the grouped path would run on cuBLAS (many small
+-- groups: on an H100 it was 1.5x the cuBLAS grouped path on the qwen3 shape
+-- of bench/moe_mlp.lua and on the 125M dMoE with 64 experts), the grouped
+-- path otherwise: on the CPU (1.3x faster there at 32 experts, d 128, f 256)
+-- and where moe-lua's own grouped GEMM runs it (bf16 on an sm_90a GPU:
+-- 2-5 % faster than the block-sparse path on the olmoe and qwen3 shapes,
+-- H100 and H200, bench/results/auto_rule.md). On CUDA the built-in experts are then
 -- timed with each path once per shape (moe/experts/autotune.lua) and the
 -- measurably faster one runs. Sets the built-in experts' impl too; a user's
 -- experts module decides for itself. Under expert parallelism the count is of
@@ -254,8 +256,10 @@ function dMoE:ffn_local() return self.wp and self.wp.ffn_local or self.ffn_hidde
 function dMoE:resolve_impl(device, T)
   if self.mlp_impl_option ~= "auto" then return self.mlp_impl end
   local n_experts = self.ep and self.ep.local_experts or self.num_experts
-  local impl = autotune.rule(device:sub(1, 4) == "cuda", n_experts, self:ffn_local(), self.block_size)
   local ex = self.experts
+  local w1 = ex and ex.w1
+  local own = moe.is_tensor(w1) and autotune.own(device, w1.dtype, n_experts, self.hidden_size, self:ffn_local())
+  local impl = autotune.rule(device:sub(1, 4) == "cuda", n_experts, self:ffn_local(), self.block_size, own)
   local builtin = ex and ex.impl ~= nil and util.IMPLS[ex.impl] and ex.w1 ~= nil
   if builtin and T and T > 0 then
     impl = autotune.pick(ex, { T = T, k = self.top_k, block_size = self.block_size, rule = impl })
