@@ -540,8 +540,8 @@ constexpr size_t BS_WG_SMEM = (size_t)BS_WG_STAGES * BS_WG_STAGE + BS_WG_EPI_BYT
  * that both the fragment writes and the row reads are free of bank
  * conflicts) and go on, while warps 1-3 of the producer warpgroup (the
  * epilogue warps; warp 0 issues the TMA copies) read it, do the GLU's
- * elementwise work and store the results. The tile takes a stage's room:
- * BS_EW_STAGES stages. Two mbarriers after the stages' hand the buffer
+ * elementwise work and store the results. BS_EW_STAGES stages, and the
+ * backward's read-ahead ring after the barriers. Two mbarriers after the stages' hand the buffer
  * over: "tile full" (the 256 consumer threads arrive once they have written
  * it) and "tile empty" (the 96 epilogue threads arrive once they have read
  * it), each completing one phase per tile. */
@@ -880,8 +880,9 @@ __device__ __forceinline__ void bs_stage_release(int cw) {
  * the fragment writes are free of bank conflicts), and one thread stores
  * the boxes with TMA (map mo, made by bs_wg_out_map). The warpgroup goes on
  * to its next tile while the stores run; the buffer is written again once
- * they have read it (one wait a tile, before both halves). The tensor's bounds clip the tile's invalid rows and
- * columns, except SDD's second block past the row's last, which is skipped. */
+ * they have read it (one wait a tile, before both halves). The tensor's
+ * bounds clip the tile's invalid rows and columns, except SDD's second block
+ * past the row's last, which is skipped. */
 template <int KIND>
 __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c, const CUtensorMap *mo,
                                                 const float (&acc)[128], uint32_t buf, int cw) {
