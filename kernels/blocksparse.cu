@@ -1183,8 +1183,10 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
   const uint32_t epi_buf = base + ST * BS_WG_STAGE;
   const uint32_t bars = epi_buf + (FUSE ? BS_WG_TILE_BYTES : BS_WG_EPI_BYTES); /* full[S], empty[S] */
   const int wg = threadIdx.x / 128;
-  if (KIND == BS_GG) /* the grid covers an upper bound; the table has the count */
-    ntiles = g.gtab[2 * (g.G + 2) + 1] * ((g.N + bs_gg_width(g, BS_WG_BN) - 1) / bs_gg_width(g, BS_WG_BN));
+  if (KIND == BS_GG) { /* the grid covers an upper bound; the table has the count */
+    const int bw = bs_gg_width(g, BS_WG_BN);
+    ntiles = g.gtab[2 * (g.G + 2) + 1] * ((g.N + bw - 1) / bw);
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; s++) {
       /* full: the TMA thread's arrival (+ the 128 gathering threads' copies) */
@@ -1804,6 +1806,27 @@ moe_status bs_gg_gather(moe_ctx *ctx, BsArgs &g, const moe_wg_gather *gt) {
   return MOE_OK;
 }
 
+/* MOE_OK where the grouped GEMM's sm_90a kernel runs these sizes and
+ * pointers on device, else the error naming fn. */
+static moe_status bs_gg_check(moe_ctx *ctx, int device, const char *fn, int64_t G, int64_t R,
+                              int64_t K, int64_t N, const void *const *ptrs, int n) {
+  if (bs_wg_supported(device) && bs_variant(ctx) == BS_VWG && bs_wg_grouped_ok(G, R, K, N, ptrs, n))
+    return MOE_OK;
+  return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
+                   "%s (sm_90a kernel): needs compute capability 9.x, K and N multiples of 8 (got "
+                   "%lld, %lld), 16-byte aligned tensors and fewer than %d groups",
+                   fn, (long long)K, (long long)N, BS_GG_MAX_SEG - 2);
+}
+
+/* GG's segment table of the G + 1 offsets into tab, on stream cs. */
+static moe_status bs_gg_table(moe_ctx *ctx, cudaStream_t cs, const int64_t *offs, int64_t G, int64_t R,
+                              MoeScratch &tab) {
+  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (G + 3))));
+  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
+  MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
+  return MOE_OK;
+}
+
 moe_status moe_cuda_wg_grouped_mm(moe_ctx *ctx, int device, const void *x, const void *w,
                                   const int64_t *offs, int64_t G, int64_t R, int64_t K, int64_t N,
                                   bool trans_w, void *out) {
@@ -1821,11 +1844,7 @@ moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x
                                          const moe_wg_gather *gt, const moe_wg_scatter *sc, int64_t G,
                                          int64_t R, int64_t K, int64_t N, bool trans_w, void *out) {
   const void *ptrs[5] = {x, w, out, x2 ? x2 : x, w2 ? w2 : w};
-  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG || !bs_wg_grouped_ok(G, R, K, N, ptrs, 5))
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                     "grouped gemm (sm_90a kernel): needs compute capability 9.x, K and N multiples "
-                     "of 8 (got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
-                     (long long)K, (long long)N, BS_GG_MAX_SEG - 2);
+  MOE_CHECK(bs_gg_check(ctx, device, "grouped gemm", G, R, K, N, ptrs, 5));
   if (gt && x2)
     return moe_error(ctx, MOE_ERR_INVALID_ARG, "grouped gemm: a gather with a summed second pair");
   if (R == 0 || N == 0) return MOE_OK;
@@ -1833,9 +1852,7 @@ moe_status moe_cuda_wg_grouped_mm_gather(moe_ctx *ctx, int device, const void *x
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
   MoeScratch tab(ctx, device);
-  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (G + 3))));
-  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
-  MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
+  MOE_CHECK(bs_gg_table(ctx, cs, offs, G, R, tab));
   moe_bs_topo tp;
   memset(&tp, 0, sizeof tp);
   BsArgs g = bs_args(ctx, &tp, x, w, out, K);
@@ -1865,21 +1882,14 @@ __global__ void bs_gg_rowsum_kernel(const float *part, int64_t R, int64_t NT, fl
 static moe_status bs_gg_fused(moe_ctx *ctx, int device, BsArgs &g, const int64_t *offs,
                               const void *const *ptrs, int n, float *dgate_rows) {
   const char *fn = g.fuse == BS_FUSE_GLU ? "grouped gemm glu" : "grouped gemm glu backward";
-  if (!bs_wg_supported(device) || bs_variant(ctx) != BS_VWG ||
-      !bs_wg_grouped_ok(g.G, g.R, g.K, g.N, ptrs, n))
-    return moe_error(ctx, MOE_ERR_NOT_SUPPORTED,
-                     "%s (sm_90a kernel): needs compute capability 9.x, K and N multiples of 8 "
-                     "(got %lld, %lld), 16-byte aligned tensors and fewer than %d groups",
-                     fn, (long long)g.K, (long long)g.N, BS_GG_MAX_SEG - 2);
+  MOE_CHECK(bs_gg_check(ctx, device, fn, g.G, g.R, g.K, g.N, ptrs, n));
   if (g.act < 0 || g.act > 2) return moe_error(ctx, MOE_ERR_INVALID_ARG, "%s: activation %d", fn, g.act);
   if (g.R == 0 || g.N == 0) return MOE_OK;
   void *stream;
   MOE_CHECK(moe_cuda_stream(ctx, device, &stream));
   cudaStream_t cs = (cudaStream_t)stream;
   MoeScratch tab(ctx, device), part(ctx, device);
-  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (g.G + 3))));
-  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, g.G, g.R, (int64_t *)tab.ptr);
-  MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
+  MOE_CHECK(bs_gg_table(ctx, cs, offs, g.G, g.R, tab));
   g.gtab = (const int64_t *)tab.ptr;
   const int bw = bs_gg_width(g, BS_WG_BN);
   const int64_t NT = (g.N + bw - 1) / bw;
