@@ -99,8 +99,9 @@ struct BsArgs {
   void *out2, *out3;
   /* The grouped kinds: G groups over R rows, N columns of the output (K:
    * GG's depth, GW's output rows). GG walks gtab (bs_gg_table_kernel: G + 3
-   * segment starts, then G + 3 prefix sums of their 128-row tiles); GW reads
-   * the G + 1 group offsets goffs. Both on the device. */
+   * segment starts, then G + 3 prefix sums of their 128-row tiles, then the
+   * segment of each tile as int32); GW reads the G + 1 group offsets goffs.
+   * Both on the device. */
   const int64_t *gtab, *goffs;
   int64_t G, R, N;
   /* GW with a gather (tp.gather_src): true gathers b's rows, false a's */
@@ -140,6 +141,14 @@ __device__ __forceinline__ int bs_min(int64_t a, int64_t b) { return (int)(a < b
  * tile rows. */
 __device__ __forceinline__ void bs_raster(int64_t id, int64_t Mt, int64_t Nt, int64_t G,
                                           int64_t *mt, int64_t *nt) {
+  if (Mt * Nt <= INT32_MAX && G * Nt <= INT32_MAX && id <= INT32_MAX) {
+    /* in 32 bits (the usual case): 64-bit divisions are long sequences */
+    const uint32_t per = (uint32_t)(G * Nt), g = (uint32_t)id / per, local = (uint32_t)id - g * per;
+    const uint32_t rows = (uint32_t)(Mt - (int64_t)g * G < G ? Mt - (int64_t)g * G : G);
+    *mt = (int64_t)g * G + local % rows;
+    *nt = local / rows;
+    return;
+  }
   int64_t per = G * Nt, g = id / per, local = id - g * per;
   int64_t rows = Mt - g * G < G ? Mt - g * G : G;
   *mt = g * G + local % rows;
@@ -204,12 +213,8 @@ __device__ __forceinline__ BsCta bs_cta(const BsArgs &g, int64_t id) {
     const int64_t S = g.G + 2, *start = g.gtab, *pre = g.gtab + S + 1;
     const int bw = bs_gg_width(g, BN), NT = (int)((g.N + bw - 1) / bw);
     bs_raster(id, pre[S], NT, g.group, &mt, &nt);
-    int64_t lo = 0, hi = S; /* the segment: pre[lo] <= mt < pre[hi] */
-    while (hi - lo > 1) {
-      int64_t mid = (lo + hi) / 2;
-      if (pre[mid] <= mt) lo = mid;
-      else hi = mid;
-    }
+    /* the segment: pre[lo] <= mt < pre[lo + 1] (the table has it) */
+    const int64_t lo = ((const int32_t *)(pre + S + 1))[mt];
     int64_t row0 = start[lo] + (mt - pre[lo]) * BS_B;
     c.i0 = row0;
     c.col = lo - 1; /* the group; the first and last segments are rows outside every group */
@@ -852,6 +857,14 @@ __device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCt
 /* The TMA epilogues' staging: the bf16 pair v of the thread's row r and
  * 16-byte piece jj of a 128-column half (two 64 x 64 boxes of 8 pieces a
  * row) into buf in the 128-byte swizzle, at the lane's 4 bytes of it. */
+__device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(a)
+               : "memory");
+  return v;
+}
 __device__ __forceinline__ void bs_stage_pair(uint32_t buf, int jj, int r, int lane, __nv_bfloat162 v) {
   uint32_t bits;
   memcpy(&bits, &v, 4);
@@ -981,14 +994,6 @@ __device__ __forceinline__ void bs_wg_store_glu(const BsArgs &g, const BsCta &c,
  * Piece p (16 bytes: columns 8p..8p+7) of row r of the tile buffer tb. */
 __device__ __forceinline__ uint32_t bs_ew_piece(uint32_t tb, int r, int p) {
   return tb + r * 512 + ((p ^ (r & 7)) << 4);
-}
-__device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(a)
-               : "memory");
-  return v;
 }
 
 /* A consumer warpgroup's 64 x 256 (acc as in the kernel's epilogue) into
@@ -1240,16 +1245,23 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     const int cw = wg - 1;
     const uint32_t lbo = mn_swap ? 1024u : 8192u, sbo = mn_swap ? 8192u : 1024u;
     const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
-    int64_t it = 0;
+    /* the next chunk's stage s and its phase ph, the last chunk's stage sp
+     * (they run on across tiles) */
+    int s = 0, sp = 0;
+    uint32_t ph = 0;
     [[maybe_unused]] int64_t tn = 0; /* the CTA's tiles so far: the tile buffer's phases */
-    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
-      BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
+    /* c: this tile's walk; cn: the next tile's, worked out while the first
+     * chunk's products run (a GG tile's is a search of the segment table:
+     * done between tiles, it held the tensor cores idle) */
+    BsCta c{}, cn{};
+    if ((int64_t)blockIdx.x < ntiles) c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, blockIdx.x);
+    for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, c = cn) {
+      const int64_t next = tile + gridDim.x; /* past the last: cn is not read */
       float acc[128];
 #pragma unroll
       for (int e = 0; e < 128; e++) acc[e] = 0.f;
-      for (int q = 0; q < c.nq; q++, it++) {
-        int s = (int)(it % ST);
-        moe_mbar_wait(bars + 8 * s, (uint32_t)((it / ST) & 1));
+      for (int q = 0; q < c.nq; q++) {
+        moe_mbar_wait(bars + 8 * s, ph);
         uint32_t sa = base + s * BS_WG_STAGE + cw * 8192, sb = base + s * BS_WG_STAGE + BS_WG_A_BYTES;
         /* the gathered rows came by cp.async (the generic proxy); wgmma reads
          * through the async proxy */
@@ -1280,12 +1292,17 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
           moe_wg_ss<256, L::A_KC ? 0 : 1, L::B_KC ? 0 : 1>(acc, da, db);
         }
         moe_wg_commit();
+        if (!GATHER && q == 0 && next < ntiles) cn = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, next);
         moe_wg_wait<1>();
-        if (q > 0) moe_mbar_arrive(bars + 8 * (ST + (it - 1) % ST));
+        if (q > 0) moe_mbar_arrive(bars + 8 * (ST + sp));
+        sp = s;
+        if (++s == ST) s = 0, ph ^= 1u;
       }
+      /* (the gathering kernels have no registers to spare for it meanwhile) */
+      if ((GATHER || c.nq == 0) && next < ntiles) cn = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, next);
       moe_wg_wait<0>();
       /* the tile's last stage is free for the producer's next tile */
-      if (c.nq > 0) moe_mbar_arrive(bars + 8 * (ST + (it - 1) % ST));
+      if (c.nq > 0) moe_mbar_arrive(bars + 8 * (ST + sp));
       /* epilogue: acc[4 j + 2 h + e] = tile (row, col), row = cw * 64 + warp * 16
        * + lane / 4 + 8 h, col = 8 j + 2 (lane % 4) + e */
       if constexpr (FUSE != BS_FUSE_NONE) { /* to the epilogue warps */
@@ -1686,25 +1703,45 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
  * segments (the rows before the first group, the groups, the rows after the
  * last) as G + 3 starts (offsets clamped into [0, R] and made monotone, so
  * bad offsets cannot send a tile outside x), then the prefix sums of their
- * 128-row tiles. One block: the offsets are staged in shared memory and one
- * thread scans them (G + 2 <= BS_GG_MAX_SEG). */
+ * 128-row tiles, then each tile's segment as int32 (at most R / 128 + G + 2
+ * tiles: bs_gg_table_bytes), so that a CTA finds its tile's group with one
+ * load. One block: the offsets are staged in shared memory, one thread scans
+ * them (G + 2 <= BS_GG_MAX_SEG), and all search the prefix sums for the
+ * tiles' segments. */
 constexpr int BS_GG_MAX_SEG = 4096;
+__host__ __device__ inline size_t bs_gg_table_bytes(int64_t G, int64_t R) {
+  return sizeof(int64_t) * (size_t)(2 * (G + 3)) + sizeof(int32_t) * (size_t)(R / BS_B + G + 3);
+}
 __global__ void bs_gg_table_kernel(const int64_t *offs, int64_t G, int64_t R, int64_t *tab) {
   __shared__ int64_t o[BS_GG_MAX_SEG];
   for (int64_t i = threadIdx.x; i <= G; i += blockDim.x) o[i] = offs[i];
   __syncthreads();
-  if (threadIdx.x != 0) return;
   const int64_t S = G + 2;
-  int64_t *start = tab, *pre = tab + S + 1, prev = 0;
-  start[0] = 0;
-  for (int64_t s = 1; s <= G + 1; s++) {
-    int64_t v = o[s - 1];
-    v = v < prev ? prev : v > R ? R : v;
-    start[s] = prev = v;
+  int64_t *start = tab, *pre = tab + S + 1;
+  if (threadIdx.x == 0) {
+    int64_t prev = 0;
+    start[0] = 0;
+    for (int64_t s = 1; s <= G + 1; s++) {
+      int64_t v = o[s - 1];
+      v = v < prev ? prev : v > R ? R : v;
+      start[s] = prev = v;
+    }
+    start[S] = R;
+    o[0] = 0; /* the prefix sums, here too (the offsets are read) */
+    for (int64_t s = 0; s < S; s++) o[s + 1] = o[s] + (start[s + 1] - start[s] + BS_B - 1) / BS_B;
+    for (int64_t s = 0; s <= S; s++) pre[s] = o[s];
   }
-  start[S] = R;
-  pre[0] = 0;
-  for (int64_t s = 0; s < S; s++) pre[s + 1] = pre[s] + (start[s + 1] - start[s] + BS_B - 1) / BS_B;
+  __syncthreads();
+  int32_t *seg = (int32_t *)(pre + S + 1);
+  for (int64_t m = threadIdx.x; m < o[S]; m += blockDim.x) {
+    int64_t lo = 0, hi = S; /* o[lo] <= m < o[hi] */
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      if (o[mid] <= m) lo = mid;
+      else hi = mid;
+    }
+    seg[m] = (int32_t)lo;
+  }
 }
 
 /* Whether the grouped kinds run for these sizes and pointers: the TMA maps
@@ -1821,7 +1858,7 @@ static moe_status bs_gg_check(moe_ctx *ctx, int device, const char *fn, int64_t 
 /* GG's segment table of the G + 1 offsets into tab, on stream cs. */
 static moe_status bs_gg_table(moe_ctx *ctx, cudaStream_t cs, const int64_t *offs, int64_t G, int64_t R,
                               MoeScratch &tab) {
-  MOE_CHECK(tab.alloc(sizeof(int64_t) * (size_t)(2 * (G + 3))));
+  MOE_CHECK(tab.alloc(bs_gg_table_bytes(G, R)));
   bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
   MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
   return MOE_OK;
