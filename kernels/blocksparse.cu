@@ -895,10 +895,12 @@ __device__ __forceinline__ void bs_stage_release(int cw) {
  * to its next tile while the stores run; the buffer is written again once
  * they have read it (one wait a tile, before both halves). The tensor's
  * bounds clip the tile's invalid rows and columns, except SDD's second block
- * past the row's last, which is skipped. */
+ * past the row's last, which is skipped, and GG's rows past its group (the
+ * group's last tile, stored in 8-row slices by map mo8). */
 template <int KIND>
 __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c, const CUtensorMap *mo,
-                                                const float (&acc)[128], uint32_t buf, int cw) {
+                                                const CUtensorMap *mo8, const float (&acc)[128], uint32_t buf,
+                                                int cw) {
   const int tid = threadIdx.x & 127, lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
   bs_stage_acquire(cw);
 #pragma unroll
@@ -915,6 +917,29 @@ __device__ __forceinline__ void bs_wg_store_tma(const BsArgs &g, const BsCta &c,
     }
   }
   bs_stage_release(cw);
+  if (KIND == BS_GG && c.m_valid < BS_B) {
+    /* the group's last tile, whose rows past m_valid are the next group's:
+     * the whole 8-row slices of the valid rows by TMA (map mo8, 64 x 8
+     * boxes: a slice is 1 KB of a staged box, in the same swizzle), the
+     * remaining rows by the threads, 16 bytes each */
+    const int v = c.m_valid - cw * 64 < 0 ? 0 : c.m_valid - cw * 64 > 64 ? 64 : c.m_valid - cw * 64;
+    const int v8 = v & ~7;
+    if (tid == 0 && v8 > 0) {
+      for (int col = 0; col < c.n_valid && col < BS_WG_BN; col += 64) {
+        const uint32_t box = buf + (col >> 7) * 16384 + ((col >> 6) & 1) * 8192;
+        for (int j = 0; j < v8; j += 8)
+          moe_tma_store2(mo8, box + j * 128, (int)c.t0 + col, (int)c.i0 + cw * 64 + j);
+      }
+      moe_bulk_commit();
+    }
+    for (int idx = tid; idx < (v - v8) * 32; idx += 128) {
+      const int r = v8 + (idx >> 5), ch = idx & 31, col = ch * 8, p = ch & 7;
+      if (col >= c.n_valid) continue;
+      uint4 val = bs_lds16(buf + (ch >> 4) * 16384 + ((ch >> 3) & 1) * 8192 + r * 128 + ((p ^ (r & 7)) << 4));
+      *(uint4 *)((__nv_bfloat16 *)g.out + (c.i0 + cw * 64 + r) * g.N + c.t0 + col) = val;
+    }
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; half++) {
     if (half * 128 >= c.n_valid) break;
@@ -1313,10 +1338,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         bs_wg_store_glu(g, c, &mo, &mo2, &mo3, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
         continue;
       }
-      /* GG: a tile that ends inside the output (its group's last rows) is
-       * stored by the threads below, which mask the rows past the group */
-      if (epi == BS_EPI_TMA && (KIND != BS_GG || c.m_valid == BS_B)) {
-        bs_wg_store_tma<KIND>(g, c, &mo, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
+      if (epi == BS_EPI_TMA) {
+        bs_wg_store_tma<KIND>(g, c, &mo, &mo2, acc, epi_buf + cw * (BS_WG_EPI_BYTES / 2), cw);
         continue;
       }
       __nv_bfloat16 *out = (__nv_bfloat16 *)g.out + c.out_off;
@@ -1584,9 +1607,7 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_DIRECT) epi = BS_EPI_DIRECT;
   if (ctx->knobs.bsmm_epi == MOE_KNOB_BSMM_EPI_SMEM) epi = BS_EPI_STAGED;
   if (epi == BS_EPI_TMA && ((uintptr_t)g.out & 15)) epi = BS_EPI_STAGED;
-  /* GG's tiles end inside the output at their group's last row: with TMA
-   * the kernel stores those by the threads (masking rows); only the staged
-   * stores scatter rows (what MOE_BSMM_EPI says) */
+  /* only the staged stores scatter rows (whatever MOE_BSMM_EPI says) */
   if (g.tp.scatter_dst) epi = BS_EPI_STAGED;
   if (g.tp.scatter_dst && (((uintptr_t)g.out & 15) || (KIND != BS_DSD && KIND != BS_GG)))
     return moe_error(ctx, MOE_ERR_INVALID_ARG,
@@ -1605,6 +1626,11 @@ moe_status bs_launch_wg(moe_ctx *ctx, const BsArgs &g, cudaStream_t stream, int6
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g3, &mo3));
   } else if (epi == BS_EPI_TMA && g.fuse == BS_FUSE_NONE) {
     MOE_CHECK(bs_wg_out_map<KIND>(ctx, g, &mo));
+    if (KIND == BS_GG) { /* a group's last tile: 8-row boxes (bs_wg_store_tma) */
+      const int64_t d[2] = {g.N, g.R};
+      const uint32_t b8[2] = {64, 8};
+      MOE_CHECK(bs_map(ctx, &mo2, g.out, 2, d, b8));
+    }
   }
   kern<<<(unsigned)grid, BS_WG_THREADS, smem, stream>>>(ma, mb, ma2, mb2, mo, mo2, mo3, g, ctas,
                                                               swap, epi);
