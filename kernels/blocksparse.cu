@@ -1251,16 +1251,19 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
         bs_wg_gather_tile<KIND, TRANS>(g, c, it, &ma, &mb, base, bars, ring);
       }
     } else if (threadIdx.x == 0) {
-      int64_t it = 0;
+      /* the next chunk's stage s and phase ph; once every stage has been
+       * filled, each waits for the consumers to have read its last chunk */
+      int s = 0;
+      uint32_t ph = 0;
+      bool reuse = false;
       for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
         BsCta c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, tile);
-        for (int q = 0; q < c.nq; q++, it++) {
-          int s = (int)(it % ST);
-          if (it >= ST)
-            moe_mbar_wait(bars + 8 * (ST + s), (uint32_t)((it / ST - 1) & 1));
+        for (int q = 0; q < c.nq; q++) {
+          if (reuse) moe_mbar_wait(bars + 8 * (ST + s), ph ^ 1u);
           uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE;
           moe_mbar_expect(full, BS_WG_STAGE);
           bs_wg_issue<KIND, TRANS>(g, c, q, &ma, &mb, &ma2, &mb2, sa, sa + BS_WG_A_BYTES, full);
+          if (++s == ST) s = 0, ph ^= 1u, reuse = true;
         }
       }
     }
