@@ -10,6 +10,10 @@ reads this script's JSON and writes bench/results/grouped.{json,md}.
   moe-lua bench/grouped.lua [json=FILE] [repeats=7] [configs=mixtral,olmoe,qwen3]
       [backends=loop,cublas_grouped,streams,auto] [tag=TEXT] [dense=true]
 
+backends= also takes "wgmma": the offsets as a CUDA tensor, which sends the
+products to moe-lua's own sm_90a grouped GEMM (what the GLU experts' grouped
+path runs on an H100 or H200). It is not in the default list, which predates it.
+
 (backends= times only those backends, tag= appends TEXT to their labels,
 e.g. for a run with MOE_GROUPED_STREAMS=8; dense=false skips the dense row.)
 
@@ -83,7 +87,13 @@ for _, c in ipairs(CONFIGS) do
 
     for _, b in ipairs(TIMED) do
       moe.ops.grouped_backend(b)
-      run("moe " .. b .. tag, o, offs)
+      if b == "wgmma" then -- the sm_90a kernel: the offsets on the device, no host sync
+        local dev = moe.tensor(offs, { dtype = "i64" }):to("cuda")
+        run("moe " .. b .. tag, o, dev)
+        dev:free()
+      else
+        run("moe " .. b .. tag, o, offs)
+      end
     end
     -- dense: the same GEMMs with one group of all R rows (dense cuBLASLt GEMMs)
     if args.dense then
