@@ -455,7 +455,7 @@ moe_status moe_cuda_routing_rank_counts(moe_ctx *ctx, int device, const int64_t 
 }
 moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const moe_kview *out,
                                    const moe_kview *x, const int64_t *src, const int64_t *dest,
-                                   const moe_kview *gates, int64_t k) {
+                                   const moe_kview *gates, int64_t k, bool padded) {
   return NO_CUDA_FN(ctx, "moe_cuda_routing_gather");
 }
 moe_status moe_cuda_routing_combine(moe_ctx *ctx, int device, const moe_kview *out,

@@ -538,6 +538,12 @@ static inline const char *rt_at(const moe_tensor *t, int64_t i, int64_t j) {
          (i * t->stride[0] + j * t->stride[1]) * (int64_t)moe_dtype_size(t->dtype);
 }
 
+/* Whether every buffer row of p holds an assignment: no block or capacity
+ * padding, and every expert local, so the rows are exactly the N slots. */
+static bool rt_unpadded(const moe_routing_plan *p) {
+  return p->block_size == 0 && p->capacity == 0 && p->e0 == 0 && p->e1 == p->E && p->rows == p->N;
+}
+
 /* out (R, d) = [gates[src[r]] *] x[src[r] / k]; no autograd. */
 static moe_status rt_gather(moe_ctx *ctx, const moe_tensor *x, const moe_routing_plan *p,
                             const moe_tensor *gates, moe_tensor **out) {
@@ -549,7 +555,7 @@ static moe_status rt_gather(moe_ctx *ctx, const moe_tensor *x, const moe_routing
     moe_kview vo = moe_kview_of(r), vx = moe_kview_of(x), vg;
     if (gates) vg = moe_kview_of(gates);
     st = moe_cuda_routing_gather(ctx, p->device.index, &vo, &vx, rt_p(p->src), rt_p(p->dest),
-                                 gates ? &vg : NULL, k);
+                                 gates ? &vg : NULL, k, !rt_unpadded(p));
   } else if (R * d > 0) {
     const int64_t *src = rt_p(p->src);
     moe_dtype dt = x->dtype;

@@ -57,10 +57,11 @@ moe_status moe_cuda_routing_rank_counts(moe_ctx *ctx, int device, const int64_t 
  * dest (the inverse of src: dest[a] = r, or < 0 for a dropped slot), no
  * gates, k > 1 and rows of whole 16-byte units, one block per token reads
  * its row once and writes its k copies (k times less reading), and the
- * padding rows are zeroed apart. */
+ * padding rows are zeroed apart (unless padded is false: the caller knows
+ * that every row has a source). */
 moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const moe_kview *out,
                                    const moe_kview *x, const int64_t *src, const int64_t *dest,
-                                   const moe_kview *gates, int64_t k);
+                                   const moe_kview *gates, int64_t k, bool padded);
 
 /* out (T, d) contiguous of y's dtype: out[t] = sum_j gates[t, j] *
  * y[dest[t * k + j]] over dest >= 0, in slot order, f32 (f64 for f64)

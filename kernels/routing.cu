@@ -496,7 +496,7 @@ template <typename F> static moe_status rt_float_dispatch(moe_ctx *ctx, const ch
 extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const moe_kview *out,
                                               const moe_kview *x, const int64_t *src,
                                               const int64_t *dest, const moe_kview *gates,
-                                              int64_t k) {
+                                              int64_t k, bool padded) {
   cudaStream_t s;
   MOE_CHECK(rt_stream(ctx, device, &s));
   int64_t R = out->shape[0], d = out->shape[1];
@@ -508,9 +508,11 @@ extern "C" moe_status moe_cuda_routing_gather(moe_ctx *ctx, int device, const mo
     int64_t T = x->shape[0], units = (int64_t)((size_t)d * es / 16),
             xs0 = (int64_t)((size_t)x->stride[0] * es / 16);
     if (dest && k > 1 && T > 0) {
-      unsigned zg = rt_grid(R, RT_THREADS / 32);
-      rt_zero_unsourced_kernel<<<zg, RT_THREADS, 0, s>>>((uint4 *)out->data, src, R, units);
-      MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel (padding)");
+      if (padded) {
+        unsigned zg = rt_grid(R, RT_THREADS / 32);
+        rt_zero_unsourced_kernel<<<zg, RT_THREADS, 0, s>>>((uint4 *)out->data, src, R, units);
+        MOE_CUDA_CHECK_LAUNCH(ctx, "routing gather kernel (padding)");
+      }
       unsigned tg = (unsigned)(T < (1 << 30) ? T : (1 << 30));
       rt_scatter_rows_vec_kernel<<<tg, RT_THREADS, 0, s>>>((uint4 *)out->data, (const uint4 *)x->data,
                                                            xs0, dest, k, T, units);
