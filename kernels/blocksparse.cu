@@ -45,6 +45,7 @@
  * chunks in the topology's order; no atomics. Sizes: K % 8 == 0 for bf16
  * (16-byte cp.async); all offsets are int64.
  */
+#include <cub/block/block_scan.cuh>
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -1734,33 +1735,59 @@ BsArgs bs_args(const moe_ctx *ctx, const moe_bs_topo *tp, const void *a, const v
  * bad offsets cannot send a tile outside x), then the prefix sums of their
  * 128-row tiles, then each tile's segment as int32 (at most R / 128 + G + 2
  * tiles: bs_gg_table_bytes), so that a CTA finds its tile's group with one
- * load. One block: the offsets are staged in shared memory, one thread scans
- * them (G + 2 <= BS_GG_MAX_SEG), and all search the prefix sums for the
+ * load. One block of BS_GG_TT threads, each BS_GG_ITEMS consecutive
+ * segments: a max-scan makes the starts monotone, a sum-scan counts the
+ * tiles (G + 2 <= BS_GG_MAX_SEG), and all search the prefix sums for the
  * tiles' segments. */
-constexpr int BS_GG_MAX_SEG = 4096;
+constexpr int BS_GG_TT = 256, BS_GG_ITEMS = 16;
+constexpr int BS_GG_MAX_SEG = BS_GG_TT * BS_GG_ITEMS; /* 4096 */
 __host__ __device__ inline size_t bs_gg_table_bytes(int64_t G, int64_t R) {
   return sizeof(int64_t) * (size_t)(2 * (G + 3)) + sizeof(int32_t) * (size_t)(R / BS_B + G + 3);
 }
-__global__ void bs_gg_table_kernel(const int64_t *offs, int64_t G, int64_t R, int64_t *tab) {
-  __shared__ int64_t o[BS_GG_MAX_SEG];
-  for (int64_t i = threadIdx.x; i <= G; i += blockDim.x) o[i] = offs[i];
-  __syncthreads();
+struct BsMax {
+  __device__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+};
+__global__ void __launch_bounds__(BS_GG_TT) bs_gg_table_kernel(const int64_t *offs, int64_t G, int64_t R,
+                                                               int64_t *tab) {
+  using Scan = cub::BlockScan<int64_t, BS_GG_TT>;
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ int64_t o[BS_GG_MAX_SEG + 1]; /* the starts, then the prefix sums */
   const int64_t S = G + 2;
   int64_t *start = tab, *pre = tab + S + 1;
-  if (threadIdx.x == 0) {
-    int64_t prev = 0;
-    start[0] = 0;
-    for (int64_t s = 1; s <= G + 1; s++) {
-      int64_t v = o[s - 1];
-      v = v < prev ? prev : v > R ? R : v;
-      start[s] = prev = v;
-    }
-    start[S] = R;
-    o[0] = 0; /* the prefix sums, here too (the offsets are read) */
-    for (int64_t s = 0; s < S; s++) o[s + 1] = o[s] + (start[s + 1] - start[s] + BS_B - 1) / BS_B;
-    for (int64_t s = 0; s <= S; s++) pre[s] = o[s];
+  int64_t v[BS_GG_ITEMS];
+  /* start[s] for s = 1 + item: the running max of the offsets clamped to
+   * [0, R] (offs[s - 1] for s <= G + 1; R for s = S) */
+#pragma unroll
+  for (int i = 0; i < BS_GG_ITEMS; i++) {
+    const int64_t s = 1 + (int64_t)threadIdx.x * BS_GG_ITEMS + i;
+    int64_t x = s <= G + 1 ? offs[s - 1] : R;
+    v[i] = x < 0 ? 0 : x > R ? R : x;
   }
+  Scan(tmp).InclusiveScan(v, v, BsMax());
+#pragma unroll
+  for (int i = 0; i < BS_GG_ITEMS; i++) {
+    const int64_t s = 1 + (int64_t)threadIdx.x * BS_GG_ITEMS + i;
+    if (s <= S) o[s] = start[s] = s == S ? R : v[i];
+  }
+  if (threadIdx.x == 0) o[0] = start[0] = 0;
   __syncthreads();
+  /* tiles of segment s = item, then their exclusive sums */
+#pragma unroll
+  for (int i = 0; i < BS_GG_ITEMS; i++) {
+    const int64_t s = (int64_t)threadIdx.x * BS_GG_ITEMS + i;
+    v[i] = s < S ? (o[s + 1] - o[s] + BS_B - 1) / BS_B : 0;
+  }
+  int64_t total;
+  __syncthreads(); /* o and tmp are reused */
+  Scan(tmp).ExclusiveSum(v, v, total);
+#pragma unroll
+  for (int i = 0; i < BS_GG_ITEMS; i++) {
+    const int64_t s = (int64_t)threadIdx.x * BS_GG_ITEMS + i;
+    if (s < S) o[s] = v[i];
+  }
+  if (threadIdx.x == 0) o[S] = total;
+  __syncthreads();
+  for (int64_t s = threadIdx.x; s <= S; s += blockDim.x) pre[s] = o[s];
   int32_t *seg = (int32_t *)(pre + S + 1);
   for (int64_t m = threadIdx.x; m < o[S]; m += blockDim.x) {
     int64_t lo = 0, hi = S; /* o[lo] <= m < o[hi] */
@@ -1888,7 +1915,7 @@ static moe_status bs_gg_check(moe_ctx *ctx, int device, const char *fn, int64_t 
 static moe_status bs_gg_table(moe_ctx *ctx, cudaStream_t cs, const int64_t *offs, int64_t G, int64_t R,
                               MoeScratch &tab) {
   MOE_CHECK(tab.alloc(bs_gg_table_bytes(G, R)));
-  bs_gg_table_kernel<<<1, 256, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
+  bs_gg_table_kernel<<<1, BS_GG_TT, 0, cs>>>(offs, G, R, (int64_t *)tab.ptr);
   MOE_CUDA_CHECK_LAUNCH(ctx, "grouped gemm segment table");
   return MOE_OK;
 }
