@@ -855,9 +855,7 @@ __device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCt
 #endif /* BS_WG_DEVICE */
 
 #ifdef BS_WG_DEVICE
-/* The TMA epilogues' staging: the bf16 pair v of the thread's row r and
- * 16-byte piece jj of a 128-column half (two 64 x 64 boxes of 8 pieces a
- * row) into buf in the 128-byte swizzle, at the lane's 4 bytes of it. */
+/* 16 bytes of shared memory at a. */
 __device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -866,6 +864,10 @@ __device__ __forceinline__ uint4 bs_lds16(uint32_t a) {
                : "memory");
   return v;
 }
+
+/* The TMA epilogues' staging: the bf16 pair v of the thread's row r and
+ * 16-byte piece jj of a 128-column half (two 64 x 64 boxes of 8 pieces a
+ * row) into buf in the 128-byte swizzle, at the lane's 4 bytes of it. */
 __device__ __forceinline__ void bs_stage_pair(uint32_t buf, int jj, int r, int lane, __nv_bfloat162 v) {
   uint32_t bits;
   memcpy(&bits, &v, 4);
@@ -1280,8 +1282,8 @@ __global__ void __launch_bounds__(BS_WG_THREADS, 1)
     uint32_t ph = 0;
     [[maybe_unused]] int64_t tn = 0; /* the CTA's tiles so far: the tile buffer's phases */
     /* c: this tile's walk; cn: the next tile's, worked out while the first
-     * chunk's products run (a GG tile's is a search of the segment table:
-     * done between tiles, it held the tensor cores idle) */
+     * chunk's products run (done between tiles, with its loads from the
+     * segment table and its divisions, it held the tensor cores idle) */
     BsCta c{}, cn{};
     if ((int64_t)blockIdx.x < ntiles) c = bs_cta<KIND, BS_WG_BN, BS_WG_BK>(g, blockIdx.x);
     for (int64_t tile = blockIdx.x; tile < ntiles; tile += gridDim.x, c = cn) {
