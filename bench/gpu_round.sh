@@ -161,15 +161,16 @@ MOE_BSMM_PERSIST=1}"
     auto)
       # mlp_impl auto: the MoE MLP benchmark with the auto row (the autotuner's pick, timed) beside
       # the grouped and sparse rows, and the torch references in the same call: eager and compiled
-      # torch._grouped_mm, and ScatterMoE when a checkout of shawntan/scattermoe is carried at
-      # out/scattermoe (A_SCATTERMOE=DIR elsewhere); then the 125M dMoE trained a few steps with
+      # torch._grouped_mm, ScatterMoE when a checkout of shawntan/scattermoe is carried at
+      # out/scattermoe (A_SCATTERMOE=DIR elsewhere), and the ceiling (the same FLOPs as one dense
+      # MLP, and its GEMMs alone: --dense-bound); then the 125M dMoE trained a few steps with
       # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3).
       cf=${A_CONFIGS:-mixtral,olmoe,qwen3}
       $ml bench/moe_mlp.lua configs=$cf impls=grouped,grouped_cublas,sparse,auto budget=400 \
         json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
       note "moe_mlp: rc=$?"; grep -E "grouped|sparse|auto" "$out/moe_mlp_moe.log" | grep -v "^|"
       sm=${A_SCATTERMOE:-$root/out/scattermoe}; smarg=(); [ -d "$sm/scattermoe" ] && smarg=(--scattermoe "$sm")
-      python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile "${smarg[@]}" \
+      python3 bench/moe_mlp_torch.py --configs $cf --budget 500 --compile --dense-bound "${smarg[@]}" \
         --json "$out/moe_mlp_torch.json" > "$out/moe_mlp_torch.log" 2>&1
       note "moe_mlp_torch: rc=$? ${smarg[*]}"; grep -E "torch_grouped_mm|scattermoe|Error" "$out/moe_mlp_torch.log" | head -12
       python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \

@@ -24,6 +24,15 @@ implementations, in the same run on the same GPU:
                      gather fused, silu(h1) * h3, and one for the output with
                      the gate weighting and scatter fused; its own sort/count.
 
+  torch_dense_mlp    (--dense-bound) the ceiling of any MoE layer of these
+                     FLOPs: one dense SwiGLU MLP (d x f weights) over all T k
+                     token copies, no routing, gather, gates or combine; eager,
+                     and with --compile also torch.compile'd
+                     (torch_dense_mlp_compiled).
+  torch_dense_gemms  (--dense-bound) its nine GEMMs alone (cuBLAS through
+                     torch.mm into preallocated outputs; dx's two products
+                     as one addmm): the same FLOPs with nothing else.
+
 plus the dense bf16 GEMM rate (torch.matmul 8192^3). Every step computes
 all weight gradients and the gradients of x and the gates.
 
@@ -32,7 +41,7 @@ all weight gradients and the gradients of x and the gates.
                                  (also qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                                  65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
                                  llama4: d 5120, f 8192, E 16, k 1)
-                                 [--compile] [--scattermoe DIR]
+                                 [--compile] [--scattermoe DIR] [--dense-bound]
 
 Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
 the median (as the Lua side). Peak extra memory:
@@ -113,6 +122,36 @@ def grouped(x, w1, w3, w2, ids, gates, E):
     return torch.zeros_like(x).index_add(0, tok, ys)
 
 
+def dense_mlp(x, w1, w3, w2):
+    """The layer's FLOPs as one dense SwiGLU MLP over x = (T k, d)."""
+    return (F.silu(x @ w1) * (x @ w3)) @ w2
+
+
+class DenseGemms:
+    """The nine GEMMs of a dense SwiGLU MLP's forward + backward over R rows,
+    into preallocated outputs: h1 = x w1, h3 = x w3, y = a w2; da = dy w2^T,
+    dw2 = a^T dy, dx = dh1 w1^T + dh3 w3^T (one mm, one addmm), dw1 = x^T dh1,
+    dw3 = x^T dh3. The operands are random; only the products run."""
+
+    def __init__(self, R, d, f, o):
+        r = lambda *shape: torch.randn(*shape, **o)  # noqa: E731
+        self.x, self.dy, self.a, self.dh1, self.dh3 = r(R, d), r(R, d), r(R, f), r(R, f), r(R, f)
+        self.w1, self.w3, self.w2 = r(d, f) * 0.02, r(d, f) * 0.02, r(f, d) * 0.02
+        self.h, self.y, self.dx = r(R, f), r(R, d), r(R, d)
+        self.dw1, self.dw2 = r(d, f), r(f, d)
+
+    def __call__(self):
+        torch.mm(self.x, self.w1, out=self.h)
+        torch.mm(self.x, self.w3, out=self.h)
+        torch.mm(self.a, self.w2, out=self.y)
+        torch.mm(self.dy, self.w2.t(), out=self.h)
+        torch.mm(self.a.t(), self.dy, out=self.dw2)
+        torch.mm(self.dh1, self.w1.t(), out=self.dx)
+        torch.addmm(self.dx, self.dh3, self.w3.t(), out=self.dx)
+        torch.mm(self.x.t(), self.dh1, out=self.dw1)
+        torch.mm(self.x.t(), self.dh3, out=self.dw1)
+
+
 def scattermoe_step(smoe):
     """ScatterMoE's GLU expert MLP over (x, W13 (E, d, 2f), W2 (E, f, d))."""
     def glu(x, w13, w2, ids, gates, E):
@@ -145,6 +184,8 @@ def main():
                     help="also torch.compile of the _grouped_mm step (torch_grouped_mm_compiled)")
     ap.add_argument("--scattermoe", metavar="DIR",
                     help="also ScatterMoE, imported from this checkout of shawntan/scattermoe")
+    ap.add_argument("--dense-bound", action="store_true",
+                    help="also the layer's FLOPs as one dense MLP (torch_dense_mlp, torch_dense_gemms)")
     a = ap.parse_args()
     smoe_version = None
     if a.scattermoe:  # its commit: a COMMIT file beside the package (an exported tree), else git
@@ -171,6 +212,11 @@ def main():
         impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
     if a.scattermoe:
         impls.append(("scattermoe", scattermoe_step(smoe)))
+    if a.dense_bound:
+        impls.append(("torch_dense_mlp", dense_mlp))
+        if a.compile:
+            impls.append(("torch_dense_mlp_compiled", torch.compile(dense_mlp)))
+        impls.append(("torch_dense_gemms", None))
     lost = None  # an error that left the CUDA context unusable (e.g. an illegal address)
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
@@ -201,15 +247,25 @@ def main():
             elif time.time() - t0 > a.budget:
                 r.update(skipped=True, error="time budget exhausted")
             else:
+                w13, dyd = None, dy
                 if name == "scattermoe":  # W1 and W3 as one weight, made once (not timed)
                     w13 = torch.cat([w1, w3], 2).detach().requires_grad_()
                     args, ps = (x, w13, w2, ids, gates, E), [x, w13, w2, gates]
+                elif name.startswith("torch_dense_mlp"):  # T k rows, expert 0's weights
+                    xd = torch.randn(T * k, d, **o).requires_grad_()
+                    ps = [xd] + [w[0].detach().clone().requires_grad_() for w in (w1, w3, w2)]
+                    args, dyd = tuple(ps), torch.randn(T * k, d, **o)
+                elif name == "torch_dense_gemms":
+                    args, ps = (), []
+                    fn = DenseGemms(T * k, d, f, o)
                 else:
-                    w13 = None
                     args, ps = (x, w1, w3, w2, ids, gates, E), params
 
                 def step():
-                    fn(*args).backward(dy)
+                    if name == "torch_dense_gemms":
+                        fn()
+                        return
+                    fn(*args).backward(dyd)
                     for p in ps:
                         p.grad = None
                 try:
@@ -234,7 +290,9 @@ def main():
                         lost = f"not run: the CUDA context was lost to {name} on {c['name']}"
                     else:
                         torch.cuda.empty_cache()
-                del w13, args, ps
+                del w13, args, ps, dyd
+                if name == "torch_dense_gemms":
+                    fn = None
             results.append(r)
             if "ms" in r:
                 print(f"{c['name']:8s} {name:17s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
