@@ -210,13 +210,13 @@ def main():
     impls = [("torch_naive", naive), ("torch_grouped_mm", grouped)]
     if a.compile:  # the warm-up step compiles (once per config: static shapes)
         impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
-    if a.scattermoe:
-        impls.append(("scattermoe", scattermoe_step(smoe)))
     if a.dense_bound:
         impls.append(("torch_dense_mlp", dense_mlp))
         if a.compile:
             impls.append(("torch_dense_mlp_compiled", torch.compile(dense_mlp)))
         impls.append(("torch_dense_gemms", None))
+    if a.scattermoe:  # last: an illegal address in it (DeepSeek-like) ends the process's CUDA work
+        impls.append(("scattermoe", scattermoe_step(smoe)))
     lost = None  # an error that left the CUDA context unusable (e.g. an illegal address)
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
