@@ -162,7 +162,7 @@ MOE_BSMM_PERSIST=1}"
       # mlp_impl auto: the MoE MLP benchmark with the auto row (the autotuner's pick, timed) beside
       # the grouped and sparse rows, and the torch references in the same call: eager and compiled
       # torch._grouped_mm, ScatterMoE when a checkout of shawntan/scattermoe is carried at
-      # out/scattermoe (A_SCATTERMOE=DIR elsewhere), and the ceiling (the same FLOPs as one dense
+      # out/scattermoe (A_SCATTERMOE=DIR elsewhere), and the dense bound (the same FLOPs as one dense
       # MLP, and its GEMMs alone: --dense-bound); then the 125M dMoE trained a few steps with
       # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3).
       cf=${A_CONFIGS:-mixtral,olmoe,qwen3}

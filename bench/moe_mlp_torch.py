@@ -24,8 +24,8 @@ implementations, in the same run on the same GPU:
                      gather fused, silu(h1) * h3, and one for the output with
                      the gate weighting and scatter fused; its own sort/count.
 
-  torch_dense_mlp    (--dense-bound) the ceiling of any MoE layer of these
-                     FLOPs: one dense SwiGLU MLP (d x f weights) over all T k
+  torch_dense_mlp    (--dense-bound) the same FLOPs with no MoE work at
+                     all: one dense SwiGLU MLP (d x f weights) over all T k
                      token copies, no routing, gather, gates or combine; eager,
                      and with --compile also torch.compile'd
                      (torch_dense_mlp_compiled).
