@@ -42,6 +42,11 @@ all weight gradients and the gradients of x and the gates.
                                  65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
                                  llama4: d 5120, f 8192, E 16, k 1)
                                  [--compile] [--scattermoe DIR] [--dense-bound]
+                                 [--impls NAME,...] [--cooldown S]
+
+--impls keeps only the named rows; --cooldown S idles the GPU S seconds
+before the dense rate and before each row (as moe_mlp.lua's cooldown=), so
+that no row starts on a GPU the rows before it have heated.
 
 Timing: 2 warm-up steps, then `repeats` steps each between two CUDA events,
 the median (as the Lua side). Peak extra memory:
@@ -184,6 +189,9 @@ def main():
                     help="also torch.compile of the _grouped_mm step (torch_grouped_mm_compiled)")
     ap.add_argument("--scattermoe", metavar="DIR",
                     help="also ScatterMoE, imported from this checkout of shawntan/scattermoe")
+    ap.add_argument("--impls", help="only these rows (comma separated names)")
+    ap.add_argument("--cooldown", type=float, default=0,
+                    help="seconds the GPU idles before the dense rate and before each row")
     ap.add_argument("--dense-bound", action="store_true",
                     help="also the layer's FLOPs as one dense MLP (torch_dense_mlp, torch_dense_gemms)")
     a = ap.parse_args()
@@ -203,7 +211,12 @@ def main():
             smoe_version = git.stdout.strip() or "unknown"
         else:
             smoe_version = "unknown (no COMMIT file, no .git)"
+    def cooldown():
+        torch.cuda.synchronize()
+        if a.cooldown > 0:
+            time.sleep(a.cooldown)
     t0 = time.time()
+    cooldown()
     dense = dense_rate()
     print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
     results = []
@@ -217,6 +230,8 @@ def main():
         impls.append(("torch_dense_gemms", None))
     if a.scattermoe:  # last: an illegal address in it (DeepSeek-like) ends the process's CUDA work
         impls.append(("scattermoe", scattermoe_step(smoe)))
+    if a.impls:
+        impls = [(n, f) for n, f in impls if n in a.impls.split(",")]
     lost = None  # an error that left the CUDA context unusable (e.g. an illegal address)
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
@@ -269,7 +284,7 @@ def main():
                     for p in ps:
                         p.grad = None
                 try:
-                    torch.cuda.synchronize()
+                    cooldown()
                     step()  # warm-up (cuBLAS heuristics, caching allocator growth)
                     first = timed(step)
                     if first > 3000:
