@@ -262,7 +262,7 @@ def main():
             elif time.time() - t0 > a.budget:
                 r.update(skipped=True, error="time budget exhausted")
             else:
-                w13, dyd = None, dy
+                w13, dyd, xd = None, dy, None
                 if name == "scattermoe":  # W1 and W3 as one weight, made once (not timed)
                     w13 = torch.cat([w1, w3], 2).detach().requires_grad_()
                     args, ps = (x, w13, w2, ids, gates, E), [x, w13, w2, gates]
@@ -305,7 +305,7 @@ def main():
                         lost = f"not run: the CUDA context was lost to {name} on {c['name']}"
                     else:
                         torch.cuda.empty_cache()
-                del w13, args, ps, dyd
+                del w13, args, ps, dyd, xd
                 if name == "torch_dense_gemms":
                     fn = None
             results.append(r)
