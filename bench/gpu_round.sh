@@ -164,13 +164,16 @@ MOE_BSMM_PERSIST=1}"
       # torch._grouped_mm, ScatterMoE when a checkout of shawntan/scattermoe is carried at
       # out/scattermoe (A_SCATTERMOE=DIR elsewhere), and the dense bound (the same FLOPs as one dense
       # MLP, and its GEMMs alone: --dense-bound); then the 125M dMoE trained a few steps with
-      # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3).
+      # mlp_impl auto, whose log names the pick (A_CONFIGS, default mixtral,olmoe,qwen3). A_COOLDOWN=S
+      # idles the GPU S seconds before each side's dense rate and every row (the order of the rows
+      # moves them by up to 6 % under the power cap; docs/EXPERTS.md).
       cf=${A_CONFIGS:-mixtral,olmoe,qwen3}
-      $ml bench/moe_mlp.lua configs=$cf impls=grouped,grouped_cublas,sparse,auto budget=400 \
+      cd_s=${A_COOLDOWN:-0}
+      $ml bench/moe_mlp.lua configs=$cf impls=grouped,grouped_cublas,sparse,auto budget=400 cooldown=$cd_s \
         json="$out/moe_mlp_moe.json" > "$out/moe_mlp_moe.log" 2>&1
       note "moe_mlp: rc=$?"; grep -E "grouped|sparse|auto" "$out/moe_mlp_moe.log" | grep -v "^|"
       sm=${A_SCATTERMOE:-$root/out/scattermoe}; smarg=(); [ -d "$sm/scattermoe" ] && smarg=(--scattermoe "$sm")
-      python3 bench/moe_mlp_torch.py --configs $cf --budget 500 --compile --dense-bound "${smarg[@]}" \
+      python3 bench/moe_mlp_torch.py --configs $cf --budget 500 --compile --dense-bound --cooldown $cd_s "${smarg[@]}" \
         --json "$out/moe_mlp_torch.json" > "$out/moe_mlp_torch.log" 2>&1
       note "moe_mlp_torch: rc=$? ${smarg[*]}"; grep -E "torch_grouped_mm|scattermoe|Error" "$out/moe_mlp_torch.log" | head -12
       python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \
