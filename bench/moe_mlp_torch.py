@@ -211,15 +211,12 @@ def main():
             smoe_version = git.stdout.strip() or "unknown"
         else:
             smoe_version = "unknown (no COMMIT file, no .git)"
+
     def cooldown():
         torch.cuda.synchronize()
         if a.cooldown > 0:
             time.sleep(a.cooldown)
-    t0 = time.time()
-    cooldown()
-    dense = dense_rate()
-    print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
-    results = []
+
     impls = [("torch_naive", naive), ("torch_grouped_mm", grouped)]
     if a.compile:  # the warm-up step compiles (once per config: static shapes)
         impls.append(("torch_grouped_mm_compiled", torch.compile(grouped)))
@@ -231,7 +228,16 @@ def main():
     if a.scattermoe:  # last: an illegal address in it (DeepSeek-like) ends the process's CUDA work
         impls.append(("scattermoe", scattermoe_step(smoe)))
     if a.impls:
+        known = [n for n, _ in impls]
+        unknown = [n for n in a.impls.split(",") if n not in known]
+        if unknown:
+            ap.error(f"--impls: no row named {', '.join(unknown)} with these options (rows: {', '.join(known)})")
         impls = [(n, f) for n, f in impls if n in a.impls.split(",")]
+    t0 = time.time()
+    cooldown()
+    dense = dense_rate()
+    print(f"dense bf16 GEMM 8192^3: {dense['ms']:.3f} ms, {dense['tflops']:.1f} TFLOP/s")
+    results = []
     lost = None  # an error that left the CUDA context unusable (e.g. an illegal address)
     for c in CONFIGS:
         if c["name"] not in a.configs.split(","):
@@ -262,27 +268,23 @@ def main():
             elif time.time() - t0 > a.budget:
                 r.update(skipped=True, error="time budget exhausted")
             else:
-                w13, dyd, xd = None, dy, None
+                w13, dyd = None, dy
                 if name == "scattermoe":  # W1 and W3 as one weight, made once (not timed)
                     w13 = torch.cat([w1, w3], 2).detach().requires_grad_()
                     args, ps = (x, w13, w2, ids, gates, E), [x, w13, w2, gates]
                 elif name.startswith("torch_dense_mlp"):  # T k rows, expert 0's weights
-                    xd = torch.randn(T * k, d, **o).requires_grad_()
-                    ps = [xd] + [w[0].detach().clone().requires_grad_() for w in (w1, w3, w2)]
+                    ps = [torch.randn(T * k, d, **o).requires_grad_()]
+                    ps += [w[0].detach().clone().requires_grad_() for w in (w1, w3, w2)]
                     args, dyd = tuple(ps), torch.randn(T * k, d, **o)
-                elif name == "torch_dense_gemms":
-                    args, ps = (), []
-                    fn = DenseGemms(T * k, d, f, o)
                 else:
                     args, ps = (x, w1, w3, w2, ids, gates, E), params
 
                 def step():
-                    if name == "torch_dense_gemms":
-                        fn()
-                        return
                     fn(*args).backward(dyd)
                     for p in ps:
                         p.grad = None
+                if name == "torch_dense_gemms":  # the products alone: no autograd
+                    step = DenseGemms(T * k, d, f, o)
                 try:
                     cooldown()
                     step()  # warm-up (cuBLAS heuristics, caching allocator growth)
@@ -305,9 +307,7 @@ def main():
                         lost = f"not run: the CUDA context was lost to {name} on {c['name']}"
                     else:
                         torch.cuda.empty_cache()
-                del w13, args, ps, dyd, xd
-                if name == "torch_dense_gemms":
-                    fn = None
+                del w13, args, ps, dyd, step
             results.append(r)
             if "ms" in r:
                 print(f"{c['name']:8s} {name:17s} {r['ms']:9.3f} ms {r['tflops']:7.1f} TFLOP/s "
