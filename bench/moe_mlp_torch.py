@@ -57,6 +57,7 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -200,7 +201,6 @@ def main():
         import importlib
         import os
         import subprocess
-        import sys
         sys.path.insert(0, a.scattermoe)
         smoe = importlib.import_module("scattermoe")
         marker = os.path.join(a.scattermoe, "COMMIT")
@@ -322,6 +322,7 @@ def main():
                "device": torch.cuda.get_device_name(0),
                "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                "dtype": "bf16", "T": T0, "dense": dense, "results": results,
+               "command": " ".join(["python3"] + sys.argv), "cooldown_s": a.cooldown,
                "scattermoe": smoe_version and {"repo": "github.com/shawntan/scattermoe", "commit": smoe_version}}
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)
