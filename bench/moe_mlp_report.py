@@ -116,8 +116,10 @@ def main():
         mlp = best(c, ["torch_dense_mlp", "torch_dense_mlp_compiled"])
         gemms = get(c, "torch_dense_gemms")
         if mlp or gemms:
+            b = best(c, moe_impls)
             bound[c] = {"dense_mlp": mlp and {"impl": mlp["impl"], "ms": mlp["ms"], "pct_dense": mlp["pct_dense"]},
-                          "dense_gemms": gemms and {"ms": gemms["ms"], "pct_dense": gemms["pct_dense"]}}
+                        "dense_gemms": gemms and {"ms": gemms["ms"], "pct_dense": gemms["pct_dense"]},
+                        "best_pct_of_dense_mlp_speed": mlp and b and 100 * mlp["ms"] / b["ms"]}
     targets = {
         "best_pct_dense": best_pct,
         "dense_bound": bound or "not measured (bench/moe_mlp_torch.py without --dense-bound)",
@@ -206,10 +208,11 @@ def main():
         for c, v in bound.items():
             m, g = v["dense_mlp"], v["dense_gemms"]
             b = best(c, moe_impls)
+            speed = m and b and 100 * m["ms"] / b["ms"]  # the best path's speed as a share of the dense MLP's
             lines.append(f"- {c}: dense MLP ({m['impl'] if m else '-'}) {fmt(m and m['ms'], '.3f')} ms, "
                          f"{fmt(m and m['pct_dense'], '.1f')}% of dense; GEMMs alone {fmt(g and g['ms'], '.3f')} ms, "
                          f"{fmt(g and g['pct_dense'], '.1f')}%; best moe-lua path {fmt(b and b['ms'], '.3f')} ms, "
-                         f"{fmt(b and b['pct_dense'], '.1f')}%")
+                         f"{fmt(b and b['pct_dense'], '.1f')}%, at {fmt(speed, '.1f')}% of the dense MLP's speed")
     with open(os.path.join(outdir, "moe_mlp.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
