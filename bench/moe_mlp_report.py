@@ -24,20 +24,50 @@ import os
 import sys
 
 
+USAGE = "usage: python3 bench/moe_mlp_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT] [--gathered MOE_JSON]"
+
+
+def fail(msg):
+    sys.exit(f"moe_mlp_report: {msg}\n{USAGE}")
+
+
+def load(path, what, keys):
+    """The JSON at path (what: which input it is), with the keys the report reads."""
+    try:
+        with open(path) as fh:
+            v = json.load(fh)
+    except (OSError, ValueError) as e:
+        fail(f"cannot read {what} {path!r}: {e}")
+    missing = [k for k in keys if not isinstance(v, dict) or k not in v]
+    if missing:
+        fail(f"{what} {path!r} has no {', '.join(repr(k) for k in missing)}")
+    return v
+
+
+def option(argv, name):
+    """The value of --name (removed from argv with its flag), or None."""
+    if name not in argv:
+        return None
+    i = argv.index(name)
+    if i + 1 >= len(argv):
+        fail(f"{name} needs a value")
+    v = argv[i + 1]
+    del argv[i:i + 2]
+    return v
+
+
 def main():
     argv = sys.argv[1:]
-    command = None
-    if "--command" in argv:
-        i = argv.index("--command")
-        command = argv[i + 1]
-        del argv[i:i + 2]
-    gathered = None
-    if "--gathered" in argv:
-        i = argv.index("--gathered")
-        gathered = json.load(open(argv[i + 1]))
-        del argv[i:i + 2]
-    moe = json.load(open(argv[0]))
-    th = json.load(open(argv[1]))
+    command = option(argv, "--command")
+    gpath = option(argv, "--gathered")
+    unknown = [a for a in argv if a.startswith("--")]
+    if unknown:
+        fail(f"unknown option {unknown[0]}")
+    if len(argv) not in (2, 3):
+        fail(f"expected MOE_JSON TORCH_JSON [OUTDIR], got {len(argv)} arguments")
+    gathered = gpath and load(gpath, "--gathered JSON", ["results"])
+    moe = load(argv[0], "MOE_JSON (bench/moe_mlp.lua)", ["dense", "results", "device", "date"])
+    th = load(argv[1], "TORCH_JSON (bench/moe_mlp_torch.py)", ["dense", "results", "device"])
     outdir = argv[2] if len(argv) > 2 else "bench/results"
     dense = max(moe["dense"]["tflops"], th["dense"]["tflops"])
     rows = []
@@ -130,11 +160,11 @@ def main():
         "memory": memory or "ScatterMoE did not run: its peak extra memory is not compared in this run",
     }
     out = {"device": moe["device"], "torch_device": th["device"], "date": moe["date"],
-           "versions": {"moe": moe["tool"], "torch": th["tool"], "torch_cuda": th["cuda"],
-                        "cuda_runtime": moe["cuda_runtime"], "cuda_driver": moe["cuda_driver"],
-                        "cublas": moe["cublas"], "grouped_backend": moe.get("grouped_backend"),
+           "versions": {"moe": moe.get("tool"), "torch": th.get("tool"), "torch_cuda": th.get("cuda"),
+                        "cuda_runtime": moe.get("cuda_runtime"), "cuda_driver": moe.get("cuda_driver"),
+                        "cublas": moe.get("cublas"), "grouped_backend": moe.get("grouped_backend"),
                         "scattermoe": (th.get("scattermoe") or {}).get("commit")},
-           "T": moe["T"], "dtype": "bf16", "bsmm_gather": moe.get("bsmm_gather"),
+           "T": moe.get("T"), "dtype": "bf16", "bsmm_gather": moe.get("bsmm_gather"),
            "dense": {"moe": moe["dense"], "torch": th["dense"], "reference_tflops": dense},
            "method": "forward + backward of the SwiGLU expert MLP (routing plan / sort, permute, "
                      "3 expert GEMMs, combine; all weight, input and gate gradients); median of "
