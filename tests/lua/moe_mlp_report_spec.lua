@@ -5,8 +5,11 @@ targets, run on made-up inputs: the percentages of the higher of the two
 dense rates, each target at its threshold and just below, every moe-lua path
 against the faster torch._grouped_mm, skipped rows, the dense bound and the
 best path's share of the dense MLP's speed, and bad arguments (a clear
-message, exit status 1). Needs only Python 3's standard library; without a
-python3 the spec is pending ("SKIPPED ..."), with CI set it fails instead.
+message, exit status 1); then the real Lua side: bench/moe_mlp.lua's smoke
+run on the CPU ($MOE_BUILD_DIR/moe-lua), joined with a torch side made from
+its rows, so that a change to either JSON the report does not follow shows
+here. Needs only Python 3's standard library; without a python3 the spec is
+pending ("SKIPPED ..."), with CI set it fails instead.
 
 Run: moe-lua tests/lua/busted.lua tests/lua/moe_mlp_report_spec.lua (ctest does).
 ]]
@@ -192,5 +195,39 @@ describe("bench/moe_mlp_report.py", function()
       assert.truthy(out:find("usage: python3 bench/moe_mlp_report.py", 1, true), out)
       assert.is_nil(out:find("Traceback", 1, true), out)
     end
+  end)
+
+  it("joins bench/moe_mlp.lua's own JSON (its smoke run on the CPU)", function()
+    local exe = (os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua"
+    local bench = spec_dir .. "/../../bench/moe_mlp.lua"
+    local cmd = ("%s %s smoke=true repeats=1 warmup=1 json=%s > %s 2>&1"):format(sh_quote(exe), sh_quote(bench),
+      sh_quote(P("smoke_moe.json")), sh_quote(P("smoke.log")))
+    assert(os.execute(cmd), read(P("smoke.log")))
+    local moe = json.decode(read(P("smoke_moe.json")))
+    -- the torch side: compiled _grouped_mm at half the speed of each config's grouped row
+    local rows = {}
+    for _, r in ipairs(moe.results) do
+      if r.impl == "grouped" then
+        rows[#rows + 1] = { config = r.config, impl = "torch_grouped_mm_compiled", T = r.T, d = r.d, f = r.f,
+          E = r.E, k = r.k, ms = 2 * r.ms, tflops = r.tflops / 2, peak_extra_bytes = r.peak_extra_bytes }
+      end
+    end
+    assert.are.equal(3, #rows)
+    write(P("smoke_torch.json"), { device = moe.device, tool = "torch", cuda = "13.0",
+      dense = { tflops = moe.dense.tflops / 2 }, results = rows })
+    local ok, code, out = report(P("smoke_moe.json") .. " " .. P("smoke_torch.json") .. " " .. P("smoke"))
+    assert(ok, ("report failed (%s): %s"):format(tostring(code), out))
+    local joined = json.decode(read(P("smoke/moe_mlp.json")))
+    assert.are.equal(moe.dense.tflops, joined.dense.reference_tflops)
+    local t = joined.targets
+    for _, c in ipairs({ "mixtral", "olmoe", "qwen3" }) do
+      assert.is_number(t.best_pct_dense[c].pct_dense, c)
+      assert.is_true(t.faster_than_best_torch_grouped_mm[c].grouped, c)
+      assert.is_string(t.auto[c].pick, c) -- the auto row's pick, read from "auto:<impl>"
+      assert.is_table(t.auto[c].tuner_ms, c)
+    end
+    local md = read(P("smoke/moe_mlp.md"))
+    assert.truthy(md:find("| mixtral | 128 | 64 | 128 | 2 | 2 | grouped |", 1, true), md)
+    assert.truthy(md:find("- mlp_impl auto on qwen3: picks ", 1, true), md)
   end)
 end)
