@@ -237,8 +237,7 @@ def main():
                   "outside them cannot beat these:"]
         for c, v in bound.items():
             m, g = v["dense_mlp"], v["dense_gemms"]
-            b = best(c, moe_impls)
-            speed = m and b and 100 * m["ms"] / b["ms"]  # the best path's speed as a share of the dense MLP's
+            b, speed = best(c, moe_impls), v["best_pct_of_dense_mlp_speed"]
             lines.append(f"- {c}: dense MLP ({m['impl'] if m else '-'}) {fmt(m and m['ms'], '.3f')} ms, "
                          f"{fmt(m and m['pct_dense'], '.1f')}% of dense; GEMMs alone {fmt(g and g['ms'], '.3f')} ms, "
                          f"{fmt(g and g['pct_dense'], '.1f')}%; best moe-lua path {fmt(b and b['ms'], '.3f')} ms, "
