@@ -845,11 +845,25 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
 __device__ __forceinline__ int bs_gtok(const BsArgs &g, int64_t r, bool valid) {
   return valid ? bs_tok(g.tp.gather_src[r], (int)g.tp.gather_k) : -1;
 }
-template <int KIND>
-__device__ __forceinline__ void bs_gw_toks(const BsArgs &g, const BsCta &c, int q, int rs, int *t) {
+/* GW: this thread's rows' plan entries for chunk q, loaded a chunk ahead of
+ * their use and only divided into tokens there (bs_gw_toks): the loads are
+ * in flight while the producer waits for its stage, where dividing at once
+ * would wait for them every chunk. A row past the group's end loads the
+ * last row's entry (unused). The entries are int64 below 2^31 (-1 for none):
+ * their low words, little-endian, are the values. */
+__device__ __forceinline__ void bs_gw_srcs(const BsArgs &g, const BsCta &c, int q, int rs, int *s) {
+  const int64_t r0 = c.i0 + (int64_t)q * BS_WG_BK, last = c.i0 + (int64_t)(c.nq - 1) * BS_WG_BK + c.kv_last - 1;
+  const int *lo = (const int *)g.tp.gather_src;
+#pragma unroll
+  for (int u = 0; u < 4; u++) {
+    const int64_t r = r0 + rs + 16 * u;
+    s[u] = __ldg(lo + 2 * (r < last ? r : last));
+  }
+}
+__device__ __forceinline__ void bs_gw_toks(const BsArgs &g, const BsCta &c, int q, int rs, const int *s, int *t) {
   const int64_t r0 = c.i0 + (int64_t)q * BS_WG_BK, end = c.i0 + (int64_t)(c.nq - 1) * BS_WG_BK + c.kv_last;
 #pragma unroll
-  for (int u = 0; u < 4; u++) t[u] = bs_gtok(g, r0 + rs + 16 * u, r0 + rs + 16 * u < end);
+  for (int u = 0; u < 4; u++) t[u] = r0 + rs + 16 * u < end ? bs_tok(s[u], (int)g.tp.gather_k) : -1;
 }
 template <int KIND, bool TRANS>
 __device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCta &c, int64_t &it,
@@ -864,13 +878,12 @@ __device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCt
 #pragma unroll
     for (int u = 0; u < 8; u++) tok[u] = bs_gtok(g, c.i0 + rs + 16 * u, rs + 16 * u < c.m_valid);
   } else if (c.nq > 0) {
-    bs_gw_toks<KIND>(g, c, 0, rs, nxt);
+    bs_gw_srcs(g, c, 0, rs, nxt);
   }
   for (int q = 0; q < c.nq; q++, it++) {
     if (KIND == BS_GW) {
-#pragma unroll
-      for (int u = 0; u < 4; u++) tok[u] = nxt[u];
-      if (q + 1 < c.nq) bs_gw_toks<KIND>(g, c, q + 1, rs, nxt);
+      bs_gw_toks(g, c, q, rs, nxt, tok);
+      if (q + 1 < c.nq) bs_gw_srcs(g, c, q + 1, rs, nxt);
     }
     const int s = (int)(it % BS_WG_STAGES);
     if (it >= BS_WG_STAGES)
