@@ -24,7 +24,8 @@
  * again; with MOE_BSMM_GATHER=1 on sm_90a in bf16 neither path makes them
  * at all: the wgmma kernels read the rows of x and dout in token order
  * (moe_bsmm_*_gather, ex_gg_gather; same bits, slower today, so off by
- * default). With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
+ * default), and with MOE_BSMM_GATHER=wgrad only the weight gradients'
+ * products do, so the backward's peak holds no permuted copy. With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
  * forward makes h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue
  * computes a from the rounded h1 and h3), and the grouped one likewise
  * (moe_cuda_wg_grouped_glu), its backward doing the fused pass in the
@@ -355,12 +356,15 @@ static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *
 }
 
 /* Whether the products read the token rows in place (the sm_90a kernel
- * gathers them, with MOE_BSMM_GATHER=1) instead of a permuted copy: the
- * sparse ones where moe_bsmm_gathers, the grouped ones (d, f: the experts'
- * sizes) where both directions read their offsets on the device. */
+ * gathers them, MOE_BSMM_GATHER) instead of a permuted copy: the sparse
+ * ones where moe_bsmm_gathers, the grouped ones (d, f: the experts' sizes)
+ * where both directions read their offsets on the device. wgrad: asked for
+ * the weight gradients' products, which gather with MOE_BSMM_GATHER=wgrad
+ * too (the others only with 1). */
 static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt,
-                      int64_t d, int64_t f) {
-  if (!ctx->knobs.bsmm_gather) return false;
+                      int64_t d, int64_t f, bool wgrad) {
+  int k = ctx->knobs.bsmm_gather;
+  if (k != MOE_KNOB_BSMM_GATHER_ALL && !(wgrad && k == MOE_KNOB_BSMM_GATHER_WGRAD)) return false;
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_gathers(ctx, p, dt);
   int64_t G = p->e1 - p->e0;
   return p->row_offsets && p->src && moe_grouped_offsets_on_device(ctx, p->device, dt, G, d, f) &&
@@ -599,7 +603,7 @@ static moe_status pl_rows(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *x, mo
                           moe_routing_plan *p, bool trans_w, bool gather, int64_t K, int64_t N,
                           moe_tensor **out) {
   bool sparse_in = impl == MOE_EXPERTS_SPARSE && x->ndim == 3;
-  if (gather && ex_gather(ctx, impl, p, x->dtype, K, N)) {
+  if (gather && ex_gather(ctx, impl, p, x->dtype, K, N, false)) {
     if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_sdd_gather(ctx, x, w, p, trans_w, out);
     return ex_gg_gather(ctx, EX_GG_MM, x, w, p, trans_w, out);
   }
@@ -650,8 +654,10 @@ static moe_status pl_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout
   int64_t K = trans_w ? w->shape[2] : w->shape[1], N = trans_w ? w->shape[1] : w->shape[2];
   int64_t R = p->rows;
   bool gated = scatter && gates; /* the gate pass runs */
-  bool gath = (gather || scatter) && ex_gather(ctx, impl, p, dt, K, N);
+  bool gath = (gather || scatter) && ex_gather(ctx, impl, p, dt, K, N, false);
   bool dk = scatter && gath; /* the kernels read dout's rows in place */
+  /* the weight gradient reads x's rows in place (MOE_BSMM_GATHER 1 or wgrad) */
+  bool gath_w = gather && ex_gather(ctx, impl, p, dt, K, N, true);
   MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xc), st, done);
   MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout), st, done);
   if (!scatter) moe_tensor_retain(drows = dout);
@@ -701,7 +707,7 @@ static moe_status pl_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout
   if (need_w) {
     /* the x side: gxs, x, or x's rows read in place (unless dout's are) */
     moe_tensor *a = gxs ? gxs : xc;
-    bool ak = !gxs && gather && gath && !dk;
+    bool ak = !gxs && gath_w && !dk;
     if (!gxs && gather && !ak) {
       MOE_CHECK_GOTO(moe_routing_permute(ctx, xc, p, &xs), st, done);
       a = xs;
@@ -856,8 +862,10 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(moe_contiguous(ctx, gates, &gc), st, done);
     MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
   }
-  /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows */
-  bool gath = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2]);
+  /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows;
+   * gath_w: the weight gradients dW1, dW3 read x's rows in place */
+  bool gath = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2], false);
+  bool gath_w = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2], true);
   /* gfuse: dA0's product does the pass below in its epilogue
    * (moe_cuda_wg_grouped_glu_bwd); dA0 is then only dh1's buffer */
   bool gfuse = !gath && !qbits && impl == MOE_EXPERTS_GROUPED &&
@@ -978,14 +986,14 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
   }
   if (need_w1 || need_w3) {
     MOE_CHECK_GOTO(moe_node_saved(ctx, n, EX_SAVED_X, &x), st, done);
-    /* gath: xs is x itself, the kernels gather its rows */
-    if (gath) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
+    /* gath_w: xs is x itself, the kernels gather its rows */
+    if (gath_w) MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xs), st, done);
     else MOE_CHECK_GOTO(moe_routing_permute(ctx, x, p, &xs), st, done);
   }
-  if (need_w1 && gath) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dA0, p, &gin[1]), st, done);
+  if (need_w1 && gath_w) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dA0, p, &gin[1]), st, done);
   else if (need_w1) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dA0, p, &gin[1]), st, done);
   EX_DROP(dA0);
-  if (need_w3 && gath) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dh3, p, &gin[2]), st, done);
+  if (need_w3 && gath_w) MOE_CHECK_GOTO(ex_wgrad_in_gather(ctx, impl, xs, dh3, p, &gin[2]), st, done);
   else if (need_w3) MOE_CHECK_GOTO(ex_wgrad_in(ctx, impl, xs, dh3, p, &gin[2]), st, done);
 #undef EX_DROP
 done:
@@ -1168,7 +1176,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
   MOE_CHECK_GOTO(moe_contiguous(ctx, w1, &w1c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w3, &w3c), st, fail);
   MOE_CHECK_GOTO(moe_contiguous(ctx, w2, &w2c), st, fail);
-  if (ex_gather(ctx, impl, plan, x->dtype, w1->shape[1], w1->shape[2])) {
+  if (ex_gather(ctx, impl, plan, x->dtype, w1->shape[1], w1->shape[2], false)) {
     /* the kernel reads x's rows: no permuted copy */
     if (impl == MOE_EXPERTS_SPARSE) {
       MOE_CHECK_GOTO(moe_bsmm_sdd_gather(ctx, x, w1c, plan, false, &h1), st, fail);

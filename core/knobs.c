@@ -42,10 +42,11 @@ const moe_knob_def moe_knob_table[] = {
                 "tma"),
     KNOB_BOOL(bsmm_wg_mnswap, "MOE_BSMM_WG_MNSWAP", 0,
               "1: the wgmma block-sparse kernel walks its tiles with m and n swapped"),
-    KNOB_BOOL(bsmm_gather, "MOE_BSMM_GATHER", 0,
-              "1: the GLU experts and parallel_linear (block-sparse or grouped on the sm_90a "
-              "kernel) gather the token rows inside the wgmma kernel (cp.async) instead of reading "
-              "a permuted copy (TMA); same bits, less memory, slower today"),
+    KNOB_CHOICE(bsmm_gather, "MOE_BSMM_GATHER", MOE_KNOB_BSMM_GATHER_OFF, "0,1,wgrad",
+                "1: the GLU experts and parallel_linear (block-sparse or grouped on the sm_90a "
+                "kernel) gather the token rows inside the wgmma kernel (cp.async) instead of "
+                "reading a permuted copy (TMA); wgrad: only the weight gradients' products do, "
+                "so the backward never makes the permuted tokens; same bits, less memory, slower"),
     KNOB_BOOL(bsmm_scatter, "MOE_BSMM_SCATTER", 1,
               "0: the top-1 GLU experts and parallel_linear's scatter write their rows in expert "
               "order and combine them in a pass of their own, instead of the sm_90a kernel's "

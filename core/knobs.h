@@ -46,6 +46,7 @@ enum {
   MOE_KNOB_BSMM_EPI_SMEM = 2,
   MOE_KNOB_BSMM_EPI_TMA = 3
 };
+enum { MOE_KNOB_BSMM_GATHER_OFF = 0, MOE_KNOB_BSMM_GATHER_ALL = 1, MOE_KNOB_BSMM_GATHER_WGRAD = 2 };
 enum { MOE_KNOB_GEMM_TUNE_NONE = 0, MOE_KNOB_GEMM_TUNE_BIAS = 1, MOE_KNOB_GEMM_TUNE_ALL = 2 };
 
 /* The knobs' values (what each does: moe_knob_table in core/knobs.c). */
@@ -59,7 +60,7 @@ typedef struct moe_knobs {
   int bsmm_glu;            /* MOE_BSMM_GLU: the fused GLU SDD (moe_bsmm_sdd_glu) */
   int bsmm_epi;            /* MOE_BSMM_EPI: MOE_KNOB_BSMM_EPI_* */
   bool bsmm_wg_mnswap;     /* MOE_BSMM_WG_MNSWAP */
-  bool bsmm_gather;        /* MOE_BSMM_GATHER */
+  int bsmm_gather;         /* MOE_BSMM_GATHER: MOE_KNOB_BSMM_GATHER_* */
   bool bsmm_scatter;       /* MOE_BSMM_SCATTER */
   int bsmm_persist;        /* MOE_BSMM_PERSIST: 0 one CTA per tile, 1 (default) one per SM, n at most n */
   int bsmm_group;          /* MOE_BSMM_GROUP: 0 the kernel's own (8), else 1..64 */

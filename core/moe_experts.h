@@ -47,7 +47,8 @@ moe_parallel_linear_opts moe_parallel_linear_opts_default(void);
  * permutes again and forms the gate gradient from dout's rows times W^T).
  * With scatter on a top-1 plan the product writes the rows in token order
  * (bf16 on sm_90a: moe_bsmm_scatters); with MOE_BSMM_GATHER=1 the sm_90a
- * kernels read token rows in place. Where the grouped products cannot read
+ * kernels read token rows in place (=wgrad: the weight gradient's product
+ * only). Where the grouped products cannot read
  * the offsets on the device it uses the plan's host row offsets
  * (moe_routing_plan_counts_to_host: at most one sync per plan).
  */

@@ -7,7 +7,8 @@
  * parallel_linear's node in every form of x and output, gradients
  * included; bit-identical repeats (no atomics); the
  * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
- * and grouped) against a permuted copy, and top-1 rows scattered in token
+ * and grouped; =wgrad: the weight gradients' products, and the backward's
+ * peak without the permuted tokens) against a permuted copy, and top-1 rows scattered in token
  * order by the kernel against a combine pass, bit for bit; the GLU's
  * activation passes in the products' epilogues (MOE_BSMM_GLU=1) against the
  * separate passes; one host sync per plan. Exits 77 without a GPU.
@@ -50,6 +51,10 @@ static double rel_err(moe_ctx *ctx, moe_tensor *got, moe_tensor *want) {
   return scale > 0 ? err / scale : err;
 }
 
+/* The allocator's peak during run_opts's last backward, above what was
+ * allocated when it began (bytes). */
+static int64_t last_bwd_peak = -1;
+
 /* Runs glu_experts on device dev in dtype dt from the f64 host values;
  * res[0] = out, res[1..5] = grads of x, w1, w3, w2, gates (f64 CPU copies).
  * Returns the plan's host_syncs. */
@@ -81,7 +86,12 @@ static int64_t run_opts(moe_ctx *ctx, const ex_case *c, const int64_t *ids, doub
   moe_rng_seed(ctx, 77); /* stochastic rounding: the same draws on every run */
   if (p) EXPECT_OK(moe_glu_experts_ex(ctx, t[0], t[1], t[2], t[3], p, t[4], &go, &out));
   if (out) {
+    moe_memory_stats m0, m1;
+    EXPECT_OK(moe_memory_stats_get(ctx, dev, &m0));
+    EXPECT_OK(moe_memory_reset_peak(ctx, dev));
     EXPECT_OK(moe_backward(ctx, out, t[5], false));
+    EXPECT_OK(moe_memory_stats_get(ctx, dev, &m1));
+    last_bwd_peak = m1.peak_allocated - m0.allocated;
     EXPECT_OK(moe_to(ctx, out, MOE_F64, MOE_CPU, &res[0]));
     for (int i = 0; i < 5; i++) {
       moe_tensor *g = moe_tensor_grad(t[i]);
@@ -194,9 +204,11 @@ static void test_glu_cuda_vs_cpu(moe_ctx *ctx) {
           /* top-1 plans: the output and input-gradient rows written in token
            * order by the kernel's epilogue (MOE_BSMM_SCATTER, the default) or
            * combined in a pass; rows gathered inside the kernel
-           * (MOE_BSMM_GATHER=1, both impls) or a permuted copy: the same bits */
+           * (MOE_BSMM_GATHER=1, both impls; =wgrad, the weight gradients'
+           * products only) or a permuted copy: the same bits */
           same_with_knob(ctx, c, ids, rv, gpu, dt, impl, "MOE_BSMM_SCATTER", "0", got, (int)ci);
           same_with_knob(ctx, c, ids, rv, gpu, dt, impl, "MOE_BSMM_GATHER", "1", got, (int)ci);
+          same_with_knob(ctx, c, ids, rv, gpu, dt, impl, "MOE_BSMM_GATHER", "wgrad", got, (int)ci);
         }
         bool gg_fuses = impl == MOE_EXPERTS_GROUPED && moe_grouped_offsets_on_device(ctx, gpu, dt, c->E, c->d, c->f) &&
                         moe_grouped_offsets_on_device(ctx, gpu, dt, c->E, c->f, c->d);
@@ -417,6 +429,8 @@ static void test_parallel_linear_cuda(moe_ctx *ctx) {
         /* with gates and dout's rows read in place, the weight gradient
          * applies the gate to x's rows (rounded there) instead of dout's */
         pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_GATHER", "1", got, (int)ci, c->gates ? 1e-2 : 0.0);
+        /* only the weight gradient reads x's rows in place: the same bits */
+        pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_GATHER", "wgrad", got, (int)ci, 0.0);
         pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_SCATTER", "0", got, (int)ci, 0.0);
       }
       for (int i = 0; i < 4; i++) moe_tensor_release(ref[i]), moe_tensor_release(got[i]), free(rv[i]);
@@ -513,11 +527,57 @@ static void test_glu_quant_cuda(moe_ctx *ctx) {
   }
 }
 
+/* MOE_BSMM_GATHER=wgrad: the backward's weight gradients dW1, dW3 read x's
+ * rows in place, so the permuted tokens (R, d) never exist. On a layer whose
+ * backward peaks at those products (the weight gradients large beside the
+ * rows) the peak falls by at least their size; with every product gathering
+ * (1) it falls no less. Both impls; the bits are the default's. */
+static void test_glu_gather_wgrad_peak(moe_ctx *ctx) {
+  const ex_case c = {256, 2, 4, 4, 512, 512, 128}; /* 3 x 2 MB of weight gradients */
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  int64_t *ids = NULL;
+  double *vals[6];
+  case_inputs(&c, &ids, vals);
+  for (int i = 0; i < 6; i++) { /* bf16 values, as the kernels see them */
+    int64_t n = i == 0 || i == 5 ? c.T * c.d : i == 4 ? c.T * c.k : c.E * c.d * c.f;
+    for (int64_t j = 0; j < n; j++) vals[i][j] = moe_bf16_to_f32(moe_f32_to_bf16((float)vals[i][j]));
+  }
+  const char *modes[3] = {"0", "wgrad", "1"};
+  for (int impl = 0; impl < 2; impl++) {
+    if (!moe_grouped_offsets_on_device(ctx, gpu, MOE_BF16, c.E, c.d, c.f))
+      continue; /* both impls gather on the sm_90a kernel only */
+    int64_t peak[3];
+    moe_tensor *got[3][6] = {{0}};
+    for (int m = 0; m < 3; m++) {
+      setenv("MOE_BSMM_GATHER", modes[m], 1);
+      EXPECT_OK(moe_knobs_reload(ctx));
+      last_bwd_peak = -1;
+      run(ctx, &c, ids, vals, gpu, MOE_BF16, (moe_experts_impl)impl, got[m]);
+      peak[m] = last_bwd_peak;
+    }
+    unsetenv("MOE_BSMM_GATHER");
+    EXPECT_OK(moe_knobs_reload(ctx));
+    int64_t rows_bytes = c.T * c.k * c.d * 2; /* xs: (R, d) bf16 */
+    if (!(peak[0] - peak[1] >= rows_bytes && peak[2] <= peak[1]))
+      fprintf(stderr, "impl %d: backward peaks %lld (0), %lld (wgrad), %lld (1); xs is %lld bytes\n", impl,
+              (long long)peak[0], (long long)peak[1], (long long)peak[2], (long long)rows_bytes);
+    EXPECT(peak[0] > 0 && peak[0] - peak[1] >= rows_bytes);
+    EXPECT(peak[2] <= peak[1]);
+    for (int m = 1; m < 3; m++)
+      for (int i = 0; i < 6; i++) EXPECT(got[m][i] && got[0][i] && rel_err(ctx, got[m][i], got[0][i]) == 0.0);
+    for (int m = 0; m < 3; m++)
+      for (int i = 0; i < 6; i++) moe_tensor_release(got[m][i]);
+  }
+  for (int i = 0; i < 6; i++) free(vals[i]);
+  free(ids);
+}
+
 int main(void) {
   moe_ctx *ctx = harness_start();
   SKIP_IF_NO_GPU(ctx);
   RUN(test_glu_cuda_vs_cpu);
   RUN(test_parallel_linear_cuda);
   RUN(test_glu_quant_cuda);
+  RUN(test_glu_gather_wgrad_peak);
   return harness_end();
 }

@@ -41,7 +41,7 @@ static void test_defaults(moe_ctx *ctx) {
   EXPECT(k.bsmm_epi == MOE_KNOB_BSMM_EPI_AUTO);
   EXPECT(k.bsmm_glu == 0);
   EXPECT(k.bsmm_wg_mnswap == false);
-  EXPECT(k.bsmm_gather == false);
+  EXPECT(k.bsmm_gather == MOE_KNOB_BSMM_GATHER_OFF);
   EXPECT(k.bsmm_scatter == true);
   EXPECT(k.bsmm_persist == 1);
   EXPECT(k.bsmm_group == 0);
@@ -110,7 +110,8 @@ static void test_parse(moe_ctx *ctx) {
       {"MOE_BSMM_GROUP", "64", 64},     {"MOE_GROUPED_STREAMS", "8", 8},
       {"MOE_GROUPED_STREAMS", "1", 1},  {"MOE_GEMM_TUNE", "0", MOE_KNOB_GEMM_TUNE_NONE},
       {"MOE_GEMM_TUNE", "all", MOE_KNOB_GEMM_TUNE_ALL}, {"MOE_GLU_QFUSED", "0", 0},
-      {"MOE_BSMM_GATHER", "1", 1},       {"MOE_BSMM_GLU", "1", 1},
+      {"MOE_BSMM_GATHER", "1", MOE_KNOB_BSMM_GATHER_ALL},
+      {"MOE_BSMM_GATHER", "wgrad", MOE_KNOB_BSMM_GATHER_WGRAD}, {"MOE_BSMM_GLU", "1", 1},
       {"MOE_BSMM_SCATTER", "0", 0},
   };
   for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++) {
