@@ -128,8 +128,10 @@ MOE_BSMM_PERSIST=1}"
       # the GLU experts use it with MOE_BSMM_GATHER=1) against the default permuted copy: the
       # CUDA tests, compute-sanitizer over the tiny shapes of moe_mlp's smoke run with the gather
       # on (persistent grid of 3 CTAs), the products alone at the mixtral shapes
-      # (bench/blocksparse.lua), then the MoE MLP benchmark (every implementation, the sparse one
-      # also with the gather) with the torch references in the same call (G_CONFIGS, default
+      # (bench/blocksparse.lua), then the MoE MLP benchmark (every implementation; grouped and
+      # sparse also with MOE_BSMM_GATHER=1 and =wgrad, the weight gradients' products alone
+      # gathering) with the torch references in the same call, ScatterMoE among them when a
+      # checkout is carried at out/scattermoe (G_SCATTERMOE=DIR elsewhere) (G_CONFIGS, default
       # mixtral,olmoe,qwen3; also qwen3_t4k, qwen3_t64k, deepseek).
       for env in "" "MOE_BSMM_PERSIST=0"; do
         env $env build-gpu/tests/test_blocksparse_cuda > "$out/t_bs.log" 2>&1
@@ -141,7 +143,7 @@ MOE_BSMM_PERSIST=1}"
       grep -E "differ|FAIL|error" "$out/t_ex.log" | head -5
       for tool in ${G_SANITIZE-memcheck racecheck synccheck}; do
         MOE_BSMM_GATHER=1 MOE_BSMM_PERSIST=3 timeout 150 compute-sanitizer --tool $tool --error-exitcode 9 \
-          $ml bench/moe_mlp.lua smoke=true impls=sparse json=/tmp/sanitize.json > "$out/sanitize_$tool.log" 2>&1
+          $ml bench/moe_mlp.lua smoke=true impls=sparse,grouped json=/tmp/sanitize.json > "$out/sanitize_$tool.log" 2>&1
         note "sanitize $tool: rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitize_$tool.log" | tail -1)"
       done
       $ml bench/blocksparse.lua json="$out/blocksparse_gather.json" > "$out/blocksparse_gather.log" 2>&1
@@ -152,12 +154,16 @@ MOE_BSMM_PERSIST=1}"
       MOE_BSMM_GATHER=1 $ml bench/moe_mlp.lua configs=$cf impls=grouped,sparse budget=300 \
         json="$out/moe_mlp_gathered.json" > "$out/moe_mlp_gathered.log" 2>&1
       note "moe_mlp (MOE_BSMM_GATHER=1): rc=$?"; grep -E "grouped|sparse" "$out/moe_mlp_gathered.log"
-      python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile --json "$out/moe_mlp_torch.json" \
-        > "$out/moe_mlp_torch.log" 2>&1
-      note "moe_mlp_torch: rc=$?"; grep -E "torch_grouped_mm|Error" "$out/moe_mlp_torch.log" | head -12
+      MOE_BSMM_GATHER=wgrad $ml bench/moe_mlp.lua configs=$cf impls=grouped,sparse budget=300 \
+        json="$out/moe_mlp_gathered_wgrad.json" > "$out/moe_mlp_gathered_wgrad.log" 2>&1
+      note "moe_mlp (MOE_BSMM_GATHER=wgrad): rc=$?"; grep -E "grouped|sparse" "$out/moe_mlp_gathered_wgrad.log"
+      sm=${G_SCATTERMOE:-$root/out/scattermoe}; smarg=(); [ -d "$sm/scattermoe" ] && smarg=(--scattermoe "$sm")
+      python3 bench/moe_mlp_torch.py --configs $cf --budget 400 --compile "${smarg[@]}" \
+        --json "$out/moe_mlp_torch.json" > "$out/moe_mlp_torch.log" 2>&1
+      note "moe_mlp_torch: rc=$? ${smarg[*]}"; grep -E "torch_grouped_mm|scattermoe|Error" "$out/moe_mlp_torch.log" | head -12
       python3 bench/moe_mlp_report.py "$out/moe_mlp_moe.json" "$out/moe_mlp_torch.json" "$out" \
-        --gathered "$out/moe_mlp_gathered.json" --command "bash bench/gpu_round.sh gather" \
-        > "$out/moe_mlp_report.log" 2>&1
+        --gathered "$out/moe_mlp_gathered.json" --gathered "$out/moe_mlp_gathered_wgrad.json" \
+        --command "bash bench/gpu_round.sh gather" > "$out/moe_mlp_report.log" 2>&1
       note "moe_mlp_report: rc=$? ($(($(date +%s) - t0)) s)" ;;
     auto)
       # mlp_impl auto: the MoE MLP benchmark with the auto row (the autotuner's pick, timed) beside

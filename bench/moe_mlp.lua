@@ -262,8 +262,9 @@ bench.write(args, {
     .. "and the dense bf16 GEMM rate of this run",
   dtype = "bf16", T = T, smoke = smoke,
   grouped_backend = moe.ops.grouped_backend and moe.ops.grouped_backend() or "?",
-  -- MOE_BSMM_GATHER=1: the grouped and sparse paths gather token rows in the kernel instead of a permuted copy
-  bsmm_gather = os.getenv("MOE_BSMM_GATHER") == "1",
+  -- MOE_BSMM_GATHER 1: the grouped and sparse paths gather token rows in the kernel instead of a
+  -- permuted copy; wgrad: only the weight gradients' products do
+  bsmm_gather = os.getenv("MOE_BSMM_GATHER") or "0",
   dense = { name = ("moe.matmul bf16 %d^3"):format(dense.n), ms = dense.ms, tflops = dense.tflops },
   results = results,
   columns = { { "config", "config" }, { "impl", "impl" }, { "ms", "ms", "%.3f" }, { "TFLOP/s", "tflops", "%.1f" },

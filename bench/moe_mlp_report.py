@@ -12,19 +12,22 @@ With bench/moe_mlp_torch.py --dense-bound it also reports the dense bound: the
 same FLOPs as one dense MLP with no MoE work, and its GEMMs alone, on cuBLAS.
 --gathered FILE adds the grouped and sparse rows of a moe_mlp.lua run with
 MOE_BSMM_GATHER=1 (the token rows gathered inside the wgmma kernel instead
-of a permuted copy) as implementations "grouped_gather" and "sparse_gather".
+of a permuted copy) as implementations "grouped_gather" and "sparse_gather",
+or of one with MOE_BSMM_GATHER=wgrad (only the weight gradients' products
+gather) as "grouped_gather_wgrad" and "sparse_gather_wgrad"; it may be given
+once for each. Their peak extra memory is compared with ScatterMoE's too.
 The dense rate is the larger of the two measured (moe.matmul and
 torch.matmul 8192^3): percentages are never flattered by a slow reference.
 
   python3 bench/moe_mlp_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT]
-                                  [--gathered MOE_JSON]
+                                  [--gathered MOE_JSON]...
 """
 import json
 import os
 import sys
 
 
-USAGE = "usage: python3 bench/moe_mlp_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT] [--gathered MOE_JSON]"
+USAGE = "usage: python3 bench/moe_mlp_report.py MOE_JSON TORCH_JSON [OUTDIR] [--command TEXT] [--gathered MOE_JSON]..."
 
 
 def fail(msg):
@@ -59,13 +62,15 @@ def option(argv, name):
 def main():
     argv = sys.argv[1:]
     command = option(argv, "--command")
-    gpath = option(argv, "--gathered")
+    gpaths = []
+    while "--gathered" in argv:
+        gpaths.append(option(argv, "--gathered"))
     unknown = [a for a in argv if a.startswith("--")]
     if unknown:
         fail(f"unknown option {unknown[0]}")
     if len(argv) not in (2, 3):
         fail(f"expected MOE_JSON TORCH_JSON [OUTDIR], got {len(argv)} arguments")
-    gathered = gpath and load(gpath, "--gathered JSON", ["results"])
+    gathered = [load(p, "--gathered JSON", ["results"]) for p in gpaths]
     moe = load(argv[0], "MOE_JSON (bench/moe_mlp.lua)", ["dense", "results", "device", "date"])
     th = load(argv[1], "TORCH_JSON (bench/moe_mlp_torch.py)", ["dense", "results", "device"])
     outdir = argv[2] if len(argv) > 2 else "bench/results"
@@ -77,12 +82,19 @@ def main():
         if "tflops" in r:
             row["pct_dense"] = 100 * r["tflops"] / dense
         rows.append(row)
-    for r in (gathered or {}).get("results", []):
-        if r.get("impl") in ("grouped", "sparse"):
-            row = dict(r, impl=r["impl"] + "_gather", side="moe-lua")
-            if "tflops" in r:
-                row["pct_dense"] = 100 * r["tflops"] / dense
-            rows.append(row)
+    gathered_impls = []
+    for gj in gathered:
+        # MOE_BSMM_GATHER of that run: "1" (true in older JSON) or "wgrad"
+        mode = gj.get("bsmm_gather")
+        suffix = "_gather" if mode in (True, "1") else "_gather_" + str(mode)
+        for r in gj["results"]:
+            if r.get("impl") in ("grouped", "sparse"):
+                row = dict(r, impl=r["impl"] + suffix, side="moe-lua")
+                if "tflops" in r:
+                    row["pct_dense"] = 100 * r["tflops"] / dense
+                rows.append(row)
+                if row["impl"] not in gathered_impls:
+                    gathered_impls.append(row["impl"])
 
     def get(cfg, impl):
         for r in rows:
@@ -132,7 +144,7 @@ def main():
         if not sm or "peak_extra_bytes" not in sm:
             continue
         v = {"scattermoe_gib": sm["peak_extra_bytes"] / 2**30, "scattermoe_ms": sm["ms"]}
-        for i in moe_impls:
+        for i in moe_impls + gathered_impls:
             r = get(c, i)
             if r and "peak_extra_bytes" in r:
                 v[i] = {"gib": r["peak_extra_bytes"] / 2**30, "ms": r["ms"],
@@ -170,7 +182,9 @@ def main():
                      "3 expert GEMMs, combine; all weight, input and gate gradients); median of "
                      "per-step CUDA-event times after 2 warm-up steps; TFLOP/s = 18 T k d f / time; "
                      "grouped: moe-lua's sm_90a grouped GEMM, group offsets read on the device; "
-                     "grouped_cublas: cuBLAS with the offsets copied to the host (not an auto pick)",
+                     "grouped_cublas: cuBLAS with the offsets copied to the host (not an auto pick); "
+                     "*_gather: token rows gathered inside the kernels (MOE_BSMM_GATHER=1), "
+                     "*_gather_wgrad: by the weight gradients' products only (MOE_BSMM_GATHER=wgrad)",
            "command": command, "rows": rows, "targets": targets}
     os.makedirs(outdir, exist_ok=True)
     with open(os.path.join(outdir, "moe_mlp.json"), "w") as fh:
@@ -221,7 +235,7 @@ def main():
                      + "; faster than torch: " + ("yes" if v["faster_than_torch"] else "NO"))
     if memory:
         for c, v in memory.items():
-            for i in moe_impls:
+            for i in moe_impls + gathered_impls:
                 if i in v:
                     lines.append(f"- {i} peak extra memory <= ScatterMoE's on {c}: {v[i]['gib']:.2f} vs "
                                  f"{v['scattermoe_gib']:.2f} GiB: " + ("met" if v[i]["met"] else "NOT met")

@@ -3,7 +3,8 @@ tests/lua/moe_mlp_report_spec.lua - bench/moe_mlp_report.py, which joins the
 expert-MLP benchmark's two sides and judges the fine-grained kernels'
 targets, run on made-up inputs: the percentages of the higher of the two
 dense rates, each target at its threshold and just below, every moe-lua path
-against the faster torch._grouped_mm, skipped rows, the dense bound and the
+against the faster torch._grouped_mm, skipped rows, gathered runs named by
+their MOE_BSMM_GATHER and their memory against ScatterMoE's, the dense bound and the
 best path's share of the dense MLP's speed, and bad arguments (a clear
 message, exit status 1); then the real Lua side: bench/moe_mlp.lua's smoke
 run on the CPU ($MOE_BUILD_DIR/moe-lua), joined with a torch side made from
@@ -174,6 +175,50 @@ describe("bench/moe_mlp_report.py", function()
     assert.truthy(md:find("best moe%-lua path [%d.]+ ms, 88%.0%%, at 97%.8%% of the dense MLP's speed"))
   end)
 
+  it("adds gathered runs by their MOE_BSMM_GATHER and weighs their memory against ScatterMoE's", function()
+    local base = inputs("gath", MET.moe, MET.torch)
+    -- ScatterMoE on qwen3 at 2 GiB; the default paths at 1 GiB (row()), the gathered ones below
+    local t = json.decode(read(P("gath_torch.json")))
+    t.results[#t.results + 1] = row("qwen3", "scattermoe", 20, 800, { peak_extra_bytes = 2 * 2 ^ 30 })
+    write(P("gath_torch.json"), t)
+    local function gathered(name, mode, gib)
+      local rs = { row("qwen3", "grouped", 55, 800, { peak_extra_bytes = gib * 2 ^ 30 }),
+        row("qwen3", "sparse", 54, 800, { peak_extra_bytes = gib * 2 ^ 30 }),
+        row("qwen3", "auto:grouped", 55, 800) }
+      write(P(name), { device = "GPU", date = "2026-01-01T00:00:00Z", dense = { tflops = 700 },
+        bsmm_gather = mode, results = rs })
+      return P(name)
+    end
+    local g1, gw = gathered("g1.json", "1", 1.5), gathered("gw.json", "wgrad", 1.7)
+    local old = gathered("gold.json", true, 1.5) -- the JSON before the knob took wgrad
+    local ok, code, out = report(base .. " --gathered " .. g1 .. " --gathered " .. gw)
+    assert(ok, ("report failed (%s): %s"):format(tostring(code), out))
+    local j, md = json.decode(read(P("gath/moe_mlp.json"))), read(P("gath/moe_mlp.md"))
+    local impls = {}
+    for _, r in ipairs(j.rows) do if r.config == "qwen3" then impls[r.impl] = r end end
+    for _, i in ipairs({ "grouped_gather", "sparse_gather", "grouped_gather_wgrad", "sparse_gather_wgrad" }) do
+      assert.is_table(impls[i], i)
+      assert.are.equal("moe-lua", impls[i].side)
+    end
+    assert.is_true(math.abs(impls.grouped_gather_wgrad.pct_dense - 55) < 1e-9)
+    assert.is_nil(impls["auto:grouped_gather"]) -- only the grouped and sparse rows join
+    local m = j.targets.memory.qwen3
+    assert.is_true(m.grouped.met and m.grouped.goal_met) -- 1 GiB against 2: 0.8x needs <= 1.6
+    assert.is_true(m.grouped_gather.goal_met)
+    assert.is_true(m.sparse_gather_wgrad.met)
+    assert.is_false(m.sparse_gather_wgrad.goal_met) -- 1.7 > 1.6
+    assert.is_nil(j.targets.memory.mixtral) -- ScatterMoE did not run there
+    assert.truthy(md:find("- grouped_gather_wgrad peak extra memory <= ScatterMoE's on qwen3: 1.70 vs 2.00 GiB: met", 1,
+      true), md)
+    -- the best path and the torch comparison stay the default paths'
+    assert.are.equal("sparse", j.targets.best_pct_dense.qwen3.impl)
+    assert.is_nil(j.targets.faster_than_best_torch_grouped_mm.qwen3.grouped_gather)
+    -- an older JSON's bsmm_gather = true is MOE_BSMM_GATHER=1
+    ok, code, out = report(base .. " --gathered " .. old)
+    assert(ok, ("report failed (%s): %s"):format(tostring(code), out))
+    assert.truthy(read(P("gath/moe_mlp.md")):find("| qwen3 | 16384 | 2048 | 768 | 128 | 8 | grouped_gather |", 1, true))
+  end)
+
   it("stops with a message naming a missing file, a wrong file, a bad option or argument count", function()
     local good = inputs("args", MET.moe, MET.torch)
     local moe_json, torch_json = good:match("^(%S+) (%S+)")
@@ -183,6 +228,8 @@ describe("bench/moe_mlp_report.py", function()
       { moe_json, "expected MOE_JSON TORCH_JSON %[OUTDIR%], got 1 arguments" },
       { good .. " --bogus", "unknown option %-%-bogus" },
       { good .. " --command", "%-%-command needs a value" },
+      { good .. " --gathered", "%-%-gathered needs a value" },
+      { good .. " --gathered " .. P("nope.json"), "cannot read %-%-gathered JSON" },
       { torch_json .. " " .. torch_json, "MOE_JSON %(bench/moe_mlp.lua%) '[^']*' has no 'date'" },
     }
     write(P("notjson.json"), "{ not json")
