@@ -18,16 +18,18 @@
  * it saves x, the weights and gates (the caller holds those anyway), the
  * pre-activations h1 = xs W1 and h3 = xs W3; a = act(h1) * h3 is recomputed
  * in the backward's fused pass (rounded as the forward stored it: the same
- * bits as saving it, for one hidden-sized tensor less; memory_optimized
- * changes nothing for this op). The
+ * bits as saving it, for one hidden-sized tensor less). With
+ * memory_optimized the backward's weight gradients dW1, dW3 read x's rows
+ * in place where the kernels gather (MOE_BSMM_GATHER=wgrad's choice). The
  * permuted tokens xs = permute(x) (k times x) are not saved but gathered
  * again; with MOE_BSMM_GATHER=1 on sm_90a in bf16 neither path makes them
  * at all: the wgmma kernels read the rows of x and dout in token order
  * (moe_bsmm_*_gather, ex_gg_gather; same bits, slower today, so off by
  * default), and with MOE_BSMM_GATHER=wgrad only the weight gradients'
- * products do, so the backward's peak holds no permuted copy. With MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse
- * forward makes h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue
- * computes a from the rounded h1 and h3), and the grouped one likewise
+ * products do, so the backward's peak holds no permuted copy. With
+ * MOE_BSMM_GLU=1 on that kernel (bf16, sm_90a) the sparse forward makes
+ * h1, h3 and a in one launch (moe_bsmm_sdd_glu: the epilogue computes a
+ * from the rounded h1 and h3), and the grouped one likewise
  * (moe_cuda_wg_grouped_glu), its backward doing the fused pass in the
  * epilogue of dA0's product (moe_cuda_wg_grouped_glu_bwd); same bits but for
  * the grouped gates' gradient, slower today, so off by default.
@@ -313,8 +315,10 @@ static void ex_glu_bwd_cpu(moe_dtype dt, moe_dtype gdt, int act, int64_t R, int6
  * of h1 and h3 and their scales follow (EX_SAVED_S1, EX_SAVED_S3). */
 enum { EX_SAVED_X = 0, EX_SAVED_W1, EX_SAVED_W3, EX_SAVED_W2, EX_SAVED_H1, EX_SAVED_H3,
        EX_SAVED_S1, EX_SAVED_S3 };
-/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 unused (-1),
- * 4 quantization bits (0: h1 and h3 saved as they are), 5 group size */
+/* iargs: 0 impl, 1 activation, 2 slot of gates (-1), 3 memory_optimized
+ * (1: the backward's dW1 and dW3 read x's rows in place where the kernels
+ * gather, as with MOE_BSMM_GATHER=wgrad), 4 quantization bits (0: h1 and h3
+ * saved as they are), 5 group size */
 
 /* Whether the CUDA passes that quantize in the activation and read the codes
  * in backward are used (the knob glu_qfused, MOE_GLU_QFUSED=0 turns them off:
@@ -355,20 +359,26 @@ static moe_status ex_wgrad_out(moe_ctx *ctx, moe_experts_impl impl, moe_tensor *
   return ex_grouped(ctx, h, dy, p, true, false, out);
 }
 
-/* Whether the products read the token rows in place (the sm_90a kernel
- * gathers them, MOE_BSMM_GATHER) instead of a permuted copy: the sparse
- * ones where moe_bsmm_gathers, the grouped ones (d, f: the experts' sizes)
- * where both directions read their offsets on the device. wgrad: asked for
- * the weight gradients' products, which gather with MOE_BSMM_GATHER=wgrad
- * too (the others only with 1). */
-static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt,
-                      int64_t d, int64_t f, bool wgrad) {
-  int k = ctx->knobs.bsmm_gather;
-  if (k != MOE_KNOB_BSMM_GATHER_ALL && !(wgrad && k == MOE_KNOB_BSMM_GATHER_WGRAD)) return false;
+/* Whether the products can read the token rows in place (the sm_90a kernel
+ * gathers them) instead of a permuted copy: the sparse ones where
+ * moe_bsmm_gathers, the grouped ones (d, f: the experts' sizes) where both
+ * directions read their offsets on the device. */
+static bool ex_gather_able(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt,
+                           int64_t d, int64_t f) {
   if (impl == MOE_EXPERTS_SPARSE) return moe_bsmm_gathers(ctx, p, dt);
   int64_t G = p->e1 - p->e0;
   return p->row_offsets && p->src && moe_grouped_offsets_on_device(ctx, p->device, dt, G, d, f) &&
          moe_grouped_offsets_on_device(ctx, p->device, dt, G, f, d);
+}
+
+/* Whether they do (MOE_BSMM_GATHER): wgrad, asked for the weight
+ * gradients' products, which gather with MOE_BSMM_GATHER=wgrad too (the
+ * others only with 1). */
+static bool ex_gather(moe_ctx *ctx, moe_experts_impl impl, moe_routing_plan *p, moe_dtype dt,
+                      int64_t d, int64_t f, bool wgrad) {
+  int k = ctx->knobs.bsmm_gather;
+  if (k != MOE_KNOB_BSMM_GATHER_ALL && !(wgrad && k == MOE_KNOB_BSMM_GATHER_WGRAD)) return false;
+  return ex_gather_able(ctx, impl, p, dt, d, f);
 }
 
 /* The grouped products with tok's rows (T, width) gathered by the plan
@@ -863,9 +873,11 @@ static moe_status ex_glu_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *
     MOE_CHECK_GOTO(ex_take(ctx, gc, p->src, gdt, &g_rows), st, done);
   }
   /* gath: dout_rows is gout[0] itself (T, d), the kernels gather its rows;
-   * gath_w: the weight gradients dW1, dW3 read x's rows in place */
+   * gath_w: the weight gradients dW1, dW3 read x's rows in place (the knob,
+   * or memory_optimized where the kernels gather) */
   bool gath = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2], false);
-  bool gath_w = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2], true);
+  bool gath_w = ex_gather(ctx, impl, p, dt, w1->shape[1], w1->shape[2], true) ||
+                (n->iargs[3] == 1 && ex_gather_able(ctx, impl, p, dt, w1->shape[1], w1->shape[2]));
   /* gfuse: dA0's product does the pass below in its epilogue
    * (moe_cuda_wg_grouped_glu_bwd); dA0 is then only dh1's buffer */
   bool gfuse = !gath && !qbits && impl == MOE_EXPERTS_GROUPED &&
@@ -1221,7 +1233,7 @@ moe_status moe_glu_experts_ex(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_t
         .op = MOE_OP_GLU_EXPERTS, .backward = ex_glu_backward, .n_in = n_in,
         .in = {x, w1, w3, w2, gates},
         .save = {x, w1c, w3c, w2c, quant ? v1 : h1, quant ? v3 : h3, s1, s3},
-        .iargs = {impl, act, -1, -1, quant ? o.quant_bits : 0, o.quant_group_size},
+        .iargs = {impl, act, -1, o.memory_optimized ? 1 : 0, quant ? o.quant_bits : 0, o.quant_group_size},
         .user = plan, .user_free = ex_plan_release_void};
     spec.n_save = quant ? 8 : 6;
     if (gates) {

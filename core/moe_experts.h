@@ -68,9 +68,12 @@ typedef enum moe_glu_activation {
  * x (T, d), w1 and w3 (E_loc, d, f), w2 (E_loc, f, d), gates (T, k) or NULL.
  * impl as above (sparse needs a padded plan with ffn_hidden = f).
  * The backward recomputes act(h1) * h3 from the saved pre-activations (the
- * same bits as the forward's), so memory_optimized (MegaBlocks' option to
- * recompute the activation) changes nothing here; it is accepted for the
- * callers.
+ * same bits as the forward's) whatever memory_optimized says (MegaBlocks'
+ * option to recompute the activation). Here memory_optimized trades time
+ * for memory another way: where the kernels gather (bf16 on sm_90a) the
+ * backward's weight gradients dW1 and dW3 read x's rows in place instead of
+ * a permuted copy of the tokens (as MOE_BSMM_GATHER=wgrad does for every
+ * layer), so the backward's peak holds no (R, d) copy; the same bits.
  * Differentiable in x, w1, w3, w2 and gates; one autograd node.
  */
 moe_status moe_glu_experts(moe_ctx *ctx, moe_tensor *x, moe_tensor *w1, moe_tensor *w3,

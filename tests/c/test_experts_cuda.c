@@ -7,8 +7,9 @@
  * parallel_linear's node in every form of x and output, gradients
  * included; bit-identical repeats (no atomics); the
  * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
- * and grouped; =wgrad: the weight gradients' products, and the backward's
- * peak without the permuted tokens) against a permuted copy, and top-1 rows scattered in token
+ * and grouped; =wgrad or memory_optimized: the weight gradients' products,
+ * and the backward's peak without the permuted tokens) against a permuted
+ * copy, and top-1 rows scattered in token
  * order by the kernel against a combine pass, bit for bit; the GLU's
  * activation passes in the products' epilogues (MOE_BSMM_GLU=1) against the
  * separate passes; one host sync per plan. Exits 77 without a GPU.
@@ -527,11 +528,12 @@ static void test_glu_quant_cuda(moe_ctx *ctx) {
   }
 }
 
-/* MOE_BSMM_GATHER=wgrad: the backward's weight gradients dW1, dW3 read x's
- * rows in place, so the permuted tokens (R, d) never exist. On a layer whose
- * backward peaks at those products (the weight gradients large beside the
- * rows) the peak falls by at least their size; with every product gathering
- * (1) it falls no less. Both impls; the bits are the default's. */
+/* MOE_BSMM_GATHER=wgrad, or the op's memory_optimized: the backward's weight
+ * gradients dW1, dW3 read x's rows in place, so the permuted tokens (R, d)
+ * never exist. On a layer whose backward peaks at those products (the
+ * weight gradients large beside the rows) the peak falls by at least their
+ * size; with every product gathering (1) it falls no less. Both impls; the
+ * bits are the default's. */
 static void test_glu_gather_wgrad_peak(moe_ctx *ctx) {
   const ex_case c = {256, 2, 4, 4, 512, 512, 128}; /* 3 x 2 MB of weight gradients */
   moe_device gpu = {MOE_DEVICE_CUDA, 0};
@@ -542,30 +544,35 @@ static void test_glu_gather_wgrad_peak(moe_ctx *ctx) {
     int64_t n = i == 0 || i == 5 ? c.T * c.d : i == 4 ? c.T * c.k : c.E * c.d * c.f;
     for (int64_t j = 0; j < n; j++) vals[i][j] = moe_bf16_to_f32(moe_f32_to_bf16((float)vals[i][j]));
   }
-  const char *modes[3] = {"0", "wgrad", "1"};
+  /* the knob's three values, then memory_optimized with the knob at 0 */
+  const char *modes[4] = {"0", "wgrad", "1", "0"};
   for (int impl = 0; impl < 2; impl++) {
     if (!moe_grouped_offsets_on_device(ctx, gpu, MOE_BF16, c.E, c.d, c.f))
       continue; /* both impls gather on the sm_90a kernel only */
-    int64_t peak[3];
-    moe_tensor *got[3][6] = {{0}};
-    for (int m = 0; m < 3; m++) {
+    int64_t peak[4];
+    moe_tensor *got[4][6] = {{0}};
+    for (int m = 0; m < 4; m++) {
       setenv("MOE_BSMM_GATHER", modes[m], 1);
       EXPECT_OK(moe_knobs_reload(ctx));
+      moe_glu_experts_opts o = moe_glu_experts_opts_default();
+      o.memory_optimized = m == 3;
       last_bwd_peak = -1;
-      run(ctx, &c, ids, vals, gpu, MOE_BF16, (moe_experts_impl)impl, got[m]);
+      run_opts(ctx, &c, ids, vals, gpu, MOE_BF16, (moe_experts_impl)impl, &o, got[m]);
       peak[m] = last_bwd_peak;
     }
     unsetenv("MOE_BSMM_GATHER");
     EXPECT_OK(moe_knobs_reload(ctx));
     int64_t rows_bytes = c.T * c.k * c.d * 2; /* xs: (R, d) bf16 */
-    if (!(peak[0] - peak[1] >= rows_bytes && peak[2] <= peak[1]))
-      fprintf(stderr, "impl %d: backward peaks %lld (0), %lld (wgrad), %lld (1); xs is %lld bytes\n", impl,
-              (long long)peak[0], (long long)peak[1], (long long)peak[2], (long long)rows_bytes);
+    if (!(peak[0] - peak[1] >= rows_bytes && peak[2] <= peak[1] && peak[3] == peak[1]))
+      fprintf(stderr, "impl %d: backward peaks %lld (0), %lld (wgrad), %lld (1), %lld (memory_optimized); xs is %lld bytes\n",
+              impl, (long long)peak[0], (long long)peak[1], (long long)peak[2], (long long)peak[3],
+              (long long)rows_bytes);
     EXPECT(peak[0] > 0 && peak[0] - peak[1] >= rows_bytes);
     EXPECT(peak[2] <= peak[1]);
-    for (int m = 1; m < 3; m++)
+    EXPECT(peak[3] == peak[1]);
+    for (int m = 1; m < 4; m++)
       for (int i = 0; i < 6; i++) EXPECT(got[m][i] && got[0][i] && rel_err(ctx, got[m][i], got[0][i]) == 0.0);
-    for (int m = 0; m < 3; m++)
+    for (int m = 0; m < 4; m++)
       for (int i = 0; i < 6; i++) moe_tensor_release(got[m][i]);
   }
   for (int i = 0; i < 6; i++) free(vals[i]);

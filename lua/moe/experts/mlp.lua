@@ -15,7 +15,10 @@ Options of both (unknown names are an error listing the valid ones):
                                   of keeping it (MLP: a moe.Function over the
                                   activation and the second linear; GLU: the
                                   fused glu_experts(memory_optimized = true),
-                                  or the same moe.Function when composed)
+                                  which always recomputes it and then reads
+                                  x's rows in place in its weight gradients
+                                  on sm_90a, or the same moe.Function when
+                                  composed)
   quantize = nil                  {inputs =, rematerialize =, scatter =}:
                                   moe.quantize.scope specs for the tensors
                                   saved by the first linear(s) (the expert
