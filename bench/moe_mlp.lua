@@ -29,7 +29,11 @@ bench/moe_mlp_report.py joins both.
                             (configs also: qwen3_t4k, qwen3_t64k: qwen3 at T = 4096 and
                             65536; deepseek: d 7168, f 2048, E 256, k 8, T = 8192;
                             llama4: d 5120, f 8192, E 16, k 1)
-                            [smoke=true]
+                            [smoke=true] [memory_optimized=true]
+
+memory_optimized=true passes the option to glu_experts (the grouped, sparse and
+auto rows): the backward's weight gradients read x's rows in place where the
+kernels gather.
 
 smoke=true runs the same code on tiny shapes (T = 128, d / f / E scaled
 down), on the CPU when there is no GPU: a check of the script, not a result.
@@ -46,7 +50,7 @@ local moe = require "moe"
 
 local bench = dofile((arg[0]:match("^(.*)/") or ".") .. "/lib.lua")
 
-local args = bench.config { repeats = 10, warmup = 2, budget = 80.0, smoke = false,
+local args = bench.config { repeats = 10, warmup = 2, budget = 80.0, smoke = false, memory_optimized = false,
   configs = { "mixtral", "olmoe", "qwen3" },
   impls = { "grouped", "grouped_cublas", "sparse", "lua_grouped", "auto" } }
 
@@ -150,7 +154,7 @@ local function make_step(c, impl, t, tokens)
       out = glu_ops(t.x, t.w1, t.w3, t.w2, plan, t.gates)
     else
       out = moe.ops.glu_experts(t.x, t.w1, t.w3, t.w2, plan, t.gates,
-        { impl = impl == "grouped_cublas" and "grouped" or impl })
+        { impl = impl == "grouped_cublas" and "grouped" or impl, memory_optimized = args.memory_optimized })
     end
     out:backward(t.dy)
     out:free()
@@ -164,11 +168,11 @@ end
 -- weights (the tuner swaps in detached handles while it measures).
 local GLU_VIEW = { __call = function(self, x, plan, gates)
   return moe.ops.glu_experts(x, rawget(self, "w1"), rawget(self, "w3"), rawget(self, "w2"), plan, gates,
-    { impl = self.impl })
+    { impl = self.impl, memory_optimized = self.memory_optimized })
 end }
 local function glu_view(c, t)
   return setmetatable({ __name = "GLUExperts", act_name = "silu", num_experts = c.E, d_model = c.d, d_ff = c.f,
-    memory_optimized = false, impl = "grouped", w1 = t.w1, w3 = t.w3, w2 = t.w2,
+    memory_optimized = args.memory_optimized, impl = "grouped", w1 = t.w1, w3 = t.w3, w2 = t.w2,
     named_parameters = function(self)
       return { { "w1", rawget(self, "w1") }, { "w3", rawget(self, "w3") }, { "w2", rawget(self, "w2") } }
     end }, GLU_VIEW)
@@ -265,6 +269,7 @@ bench.write(args, {
   -- MOE_BSMM_GATHER 1: the grouped and sparse paths gather token rows in the kernel instead of a
   -- permuted copy; wgrad: only the weight gradients' products do
   bsmm_gather = os.getenv("MOE_BSMM_GATHER") or "0",
+  memory_optimized = args.memory_optimized, -- the glu_experts option of the grouped, sparse and auto rows
   dense = { name = ("moe.matmul bf16 %d^3"):format(dense.n), ms = dense.ms, tflops = dense.tflops },
   results = results,
   columns = { { "config", "config" }, { "impl", "impl" }, { "ms", "ms", "%.3f" }, { "TFLOP/s", "tflops", "%.1f" },
