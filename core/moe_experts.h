@@ -48,9 +48,9 @@ moe_parallel_linear_opts moe_parallel_linear_opts_default(void);
  * With scatter on a top-1 plan the product writes the rows in token order
  * (bf16 on sm_90a: moe_bsmm_scatters); with MOE_BSMM_GATHER=1 the sm_90a
  * kernels read token rows in place (=wgrad: the weight gradient's product
- * only). Where the grouped products cannot read
- * the offsets on the device it uses the plan's host row offsets
- * (moe_routing_plan_counts_to_host: at most one sync per plan).
+ * only). Where the grouped products cannot read the offsets on the device
+ * it uses the plan's host row offsets (moe_routing_plan_counts_to_host: at
+ * most one sync per plan).
  */
 moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
                                struct moe_routing_plan *plan,
