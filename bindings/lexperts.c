@@ -3,7 +3,8 @@
  * under `moe.ops`:
  *
  *   moe.ops.parallel_linear(x, w, plan, {impl = "grouped" | "sparse",
- *       trans_w = false, gather = false, scatter = false, gates = nil})
+ *       trans_w = false, gather = false, scatter = false, gates = nil,
+ *       memory_optimized = false})
  *   moe.ops.glu_experts(x, w1, w3, w2, plan, gates, {impl = "grouped",
  *       activation = "silu" | "gelu" | "gelu_tanh", memory_optimized = false,
  *       quantize = {bits = 8 | 4, group_size = 0 (8) / 128 (4),
@@ -47,12 +48,14 @@ static int lm_parallel_linear(lua_State *L) {
   if (!lua_isnoneornil(L, 4)) {
     if (lua_type(L, 4) != LUA_TTABLE)
       lm_argerror(L, 4, fname, "options table expected, got %s", lm_typename(L, 4));
-    static const char *const known[] = {"impl", "trans_w", "gather", "scatter", "gates", NULL};
+    static const char *const known[] = {"impl", "trans_w", "gather", "scatter", "gates", "memory_optimized",
+                                        NULL};
     lm_checkkeys(L, 4, fname, known);
     o.impl = lm_ex_impl(L, 4, fname);
     o.trans_w = lm_field_bool(L, 4, fname, "trans_w", false);
     o.gather = lm_field_bool(L, 4, fname, "gather", false);
     o.scatter = lm_field_bool(L, 4, fname, "scatter", false);
+    o.memory_optimized = lm_field_bool(L, 4, fname, "memory_optimized", false);
     if (lua_getfield(L, 4, "gates") != LUA_TNIL) {
       lm_tensor *u = lm_testtensor(L, -1);
       if (!u || !u->t)

@@ -603,8 +603,8 @@ static void ex_gate_rows_cpu(moe_dtype dt, moe_dtype gdt, int64_t R, int64_t K, 
 }
 
 /* iargs of the parallel_linear node: 0 impl, 1 trans_w, 2 gather,
- * 3 scatter, 4 slot of the gates (-1: none). Saved: x, w (contiguous),
- * gates. */
+ * 3 scatter, 4 slot of the gates (-1: none), 5 memory_optimized. Saved: x,
+ * w (contiguous), gates. */
 enum { PL_SAVED_X = 0, PL_SAVED_W, PL_SAVED_G };
 
 /* rows = (gather ? permute(x) : x) @ w over the plan: the kernels gather x's
@@ -666,8 +666,10 @@ static moe_status pl_backward(moe_ctx *ctx, moe_node *n, moe_tensor *const *gout
   bool gated = scatter && gates; /* the gate pass runs */
   bool gath = (gather || scatter) && ex_gather(ctx, impl, p, dt, K, N, false);
   bool dk = scatter && gath; /* the kernels read dout's rows in place */
-  /* the weight gradient reads x's rows in place (MOE_BSMM_GATHER 1 or wgrad) */
-  bool gath_w = gather && ex_gather(ctx, impl, p, dt, K, N, true);
+  /* the weight gradient reads x's rows in place (MOE_BSMM_GATHER 1 or
+   * wgrad, or memory_optimized where the kernels gather) */
+  bool gath_w = gather && (ex_gather(ctx, impl, p, dt, K, N, true) ||
+                           (n->iargs[5] == 1 && ex_gather_able(ctx, impl, p, dt, K, N)));
   MOE_CHECK_GOTO(moe_contiguous(ctx, x, &xc), st, done);
   MOE_CHECK_GOTO(moe_contiguous(ctx, gout[0], &dout), st, done);
   if (!scatter) moe_tensor_retain(drows = dout);
@@ -780,7 +782,7 @@ moe_status moe_parallel_linear(moe_ctx *ctx, moe_tensor *x, moe_tensor *w,
     moe_record_spec spec = {.op = MOE_OP_PARALLEL_LINEAR, .backward = pl_backward,
                             .n_in = o.gates ? 3 : 2, .in = {x, w, o.gates}, .n_save = 2,
                             .save = {x, wc},
-                            .iargs = {o.impl, o.trans_w, o.gather, o.scatter, -1},
+                            .iargs = {o.impl, o.trans_w, o.gather, o.scatter, -1, o.memory_optimized},
                             .user = plan, .user_free = ex_plan_release_void};
     if (o.gates) {
       spec.iargs[4] = spec.n_save;

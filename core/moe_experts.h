@@ -28,6 +28,11 @@ typedef struct moe_parallel_linear_opts {
   bool scatter;        /* the output is combined back to tokens (T, N)
                           (moe_routing_combine) with gates */
   moe_tensor *gates;   /* (T, k) for scatter, NULL: all ones (borrowed) */
+  bool memory_optimized; /* with gather, where the kernels gather (bf16 on
+                            sm_90a): the backward's weight gradient reads
+                            x's rows in place rather than permuting the
+                            tokens again (as MOE_BSMM_GATHER=wgrad does for
+                            every call); the same bits, less memory, slower */
 } moe_parallel_linear_opts;
 
 /* impl grouped, no gather, no scatter, w not transposed. */

@@ -7,9 +7,9 @@
  * parallel_linear's node in every form of x and output, gradients
  * included; bit-identical repeats (no atomics); the
  * bf16 paths' rows gathered inside the kernel (MOE_BSMM_GATHER=1: sparse
- * and grouped; =wgrad or memory_optimized: the weight gradients' products,
- * and the backward's peak without the permuted tokens) against a permuted
- * copy, and top-1 rows scattered in token
+ * and grouped; =wgrad or memory_optimized, of glu_experts and of
+ * parallel_linear: the weight gradients' products, and the backward's peak
+ * without the permuted tokens) against a permuted copy, and top-1 rows scattered in token
  * order by the kernel against a combine pass, bit for bit; the GLU's
  * activation passes in the products' epilogues (MOE_BSMM_GLU=1) against the
  * separate passes; one host sync per plan. Exits 77 without a GPU.
@@ -299,6 +299,11 @@ typedef struct pl_case {
   bool gather, sparse_in, scatter, gates, trans_w;
 } pl_case;
 
+/* pl_run's memory_optimized option, and its last backward's allocator peak
+ * above what was allocated when the backward began (bytes). */
+static bool pl_memopt = false;
+static int64_t pl_last_peak = -1;
+
 /* Runs parallel_linear forward and backward on dev in dt from the f64 values
  * (x, w, gates, dout: sized by the case; x's rows: R or T, or nnz * b);
  * res[0] = out, res[1..3] = the grads of x, w, gates (f64 CPU copies). */
@@ -331,10 +336,16 @@ static void pl_run(moe_ctx *ctx, const pl_case *c, const int64_t *ids, double *c
   moe_parallel_linear_opts po = moe_parallel_linear_opts_default();
   po.impl = c->bs ? MOE_EXPERTS_SPARSE : MOE_EXPERTS_GROUPED;
   po.gather = c->gather, po.scatter = c->scatter, po.trans_w = c->trans_w, po.gates = g;
+  po.memory_optimized = pl_memopt;
   EXPECT_OK(moe_parallel_linear(ctx, x, w, p, &po, &y));
   if (!y) goto out;
   EXPECT_OK(moe_tensor_from_f64(ctx, vals[3], y->ndim, y->shape, dt, dev, &dy));
+  moe_memory_stats m0, m1;
+  EXPECT_OK(moe_memory_stats_get(ctx, dev, &m0));
+  EXPECT_OK(moe_memory_reset_peak(ctx, dev));
   EXPECT_OK(moe_backward(ctx, y, dy, false));
+  EXPECT_OK(moe_memory_stats_get(ctx, dev, &m1));
+  pl_last_peak = m1.peak_allocated - m0.allocated;
   EXPECT_OK(moe_to(ctx, y, MOE_F64, MOE_CPU, &res[0]));
   moe_tensor *in[3] = {x, w, g};
   for (int i = 0; i < 3; i++) {
@@ -433,6 +444,17 @@ static void test_parallel_linear_cuda(moe_ctx *ctx) {
         /* only the weight gradient reads x's rows in place: the same bits */
         pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_GATHER", "wgrad", got, (int)ci, 0.0);
         pl_same_with_knob(ctx, c, ids, rv, "MOE_BSMM_SCATTER", "0", got, (int)ci, 0.0);
+        /* memory_optimized: that too, asked for by the call */
+        moe_tensor *mo[4] = {0};
+        pl_memopt = true;
+        pl_run(ctx, c, ids, rv, gpu, dt, mo);
+        pl_memopt = false;
+        for (int i = 0; i < 4; i++) {
+          bool same = (!mo[i] && !got[i]) || (mo[i] && got[i] && rel_err(ctx, mo[i], got[i]) == 0.0);
+          if (!same) fprintf(stderr, "parallel_linear case %d tensor %d: memory_optimized differs\n", (int)ci, i);
+          EXPECT(same);
+          moe_tensor_release(mo[i]);
+        }
       }
       for (int i = 0; i < 4; i++) moe_tensor_release(ref[i]), moe_tensor_release(got[i]), free(rv[i]);
     }
@@ -579,6 +601,46 @@ static void test_glu_gather_wgrad_peak(moe_ctx *ctx) {
   free(ids);
 }
 
+/* parallel_linear with gather and memory_optimized: its backward's weight
+ * gradient reads x's rows in place, so on a product whose backward peaks
+ * there (a weight gradient large beside the rows) the peak falls by the
+ * permuted tokens' size; grouped and sparse. */
+static void test_pl_memopt_peak(moe_ctx *ctx) {
+  moe_device gpu = {MOE_DEVICE_CUDA, 0};
+  const pl_case cases[] = {{256, 2, 4, 512, 512, 0, true, false, false, false, false},
+                           {256, 2, 4, 512, 512, 128, true, false, false, false, false}};
+  for (size_t ci = 0; ci < 2; ci++) {
+    const pl_case *c = &cases[ci];
+    if (!moe_grouped_offsets_on_device(ctx, gpu, MOE_BF16, c->E, c->K, c->N)) continue; /* sm_90a only */
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)(c->T * c->k));
+    for (int64_t t = 0; t < c->T; t++)
+      for (int64_t j = 0; j < c->k; j++) ids[t * c->k + j] = (t + j) % c->E;
+    int64_t xn = (c->T * c->k + c->E * (c->bs ? c->bs : 1)) * c->K, wn = c->E * c->K * c->N;
+    int64_t dn = (c->T * c->k + c->E * (c->bs ? c->bs : 1)) * c->N;
+    double *vals[4] = {rvals(xn, 1.0), rvals(wn, 1.0 / sqrt((double)c->K)), rvals(c->T * c->k, 1.0), rvals(dn, 1.0)};
+    int64_t peak[2];
+    moe_tensor *res[2][4] = {{0}};
+    for (int m = 0; m < 2; m++) {
+      pl_memopt = m == 1;
+      pl_last_peak = -1;
+      pl_run(ctx, c, ids, vals, gpu, MOE_BF16, res[m]);
+      peak[m] = pl_last_peak;
+    }
+    pl_memopt = false;
+    int64_t rows_bytes = c->T * c->k * c->K * 2; /* the permuted tokens (at least T k rows), bf16 */
+    if (!(peak[0] - peak[1] >= rows_bytes))
+      fprintf(stderr, "parallel_linear peak case %d: %lld without, %lld with memory_optimized; xs >= %lld\n",
+              (int)ci, (long long)peak[0], (long long)peak[1], (long long)rows_bytes);
+    EXPECT(peak[1] > 0 && peak[0] - peak[1] >= rows_bytes);
+    for (int i = 0; i < 3; i++) {
+      EXPECT(res[0][i] && res[1][i] && rel_err(ctx, res[1][i], res[0][i]) == 0.0);
+      moe_tensor_release(res[0][i]), moe_tensor_release(res[1][i]);
+    }
+    for (int i = 0; i < 4; i++) free(vals[i]);
+    free(ids);
+  }
+}
+
 int main(void) {
   moe_ctx *ctx = harness_start();
   SKIP_IF_NO_GPU(ctx);
@@ -586,5 +648,6 @@ int main(void) {
   RUN(test_parallel_linear_cuda);
   RUN(test_glu_quant_cuda);
   RUN(test_glu_gather_wgrad_peak);
+  RUN(test_pl_memopt_peak);
   return harness_end();
 }

@@ -117,7 +117,9 @@ describe("parallel_linear", function()
             local x = moe.randn(xshape, o64):requires_grad_(true)
             local w = moe.randn(trans and { E, Nout, Kin } or { E, Kin, Nout }, o64):requires_grad_(true)
             local g = out == "gated" and moe.rand({ T, kk }, o64):requires_grad_(true) or nil
-            local o = { impl = impl, gather = xin == "tokens", scatter = out ~= "rows", gates = g, trans_w = trans }
+            -- memory_optimized (k 2): the same values (it changes only what the backward keeps)
+            local o = { impl = impl, gather = xin == "tokens", scatter = out ~= "rows", gates = g, trans_w = trans,
+              memory_optimized = kk == 2 }
             local y = path == 1 and composed(x, w, plan, o) or moe.ops.parallel_linear(x, w, plan, o)
             y:backward(moe.randn(y:size(), o64))
             results[path] = { y:totable(), x.grad:totable(), w.grad:totable(), g and g.grad:totable() or {} }
@@ -303,7 +305,10 @@ describe("experts bad arguments", function()
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { impl = "dense" }) end,
       "bad argument #4 to 'parallel_linear' (option impl must be \"grouped\" or \"sparse\", got \"dense\")")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { gahter = true }) end,
-      "bad argument #4 to 'parallel_linear' (unknown option 'gahter' (valid options: impl, trans_w, gather, scatter, gates))")
+      "bad argument #4 to 'parallel_linear' (unknown option 'gahter' (valid options: impl, trans_w, gather, scatter, "
+      .. "gates, memory_optimized))")
+    assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { memory_optimized = "yes" }) end,
+      "bad argument #4 to 'parallel_linear' (option memory_optimized must be a boolean, got string)")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { gather = 1 }) end,
       "bad argument #4 to 'parallel_linear' (option gather must be a boolean, got 1)")
     assert.has_error(function() moe.ops.parallel_linear(p.x, p.w1, plan, { impl = "sparse", gather = true }) end)

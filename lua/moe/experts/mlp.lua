@@ -15,10 +15,10 @@ Options of both (unknown names are an error listing the valid ones):
                                   of keeping it (MLP: a moe.Function over the
                                   activation and the second linear; GLU: the
                                   fused glu_experts(memory_optimized = true),
-                                  which always recomputes it and then reads
-                                  x's rows in place in its weight gradients
-                                  on sm_90a, or the same moe.Function when
-                                  composed)
+                                  which always recomputes it, or the same
+                                  moe.Function when composed); and on sm_90a
+                                  the weight gradients of the first linear(s)
+                                  read x's rows in place, not a permuted copy
   quantize = nil                  {inputs =, rematerialize =, scatter =}:
                                   moe.quantize.scope specs for the tensors
                                   saved by the first linear(s) (the expert
@@ -180,7 +180,7 @@ function MLP:forward(x, plan, gates)
   self:check_input(x, plan, gates)
   local q, impl = self.quantize, self.impl
   local h = util.quantized(quant(q, "inputs", self), util.parallel_linear, x, self.w1, plan,
-    { impl = impl, gather = true })
+    { impl = impl, gather = true, memory_optimized = self.memory_optimized })
   if self.memory_optimized then
     return util.quantized(quant(q, "rematerialize", self), util.recompute, "mlp_experts_recompute", mlp_tail,
       h, self.w2, gates, plan, impl, self.act)
@@ -260,7 +260,7 @@ function GLU:forward(x, plan, gates)
   self.path = "composed"
   local act = self.act
   local h1, h3 = util.quantized(quant(q, "inputs", self), function()
-    local o = { impl = impl, gather = true }
+    local o = { impl = impl, gather = true, memory_optimized = self.memory_optimized }
     return util.parallel_linear(x, self.w1, plan, o), util.parallel_linear(x, self.w3, plan, o)
   end)
   if self.memory_optimized then
