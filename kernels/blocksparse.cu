@@ -707,12 +707,13 @@ template <int N> __device__ __forceinline__ void bs_cp_wait() {
 __device__ __forceinline__ void bs_producer_sync() { asm volatile("bar.sync 3, 128;\n" ::: "memory"); }
 
 /* With a gather: thread 0's TMA copies of the operand that is not gathered,
- * arriving on bar with the bytes they bring. */
+ * arriving on bar with the bytes they bring; p from bs_wg_prep (SDD) and
+ * bs_wg_chunk (DSD^T, DDS), worked out before the stage's wait as in the
+ * TMA walk (unused by the grouped kinds). */
 template <int KIND, bool TRANS>
-__device__ __forceinline__ void bs_wg_issue_other(const BsArgs &g, const BsCta &c, int q,
+__device__ __forceinline__ void bs_wg_issue_other(const BsArgs &g, const BsCta &c, const BsIssue &p, int q,
                                                   const CUtensorMap *ma, const CUtensorMap *mb,
                                                   uint32_t sa, uint32_t sb, uint32_t bar) {
-  const moe_bs_topo &tp = g.tp;
   if (KIND == BS_GG) { /* B = w, as bs_wg_issue */
     int kk = q * BS_WG_BK, n0 = (int)c.t0, e = (int)c.col;
     moe_mbar_expect(bar, BS_WG_B_BYTES);
@@ -728,15 +729,14 @@ __device__ __forceinline__ void bs_wg_issue_other(const BsArgs &g, const BsCta &
     else
       for (int j = 0; j < 4; j++) moe_tma2(sb + j * 8192, mb, (int)c.n0 + j * 64, row, bar);
   } else if (KIND == BS_SDD) { /* B = w, as bs_wg_issue */
-    int64_t i = c.i0, cb = tp.column_indices[i], F = tp.F;
-    int el = (int)(cb / F), n0 = (int)(cb % F) * BS_B, kk = q * BS_WG_BK;
+    const int el = p.el, n0 = p.n0, kk = q * BS_WG_BK;
     moe_mbar_expect(bar, BS_WG_B_BYTES);
     if (!TRANS)
       for (int j = 0; j < 4; j++) moe_tma3(sb + j * 8192, mb, n0 + j * 64, kk, el, bar);
     else
       moe_tma3(sb, mb, kk, n0, el, bar);
   } else {
-    int64_t it = c.i0 + q / 2, i = tp.block_offsets_t[it];
+    const int64_t i = p.i;
     int kk = (q % 2) * BS_WG_BK;
     if (KIND == BS_DSD_T) { /* A = S_i^T */
       moe_mbar_expect(bar, BS_WG_A_BYTES);
@@ -773,6 +773,8 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
   const int64_t *src = g.tp.gather_src;
   bs_producer_sync(); /* every thread is done with the ring of the last tile */
   int64_t r0 = 0;
+  BsIssue ip{0, 0, 0, 0, 0}; /* thread 0's: the other operand's coordinates */
+  if (t == 0 && KIND == BS_SDD) ip = bs_wg_prep<KIND>(g, c);
   if (KIND == BS_SDD) {
     int tok = bs_tok(src[g.tp.row_indices[c.i0] * BS_B + t], k);
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ring + t * 4), "r"(tok) : "memory");
@@ -810,11 +812,12 @@ __device__ __forceinline__ void bs_wg_gather_tile(const BsArgs &g, const BsCta &
         moe_cp16(ring + (qn % BS_WG_RING) * 512 + t * 16, src + r0 + (int64_t)qn * 64 + 2 * t, true);
       bs_cp_commit();
     }
+    if (t == 0 && KIND != BS_SDD) bs_wg_chunk<KIND>(g, c, q, &ip); /* before the wait */
     int s = (int)(it % BS_WG_STAGES);
     if (it >= BS_WG_STAGES)
       moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
     uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE, sb = sa + BS_WG_A_BYTES;
-    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, q, ma, mb, sa, sb, full);
+    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, ip, q, ma, mb, sa, sb, full);
     if (KIND == BS_SDD) {
 #pragma unroll
       for (int u = 0; u < 8; u++) bs_gather_piece(sa, rs + 16 * u, p, d, tok[u], (int64_t)q * BS_WG_BK, g.K);
@@ -889,7 +892,7 @@ __device__ __forceinline__ void bs_wg_gather_grouped(const BsArgs &g, const BsCt
     if (it >= BS_WG_STAGES)
       moe_mbar_wait(bars + 8 * (BS_WG_STAGES + s), (uint32_t)((it / BS_WG_STAGES - 1) & 1));
     const uint32_t full = bars + 8 * s, sa = base + s * BS_WG_STAGE, sb = sa + BS_WG_A_BYTES;
-    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, q, ma, mb, sa, sb, full);
+    if (t == 0) bs_wg_issue_other<KIND, TRANS>(g, c, BsIssue{0, 0, 0, 0, 0}, q, ma, mb, sa, sb, full);
     if (KIND == BS_GG) {
 #pragma unroll
       for (int u = 0; u < 8; u++) bs_gather_piece(sa, rs + 16 * u, p, d, tok[u], (int64_t)q * BS_WG_BK, width);
