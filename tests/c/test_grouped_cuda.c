@@ -213,6 +213,14 @@ static void test_device_offsets(moe_ctx *ctx) {
     check_case_ex(ctx, 1000, 256, 384, 5, offs, dt, false, "dev tile-sized", true);
     random_offs(offs, 9, 3, 4100, 14); /* more tiles than SMs: the persistent walk */
     check_case_ex(ctx, 4100, 512, 264, 9, offs, dt, false, "dev many tiles", true);
+    /* group sizes on both sides of the kernel's edges: a group's last tile
+     * of 128 rows (two warpgroups of 64 each), whose rows past the group's
+     * are the next group's, and the weight gradient's last chunk of 64 rows
+     * (wgmma slices of 16), whose rows past the group's are zeroed */
+    const int64_t sz[] = {1, 15, 16, 17, 48, 63, 64, 0, 65, 127, 128, 129, 191, 192, 193, 255};
+    offs[0] = 3;
+    for (int g = 0; g < 16; g++) offs[g + 1] = offs[g] + sz[g];
+    check_case_ex(ctx, offs[16] + 5, 136, 72, 16, offs, dt, false, "dev group sizes at the edges", true);
   }
   { /* two products summed in one kernel against the two rounded to bf16 and added (three
      * roundings of addends up to ~15: 2^-9 * 15 each, plus the sum's own) */
