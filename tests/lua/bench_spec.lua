@@ -8,12 +8,8 @@ local moe = require "moe"
 local json = require("moe.metrics").json
 local bench = dofile("bench/lib.lua")
 
-local function read(path)
-  local f = assert(io.open(path))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+local read = dofile(spec_dir .. "/read_file.lua")
 
 describe("bench.config", function()
   it("adds the common keys to the script's defaults and parses key=value", function()

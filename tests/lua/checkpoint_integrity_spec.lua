@@ -32,12 +32,8 @@ local function fresh(name)
   return ("%s/%s%d"):format(root, name or "d", counter)
 end
 
-local function read(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+local read = dofile(spec_dir .. "/read_file.lua")
 
 local function write(path, s)
   local f = assert(io.open(path, "wb"))

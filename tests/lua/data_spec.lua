@@ -33,12 +33,7 @@ local function write_file(path, s)
   f:close()
 end
 
-local function read_file(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_file = dofile(spec_dir .. "/read_file.lua")
 
 -- documents {10, 11, 12}, {}, {13}, {14, 15, 16, 17}
 local function small(prefix, dtype)

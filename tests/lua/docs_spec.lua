@@ -17,12 +17,8 @@ local moe = require "moe"
 
 local root = (debug.getinfo(1, "S").source:match("^@(.*)/tests/lua/[^/]*$")) or "."
 
-local function read(path)
-  local f = assert(io.open(path, "rb"), "cannot open " .. path)
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local spec_dir = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "tests/lua"
+local read = dofile(spec_dir .. "/read_file.lua")
 
 local function q(s) return "'" .. tostring(s):gsub("'", "'\\''") .. "'" end
 

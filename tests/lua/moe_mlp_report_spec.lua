@@ -34,12 +34,7 @@ local function write(path, v)
   f:write(type(v) == "string" and v or json.encode(v))
   f:close()
 end
-local function read(path)
-  local f = assert(io.open(path))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read = dofile(spec_dir .. "/read_file.lua")
 
 -- The report over args; returns ok, the exit status and its stdout + stderr.
 local function report(args)

@@ -72,12 +72,7 @@ local function count(t)
   return n
 end
 
-local function read_all(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_all = dofile(spec_dir .. "/read_file.lua")
 
 lazy_teardown(function() os.execute("rm -rf " .. sh_quote(dir)) end)
 

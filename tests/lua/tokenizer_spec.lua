@@ -41,12 +41,7 @@ local fixture = spec_dir .. "/../data/tokenizer"
 local checker = spec_dir .. "/../python/check_tokenizers.py"
 local host = arg and arg[-1] or ((os.getenv("MOE_BUILD_DIR") or "build") .. "/moe-lua")
 
-local function read_all(path)
-  local f = assert(io.open(path, "rb"))
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local read_all = dofile(spec_dir .. "/read_file.lua")
 
 local function write_file(path, s)
   local f = assert(io.open(path, "wb"))
